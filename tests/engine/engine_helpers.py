@@ -1,0 +1,82 @@
+"""Shared helpers for engine tests: build engines, run the model on a prompt directly."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.engine.engine import Engine
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from radixserve.settings import EngineSettings
+
+
+def make_engine(model: str, **overrides) -> Engine:
+    settings = {"device": "cpu", "dtype": "float32", "load_progress": False}
+    settings.update(overrides)
+    return Engine(EngineSettings(model=model, **settings))
+
+
+@torch.inference_mode()
+def chunked_logits(engine: Engine, ids: list[int], split: int | None = None) -> torch.Tensor:
+    """Next-token logits (n, vocab) for every position of `ids`, through the paged path.
+
+    With `split`, tokens [0, split) are computed first and [split, n) in a second pass
+    that reads the first part's KV from the pages; with split == n - 1 the last token
+    goes through the batched decode path.
+    """
+    ps, n = engine.page_size, len(ids)
+    pages = engine.allocator.alloc(-(-n // ps))
+    try:
+        page_t = torch.tensor(pages, dtype=torch.int64)
+        chunks = [(0, n)] if split is None else [(0, split), (split, n)]
+        rows = []
+        for lo, hi in chunks:
+            pos = torch.arange(lo, hi)
+            slots = page_t[pos // ps] * ps + pos % ps
+            if hi - lo == 1 and lo > 0:
+                meta = AttentionMetadata(
+                    slots, (), DecodeBatch(0, page_t[None, :], torch.tensor([hi]))
+                )
+            else:
+                span = PrefillSpan(0, hi - lo, lo, page_t[: -(-lo // ps)])
+                meta = AttentionMetadata(slots, (span,), None)
+            rows.append(
+                engine.model(
+                    torch.tensor(ids[lo:hi]), pos, engine.kv_pool, meta, torch.arange(hi - lo)
+                )
+            )
+        return torch.cat(rows)
+    finally:
+        engine.allocator.decref(pages)
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """No live request, nothing locked, and every used page owned by the cache."""
+    stats = engine.cache_stats()
+    assert stats["live_requests"] == 0, stats
+    assert not engine.has_unfinished()
+    if engine.cache is not None:
+        engine.cache.check_integrity()
+        assert stats["pages_locked"] == 0, stats
+        assert stats["pages_used"] == stats["pages_cached"], stats
+    else:
+        assert stats["pages_used"] == 0, stats
+    engine.allocator.check_integrity()
+
+
+def assert_greedy_matches_transformers(engine: Engine, hf_model, prompts: list[list[int]], n: int):
+    """Greedy tokens of `prompts` run as one engine batch equal transformers.generate's,
+    `n` tokens each (EOS suppressed on both sides by min tokens)."""
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
+    ours = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, ours):
+        with torch.inference_mode():
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert result.token_ids == out[0, len(prompt) :].tolist()

@@ -1,0 +1,69 @@
+"""Async streaming: deltas add up to the sync result; leaving early aborts and frees pages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.errors import InvalidRequestError
+from tests.engine.engine_helpers import assert_no_leaks, make_engine
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    engine = make_engine("default", kv_cache_memory_gib=0.1)
+    reference = make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
+    front = AsyncEngine(engine)
+    yield front, reference
+    front.close()
+
+
+async def _collect(front, prompt, params=GREEDY):
+    outs = [out async for out in front.stream(prompt, params)]
+    return "".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids], outs[-1]
+
+
+def test_concurrent_streams_match_sync_generate(engines):
+    front, reference = engines
+    prompts = ["Once upon a time", "The three primary colours are", "A haiku about rain:"]
+
+    async def main():
+        return await asyncio.gather(*(_collect(front, p) for p in prompts))
+
+    streamed = asyncio.run(main())
+    expected = reference.generate(prompts, GREEDY)
+    for (text, ids, last), ref in zip(streamed, expected):
+        assert ids == ref.token_ids and text == ref.text
+        assert last.finished and last.finish_reason == ref.finish_reason
+
+
+def test_leaving_a_stream_early_aborts_the_request(engines):
+    front, _ = engines
+
+    async def main():
+        async for out in front.stream("Count to one hundred:", SamplingParams(max_tokens=200)):
+            if out.completion_tokens >= 3:
+                break
+        for _ in range(200):  # the engine thread processes the abort
+            if front.engine.cache_stats()["live_requests"] == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert_no_leaks(front.engine)
+
+
+def test_bad_request_raises_before_streaming(engines):
+    front, _ = engines
+
+    async def main():
+        async for _ in front.stream(""):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        asyncio.run(main())

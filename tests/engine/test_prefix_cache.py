@@ -1,0 +1,110 @@
+"""Greedy outputs with the radix cache on are identical to the cache off (real model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.engine.sampling_params import SamplingParams
+from tests.engine.engine_helpers import assert_no_leaks, make_engine
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+SYSTEM = (
+    "You are a meticulous support assistant for a company that sells solar panels, "
+    "batteries and inverters. Answer briefly, cite the product manual section when you can, "
+    "and never invent warranty terms. "
+)
+
+
+def _chat(engine, messages):
+    return engine.chat_prompt_ids(messages)
+
+
+def _tokens(results):
+    return [r.token_ids for r in results]
+
+
+def test_repeated_prompt_hits_cache_and_matches(smol_on, smol_off):
+    prompt = SYSTEM + "How long does a battery last?"
+    first, second = smol_on.generate([prompt], GREEDY)[0], smol_on.generate([prompt], GREEDY)[0]
+    [ref] = smol_off.generate([prompt], GREEDY)
+    assert first.token_ids == second.token_ids == ref.token_ids
+    assert second.cached_tokens > 0 and second.cached_tokens % smol_on.page_size == 0
+    assert second.computed_prompt_tokens == second.prompt_tokens - second.cached_tokens
+    assert ref.cached_tokens == 0 and ref.computed_prompt_tokens == ref.prompt_tokens
+    assert_no_leaks(smol_on)
+    assert_no_leaks(smol_off)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 16, 21])
+def test_shared_prefix_ending_mid_page(smol_on, smol_off, cut):
+    """Prompts share `base + extra[:cut]` tokens, so the shared part ends mid-page."""
+    base = smol_on.tokenizer.encode(SYSTEM)
+    extra = smol_on.tokenizer.encode(" The customer writes from Norway about snow on panels.")
+    shared = base + extra[:cut]
+    q1 = smol_on.tokenizer.encode(" Question: can snow damage them?")
+    q2 = smol_on.tokenizer.encode(" Question: how should I clean them?")
+    on = _tokens(smol_on.generate([shared + q1], GREEDY) + smol_on.generate([shared + q2], GREEDY))
+    off = _tokens(smol_off.generate([shared + q1, shared + q2], GREEDY))
+    assert on == off
+    assert_no_leaks(smol_on)
+
+
+def test_multi_turn_chat_reuses_prompt_and_answer(smol_on, smol_off):
+    """Turn N+1 = turn N's prompt + answer + a new question: cached_tokens covers turn N's
+    prompt and answer (page-aligned) and only the rest is computed."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    questions = ["What does the inverter do?", "And the battery?", "Which one fails first?"]
+    prev_kv_tokens = 0
+    for turn, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        prompt = _chat(smol_on, messages)
+        [on] = smol_on.generate([prompt], GREEDY)
+        [off] = smol_off.generate([prompt], GREEDY)
+        assert on.token_ids == off.token_ids, f"turn {turn}"
+        if turn > 0:
+            ps = smol_on.page_size
+            assert on.cached_tokens == (prev_kv_tokens // ps) * ps
+            assert on.computed_prompt_tokens == on.prompt_tokens - on.cached_tokens
+        # KV of everything but the final sampled token is now in the cache.
+        prev_kv_tokens = len(prompt) + len(on.token_ids) - 1
+        answer = smol_on.tokenizer.decode(on.token_ids)
+        messages.append({"role": "assistant", "content": answer})
+        # The template renders the answer back to the same tokens the model produced.
+        assert (
+            _chat(smol_on, messages + [{"role": "user", "content": "x"}])[:prev_kv_tokens]
+            == (prompt + on.token_ids)[:prev_kv_tokens]
+        )
+    assert_no_leaks(smol_on)
+
+
+def test_batch_mixing_prefills_and_decodes(smol_on, smol_off):
+    """Requests join while others decode; outputs equal each prompt run alone."""
+    prompts = [SYSTEM + q for q in ("Hi!", "Is the warranty 10 years?", "Do panels work at night?")]
+    alone = _tokens(smol_off.generate([p], GREEDY)[0] for p in prompts)
+    for engine in (smol_on, smol_off):
+        results: dict[str, list[int]] = {}
+
+        def step(engine=engine, results=results):
+            for out in engine.step():
+                results.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+        ids = [engine.add_request(prompts[0], GREEDY)]
+        for _ in range(3):
+            step()  # prompt 0 is decoding now
+        ids.append(engine.add_request(prompts[1], GREEDY))
+        step()
+        ids.append(engine.add_request(prompts[2], GREEDY))
+        while engine.has_unfinished():
+            step()
+        assert [results[rid] for rid in ids] == alone
+        assert_no_leaks(engine)
+
+
+def test_chunked_prefill_matches_single_pass(smol_off):
+    chunked = make_engine("default", kv_cache_memory_gib=0.25, max_num_batched_tokens=48)
+    prompt = SYSTEM * 3 + "Summarise."
+    assert _tokens(chunked.generate([prompt], GREEDY)) == _tokens(
+        smol_off.generate([prompt], GREEDY)
+    )
+    assert_no_leaks(chunked)
