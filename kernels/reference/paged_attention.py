@@ -31,62 +31,49 @@ def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, num_tokens: int) -
     return pages.flatten(0, 1)[:num_tokens]
 
 
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Grouped-query attention with an explicit boolean mask (True = may attend).
-
-    q (..., H_kv, G, n, D) with G query heads per KV head; k, v (..., H_kv, S, D);
-    mask broadcastable to (..., H_kv, G, n, S). Returns (..., H_kv, G, n, D).
-    Scores and softmax are in float32 whatever the input dtype.
-    """
-    *lead, num_kv_heads, group, n, head_dim = q.shape
-    rows = q.reshape(*lead, num_kv_heads, group * n, head_dim)  # fold heads into rows: no broadcast
-    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * head_dim**-0.5  # (..., G*n, S)
-    scores = scores.view(*lead, num_kv_heads, group, n, -1).masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype).view(*lead, num_kv_heads, group * n, -1)
-    return torch.matmul(probs, v).view(*lead, num_kv_heads, group, n, head_dim)
-
-
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    prefix_page_ids: torch.Tensor,
+    page_ids: torch.Tensor,
     prefix_len: int,
-    block_queries: int = 256,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its cached prefix and themselves.
 
-    q (n, H, D); k, v (n, H_kv, D) are the new tokens at positions prefix_len..prefix_len+n-1;
-    the prefix's keys and values are read from the pages in `prefix_page_ids`.
-    Returns (n, H, D).
+    q (n, H, D); k, v (n, H_kv, D) are the new tokens at positions prefix_len..prefix_len+n-1,
+    already stored in the caches (`write_kv`); `page_ids` are the sequence's pages through
+    position prefix_len + n - 1. Returns (n, H, D).
     """
-    n, num_heads, head_dim = q.shape
+    n = q.shape[0]
     if prefix_len == 0:
-        # No prefix: square causal attention, SDPA's fused (flash) path.
+        # No prefix: square causal attention on SDPA's fused (flash) path. The batch
+        # dimension matters: 3-D inputs fall back to the unfused math path, ~5x slower on CPU.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            q.transpose(0, 1)[None],  # (1, H, n, D)
+            k.transpose(0, 1)[None],  # (1, H_kv, n, D)
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
         )
-        return out.transpose(0, 1)
-    # With a prefix the causal mask is bottom-right aligned, which SDPA only serves through
-    # its slow masked path on CPU; explicit matmuls in query blocks are several times faster
-    # and bound the score matrix to (H, block_queries, S).
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    k_all = torch.cat([gather_pages(k_cache, prefix_page_ids, prefix_len), k]).transpose(0, 1)
-    v_all = torch.cat([gather_pages(v_cache, prefix_page_ids, prefix_len), v]).transpose(0, 1)
-    qg = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (H_kv, G, n, D)
+        return out[0].transpose(0, 1)
+    # With a prefix the causal mask is bottom-right aligned: query i (at prefix_len + i)
+    # sees keys 0..prefix_len + i.
+    # One gather of prefix and new tokens together: the new K/V are already in their pages.
+    k_all = gather_pages(k_cache, page_ids, prefix_len + n)  # (S, H_kv, D)
+    v_all = gather_pages(v_cache, page_ids, prefix_len + n)
     key_pos = torch.arange(prefix_len + n, device=q.device)
-    out = torch.empty_like(qg)
-    for lo in range(0, n, block_queries):
-        hi = min(n, lo + block_queries)
-        query_pos = torch.arange(prefix_len + lo, prefix_len + hi, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # (hi - lo, S)
-        out[:, :, lo:hi] = masked_attention(qg[:, :, lo:hi], k_all, v_all, mask)
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    query_pos = torch.arange(prefix_len, prefix_len + n, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # (n, prefix_len + n)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # (1, H, n, D)
+        k_all.transpose(0, 1)[None],  # (1, H_kv, S, D)
+        v_all.transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(
@@ -101,17 +88,17 @@ def decode_attention(
     q (B, H, D); page_table (B, max_pages) int64, padded with any valid page id;
     context_lens (B,) tokens each sequence sees, its new token included. Returns (B, H, D).
     """
-    batch, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    max_len = page_table.shape[1] * page_size
-    group = num_heads // num_kv_heads
+    batch, max_pages = page_table.shape
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    max_len = max_pages * page_size
     k = k_cache.index_select(0, page_table.flatten()).view(batch, max_len, num_kv_heads, head_dim)
     v = v_cache.index_select(0, page_table.flatten()).view(batch, max_len, num_kv_heads, head_dim)
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # (B, S)
-    out = masked_attention(
-        q.view(batch, num_kv_heads, group, 1, head_dim),
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (B, H, 1, D)
         k.transpose(1, 2),  # (B, H_kv, S, D)
         v.transpose(1, 2),
-        valid[:, None, None, None, :],
-    )  # (B, H_kv, G, 1, D)
-    return out.reshape(batch, num_heads, head_dim)
+        attn_mask=valid[:, None, None, :],
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # (B, H, D)

@@ -42,8 +42,8 @@ class ModelRunner:
             if n == 1:
                 decode_reqs.append(req)
             else:
-                prefix_pages = torch.tensor(req.page_ids[: -(-lo // ps)], dtype=torch.int64)
-                spans.append(PrefillSpan(start, start + n, lo, prefix_pages.to(self.device)))
+                pages = torch.tensor(req.page_ids[: -(-(lo + n) // ps)], dtype=torch.int64)
+                spans.append(PrefillSpan(start, start + n, lo, pages.to(self.device)))
             if lo + n == req.num_tokens:
                 sampling.append(req)
                 logits_rows.append(len(ids) - 1)

@@ -5,7 +5,7 @@ per step by the model runner and says, for every layer alike, where new K/V go a
 tokens attend to what:
 
     tokens:  [ prefill seq 0 (n0 tokens) | prefill seq 1 (n1) | ... | decode 0 | decode 1 ... ]
-              └─ PrefillSpan(start, end, prefix_len, prefix_page_ids)   └─ DecodeBatch rows
+              └─ PrefillSpan(start, end, prefix_len, page_ids)   └─ DecodeBatch rows
 
 A backend gets one layer's q/k/v and that layer's (K, V) page caches, writes the new
 K/V, and returns the attention output for all T tokens.
@@ -28,7 +28,7 @@ class PrefillSpan:
     start: int
     end: int
     prefix_len: int
-    prefix_page_ids: torch.Tensor  # (ceil(prefix_len / page_size),) int64
+    page_ids: torch.Tensor  # (ceil((prefix_len + end - start) / page_size),) int64
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class TorchAttention(AttentionBackend):
         for span in meta.prefills:
             s, e = span.start, span.end
             out[s:e] = ref.prefill_attention(
-                q[s:e], k[s:e], v[s:e], k_cache, v_cache, span.prefix_page_ids, span.prefix_len
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, span.page_ids, span.prefix_len
             )
         if meta.decode is not None:
             d = meta.decode

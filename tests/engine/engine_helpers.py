@@ -38,7 +38,7 @@ def chunked_logits(engine: Engine, ids: list[int], split: int | None = None) -> 
                     slots, (), DecodeBatch(0, page_t[None, :], torch.tensor([hi]))
                 )
             else:
-                span = PrefillSpan(0, hi - lo, lo, page_t[: -(-lo // ps)])
+                span = PrefillSpan(0, hi - lo, lo, page_t[: -(-hi // ps)])
                 meta = AttentionMetadata(slots, (span,), None)
             rows.append(
                 engine.model(
