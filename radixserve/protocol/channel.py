@@ -1,0 +1,299 @@
+"""Typed ZMQ channels: sockets that send and receive protocol messages.
+
+A channel wraps one DEALER, ROUTER, PUSH or PULL socket (sync `Channel` over a
+`zmq.Context`, `AsyncChannel` over a `zmq.asyncio.Context`). Framing:
+
+    DEALER / PUSH send   [frame]              DEALER / PULL receive [frame]
+    ROUTER send_to       [identity, frame]    ROUTER recv_from      [identity, frame]
+
+Contracts:
+- ``send`` / ``send_to`` encode with the codec (a bad message raises `ProtocolError`
+  before anything is sent). With ``timeout_ms`` they raise `TimeoutError` when the
+  socket cannot take the message in time (e.g. a PUSH with no connected peer).
+- ``recv`` / ``recv_from`` return None when nothing arrives within ``timeout_ms``
+  (None = wait forever, 0 = poll). A bad frame is logged as a warning and raised as
+  `ProtocolError` (with the sender's ``identity`` on a ROUTER); the channel stays usable,
+  the caller decides whether to drop the frame or the peer.
+- ROUTER sockets use ``recv_from`` / ``send_to``; the others ``recv`` / ``send``.
+- Sockets are created with linger 0, ``MAXMSGSIZE`` = ``max_frame_bytes`` (zmq
+  disconnects a peer that sends a larger frame) and, on ROUTER, ``ROUTER_HANDOVER`` (a
+  restarted peer reusing its identity takes the route over). ``close`` never blocks
+  and drops messages still queued: close only once the peer has confirmed delivery
+  (a reply) when it matters.
+- One thread (or one task) uses a channel at a time; zmq sockets are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
+from radixserve.protocol.messages import Message
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SOCKET_TYPES: frozenset[int] = frozenset({zmq.DEALER, zmq.ROUTER, zmq.PUSH, zmq.PULL})
+_SOCKET_NAMES: dict[int, str] = {
+    zmq.DEALER: "DEALER",
+    zmq.ROUTER: "ROUTER",
+    zmq.PUSH: "PUSH",
+    zmq.PULL: "PULL",
+}
+
+
+class _ChannelBase:
+    """Framing, validation and lifetime shared by the sync and asyncio channels."""
+
+    def __init__(self, socket: zmq.Socket[Any], max_frame_bytes: int) -> None:
+        self._socket = socket
+        self._type = int(socket.type)
+        if self._type not in SUPPORTED_SOCKET_TYPES:
+            raise ValueError(f"unsupported socket type {self._type}; use DEALER/ROUTER/PUSH/PULL")
+        self._max_frame_bytes = max_frame_bytes
+        socket.setsockopt(zmq.LINGER, 0)
+
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The wrapped socket (for polling together with other sockets)."""
+        return self._socket
+
+    @property
+    def endpoint(self) -> str:
+        """The last bound or connected address, with the real port for ``tcp://...:*``."""
+        return str(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._socket.closed)
+
+    def close(self) -> None:
+        """Close the socket at once, dropping unsent messages (linger 0). Idempotent."""
+        if not self._socket.closed:
+            self._socket.close(linger=0)
+
+    def _frames(self, msg: Message, identity: bytes | None) -> list[bytes]:
+        """The multipart frames carrying ``msg`` (to ``identity`` on a ROUTER)."""
+        if self._type == zmq.PULL:
+            raise ValueError("a PULL socket cannot send")
+        if (identity is None) == (self._type == zmq.ROUTER):
+            wanted = "send_to(identity, msg)" if identity is None else "send(msg)"
+            raise ValueError(f"a {self._name} socket sends with {wanted}")
+        frame = encode(msg, max_frame_bytes=self._max_frame_bytes)
+        return [frame] if identity is None else [identity, frame]
+
+    def _check_recv(self, routed: bool) -> None:
+        if self._type == zmq.PUSH:
+            raise ValueError("a PUSH socket cannot receive")
+        if routed != (self._type == zmq.ROUTER):
+            wanted = "recv_from" if self._type == zmq.ROUTER else "recv"
+            raise ValueError(f"a {self._name} socket receives with {wanted}()")
+
+    def _parse(self, frames: list[bytes]) -> tuple[bytes | None, Message]:
+        """The sender's identity (ROUTER only) and the decoded message of ``frames``."""
+        identity: bytes | None = None
+        try:
+            if self._type == zmq.ROUTER:
+                identity = frames[0]
+                frames = frames[1:]
+            if len(frames) != 1:
+                raise ProtocolError(f"expected 1 message frame, got {len(frames)}")
+            return identity, decode(frames[0], max_frame_bytes=self._max_frame_bytes)
+        except ProtocolError as exc:
+            logger.warning(
+                "bad frame on %s %s from %r: %s",
+                self._name,
+                self._endpoint_or_none(),
+                identity,
+                exc,
+            )
+            raise ProtocolError(str(exc), identity=identity) from exc
+
+    @property
+    def _name(self) -> str:
+        return _SOCKET_NAMES[self._type]
+
+    def _endpoint_or_none(self) -> str | None:
+        try:
+            return self.endpoint
+        except zmq.ZMQError:
+            return None
+
+
+class Channel(_ChannelBase):
+    """A blocking channel over a `zmq.Context` socket."""
+
+    @classmethod
+    def open(
+        cls,
+        context: zmq.Context[Any],
+        socket_type: int,
+        address: str,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> Channel:
+        """A channel on a new socket bound (``bind``) or connected to ``address``."""
+        socket = context.socket(socket_type)
+        try:
+            _configure(socket, address, bind, identity, max_frame_bytes)
+            return cls(socket, max_frame_bytes=max_frame_bytes)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+
+    def __init__(
+        self, socket: zmq.Socket[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
+        super().__init__(socket, max_frame_bytes)
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def send(self, msg: Message, *, timeout_ms: int | None = None) -> None:
+        """Send ``msg`` (DEALER, PUSH)."""
+        self._send(self._frames(msg, None), timeout_ms)
+
+    def send_to(self, identity: bytes, msg: Message, *, timeout_ms: int | None = None) -> None:
+        """Send ``msg`` to the peer ``identity`` (ROUTER)."""
+        self._send(self._frames(msg, identity), timeout_ms)
+
+    def recv(self, timeout_ms: int | None = None) -> Message | None:
+        """The next message, or None after ``timeout_ms`` (DEALER, PULL)."""
+        self._check_recv(routed=False)
+        frames = self._recv_frames(timeout_ms)
+        return None if frames is None else self._parse(frames)[1]
+
+    def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:
+        """The next ``(identity, message)``, or None after ``timeout_ms`` (ROUTER)."""
+        self._check_recv(routed=True)
+        frames = self._recv_frames(timeout_ms)
+        if frames is None:
+            return None
+        identity, msg = self._parse(frames)
+        assert identity is not None
+        return identity, msg
+
+    def _send(self, frames: list[bytes], timeout_ms: int | None) -> None:
+        if timeout_ms is not None and not self._socket.poll(timeout_ms, zmq.POLLOUT):
+            raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
+        self._socket.send_multipart(frames)
+
+    def _recv_frames(self, timeout_ms: int | None) -> list[bytes] | None:
+        if timeout_ms is not None and not self._socket.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return list(self._socket.recv_multipart())
+
+
+class AsyncChannel(_ChannelBase):
+    """An asyncio channel over a `zmq.asyncio.Context` socket; same contracts as `Channel`."""
+
+    @classmethod
+    def open(
+        cls,
+        context: zmq.asyncio.Context,
+        socket_type: int,
+        address: str,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> AsyncChannel:
+        """A channel on a new socket bound (``bind``) or connected to ``address``."""
+        socket = context.socket(socket_type)
+        try:
+            _configure(socket, address, bind, identity, max_frame_bytes)
+            return cls(socket, max_frame_bytes=max_frame_bytes)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+
+    def __init__(
+        self, socket: zmq.asyncio.Socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
+        super().__init__(socket, max_frame_bytes)
+        self._asocket = socket
+
+    @property
+    def socket(self) -> zmq.asyncio.Socket:
+        """The wrapped asyncio socket."""
+        return self._asocket
+
+    async def __aenter__(self) -> AsyncChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def send(self, msg: Message, *, timeout_ms: int | None = None) -> None:
+        """Send ``msg`` (DEALER, PUSH)."""
+        await self._send(self._frames(msg, None), timeout_ms)
+
+    async def send_to(
+        self, identity: bytes, msg: Message, *, timeout_ms: int | None = None
+    ) -> None:
+        """Send ``msg`` to the peer ``identity`` (ROUTER)."""
+        await self._send(self._frames(msg, identity), timeout_ms)
+
+    async def recv(self, timeout_ms: int | None = None) -> Message | None:
+        """The next message, or None after ``timeout_ms`` (DEALER, PULL)."""
+        self._check_recv(routed=False)
+        frames = await self._recv_frames(timeout_ms)
+        return None if frames is None else self._parse(frames)[1]
+
+    async def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:
+        """The next ``(identity, message)``, or None after ``timeout_ms`` (ROUTER)."""
+        self._check_recv(routed=True)
+        frames = await self._recv_frames(timeout_ms)
+        if frames is None:
+            return None
+        identity, msg = self._parse(frames)
+        assert identity is not None
+        return identity, msg
+
+    async def _poll(self, timeout_ms: int, flags: int) -> bool:
+        # pyzmq's stubs resolve Socket.poll to the Poller signature; the runtime takes flags.
+        events = await self._asocket.poll(timeout_ms, flags)  # type: ignore[call-arg]
+        return bool(events)
+
+    async def _send(self, frames: list[bytes], timeout_ms: int | None) -> None:
+        if timeout_ms is not None and not await self._poll(timeout_ms, zmq.POLLOUT):
+            raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
+        await self._asocket.send_multipart(frames)
+
+    async def _recv_frames(self, timeout_ms: int | None) -> list[bytes] | None:
+        if timeout_ms is not None and not await self._poll(timeout_ms, zmq.POLLIN):
+            return None
+        return list(await self._asocket.recv_multipart())
+
+
+def _configure(
+    socket: zmq.Socket[Any],
+    address: str,
+    bind: bool,
+    identity: bytes | None,
+    max_frame_bytes: int,
+) -> None:
+    """Apply the channel's socket options, then bind or connect to ``address``."""
+    kind = int(socket.type)
+    if kind not in SUPPORTED_SOCKET_TYPES:
+        raise ValueError(f"unsupported socket type {kind}")
+    if not address.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"address must be tcp://, ipc:// or inproc://, got {address!r}")
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    if identity is not None:
+        socket.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)

@@ -1,0 +1,290 @@
+"""Encode messages as msgpack maps and decode frames back, validating everything.
+
+A frame is one msgpack map with string keys: ``"type"`` (the message's stable tag),
+``"v"`` (``[major, minor]``) and one key per field; nested structs are maps without a
+tag. Never pickle. Contracts:
+
+- `decode` accepts only a frame of at most ``max_frame_bytes``, holding a map whose
+  major version equals ours, whose tag is registered, whose required fields are present
+  and whose fields all match their wire specs (`radixserve.protocol.messages`). Unknown
+  keys are ignored (after checking they hold no msgpack ext values); missing optional
+  fields take their defaults. Anything else raises `ProtocolError` saying what was wrong
+  and where (``"prefill_request.dst_page_ids[3]: ..."``); no raw msgpack exception escapes.
+- `encode` applies the same checks to the outgoing message, so a bad value fails at the
+  sender, and raises `ProtocolError` as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgpack
+
+from radixserve.errors import RadixServeError
+from radixserve.protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    BoolSpec,
+    FloatSpec,
+    IntSpec,
+    ListSpec,
+    Message,
+    NestedSpec,
+    OptionalSpec,
+    StatsSpec,
+    StrSpec,
+    WireSpec,
+    WireStruct,
+    wire_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
+TYPE_KEY = "type"
+VERSION_KEY = "v"
+
+_S = TypeVar("_S", bound=WireStruct)
+
+
+class ProtocolError(RadixServeError):
+    """A frame or message breaks the wire protocol.
+
+    ``identity`` is the sending peer's routing id when the frame came through a ROUTER
+    socket (so the caller can answer or drop that peer), else None.
+    """
+
+    def __init__(self, message: str, *, identity: bytes | None = None) -> None:
+        super().__init__(message)
+        self.identity = identity
+
+
+def encode(msg: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """The frame for ``msg``; raises `ProtocolError` if it is invalid or too large."""
+    cls = type(msg)
+    if MESSAGE_TYPES.get(cls.TYPE_TAG) is not cls:
+        raise ProtocolError(f"cannot encode {cls.__name__}: not a registered message type")
+    body = _struct_to_wire(msg)
+    _check_struct(cls, body, cls.TYPE_TAG)
+    body[TYPE_KEY] = cls.TYPE_TAG
+    body[VERSION_KEY] = list(PROTOCOL_VERSION)
+    try:
+        frame: bytes = msgpack.packb(body, use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a lone surrogate
+        raise ProtocolError(f"{cls.TYPE_TAG}: cannot encode: {exc}") from exc
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError(
+            f"{cls.TYPE_TAG}: encoded frame of {len(frame)} bytes exceeds "
+            f"max_frame_bytes={max_frame_bytes}"
+        )
+    return frame
+
+
+def decode(
+    frame: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Message:
+    """The message in ``frame``; raises `ProtocolError` on any violation (see module doc)."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
+    size = memoryview(frame).nbytes
+    if size > max_frame_bytes:
+        raise ProtocolError(f"frame of {size} bytes exceeds max_frame_bytes={max_frame_bytes}")
+    body = _unpack(frame)
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame must be a msgpack map, got {_kind(body)}")
+    _check_version(body.get(VERSION_KEY, None), VERSION_KEY in body)
+    tag = body.get(TYPE_KEY)
+    if not isinstance(tag, str):
+        raise ProtocolError(f"frame has no string {TYPE_KEY!r} tag (got {_kind(tag)})")
+    cls = MESSAGE_TYPES.get(tag)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {tag[:64]!r}; known: {sorted(MESSAGE_TYPES)}")
+    return _check_struct(cls, body, tag, skip=(TYPE_KEY, VERSION_KEY))
+
+
+def _unpack(frame: bytes | bytearray | memoryview) -> object:
+    """msgpack-decode ``frame``; every parse failure becomes `ProtocolError`."""
+    try:
+        return msgpack.unpackb(frame, raw=False, ext_hook=_reject_ext_hook, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types (ValueError, FormatError, ...)
+        raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+
+
+def _reject_ext_hook(code: int, data: bytes) -> object:
+    raise ProtocolError(f"msgpack ext type {code} is not allowed in the protocol")
+
+
+def _check_version(version: object, present: bool) -> None:
+    if not present:
+        raise ProtocolError(f"frame has no {VERSION_KEY!r} (protocol version)")
+    if (
+        not isinstance(version, list)
+        or len(version) != 2
+        or not all(_is_int(part) and part >= 0 for part in version)
+    ):
+        raise ProtocolError(f"protocol version must be [major, minor], got {version!r:.80}")
+    if version[0] != PROTOCOL_VERSION[0]:
+        raise ProtocolError(
+            f"peer speaks protocol version {version[0]}.{version[1]}, this side "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}: major versions must match"
+        )
+
+
+def _check_struct(
+    cls: type[_S], body: Mapping[Any, Any], where: str, skip: tuple[str, ...] = ()
+) -> _S:
+    """The ``cls`` instance described by the wire map ``body``, validated."""
+    values: dict[str, Any] = {}
+    names: set[str] = set()
+    for f in dataclasses.fields(cls):
+        names.add(f.name)
+        path = f"{where}.{f.name}"
+        if f.name in body:
+            values[f.name] = _check_value(wire_spec(f), body[f.name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{path}: missing required field")
+    for key, value in body.items():
+        if key not in names and key not in skip:
+            _reject_ext_values(value, f"{where}.{str(key)[:64]}")
+    struct = cls(**values)
+    problem = struct.invariant_error()
+    if problem is not None:
+        raise ProtocolError(f"{where}: {problem}")
+    return struct
+
+
+def _check_value(spec: WireSpec, value: object, path: str) -> Any:
+    """``value`` as the field should hold it, or `ProtocolError` naming ``path``."""
+    if isinstance(spec, OptionalSpec):
+        return None if value is None else _check_value(spec.inner, value, path)
+    if isinstance(spec, IntSpec):
+        if not isinstance(value, int) or isinstance(value, bool) or not spec.lo <= value <= spec.hi:
+            raise _bad(path, f"an int in [{spec.lo}, {spec.hi}]", value)
+        return value
+    if isinstance(spec, FloatSpec):
+        return _check_float(spec, value, path)
+    if isinstance(spec, BoolSpec):
+        if not isinstance(value, bool):
+            raise _bad(path, "a bool", value)
+        return value
+    if isinstance(spec, StrSpec):
+        return _check_str(spec, value, path)
+    if isinstance(spec, ListSpec):
+        return _check_list(spec, value, path)
+    if isinstance(spec, NestedSpec):
+        if not isinstance(value, dict):
+            raise _bad(path, "a map", value)
+        return _check_struct(spec.cls, value, path)
+    return _check_stats(spec, value, path)
+
+
+def _check_float(spec: FloatSpec, value: object, path: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _bad(path, "a number", value)
+    number = float(value)
+    if not math.isfinite(number) or not spec.lo <= number <= spec.hi:
+        raise _bad(path, f"a finite number in [{spec.lo:g}, {spec.hi:g}]", value)
+    return number
+
+
+def _check_str(spec: StrSpec, value: object, path: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(path, "a string", value)
+    if not spec.min_chars <= len(value) <= spec.max_chars:
+        raise ProtocolError(
+            f"{path}: expected a string of {spec.min_chars}..{spec.max_chars} characters, "
+            f"got {len(value)}"
+        )
+    if spec.choices is not None and value not in spec.choices:
+        raise _bad(path, f"one of {sorted(spec.choices)}", value)
+    return value
+
+
+def _check_list(spec: ListSpec, value: object, path: str) -> tuple[Any, ...]:
+    if not isinstance(value, list | tuple):
+        raise _bad(path, "a list", value)
+    if not spec.min_len <= len(value) <= spec.max_len:
+        raise ProtocolError(
+            f"{path}: expected a list of {spec.min_len}..{spec.max_len} items, got {len(value)}"
+        )
+    item = spec.item
+    if isinstance(item, IntSpec):  # fast path for long token-id lists
+        lo, hi = item.lo, item.hi
+        if all(type(x) is int and lo <= x <= hi for x in value):
+            return tuple(value)
+    return tuple(_check_value(item, x, f"{path}[{i}]") for i, x in enumerate(value))
+
+
+def _check_stats(spec: StatsSpec, value: object, path: str) -> dict[str, int | float]:
+    if not isinstance(value, Mapping):
+        raise _bad(path, "a map", value)
+    if len(value) > spec.max_entries:
+        raise ProtocolError(
+            f"{path}: expected at most {spec.max_entries} entries, got {len(value)}"
+        )
+    out: dict[str, int | float] = {}
+    for key, item in value.items():
+        name = _check_str(spec.key, key, f"{path} key")
+        entry = f"{path}[{name!r}]"
+        out[name] = (
+            _check_value(spec.value, item, entry)
+            if _is_int(item)
+            else _check_float(spec.float_value, item, entry)
+        )
+    return out
+
+
+def _struct_to_wire(struct: WireStruct) -> dict[str, Any]:
+    """The field map of ``struct`` in msgpack-ready containers (lists, dicts)."""
+    body: dict[str, Any] = {}
+    for f in dataclasses.fields(struct):
+        value = getattr(struct, f.name)
+        if isinstance(value, WireStruct):
+            value = _struct_to_wire(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        body[f.name] = value
+    return body
+
+
+def _reject_ext_values(value: object, path: str) -> None:
+    """Raise if an ignored (unknown-key) value holds a msgpack ext such as a Timestamp.
+
+    Iterative, so a deeply nested value cannot raise `RecursionError`.
+    """
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, msgpack.Timestamp | msgpack.ExtType):
+            raise ProtocolError(f"{path}: msgpack ext types are not allowed in the protocol")
+        if isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+
+
+def _is_int(value: object) -> bool:
+    """True for ints that are not bools."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: object) -> str:
+    """The msgpack-ish name of ``value``'s type, for error messages."""
+    return "nil" if value is None else type(value).__name__
+
+
+def _bad(path: str, expected: str, value: object) -> ProtocolError:
+    if value is None:
+        return ProtocolError(f"{path}: expected {expected}, got nil")
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ProtocolError(f"{path}: expected {expected}, got {_kind(value)} {shown}")

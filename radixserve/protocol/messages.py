@@ -1,0 +1,395 @@
+"""Every message type of the wire protocol, with the bounds of each field.
+
+Messages are frozen dataclasses of plain data (no tensors: KV bytes move through the
+transfer layer). Each field carries a *wire spec* in its metadata: the type and bounds
+the codec (`radixserve.protocol.codec`) enforces on encode and decode. Construction does
+not validate; it only normalises containers (lists become tuples, maps become read-only
+mappings, ints in float fields become floats), so the codec is the single gate.
+
+Compatibility: `PROTOCOL_VERSION` is `(major, minor)`. Peers must share the major
+version. Within a major version, a new field must have a default (old peers omit it) and
+decoders ignore keys they do not know (new peers may send them).
+
+Flow of the disaggregated design::
+
+    gateway --GenerateRequest--> decode --PrefillRequest--> prefill
+    prefill --KVReady--> decode --TransferDone--> prefill        (lease release)
+    decode --TokenChunk | RequestFailed--> gateway;  Abort in either direction
+    Hello / HelloAck on connect, Heartbeat periodically from every worker
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from radixserve.engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+
+INT64_MAX = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_PAGE_ID = 2**31 - 1
+MAX_TOKENS_PER_MESSAGE = 1 << 21
+MAX_PAGES_PER_MESSAGE = 1 << 20
+MAX_ID_CHARS = 256
+MAX_NAME_CHARS = 128
+MAX_ERROR_CHARS = 4096
+MAX_TEXT_CHARS = 1 << 20
+MAX_LOAD_STATS = 64
+MAX_DURATION_MS = 1e12
+
+Role = Literal["gateway", "prefill", "decode", "kvstore"]
+ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost"]
+FinishReason = Literal["stop", "length", "abort"]
+ROLES: frozenset[str] = frozenset({"gateway", "prefill", "decode", "kvstore"})
+ERROR_TYPES: frozenset[str] = frozenset(
+    {"invalid_request", "capacity", "internal", "timeout", "peer_lost"}
+)
+FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
+
+
+# --- wire specs: declarative bounds, interpreted by the codec -------------------------
+
+
+@dataclass(frozen=True)
+class IntSpec:
+    """An int (never a bool) in ``[lo, hi]``."""
+
+    lo: int = 0
+    hi: int = INT64_MAX
+
+
+@dataclass(frozen=True)
+class FloatSpec:
+    """A finite number (int accepted, bool not) in ``[lo, hi]``, held as float."""
+
+    lo: float = 0.0
+    hi: float = MAX_DURATION_MS
+
+
+@dataclass(frozen=True)
+class BoolSpec:
+    """A bool."""
+
+
+@dataclass(frozen=True)
+class StrSpec:
+    """A str of ``min_chars..max_chars`` characters, one of ``choices`` when given."""
+
+    max_chars: int
+    min_chars: int = 0
+    choices: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class ListSpec:
+    """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
+
+    item: IntSpec | StrSpec
+    max_len: int
+    min_len: int = 0
+
+
+@dataclass(frozen=True)
+class OptionalSpec:
+    """None (msgpack nil) or a value matching ``inner``."""
+
+    inner: IntSpec | FloatSpec | StrSpec
+
+
+@dataclass(frozen=True)
+class NestedSpec:
+    """A map decoded into the wire struct ``cls`` (no type tag, no version)."""
+
+    cls: type[WireStruct]
+
+
+@dataclass(frozen=True)
+class StatsSpec:
+    """A flat map of str keys to ints or finite floats; held as a read-only mapping."""
+
+    max_entries: int
+    key: StrSpec
+    value: IntSpec
+    float_value: FloatSpec
+
+
+WireSpec = (
+    IntSpec | FloatSpec | BoolSpec | StrSpec | ListSpec | OptionalSpec | NestedSpec | StatsSpec
+)
+
+
+def _spec(spec: WireSpec) -> dict[str, WireSpec]:
+    """Field metadata holding the wire spec of one field."""
+    return {"wire": spec}
+
+
+def wire_spec(f: dataclasses.Field[Any]) -> WireSpec:
+    """The wire spec declared on dataclass field ``f``."""
+    spec: WireSpec = f.metadata["wire"]
+    return spec
+
+
+COUNT = IntSpec()
+TOKEN_ID = IntSpec(0, MAX_TOKEN_ID)
+REQUEST_ID = StrSpec(MAX_ID_CHARS, min_chars=1)
+PEER_NAME = StrSpec(MAX_NAME_CHARS, min_chars=1)
+ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
+DURATION_MS = FloatSpec()
+TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
+PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
+VERSION = ListSpec(IntSpec(0, 2**31 - 1), max_len=2, min_len=2)
+ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
+LOAD_STATS = StatsSpec(
+    MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
+)
+
+
+# --- base classes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireStruct:
+    """Base of every wire struct: normalises containers after construction."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            spec, value = wire_spec(f), getattr(self, f.name)
+            if isinstance(spec, ListSpec) and isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+            elif isinstance(spec, StatsSpec) and isinstance(value, dict):
+                object.__setattr__(self, f.name, MappingProxyType(dict(value)))
+            elif isinstance(spec, FloatSpec) and type(value) is int:
+                object.__setattr__(self, f.name, float(value))
+
+    def invariant_error(self) -> str | None:
+        """Why the fields contradict each other, or None; the codec rejects such values."""
+        return None
+
+
+@dataclass(frozen=True)
+class Message(WireStruct):
+    """A top-level message; ``TYPE_TAG`` is its stable name on the wire."""
+
+    TYPE_TAG: ClassVar[str] = ""
+
+
+# --- sampling -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingSpec(WireStruct):
+    """Sampling parameters as wire data; bounds here are sanity limits only.
+
+    The semantic checks (min_tokens <= max_tokens, stop-string limits, ...) belong to
+    `SamplingParams`: `to_params` raises `InvalidRequestError` when they fail.
+    """
+
+    max_tokens: int = field(default=256, metadata=_spec(IntSpec(1, 2**31 - 1)))
+    min_tokens: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
+    temperature: float = field(default=1.0, metadata=_spec(FloatSpec(0.0, 1e6)))
+    top_p: float = field(default=1.0, metadata=_spec(FloatSpec(0.0, 1.0)))
+    top_k: int = field(default=0, metadata=_spec(IntSpec(-1, 2**31 - 1)))
+    seed: int | None = field(
+        default=None, metadata=_spec(OptionalSpec(IntSpec(-(2**63), 2**64 - 1)))
+    )
+    stop: tuple[str, ...] = field(default=(), metadata=_spec(ListSpec(StrSpec(4096), 64)))
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 4096)))
+    ignore_eos: bool = field(default=False, metadata=_spec(BoolSpec()))
+
+    def to_params(self) -> SamplingParams:
+        """The engine's `SamplingParams` (validated; raises `InvalidRequestError`)."""
+        from radixserve.engine.sampling_params import SamplingParams
+
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingSpec:
+        """The wire form of the engine's `SamplingParams`."""
+        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(cls)})
+
+
+# --- handshake and liveness -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """First message on a connection: who is speaking. ``generation`` grows per restart."""
+
+    TYPE_TAG: ClassVar[str] = "hello"
+    name: str = field(metadata=_spec(PEER_NAME))
+    role: Role = field(metadata=_spec(ROLE))
+    generation: int = field(default=0, metadata=_spec(COUNT))
+    protocol_version: tuple[int, int] = field(default=PROTOCOL_VERSION, metadata=_spec(VERSION))
+
+
+@dataclass(frozen=True)
+class HelloAck(Message):
+    """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer."""
+
+    TYPE_TAG: ClassVar[str] = "hello_ack"
+    name: str = field(metadata=_spec(PEER_NAME))
+    role: Role = field(metadata=_spec(ROLE))
+    generation: int = field(default=0, metadata=_spec(COUNT))
+    protocol_version: tuple[int, int] = field(default=PROTOCOL_VERSION, metadata=_spec(VERSION))
+    accepted: bool = field(default=True, metadata=_spec(BoolSpec()))
+    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Periodic liveness and load, e.g. ``{"queued_tokens": 10, "pages_free": 100}``."""
+
+    TYPE_TAG: ClassVar[str] = "heartbeat"
+    sender: str = field(metadata=_spec(PEER_NAME))
+    generation: int = field(default=0, metadata=_spec(COUNT))
+    load: Mapping[str, int | float] = field(
+        default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
+    )
+
+
+# --- request flow ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest(Message):
+    """Gateway -> decode worker: a tokenised prompt to serve."""
+
+    TYPE_TAG: ClassVar[str] = "generate_request"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    prompt_token_ids: tuple[int, ...] = field(metadata=_spec(PROMPT_IDS))
+    sampling: SamplingSpec = field(
+        default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
+    )
+    arrival_time: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
+
+
+@dataclass(frozen=True)
+class PrefillRequest(Message):
+    """Decode -> prefill worker: compute the prompt past the decode side's cached prefix.
+
+    The decode worker already holds the first ``num_cached_tokens`` tokens (page-aligned);
+    the prefill worker writes the KV of the remaining pages into ``dst_page_ids`` on
+    ``decode_worker`` through ``transfer_backend`` and samples the first token.
+    """
+
+    TYPE_TAG: ClassVar[str] = "prefill_request"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    token_ids: tuple[int, ...] = field(metadata=_spec(PROMPT_IDS))
+    decode_worker: str = field(metadata=_spec(PEER_NAME))
+    dst_page_ids: tuple[int, ...] = field(
+        metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
+    )
+    transfer_backend: str = field(metadata=_spec(PEER_NAME))
+    sampling: SamplingSpec = field(
+        default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
+    )
+    num_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+
+    def invariant_error(self) -> str | None:
+        if self.num_cached_tokens >= len(self.token_ids):
+            return (
+                f"num_cached_tokens={self.num_cached_tokens} must be below "
+                f"len(token_ids)={len(self.token_ids)} (the last token is always computed)"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class KVReady(Message):
+    """Prefill -> decode worker: the KV pages are written and the first token is known."""
+
+    TYPE_TAG: ClassVar[str] = "kv_ready"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    first_token_id: int = field(metadata=_spec(TOKEN_ID))
+    num_pages_transferred: int = field(default=0, metadata=_spec(COUNT))
+    transfer_ms: float = field(default=0.0, metadata=_spec(DURATION_MS))
+    prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+
+
+@dataclass(frozen=True)
+class TransferDone(Message):
+    """Decode -> prefill worker: the transfer is consumed; release its page lease."""
+
+    TYPE_TAG: ClassVar[str] = "transfer_done"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    ok: bool = field(default=True, metadata=_spec(BoolSpec()))
+    error: str | None = field(default=None, metadata=_spec(OptionalSpec(ERROR_TEXT)))
+
+
+@dataclass(frozen=True)
+class TokenChunk(Message):
+    """Decode worker -> gateway: new tokens of one request; the last has ``finished``."""
+
+    TYPE_TAG: ClassVar[str] = "token_chunk"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
+    text: str = field(default="", metadata=_spec(StrSpec(MAX_TEXT_CHARS)))
+    finished: bool = field(default=False, metadata=_spec(BoolSpec()))
+    finish_reason: FinishReason | None = field(
+        default=None, metadata=_spec(OptionalSpec(StrSpec(16, choices=FINISH_REASONS)))
+    )
+    prompt_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    completion_tokens: int = field(default=0, metadata=_spec(COUNT))
+    ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
+
+    def invariant_error(self) -> str | None:
+        if self.finished != (self.finish_reason is not None):
+            return (
+                f"finish_reason must be set exactly when finished "
+                f"(finished={self.finished}, finish_reason={self.finish_reason!r})"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Stop serving a request (client gone, timeout); either direction."""
+
+    TYPE_TAG: ClassVar[str] = "abort"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+
+
+@dataclass(frozen=True)
+class RequestFailed(Message):
+    """A request ended in error; ``error_type`` maps to the HTTP status at the gateway."""
+
+    TYPE_TAG: ClassVar[str] = "request_failed"
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    error_type: ErrorType = field(metadata=_spec(StrSpec(32, choices=ERROR_TYPES)))
+    message: str = field(default="", metadata=_spec(ERROR_TEXT))
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    Hello,
+    HelloAck,
+    Heartbeat,
+    GenerateRequest,
+    PrefillRequest,
+    KVReady,
+    TransferDone,
+    TokenChunk,
+    Abort,
+    RequestFailed,
+)
+
+
+def _build_registry() -> Mapping[str, type[Message]]:
+    registry: dict[str, type[Message]] = {}
+    for cls in ALL_MESSAGES:
+        if not cls.TYPE_TAG or cls.TYPE_TAG in registry:
+            raise RuntimeError(f"message {cls.__name__} needs a unique TYPE_TAG")
+        registry[cls.TYPE_TAG] = cls
+    return MappingProxyType(registry)
+
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = _build_registry()
+"""Type tag -> message class: the registry `decode` dispatches on (read-only)."""

@@ -1,0 +1,371 @@
+"""Codec validation: every malformed frame becomes a ProtocolError saying what and where."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+import msgpack
+import pytest
+from hypothesis import given, settings
+
+from radixserve.errors import RadixServeError
+from radixserve.protocol.codec import ProtocolError, decode, encode
+from radixserve.protocol.messages import (
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    KVReady,
+    Message,
+    PrefillRequest,
+    SamplingSpec,
+    TokenChunk,
+)
+
+PREFILL = PrefillRequest(
+    request_id="req-1",
+    token_ids=(1, 2, 3, 4, 5),
+    decode_worker="decode-0",
+    dst_page_ids=(7, 8),
+    transfer_backend="tcp",
+    sampling=SamplingSpec(max_tokens=8, seed=3),
+    num_cached_tokens=2,
+)
+
+
+def body_of(msg: Message) -> dict[str, Any]:
+    """The decoded map of a valid frame, to mutate."""
+    body: dict[str, Any] = msgpack.unpackb(encode(msg), raw=False)
+    return body
+
+
+def pack(body: object) -> bytes:
+    frame: bytes = msgpack.packb(body, use_bin_type=True)
+    return frame
+
+
+def rejected(frame: bytes, *, max_frame_bytes: int | None = None) -> str:
+    """The ProtocolError message decoding ``frame`` raises."""
+    kwargs = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
+    with pytest.raises(ProtocolError) as info:
+        decode(frame, **kwargs)
+    return str(info.value)
+
+
+def test_protocol_error_is_a_radixserve_error() -> None:
+    assert issubclass(ProtocolError, RadixServeError)
+
+
+def test_unknown_keys_are_ignored_at_top_level_and_nested() -> None:
+    body = body_of(PREFILL)
+    body["future_field"] = {"nested": [1, 2, {"x": None}]}
+    body["sampling"]["future_knob"] = 0.5
+    assert decode(pack(body)) == PREFILL
+
+
+def test_missing_optional_fields_take_defaults() -> None:
+    body = {"type": "token_chunk", "v": [1, 0], "request_id": "r"}
+    assert decode(pack(body)) == TokenChunk("r")
+
+
+def test_newer_minor_version_is_accepted() -> None:
+    body = body_of(PREFILL)
+    body["v"] = [1, 99]
+    assert decode(pack(body)) == PREFILL
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("token_ids", [1, "2", 3], "prefill_request.token_ids[1]: expected an int"),
+        (
+            "token_ids",
+            [1, 2**31],
+            "prefill_request.token_ids[1]: expected an int in [0, 2147483647]",
+        ),
+        ("token_ids", [], "prefill_request.token_ids: expected a list of 1.."),
+        ("token_ids", "12", "prefill_request.token_ids: expected a list"),
+        ("dst_page_ids", [3, -1], "prefill_request.dst_page_ids[1]: expected an int in [0,"),
+        ("dst_page_ids", [True], "prefill_request.dst_page_ids[0]: expected an int"),
+        (
+            "num_cached_tokens",
+            True,
+            "prefill_request.num_cached_tokens: expected an int in [0, 9223372036854775807], got bool True",
+        ),
+        ("num_cached_tokens", 1.0, "prefill_request.num_cached_tokens: expected an int"),
+        (
+            "num_cached_tokens",
+            None,
+            "prefill_request.num_cached_tokens: expected an int in [0, 9223372036854775807], got nil",
+        ),
+        ("request_id", "", "prefill_request.request_id: expected a string of 1..256 characters"),
+        ("request_id", "x" * 257, "prefill_request.request_id: expected a string of 1..256"),
+        ("request_id", b"req-1", "prefill_request.request_id: expected a string, got bytes"),
+        ("request_id", 5, "prefill_request.request_id: expected a string, got int"),
+        ("sampling", [1], "prefill_request.sampling: expected a map, got list"),
+        ("sampling", {"top_k": "4"}, "prefill_request.sampling.top_k: expected an int"),
+        (
+            "sampling",
+            {"temperature": True},
+            "prefill_request.sampling.temperature: expected a number",
+        ),
+        (
+            "sampling",
+            {"temperature": float("nan")},
+            "prefill_request.sampling.temperature: expected a finite",
+        ),
+        (
+            "sampling",
+            {"top_p": 1.5},
+            "prefill_request.sampling.top_p: expected a finite number in [0, 1]",
+        ),
+        (
+            "sampling",
+            {"seed": 2**64 - 1, "stop": ["a", 1]},
+            "prefill_request.sampling.stop[1]: expected a string",
+        ),
+    ],
+)
+def test_bad_field_values_are_rejected_naming_the_field(
+    field: str, value: object, expected: str
+) -> None:
+    body = body_of(PREFILL)
+    body[field] = value
+    assert expected in rejected(pack(body))
+
+
+def test_missing_required_field_is_rejected() -> None:
+    body = body_of(PREFILL)
+    del body["dst_page_ids"]
+    assert "prefill_request.dst_page_ids: missing required field" in rejected(pack(body))
+
+
+@pytest.mark.parametrize(
+    ("msg", "field", "value", "expected"),
+    [
+        (
+            Hello("a", "decode"),
+            "role",
+            "router",
+            "hello.role: expected one of ['decode', 'gateway'",
+        ),
+        (Hello("a", "decode"), "generation", -1, "hello.generation: expected an int in [0,"),
+        (
+            Hello("a", "decode"),
+            "protocol_version",
+            [1],
+            "hello.protocol_version: expected a list of 2..2",
+        ),
+        (
+            KVReady("r", 5),
+            "transfer_ms",
+            float("inf"),
+            "kv_ready.transfer_ms: expected a finite number",
+        ),
+        (
+            KVReady("r", 5),
+            "transfer_ms",
+            -1.0,
+            "kv_ready.transfer_ms: expected a finite number in [0,",
+        ),
+        (
+            Heartbeat("w"),
+            "load",
+            {"running": True},
+            "heartbeat.load['running']: expected a number, got bool",
+        ),
+        (
+            Heartbeat("w"),
+            "load",
+            {"running": {"a": 1}},
+            "heartbeat.load['running']: expected a number",
+        ),
+        (Heartbeat("w"), "load", {"": 1}, "heartbeat.load key: expected a string of 1..128"),
+        (
+            Heartbeat("w"),
+            "load",
+            {f"k{i}": i for i in range(65)},
+            "heartbeat.load: expected at most 64",
+        ),
+        (
+            TokenChunk("r"),
+            "finish_reason",
+            "eos",
+            "token_chunk.finish_reason: expected one of ['abort'",
+        ),
+        (TokenChunk("r"), "ttft_ms", "1", "token_chunk.ttft_ms: expected a number, got str"),
+    ],
+)
+def test_bad_values_in_other_messages(
+    msg: Message, field: str, value: object, expected: str
+) -> None:
+    body = body_of(msg)
+    body[field] = value
+    assert expected in rejected(pack(body))
+
+
+def test_contradictory_fields_are_rejected() -> None:
+    body = body_of(PREFILL)
+    body["num_cached_tokens"] = 5
+    assert "prefill_request: num_cached_tokens=5 must be below len(token_ids)=5" in rejected(
+        pack(body)
+    )
+    chunk = body_of(TokenChunk("r", finished=True, finish_reason="stop"))
+    chunk["finish_reason"] = None
+    assert "token_chunk: finish_reason must be set exactly when finished" in rejected(pack(chunk))
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected"),
+    [
+        ({"type": "prefill"}, "unknown message type 'prefill'; known: ["),
+        ({"type": "PrefillRequest"}, "unknown message type 'PrefillRequest'"),
+        ({"type": 3}, "frame has no string 'type' tag (got int)"),
+        ({"type": None}, "frame has no string 'type' tag (got nil)"),
+        (
+            {"v": [2, 0]},
+            "peer speaks protocol version 2.0, this side 1.0: major versions must match",
+        ),
+        ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
+        ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
+        ({"v": [1, -1]}, "protocol version must be [major, minor]"),
+        ({"v": [True, 0]}, "protocol version must be [major, minor]"),
+        ({"v": None}, "protocol version must be [major, minor]"),
+    ],
+)
+def test_bad_tag_or_version_is_rejected(patch: dict[str, object], expected: str) -> None:
+    body = body_of(PREFILL)
+    body.update(patch)
+    assert expected in rejected(pack(body))
+
+
+def test_missing_tag_or_version_is_rejected() -> None:
+    body = body_of(PREFILL)
+    del body["v"]
+    assert "frame has no 'v' (protocol version)" in rejected(pack(body))
+    body = body_of(PREFILL)
+    del body["type"]
+    assert "frame has no string 'type' tag (got nil)" in rejected(pack(body))
+
+
+def test_oversized_frames_are_rejected_on_decode_and_encode() -> None:
+    frame = encode(PREFILL)
+    assert decode(frame, max_frame_bytes=len(frame)) == PREFILL
+    assert f"frame of {len(frame)} bytes exceeds max_frame_bytes=100" in rejected(
+        frame, max_frame_bytes=100
+    )
+    with pytest.raises(ProtocolError, match="encoded frame of .* exceeds max_frame_bytes=100"):
+        encode(PREFILL, max_frame_bytes=100)
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (pack([1, 2]), "frame must be a msgpack map, got list"),
+        (pack(7), "frame must be a msgpack map, got int"),
+        (pack(None), "frame must be a msgpack map, got nil"),
+        (b"", "frame is not valid msgpack"),
+        (b"\xc1", "frame is not valid msgpack"),
+        (b"\x00\xff garbage \xde\xad", "frame is not valid msgpack"),
+        (encode(PREFILL)[:-3], "frame is not valid msgpack"),
+        (encode(PREFILL) + b"\x01", "frame is not valid msgpack: ExtraData"),
+        (b"\x81\xa1a\xa2\xff\xfe", "frame is not valid msgpack"),  # invalid UTF-8 string
+        (pack({1: "int key"}), "frame is not valid msgpack"),
+    ],
+)
+def test_non_map_and_garbage_frames_are_rejected(frame: bytes, expected: str) -> None:
+    assert expected in rejected(frame)
+
+
+def test_non_bytes_frame_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="frame must be bytes, got str"):
+        decode("not bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "ext", [msgpack.ExtType(5, b"payload"), msgpack.Timestamp(1, 0)], ids=["ext5", "timestamp"]
+)
+def test_msgpack_ext_types_are_rejected_in_fields_and_unknown_keys(ext: object) -> None:
+    body = body_of(PREFILL)
+    body["num_cached_tokens"] = ext
+    assert "not allowed" in rejected(pack(body)) or "expected an int" in rejected(pack(body))
+    body = body_of(PREFILL)
+    body["future_field"] = [1, {"deep": ext}]
+    message = rejected(pack(body))
+    assert "ext type" in message
+    if isinstance(ext, msgpack.Timestamp):
+        assert "prefill_request.future_field: msgpack ext types are not allowed" in message
+
+
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_unknown_values_are_handled(depth: int) -> None:
+    body = body_of(PREFILL)
+    body["future_field"] = 0  # the last key: its packed value is the frame's last byte
+    frame = pack(body)
+    assert frame.endswith(b"\x00")
+    deep = b"\x91" * depth + pack(msgpack.Timestamp(1, 0))  # [[[...[timestamp]...]]]
+    message = rejected(frame[:-1] + deep)
+    assert "prefill_request.future_field: msgpack ext types are not allowed" in message or (
+        "not valid msgpack" in message
+    )
+
+
+def test_encode_rejects_invalid_messages_at_the_sender() -> None:
+    bad = PrefillRequest("r", (1, 2), "d", (-1,), "tcp")
+    with pytest.raises(ProtocolError, match=r"prefill_request.dst_page_ids\[0\]"):
+        encode(bad)
+    with pytest.raises(ProtocolError, match="token_chunk.finish_reason"):
+        encode(TokenChunk("r", finished=True, finish_reason="done"))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Hello("\ud800", "decode"))  # a lone surrogate is not UTF-8
+
+
+@dataclass(frozen=True)
+class _Unregistered(Message):
+    TYPE_TAG: ClassVar[str] = "hello"
+
+
+def test_encode_rejects_unregistered_classes() -> None:
+    with pytest.raises(ProtocolError, match="_Unregistered: not a registered message type"):
+        encode(_Unregistered())
+
+
+def test_long_token_lists_round_trip_and_locate_the_bad_item() -> None:
+    tokens = list(range(200_000))
+    request = GenerateRequest("r", tuple(tokens))
+    assert decode(encode(request)) == request
+    body = body_of(request)
+    body["prompt_token_ids"][123_456] = -5
+    assert "generate_request.prompt_token_ids[123456]: expected an int" in rejected(pack(body))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_ever_raise_protocol_error(frame: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode(frame)
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(body_of(PREFILL))), values)
+def test_any_value_in_any_field_decodes_or_raises_protocol_error(field: str, value: object) -> None:
+    body = body_of(PREFILL)
+    body[field] = value
+    try:
+        frame = pack(body)
+    except (OverflowError, ValueError):
+        return  # not representable in msgpack at all
+    try:
+        decoded = decode(frame)
+    except ProtocolError:
+        return
+    assert encode(decoded)  # whatever decodes is valid for the sender as well

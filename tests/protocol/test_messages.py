@@ -1,0 +1,222 @@
+"""Message types: registry, round trips of every type, normalisation, SamplingSpec."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import hypothesis.strategies as st
+import msgpack
+import pytest
+from hypothesis import given, settings
+
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.errors import InvalidRequestError
+from radixserve.protocol import codec
+from radixserve.protocol.messages import (
+    ALL_MESSAGES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    KVReady,
+    Message,
+    PrefillRequest,
+    RequestFailed,
+    SamplingSpec,
+    TokenChunk,
+    TransferDone,
+)
+
+# Strategies state what a valid message is, independently of the specs in messages.py.
+ids = st.text(min_size=1, max_size=40)
+names = st.text(min_size=1, max_size=30)
+text = st.text(max_size=60)
+token_id = st.integers(0, 2**31 - 1)
+token_ids = st.lists(token_id, max_size=40).map(tuple)
+prompt = st.lists(token_id, min_size=1, max_size=40).map(tuple)
+page_ids = st.lists(st.integers(0, 2**31 - 1), max_size=20).map(tuple)
+count = st.integers(0, 2**63 - 1)
+millis = st.floats(0.0, 1e9, allow_nan=False)
+roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
+versions = st.tuples(st.just(PROTOCOL_VERSION[0]), st.integers(0, 1000))
+
+sampling = st.builds(
+    SamplingSpec,
+    max_tokens=st.integers(1, 2**31 - 1),
+    min_tokens=st.integers(0, 2**31 - 1),
+    temperature=st.floats(0.0, 100.0),
+    top_p=st.floats(0.0, 1.0),
+    top_k=st.integers(-1, 2**31 - 1),
+    seed=st.none() | st.integers(-(2**63), 2**64 - 1),
+    stop=st.lists(st.text(max_size=20), max_size=5).map(tuple),
+    stop_token_ids=token_ids,
+    ignore_eos=st.booleans(),
+)
+
+
+@st.composite
+def prefill_requests(draw: st.DrawFn) -> PrefillRequest:
+    tokens = draw(prompt)
+    return PrefillRequest(
+        request_id=draw(ids),
+        token_ids=tokens,
+        decode_worker=draw(names),
+        dst_page_ids=draw(page_ids),
+        transfer_backend=draw(names),
+        sampling=draw(sampling),
+        num_cached_tokens=draw(st.integers(0, len(tokens) - 1)),
+    )
+
+
+@st.composite
+def token_chunks(draw: st.DrawFn) -> TokenChunk:
+    finished = draw(st.booleans())
+    reasons: list[FinishReason] = ["stop", "length", "abort"]
+    reason = draw(st.sampled_from(reasons)) if finished else None
+    return TokenChunk(
+        request_id=draw(ids),
+        token_ids=draw(token_ids),
+        text=draw(text),
+        finished=finished,
+        finish_reason=reason,
+        prompt_tokens=draw(count),
+        cached_tokens=draw(count),
+        completion_tokens=draw(count),
+        ttft_ms=draw(st.none() | millis),
+    )
+
+
+load_stats = st.dictionaries(
+    st.text(min_size=1, max_size=20),
+    st.integers(-(2**63) + 1, 2**63 - 1) | st.floats(-1e12, 1e12, allow_nan=False),
+    max_size=8,
+)
+
+STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
+    Hello: st.builds(Hello, name=names, role=roles, generation=count, protocol_version=versions),
+    HelloAck: st.builds(
+        HelloAck,
+        name=names,
+        role=roles,
+        generation=count,
+        protocol_version=versions,
+        accepted=st.booleans(),
+        reason=text,
+    ),
+    Heartbeat: st.builds(Heartbeat, sender=names, generation=count, load=load_stats),
+    GenerateRequest: st.builds(
+        GenerateRequest,
+        request_id=ids,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        arrival_time=st.floats(0.0, 2e9),
+    ),
+    PrefillRequest: prefill_requests(),
+    KVReady: st.builds(
+        KVReady,
+        request_id=ids,
+        first_token_id=token_id,
+        num_pages_transferred=count,
+        transfer_ms=millis,
+        prefill_computed_tokens=count,
+        cached_tokens=count,
+    ),
+    TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans(), error=st.none() | text),
+    TokenChunk: token_chunks(),
+    Abort: st.builds(Abort, request_id=ids, reason=text),
+    RequestFailed: st.builds(
+        RequestFailed,
+        request_id=ids,
+        error_type=st.sampled_from(
+            ["invalid_request", "capacity", "internal", "timeout", "peer_lost"]
+        ),
+        message=text,
+    ),
+}
+
+any_message = st.one_of(*STRATEGIES.values())
+
+
+def test_registry_holds_every_message_once_under_a_stable_tag() -> None:
+    assert set(STRATEGIES) == set(ALL_MESSAGES) == set(MESSAGE_TYPES.values())
+    assert MESSAGE_TYPES["prefill_request"] is PrefillRequest
+    assert MESSAGE_TYPES["kv_ready"] is KVReady
+    assert all(tag != cls.__name__ for tag, cls in MESSAGE_TYPES.items())
+    assert all(tag == tag.lower() for tag in MESSAGE_TYPES)
+
+
+@settings(max_examples=300, deadline=None)
+@given(any_message)
+def test_every_message_round_trips(msg: Message) -> None:
+    frame = codec.encode(msg)
+    decoded = codec.decode(frame)
+    assert type(decoded) is type(msg)
+    assert decoded == msg
+
+
+@settings(max_examples=50, deadline=None)
+@given(any_message)
+def test_frame_is_a_string_keyed_map_with_tag_and_version(msg: Message) -> None:
+    body = msgpack.unpackb(codec.encode(msg), raw=False)
+    assert body["type"] == type(msg).TYPE_TAG
+    assert body["v"] == list(PROTOCOL_VERSION)
+    assert all(isinstance(key, str) for key in body)
+
+
+def test_lists_become_tuples_and_maps_become_read_only() -> None:
+    stop: list[str] = ["x"]
+    spec = SamplingSpec(stop=stop, temperature=1)  # type: ignore[arg-type]
+    msg = GenerateRequest("r", [1, 2], sampling=spec)  # type: ignore[arg-type]
+    assert msg.prompt_token_ids == (1, 2)
+    assert msg.sampling.stop == ("x",)
+    assert isinstance(msg.sampling.temperature, float)
+    beat = Heartbeat("w", load={"running": 3})
+    assert isinstance(beat.load, MappingProxyType)
+    assert beat.load == {"running": 3}
+    assert codec.decode(codec.encode(beat)) == beat
+
+
+def test_defaults_fill_optional_fields() -> None:
+    chunk = TokenChunk("r")
+    assert (chunk.token_ids, chunk.text, chunk.finished, chunk.finish_reason) == (
+        (),
+        "",
+        False,
+        None,
+    )
+    assert Hello("a", "decode").protocol_version == PROTOCOL_VERSION
+    assert GenerateRequest("r", (1,)).sampling == SamplingSpec()
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 10_000),
+    min_tokens=st.just(0),
+    temperature=st.floats(0.0, 100.0),
+    top_p=st.floats(0.0, 1.0, exclude_min=True),
+    top_k=st.integers(-1, 1000),
+    seed=st.none() | st.integers(-(2**63), 2**64 - 1),
+    stop=st.lists(st.text(min_size=1, max_size=10), max_size=4).map(tuple),
+    stop_token_ids=st.lists(token_id, max_size=8).map(tuple),
+    ignore_eos=st.booleans(),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sampling_params)
+def test_sampling_spec_round_trips_sampling_params_over_the_wire(params: SamplingParams) -> None:
+    request = GenerateRequest("r", (1,), sampling=SamplingSpec.from_params(params))
+    decoded = codec.decode(codec.encode(request))
+    assert isinstance(decoded, GenerateRequest)
+    assert decoded.sampling.to_params() == params
+
+
+def test_sampling_spec_to_params_applies_semantic_checks() -> None:
+    spec = SamplingSpec(max_tokens=4, min_tokens=5)
+    assert codec.decode(codec.encode(GenerateRequest("r", (1,), sampling=spec)))
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        spec.to_params()
