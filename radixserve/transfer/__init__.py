@@ -1,0 +1,50 @@
+"""Moving KV-cache pages between processes: one interface, NIXL and ZMQ backends.
+
+`KVTransferAgent` (base) is the contract; `NixlTransferAgent` (NIXL/UCX, one-sided
+reads of registered memory) and `ZmqTransferAgent` (TCP fallback) implement it;
+`PoolCompat` describes what two pools must share. `create_agent` picks by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.transfer.base import (
+    KVTransferAgent,
+    TransferError,
+    TransferHandle,
+    TransferState,
+)
+from radixserve.transfer.compat import PoolCompat
+
+BACKENDS = ("nixl", "zmq")
+
+__all__ = [
+    "BACKENDS",
+    "KVTransferAgent",
+    "PoolCompat",
+    "TransferError",
+    "TransferHandle",
+    "TransferState",
+    "create_agent",
+]
+
+
+def create_agent(
+    backend: str,
+    name: str,
+    pool: torch.Tensor | KVPool,
+    compat: PoolCompat,
+    default_timeout_s: float = 10.0,
+) -> KVTransferAgent:
+    """An agent of `backend` ("nixl" or "zmq"); raises TransferError if unavailable."""
+    if backend == "nixl":
+        from radixserve.transfer.nixl import NixlTransferAgent
+
+        return NixlTransferAgent(name, pool, compat, default_timeout_s)
+    if backend == "zmq":
+        from radixserve.transfer.zmq import ZmqTransferAgent
+
+        return ZmqTransferAgent(name, pool, compat, default_timeout_s)
+    raise TransferError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")

@@ -1,0 +1,200 @@
+"""KV page transfer over NIXL (UCX backend): one-sided RDMA-style reads of pool pages.
+
+The pattern vLLM's NixlConnector uses:
+  * the pool tensor is registered with NIXL once, as a single region;
+  * a descriptor list of every (region, page) run — descriptor id `r * num_pages + p`,
+    `page_bytes` long — is prepared once locally and once per peer (`prep_xfer_dlist`);
+  * a read is one `make_prepped_xfer("READ", ...)` over descriptor indices, posted with
+    `transfer` and polled with `check_xfer_state`; the optional notification reaches the
+    page owner (`get_new_notifs`) once the read completed, so it can free the pages.
+
+Memory kind follows the tensor: "DRAM" for CPU pools, "VRAM" for CUDA pools.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.transfer.base import (
+    KVTransferAgent,
+    PeerInfo,
+    TransferError,
+    TransferHandle,
+    TransferState,
+    region_page_indices,
+)
+from radixserve.transfer.compat import PoolCompat
+
+logger = logging.getLogger(__name__)
+
+
+def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
+    """(nixl_agent, nixl_agent_config, the exception types NIXL calls raise)."""
+    try:
+        from nixl import _bindings  # type: ignore[import-not-found]
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-not-found]
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise TransferError(f"NIXL is not available: {exc}") from exc
+    nixl_errors = tuple(
+        obj
+        for obj in vars(_bindings).values()
+        if isinstance(obj, type) and issubclass(obj, Exception)
+    )
+    return (
+        nixl_agent,
+        nixl_agent_config,
+        (RuntimeError, ValueError, TypeError, KeyError, *nixl_errors),
+    )
+
+
+def _as_str(name: str | bytes) -> str:
+    """NIXL returns agent names as bytes in some calls and str in others."""
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _descriptor_table(base: int, num_descs: int, page_bytes: int, dev_id: int) -> np.ndarray:
+    """Nx3 uint64 (address, length, device) for descriptors 0..num_descs-1."""
+    table = np.empty((num_descs, 3), dtype=np.uint64)
+    table[:, 0] = base + np.arange(num_descs, dtype=np.uint64) * np.uint64(page_bytes)
+    table[:, 1] = page_bytes
+    table[:, 2] = dev_id
+    return table
+
+
+class NixlTransferAgent(KVTransferAgent):
+    """`KVTransferAgent` over a NIXL agent with the UCX backend."""
+
+    backend_name = "nixl"
+
+    def __init__(
+        self,
+        name: str,
+        pool: torch.Tensor | KVPool,
+        compat: PoolCompat,
+        default_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__(name, pool, compat, default_timeout_s)
+        nixl_agent, nixl_agent_config, errors = _import_nixl()
+        self._errors: tuple[type[Exception], ...] = errors
+        self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
+        self._dev_id = (self.kv.device.index or 0) if self.kv.is_cuda else 0
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        except self._errors as exc:
+            raise TransferError(f"cannot create NIXL agent {name!r}: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransferError("NIXL has no UCX backend plugin on this machine")
+        self._reg = self._agent.register_memory(self.kv)
+        self._xfers: dict[int, Any] = {}
+        try:
+            table = _descriptor_table(
+                self.kv.data_ptr(), self.num_regions * self.num_pages, self.page_bytes, self._dev_id
+            )
+            self._local_dlist = self._agent.prep_xfer_dlist("", table, self._mem_type)
+        except self._errors as exc:
+            self._agent.deregister_memory(self._reg)
+            raise TransferError(f"cannot prepare local NIXL descriptors: {exc}") from exc
+        logger.info("NIXL agent %r registered %d bytes of %s", name, self.kv.nbytes, self._mem_type)
+
+    def _backend_metadata(self) -> dict[str, Any]:
+        return {
+            "agent_md": self._agent.get_agent_metadata(),
+            "base_addr": self.kv.data_ptr(),
+            "dev_id": self._dev_id,
+            "mem_type": self._mem_type,
+        }
+
+    def _connect(self, info: PeerInfo) -> Any:
+        md = info.backend_md
+        try:
+            remote_name = _as_str(self._agent.add_remote_agent(bytes(md["agent_md"])))
+        except self._errors as exc:
+            raise TransferError(f"NIXL rejected metadata of {info.name!r}: {exc}") from exc
+        if remote_name != info.name:
+            self._agent.remove_remote_agent(remote_name)
+            raise TransferError(f"NIXL metadata names {remote_name!r}, expected {info.name!r}")
+        try:
+            table = _descriptor_table(
+                int(md["base_addr"]),
+                self.num_regions * info.num_pages,
+                info.page_bytes,
+                int(md["dev_id"]),
+            )
+            return self._agent.prep_xfer_dlist(remote_name, table, str(md["mem_type"]))
+        except self._errors as exc:
+            self._agent.remove_remote_agent(remote_name)
+            raise TransferError(f"cannot prepare descriptors of {info.name!r}: {exc}") from exc
+
+    def _disconnect(self, info: PeerInfo, state: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(state)
+            self._agent.remove_remote_agent(info.name)
+        except self._errors as exc:
+            logger.warning("NIXL cleanup of peer %r failed: %s", info.name, exc)
+
+    def _start_read(
+        self,
+        handle: TransferHandle,
+        info: PeerInfo,
+        state: Any,
+        remote: list[int],
+        local: list[int],
+        notify: bytes,
+    ) -> None:
+        local_idx = np.asarray(
+            region_page_indices(local, self.num_regions, self.num_pages), dtype=np.int32
+        )
+        remote_idx = np.asarray(
+            region_page_indices(remote, self.num_regions, info.num_pages), dtype=np.int32
+        )
+        if len(local_idx) != len(remote_idx) or len(local_idx) != self.num_regions * len(local):
+            raise TransferError("descriptor count mismatch")  # defensive: never partial
+        try:
+            xfer = self._agent.make_prepped_xfer(
+                "READ", self._local_dlist, local_idx, state, remote_idx, notif_msg=notify
+            )
+        except self._errors as exc:
+            raise TransferError(f"cannot create NIXL read from {info.name!r}: {exc}") from exc
+        self._xfers[handle.id] = xfer
+        try:
+            status = self._agent.transfer(xfer)
+        except self._errors as exc:
+            raise TransferError(f"cannot post NIXL read from {info.name!r}: {exc}") from exc
+        if status == "ERR":
+            raise TransferError(f"NIXL refused the read from {info.name!r}")
+
+    def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:
+        try:
+            status = self._agent.check_xfer_state(self._xfers[handle.id])
+        except self._errors as exc:
+            return "failed", f"NIXL read failed: {exc}"
+        if status == "DONE":
+            return "done", None
+        if status == "PROC":
+            return "pending", None
+        return "failed", "NIXL reported a transfer error"
+
+    def _release(self, handle: TransferHandle) -> None:
+        xfer = self._xfers.pop(handle.id, None)
+        if xfer is None:
+            return
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except self._errors as exc:  # an in-flight read that cannot be cancelled
+            logger.warning("NIXL could not release transfer %d: %s", handle.id, exc)
+
+    def _drain_notifications(self) -> list[tuple[str, bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return [(_as_str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
+
+    def _shutdown(self) -> None:
+        try:
+            self._agent.release_dlist_handle(self._local_dlist)
+            self._agent.deregister_memory(self._reg)
+        except self._errors as exc:
+            logger.warning("NIXL deregistration of %r failed: %s", self.name, exc)

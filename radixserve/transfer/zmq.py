@@ -1,0 +1,280 @@
+"""KV page transfer over ZMQ: the fallback when NIXL/UCX is unavailable.
+
+Owner side: a ROUTER socket (background thread) answers read requests with one
+multipart message: a msgpack header, then one frame per (region, run) — region-major —
+where a run is a stretch of pages consecutive on *both* sides. Frames are sent straight
+from pool memory (`copy=False`); a CUDA pool is staged through host memory.
+
+Reader side: one DEALER socket per peer. A request is a msgpack map
+``{"op": "read", "id", "from", "compat", "runs": [[remote_start, count], ...]}`` (no
+pickle). Reply frames are received directly into the destination pool pages
+(`recv_into`) after checking every frame's size; any mismatch, error reply or a
+deadline passing fails the transfer. After a successful read the reader sends
+``{"op": "notify", "from", "msg"}`` if the caller asked for a notification.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from radixserve.cache.kv_pool import KVPool
+from radixserve.transfer.base import (
+    KVTransferAgent,
+    PeerInfo,
+    TransferError,
+    TransferHandle,
+    TransferState,
+)
+from radixserve.transfer.compat import PoolCompat
+
+logger = logging.getLogger(__name__)
+
+Run = tuple[int, int, int]  # (remote_start, local_start, count)
+
+
+def page_runs(remote: list[int], local: list[int]) -> list[Run]:
+    """Split paired page lists into runs consecutive in both remote and local ids."""
+    runs: list[Run] = []
+    for r, loc in zip(remote, local):
+        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((r, loc, 1))
+    return runs
+
+
+@dataclass
+class _Request:
+    handle: TransferHandle
+    runs: list[Run]
+    notify: bytes
+
+
+@dataclass
+class _Peer:
+    socket: zmq.Socket
+    requests: dict[int, _Request] = field(default_factory=dict)
+
+
+class ZmqTransferAgent(KVTransferAgent):
+    """`KVTransferAgent` serving and reading pages over ZMQ TCP sockets."""
+
+    backend_name = "zmq"
+
+    def __init__(
+        self,
+        name: str,
+        pool: torch.Tensor | KVPool,
+        compat: PoolCompat,
+        default_timeout_s: float = 10.0,
+        bind_host: str = "127.0.0.1",
+    ) -> None:
+        super().__init__(name, pool, compat, default_timeout_s)
+        self._pages = (
+            self.kv.view(-1)
+            .view(torch.uint8)
+            .view(self.num_regions, self.num_pages, self.page_bytes)
+        )
+        self._host_pages = None if self.kv.is_cuda else self._pages.numpy()
+        self._ctx = zmq.Context()
+        self._server = self._ctx.socket(zmq.ROUTER)
+        self._server.setsockopt(zmq.LINGER, 0)
+        self._server.setsockopt(zmq.SNDHWM, 0)
+        self._server.bind(f"tcp://{bind_host}:0")
+        self._endpoint = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._notifs: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._results: dict[int, tuple[TransferState, str | None]] = {}
+        self._request_ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"kv-zmq-{name}", daemon=True)
+        self._thread.start()
+        logger.info("ZMQ KV agent %r serving on %s", name, self._endpoint)
+
+    # ---- owner side ---------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._server.poll(50):
+                    continue
+                ident, raw = self._server.recv_multipart()[:2]
+                self._handle_request(ident, raw)
+            except zmq.ZMQError as exc:
+                if not self._stop.is_set():
+                    logger.error("ZMQ KV server %r: %s", self.name, exc)
+                return
+            except Exception:  # keep serving other readers
+                logger.exception("ZMQ KV server %r failed on a request", self.name)
+
+    def _handle_request(self, ident: bytes, raw: bytes) -> None:
+        try:
+            req = msgpack.unpackb(raw, raw=False)
+            op = req["op"]
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            logger.warning("ZMQ KV server %r: malformed request dropped", self.name)
+            return
+        if op == "notify":
+            self._notifs.put((str(req["from"]), bytes(req["msg"])))
+            return
+        reply: dict[str, Any] = {"id": req.get("id"), "ok": False, "error": None}
+        if op != "read":
+            reply["error"] = f"unknown op {op!r}"
+        elif req.get("compat") != self.compat.digest:
+            reply["error"] = f"incompatible KV pool (compat hash of {self.name!r} differs)"
+        else:
+            try:
+                frames = self._serve_runs([(int(s), int(n)) for s, n in req["runs"]])
+            except (ValueError, KeyError, TypeError) as exc:
+                reply["error"] = f"bad read request: {exc}"
+            else:
+                reply["ok"] = True
+                self._server.send_multipart([ident, msgpack.packb(reply), *frames], copy=False)
+                return
+        self._server.send_multipart([ident, msgpack.packb(reply)])
+
+    def _serve_runs(self, runs: list[tuple[int, int]]) -> list[Any]:
+        """One buffer per (region, run), region-major, viewing (or staging) pool bytes."""
+        for start, count in runs:
+            if count < 1 or start < 0 or start + count > self.num_pages:
+                raise ValueError(f"page run [{start}, {start + count}) out of range")
+        frames: list[Any] = []
+        for region in range(self.num_regions):
+            for start, count in runs:
+                if self._host_pages is not None:
+                    frames.append(self._host_pages[region, start : start + count].data)
+                else:
+                    frames.append(self._pages[region, start : start + count].cpu().numpy())
+        return frames
+
+    def _drain_notifications(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        while True:
+            try:
+                out.append(self._notifs.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _backend_metadata(self) -> dict[str, Any]:
+        return {"endpoint": self._endpoint}
+
+    # ---- reader side --------------------------------------------------------------
+
+    def _connect(self, info: PeerInfo) -> _Peer:
+        endpoint = info.backend_md.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise TransferError(f"peer {info.name!r} metadata has no tcp endpoint")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(endpoint)
+        return _Peer(sock)
+
+    def _disconnect(self, info: PeerInfo, state: Any) -> None:
+        state.socket.close(linger=0)
+
+    def _start_read(
+        self,
+        handle: TransferHandle,
+        info: PeerInfo,
+        state: Any,
+        remote: list[int],
+        local: list[int],
+        notify: bytes,
+    ) -> None:
+        runs = page_runs(remote, local)
+        request_id = next(self._request_ids)
+        header = {
+            "op": "read",
+            "id": request_id,
+            "from": self.name,
+            "compat": self.compat.digest,
+            "runs": [[r, n] for r, _, n in runs],
+        }
+        try:
+            state.socket.send(msgpack.packb(header), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransferError(f"cannot send read request to {info.name!r}: {exc}") from exc
+        state.requests[request_id] = _Request(handle, runs, notify)
+
+    def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:
+        known = self._peers.get(handle.peer)
+        if known is not None:
+            self._drain_replies(known[1])
+        return self._results.pop(handle.id, ("pending", None))
+
+    def _drain_replies(self, peer: _Peer) -> None:
+        """Apply every reply already queued on `peer`'s socket (never blocks)."""
+        while peer.socket.poll(0):
+            header = msgpack.unpackb(peer.socket.recv(), raw=False)
+            request = peer.requests.pop(header.get("id"), None)
+            if request is None:  # reply to a cancelled/timed-out read: discard it
+                while peer.socket.getsockopt(zmq.RCVMORE):
+                    peer.socket.recv_into(bytearray())
+                continue
+            result = self._receive_pages(peer, header, request)
+            self._results[request.handle.id] = result
+            if result[0] == "done" and request.notify:
+                note = {"op": "notify", "from": self.name, "msg": request.notify}
+                peer.socket.send(msgpack.packb(note), flags=zmq.NOBLOCK)
+
+    def _receive_pages(
+        self, peer: _Peer, header: dict[str, Any], request: _Request
+    ) -> tuple[TransferState, str | None]:
+        """Receive the reply's frames into local pages; fail on any size/count mismatch."""
+        error = None if header.get("ok") else str(header.get("error") or "peer refused read")
+        expected = [(region, run) for region in range(self.num_regions) for run in request.runs]
+        received = 0
+        while peer.socket.getsockopt(zmq.RCVMORE):
+            if error is not None or received >= len(expected):
+                peer.socket.recv_into(bytearray())
+                error = error or "peer sent more frames than requested"
+                continue
+            region, (_, local_start, count) = expected[received]
+            error = self._receive_frame(peer.socket, region, local_start, count)
+            received += 1
+        if error is None and received != len(expected):
+            error = f"peer sent {received} of {len(expected)} page runs"
+        return ("failed", error) if error is not None else ("done", None)
+
+    def _receive_frame(self, sock: zmq.Socket, region: int, start: int, count: int) -> str | None:
+        want = count * self.page_bytes
+        if self._host_pages is not None:
+            dst = self._host_pages[region, start : start + count].reshape(-1)
+            got = sock.recv_into(dst.data)
+        else:
+            frame = sock.recv(copy=False)
+            got = len(frame.buffer)
+            if got == want:
+                src = torch.from_numpy(np.frombuffer(frame.buffer, dtype=np.uint8).copy())
+                self._pages[region, start : start + count].copy_(src.view(count, -1))
+        return None if got == want else f"page run frame of {got} bytes, expected {want}"
+
+    def _release(self, handle: TransferHandle) -> None:
+        self._results.pop(handle.id, None)
+        known = self._peers.get(handle.peer)
+        if known is not None:
+            requests = known[1].requests
+            for rid in [rid for rid, req in requests.items() if req.handle is handle]:
+                del requests[rid]
+
+    def _idle(self, seconds: float) -> None:
+        poller = zmq.Poller()
+        for _, peer in self._peers.values():
+            poller.register(peer.socket, zmq.POLLIN)
+        poller.poll(max(1, int(seconds * 1000)))
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._server.close(linger=0)
+        self._ctx.destroy(linger=0)
