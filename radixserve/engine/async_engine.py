@@ -49,13 +49,18 @@ class AsyncEngine:
         self._thread.start()
 
     async def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
-        (e.g. InvalidRequestError) before the first output for input it can't serve."""
-        with self._lock:
-            self._ids += 1
-            request_id = f"async-{self._ids}"
+        (e.g. InvalidRequestError) before the first output for input it can't serve.
+        `request_id` must be unique among live requests; one is made up if not given."""
+        if request_id is None:
+            with self._lock:
+                self._ids += 1
+                request_id = f"async-{self._ids}"
         out: asyncio.Queue = asyncio.Queue()
         self._inbox.put(
             _Submit(prompt, params or SamplingParams(), request_id, asyncio.get_running_loop(), out)

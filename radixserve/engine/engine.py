@@ -120,8 +120,7 @@ class Engine:
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (the
         template writes its own special tokens, so none are added on top)."""
-        text = self.tokenizer.apply_chat_template(messages)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages)
 
     def add_request(
         self,

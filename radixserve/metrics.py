@@ -1,0 +1,129 @@
+"""Prometheus metrics of a serving front end, on a registry of their own.
+
+Each `ServingMetrics` owns a `CollectorRegistry` (never the process-global default), so
+several apps can live in one process (tests). Latencies are observed by `RequestTimer`
+as outputs stream; pool gauges are refreshed from the engine's `stats()` at scrape time.
+
+Metric names: radixserve_ttft_seconds, radixserve_itl_seconds, radixserve_e2e_seconds
+(histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total,
+radixserve_prefill_computed_tokens_total (= prompt - cached),
+radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
+radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
+radixserve_live_requests (gauges).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_POOL_GAUGES = (
+    "pages_total", "pages_used", "pages_free", "pages_locked", "pages_evictable", "live_requests",
+)  # fmt: skip
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServingMetrics:
+    """Request latency and token metrics plus pool gauges, on `self.registry`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "radixserve_ttft_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "radixserve_itl_seconds", "Inter-token latency.", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "radixserve_e2e_seconds", "Request latency.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "radixserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "radixserve_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.prefill_computed_tokens = Counter(
+            "radixserve_prefill_computed_tokens",
+            "Prompt tokens that ran through the model (prompt - cached).",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "radixserve_generation_tokens", "Generated tokens.", registry=r
+        )
+        self.requests = Counter(
+            "radixserve_requests", "Finished requests.", ["finish_reason"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "radixserve_queue_depth", "Generation requests in flight at the front end.", registry=r
+        )
+        self._pool = {
+            key: Gauge(f"radixserve_{key}", f"Engine {key.replace('_', ' ')}.", registry=r)
+            for key in _POOL_GAUGES
+        }
+
+    def record_finish(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reason: str
+    ) -> None:
+        """Count one finished (or aborted) request."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.prefill_computed_tokens.inc(max(prompt_tokens - cached_tokens, 0))
+        self.generation_tokens.inc(completion_tokens)
+        self.requests.labels(finish_reason=reason).inc()
+
+    def render(self, stats: Mapping[str, int]) -> bytes:
+        """Prometheus text exposition, pool gauges refreshed from `stats` first."""
+        for key, gauge in self._pool.items():
+            if key in stats:
+                gauge.set(stats[key])
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one request's stream: TTFT at the first token, ITL between tokens, E2E.
+
+    Call `tokens(n)` whenever n new tokens arrive and `finish(...)` once at the end.
+    """
+
+    def __init__(self, metrics: ServingMetrics, start: float | None = None) -> None:
+        self._metrics = metrics
+        self._start = time.perf_counter() if start is None else start
+        self._last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._start)
+            n -= 1
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._metrics.itl.observe(gap)
+        self._last = now
+
+    def finish(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reason: str
+    ) -> None:
+        self._metrics.e2e.observe(time.perf_counter() - self._start)
+        self._metrics.record_finish(prompt_tokens, cached_tokens, completion_tokens, reason)

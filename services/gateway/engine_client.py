@@ -1,0 +1,115 @@
+"""What the gateway needs from an engine: `EngineClient`, and the in-process one.
+
+The gateway only talks to an `EngineClient`: `LocalEngineClient` wraps an `AsyncEngine`
+in this process; the disaggregated client (ZMQ to decode workers) implements the same
+interface. Clients tokenise on the gateway side, so `generate` always gets token ids.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.outputs import RequestOutput
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.errors import InvalidRequestError
+from radixserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient(abc.ABC):
+    """A handle on one serving engine (local or remote)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield one RequestOutput per engine step until one has `finished` set.
+
+        Contract: raises `RequestError` (e.g. InvalidRequestError for a prompt over the
+        context) before the first output for a request that can never be served.
+        Closing the iterator early (`aclose`, or garbage collection) aborts the request
+        and releases everything it holds in the engine.
+        """
+
+    @property
+    @abc.abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (text → ids, chat template)."""
+
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str:
+        """Name of the served model."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Context limit in tokens (prompt + output)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Pool and request counters: pages_total/used/free, live_requests and, with a
+        prefix cache, pages_cached/locked/evictable. Cheap; safe from any thread."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the engine side; live requests are aborted. Idempotent."""
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a completion prompt (text gets the tokenizer's special tokens);
+        token ids are passed through and checked against the vocabulary by the engine."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ending with the
+        assistant prompt. Raises InvalidRequestError for malformed messages."""
+        return self.tokenizer.encode_chat(messages)
+
+
+class LocalEngineClient(EngineClient):
+    """An `AsyncEngine` in this process. Owns it: `close()` stops its thread."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._async = engine
+        self._closed = False
+
+    async def generate(  # type: ignore[override]
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids))
+        stream = self._async.stream(prompt_ids, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._async.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._async.engine.config.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._async.engine.max_model_len
+
+    def stats(self) -> dict[str, int]:
+        # Every counter read here is an O(1) attribute read: safe beside the engine thread.
+        return dict(self._async.engine.cache_stats())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._async.close()

@@ -1,0 +1,105 @@
+"""OpenAI error objects and the handlers that turn every failure into one.
+
+Contract: every error reply of the gateway is JSON ``{"error": {"message", "type",
+"param", "code"}}`` with the HTTP status in ``code``. Request-level failures are 4xx;
+an unexpected exception is logged and becomes a 500 (the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class OpenAIError(Exception):
+    """A request failure to report as an OpenAI error object with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI error object for `status`."""
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """A JSONResponse carrying `error_body`."""
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending field of a pydantic validation failure."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+
+
+async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return error_response(exc.status, exc.message, exc.param)
+
+
+async def _request_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(400, str(exc))
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ValidationError | RequestValidationError)
+    message, param = validation_message(exc)
+    return error_response(400, message, param)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+    return error_response(exc.status_code, message)
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in the gateway", exc_info=exc)
+    return error_response(500, "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception type the gateway can meet to an OpenAI error object."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

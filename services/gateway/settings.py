@@ -1,0 +1,48 @@
+"""Gateway settings: one pydantic-settings class, environment prefix ``RADIXSERVE_GATEWAY_``.
+
+Built once by the entry point (``radixserve serve`` or ``python -m
+radixserve.services.gateway``) and passed to `create_app`; never mutated.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    """How the OpenAI-compatible HTTP gateway listens, authenticates and bounds its load."""
+
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_GATEWAY_", frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port (0 = any free port).")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Accepted `Authorization: Bearer` keys for /v1 and /debug; empty = no auth. "
+        "From the environment as a JSON list.",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Most generation requests in flight (queued or running); more get 429.",
+    )
+    max_body_bytes: int = Field(
+        8 << 20, ge=1024, le=1 << 30, description="Largest request body accepted; more get 413."
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Model name clients must send (besides the alias 'default'); "
+        "None = the engine's model name.",
+    )
+    default_max_tokens: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="Chat completions without max_tokens generate up to this many tokens "
+        "(capped by the context left).",
+    )
