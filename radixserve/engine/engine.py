@@ -8,6 +8,7 @@ step():  batch = scheduler.schedule()          # decodes, then prefill chunks
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.outputs import GenerationResult, RequestOutput
 from radixserve.engine.request import Request, RequestStatus
@@ -91,6 +93,7 @@ class Engine:
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.leases = LeaseTable(self.allocator)
         logger.info(
             "engine ready: %s on %s/%s, %d KV pages of %d tokens (%.2f GiB), prefix cache %s",
             self.config.name, self.device, self.dtype, num_pages, self.page_size,
@@ -122,13 +125,13 @@ class Engine:
         template writes its own special tokens, so none are added on top)."""
         return self.tokenizer.encode_chat(messages)
 
-    def add_request(
+    def _new_request(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a request; raises RequestError subclasses for input it can never serve."""
+        params: SamplingParams | None,
+        request_id: str | None,
+    ) -> Request:
+        """Validate and register a request (not yet scheduled)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
         if len(prompt_ids) >= self.max_model_len:
@@ -154,8 +157,73 @@ class Engine:
             generator=make_generator(params.seed, self.device),
         )
         self._requests[request_id] = req
+        return req
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises RequestError subclasses for input it can never serve."""
+        req = self._new_request(prompt, params, request_id)
         self.scheduler.add(req)
-        return request_id
+        return req.request_id
+
+    # -- disaggregation: the prefill side ----------------------------------------------
+
+    def add_prefill_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lease_s: float = 30.0,
+    ) -> str:
+        """Compute a prompt and sample its first token only; then hold the prompt's pages
+        under a lease (`leased_pages`) until `release_lease` or `lease_s` seconds pass."""
+        params = params or SamplingParams()
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        req = self._new_request(prompt, params, request_id)
+        req.lease_s = lease_s
+        self.scheduler.add(req)
+        return req.request_id
+
+    def leased_pages(self, request_id: str) -> list[int] | None:
+        """Pages holding the prompt KV of a finished prefill-only request, in order."""
+        return self.leases.pages(request_id)
+
+    def release_lease(self, request_id: str) -> bool:
+        return self.leases.release(request_id)
+
+    # -- disaggregation: the decode side -----------------------------------------------
+
+    def reserve_remote(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> tuple[str, int, list[int]] | None:
+        """Reserve pages for a prompt whose KV a prefill worker computes.
+
+        Returns (request_id, num_cached_tokens, page_ids): the first num_cached_tokens
+        (page-aligned) are already in this engine's cache; `page_ids` are the pages for
+        the rest of the prompt, in order, to be filled by a transfer before
+        `activate_remote`. None if the pool cannot spare the pages now (retry later).
+        """
+        req = self._new_request(prompt, params, request_id)
+        if not self.scheduler.reserve_remote(req):
+            del self._requests[req.request_id]
+            return None
+        first = req.num_computed // self.page_size
+        return req.request_id, req.num_computed, list(req.page_ids[first:])
+
+    def activate_remote(self, request_id: str, first_token: int) -> RequestOutput:
+        """The reserved pages now hold the prompt's KV; continue with `first_token`."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.AWAITING_KV:
+            raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
+        self.scheduler.activate_remote(req)
+        return self._append(req, first_token, time.perf_counter())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -169,6 +237,7 @@ class Engine:
         return self._output(req, [], "")
 
     def step(self) -> list[RequestOutput]:
+        self.leases.expire(time.perf_counter())
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -205,6 +274,9 @@ class Engine:
             if not req.detokenizer.stopped:
                 text += req.detokenizer.flush()
             req.finish_time = now
+            if req.lease_s is not None:  # prefill-only: keep the prompt KV for the reader
+                num_pages = -(-len(req.prompt_ids) // self.page_size)
+                self.leases.hold(req.request_id, req.page_ids[:num_pages], now + req.lease_s)
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
         return self._output(req, [token], text)
@@ -258,6 +330,7 @@ class Engine:
             "pages_used": self.allocator.num_used,
             "pages_free": self.allocator.num_free,
             "live_requests": len(self._requests),
+            "leases": len(self.leases),
         }
         if self.cache is not None:
             stats["pages_cached"] = self.cache.num_cached_pages

@@ -6,6 +6,8 @@ Lifecycle (see docs/architecture.md §1):
        ^                                                   │
        └──────────── preempted: pages released ────────────┤
                                                            └─> FINISHED (cache insert, unlock, free)
+    AWAITING_KV (decode side of a disaggregated request: prompt pages reserved, filled by a
+       KV transfer) ──activate_remote(first token)──> RUNNING
 
 `token_ids` = prompt + output; KV exists for `token_ids[:num_computed]`, stored in
 `page_ids` (one page id per `page_size` tokens, the last one possibly partial).
@@ -26,6 +28,7 @@ from radixserve.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    AWAITING_KV = "awaiting_kv"  # pages reserved; a KV transfer from a prefill worker fills them
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -49,6 +52,7 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     admitted_once: bool = False
+    lease_s: float | None = None  # prefill-only: hold the prompt's pages this long when done
 
     @property
     def token_ids(self) -> list[int]:

@@ -43,6 +43,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
         self.num_preemptions = 0
 
     @property
@@ -94,13 +95,36 @@ class Scheduler:
             if n > 1 and self.cache is not None:
                 self._cache_running(req)
 
+    def reserve_remote(self, req: Request) -> bool:
+        """Lock `req`'s cached prefix and give it pages for the rest of its prompt, to be
+        filled by a KV transfer. False (nothing held) if the pool cannot spare them now."""
+        self._admit(req)
+        if not self._reserve(req, len(req.prompt_ids), None):
+            self._release(req, cache_kv=False)
+            req.num_computed = 0
+            return False
+        req.status = RequestStatus.AWAITING_KV
+        self.awaiting_kv[req.request_id] = req
+        return True
+
+    def activate_remote(self, req: Request) -> None:
+        """The transfer filled `req`'s pages: its whole prompt has KV; it decodes from now."""
+        del self.awaiting_kv[req.request_id]
+        req.num_computed = len(req.prompt_ids)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """End a request (any state): insert its KV into the cache, return every page."""
+        cache_kv = reason != "abort"
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self._release(req, cache_kv=reason != "abort")
+        elif req.status is RequestStatus.AWAITING_KV:
+            del self.awaiting_kv[req.request_id]
+            cache_kv = False  # its reserved pages were never filled
+        self._release(req, cache_kv=cache_kv)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 

@@ -302,11 +302,19 @@ class PrefillRequest(Message):
 
 @dataclass(frozen=True)
 class KVReady(Message):
-    """Prefill -> decode worker: the KV pages are written and the first token is known."""
+    """Prefill -> decode worker: the prompt's KV is computed and the first token is known.
+
+    With a push transfer the pages are already in the decode worker's ``dst_page_ids``;
+    with a pull transfer ``src_page_ids`` names the prefill worker's pages holding them
+    (leased until the decode worker sends ``TransferDone``).
+    """
 
     TYPE_TAG: ClassVar[str] = "kv_ready"
     request_id: str = field(metadata=_spec(REQUEST_ID))
     first_token_id: int = field(metadata=_spec(TOKEN_ID))
+    src_page_ids: tuple[int, ...] = field(
+        default=(), metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
+    )
     num_pages_transferred: int = field(default=0, metadata=_spec(COUNT))
     transfer_ms: float = field(default=0.0, metadata=_spec(DURATION_MS))
     prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))

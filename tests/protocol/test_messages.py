@@ -120,6 +120,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         KVReady,
         request_id=ids,
         first_token_id=token_id,
+        src_page_ids=page_ids,
         num_pages_transferred=count,
         transfer_ms=millis,
         prefill_computed_tokens=count,

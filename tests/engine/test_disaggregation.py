@@ -1,0 +1,125 @@
+"""Disaggregated prefill/decode at the engine level, with real KV page transfers.
+
+A prefill engine computes the prompt and leases its pages; a decode engine reserves
+pages for what its own cache lacks, pulls exactly those pages through a real transfer
+agent (NIXL over UCX, or ZMQ over TCP on 127.0.0.1), and decodes. Greedy outputs must
+equal a single engine's; a second chat turn must move only the pages decode lacks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.transfer import create_agent
+from radixserve.transfer.compat import PoolCompat
+from tests.engine.engine_helpers import assert_no_leaks, make_engine
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+SYSTEM = (
+    "You are the help desk of a public library. Answer in one or two sentences and "
+    "mention the opening hours, nine to six, whenever it is relevant. "
+)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    prefill = make_engine("default", kv_cache_memory_gib=0.1)
+    decode = make_engine("default", kv_cache_memory_gib=0.1)
+    return prefill, decode
+
+
+@pytest.fixture(params=["nixl", "zmq"])
+def link(request, engines):
+    prefill, decode = engines
+    agents = []
+    for engine, name in ((prefill, "prefill-0"), (decode, "decode-0")):
+        compat = PoolCompat.from_pool(engine.kv_pool, engine.config.name)
+        agents.append(create_agent(request.param, name, engine.kv_pool, compat))
+    agents[1].add_peer("prefill-0", 1, agents[0].metadata())
+    yield prefill, decode, agents[1]
+    for agent in agents:
+        agent.close()
+
+
+def run_disaggregated(prefill, decode, reader, prompt_ids, params=GREEDY):
+    """One request through prefill → transfer → decode.
+
+    Returns (tokens, tokens decode had cached, pages moved)."""
+    rid, num_cached, dst_pages = decode.reserve_remote(prompt_ids, params)
+    prefill.add_prefill_request(prompt_ids, params, request_id=rid)
+    first = None
+    while first is None:
+        for out in prefill.step():
+            if out.request_id == rid and out.finished:
+                first = out.new_token_ids[0]
+    src_pages = prefill.leased_pages(rid)[num_cached // decode.page_size :]
+    assert len(src_pages) == len(dst_pages)
+    handle = reader.read_pages("prefill-0", src_pages, dst_pages)
+    reader.wait(handle)
+    assert prefill.release_lease(rid)
+    tokens = list(decode.activate_remote(rid, first).new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    return tokens, num_cached, len(dst_pages)
+
+
+def test_disaggregated_equals_single_engine(link, smol_off):
+    prefill, decode, reader = link
+    prompts = [SYSTEM + "When do you open on Saturday?", SYSTEM + "Can I renew a book online?"]
+    expected = [r.token_ids for r in smol_off.generate(prompts, GREEDY)]
+    for prompt, tokens in zip(prompts, expected):
+        ids = decode.tokenizer.encode(prompt)
+        assert run_disaggregated(prefill, decode, reader, ids)[0] == tokens
+    assert_no_leaks(decode)
+    assert_no_leaks(prefill)
+    assert prefill.cache_stats()["leases"] == 0
+
+
+def test_second_turn_moves_only_missing_pages(link, smol_off, request):
+    prefill, decode, reader = link
+    room = "four" if "nixl" in request.node.name else "six"  # its own conversation per backend
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Do you have study rooms for groups of {room} people?"},
+    ]
+    turn1 = decode.chat_prompt_ids(messages)
+    tokens1, _, _ = run_disaggregated(prefill, decode, reader, turn1)
+    messages += [
+        {"role": "assistant", "content": decode.tokenizer.decode(tokens1)},
+        {"role": "user", "content": "And can I book one for tomorrow?"},
+    ]
+    turn2 = decode.chat_prompt_ids(messages)
+    [expected] = smol_off.generate([turn2], GREEDY)
+    tokens2, cached2, moved2 = run_disaggregated(prefill, decode, reader, turn2)
+    assert tokens2 == expected.token_ids
+    # decode kept turn 1 (prompt + answer) in its own cache: only the delta moved
+    ps = decode.page_size
+    assert cached2 == (len(turn1) + len(tokens1) - 1) // ps * ps
+    assert moved2 == -(-len(turn2) // ps) - cached2 // ps
+    assert moved2 < -(-len(turn2) // ps) // 2
+    assert_no_leaks(decode)
+
+
+def test_lease_expires_when_reader_never_comes():
+    prefill = make_engine("default", kv_cache_memory_gib=0.05)
+    rid = prefill.add_prefill_request(SYSTEM * 2, GREEDY, lease_s=0.0)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert prefill.cache_stats()["leases"] == 1 and prefill.leased_pages(rid)
+    prefill.step()  # any later step expires it
+    assert prefill.cache_stats()["leases"] == 0 and prefill.leased_pages(rid) is None
+    assert not prefill.release_lease(rid)
+    assert_no_leaks(prefill)
+
+
+def test_aborting_a_reserved_request_returns_pages_uncached(engines):
+    _, decode = engines
+    before = decode.cache_stats()
+    rid, _, pages = decode.reserve_remote(decode.tokenizer.encode(SYSTEM * 3), GREEDY)
+    assert pages and decode.cache_stats()["pages_used"] > before["pages_used"]
+    assert decode.abort(rid) is not None
+    # the never-filled pages must not have entered the cache
+    assert decode.cache_stats()["pages_cached"] == before["pages_cached"]
+    assert_no_leaks(decode)
