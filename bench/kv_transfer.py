@@ -69,8 +69,7 @@ def _owner_main(conn: Connection, backend: str, shape: dict[str, int], num_pages
     agent = create_agent(backend, "bench-owner", pool, compat)
     conn.send(agent.metadata())
     try:
-        while not conn.poll(0.05):
-            pass
+        conn.poll(None)  # serve (the agent works in the background) until told to stop
     finally:
         agent.close()
 

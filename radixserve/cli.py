@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from radixserve.errors import RadixServeError
+from radixserve.errors import RadixServeError, RequestError
 from radixserve.logging import setup_logging
 
 
@@ -95,9 +95,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from radixserve.chat_repl import run_chat
+    """Interactive terminal chat. Each turn re-sends the whole conversation; the radix
+    cache finds the previous turns' KV, so only the new message is computed — the stats
+    line after each answer shows it."""
+    from radixserve.engine.engine import Engine
 
-    return run_chat(build_settings(args), build_params(args), system=args.system)
+    params = build_params(args)
+    settings = build_settings(args)
+    print(f"loading {settings.model} ...", file=sys.stderr)
+    engine = Engine(settings)
+    print(f"radixserve chat — {engine.config.name}. {CHAT_HELP}", file=sys.stderr)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    while True:
+        try:
+            line = input("\n> ").strip()
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+        elif line:
+            messages.append({"role": "user", "content": line})
+            answer = _chat_answer(engine, engine.chat_prompt_ids(messages), params)
+            messages.append({"role": "assistant", "content": answer})
+
+
+CHAT_HELP = (
+    "commands: /reset clears the conversation, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
+)
+
+
+def _chat_answer(engine, prompt: list[int], params) -> str:
+    try:
+        rid = engine.add_request(prompt, params)
+    except RequestError as exc:
+        print(f"error: {exc} (try /reset)", file=sys.stderr)
+        return ""
+    parts: list[str] = []
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                parts.append(out.new_text)
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                if out.finished:
+                    print(
+                        f"\n[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, "
+                        f"{out.completion_tokens} generated, TTFT {out.ttft_ms:.0f} ms]",
+                        file=sys.stderr,
+                    )
+    except KeyboardInterrupt:
+        engine.abort(rid)
+        print("\n(stopped)", file=sys.stderr)
+    return "".join(parts)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

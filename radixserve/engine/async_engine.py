@@ -83,19 +83,21 @@ class AsyncEngine:
         self._inbox.put(None)
         self._thread.join(timeout=30)
 
-    def _loop(self) -> None:
+    def _drain_inbox(self, block: bool) -> bool:
+        """Handle every queued submit/abort (waiting for one if `block`); False on close."""
         while True:
-            block = not self.engine.has_unfinished()
             try:
-                while True:
-                    msg = self._inbox.get(block=block)
-                    block = False
-                    if msg is None:
-                        self._abort_all()
-                        return
-                    self._handle(msg)
+                msg = self._inbox.get(block=block)
             except queue.Empty:
-                pass
+                return True
+            block = False
+            if msg is None:
+                self._abort_all()
+                return False
+            self._handle(msg)
+
+    def _loop(self) -> None:
+        while self._drain_inbox(block=not self.engine.has_unfinished()):
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step: fail every live stream, keep serving
