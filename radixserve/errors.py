@@ -14,7 +14,11 @@ class RequestError(RadixServeError):
 
 
 class InvalidRequestError(RequestError):
-    """The request is malformed or out of range (HTTP 400)."""
+    """The request is malformed or out of range (HTTP 400); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CapacityError(RequestError):

@@ -80,61 +80,78 @@ class SamplingParams:
     def _validate_lengths(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                param="max_tokens",
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}"
+                f"got {self.min_tokens!r}",
+                param="min_tokens",
             )
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise InvalidRequestError(
+                f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos"
+            )
 
     def _validate_sampling(self) -> None:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
             raise InvalidRequestError(
-                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}"
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}",
+                param="temperature",
             )
         p = self.top_p
         if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}")
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}", param="top_p")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(
-                f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}"
+                f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}",
+                param="top_k",
             )
         seed = self.seed
         if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
             raise InvalidRequestError(
-                f"seed must be null or an integer in [-2**63, 2**64), got {seed!r}"
+                f"seed must be null or an integer in [-2**63, 2**64), got {seed!r}",
+                param="seed",
             )
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, tuple):
-            raise InvalidRequestError(f"stop must be a list of strings, got {self.stop!r}")
+            raise InvalidRequestError(
+                f"stop must be a list of strings, got {self.stop!r}", param="stop"
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
-                f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+                f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                param="stop",
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequestError(
+                    f"stop strings must be non-empty strings, got {s!r}", param="stop"
+                )
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequestError(
                     f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                    f"got one of {len(s)}"
+                    f"got one of {len(s)}",
+                    param="stop",
                 )
         ids = self.stop_token_ids
         if not isinstance(ids, tuple):
-            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}")
+            raise InvalidRequestError(
+                f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids"
+            )
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
-                f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+                f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                param="stop_token_ids",
             )
         for token_id in ids:
             if not _is_int(token_id) or token_id < 0:
                 raise InvalidRequestError(
-                    f"stop_token_ids must be non-negative integers, got {token_id!r}"
+                    f"stop_token_ids must be non-negative integers, got {token_id!r}",
+                    param="stop_token_ids",
                 )
 
     @property

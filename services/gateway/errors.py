@@ -75,7 +75,7 @@ async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _request_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(400, str(exc))
+    return error_response(400, str(exc), getattr(exc, "param", None))
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

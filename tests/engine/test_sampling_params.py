@@ -75,8 +75,9 @@ def test_greedy_property(kwargs: dict, greedy: bool) -> None:
     ],
 )
 def test_bad_field_is_rejected_naming_it(kwargs: dict, field: str) -> None:
-    with pytest.raises(InvalidRequestError, match=field):
+    with pytest.raises(InvalidRequestError, match=field) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field
 
 
 def test_boundaries_are_accepted() -> None:

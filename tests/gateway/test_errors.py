@@ -71,6 +71,19 @@ def test_bad_chat_is_400(http, body):
     assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**OK_COMPLETION, "max_tokens": -3}, "max_tokens"),
+        ({**OK_COMPLETION, "temperature": -1.0}, "temperature"),
+        ({**OK_COMPLETION, "top_p": 0}, "top_p"),
+    ],
+)
+def test_out_of_range_error_names_the_param(http, body, param):
+    error = assert_openai_error(http.post("/v1/completions", json=body), 400)
+    assert error["param"] == param
+
+
 def test_prompt_over_context_is_400(http, client):
     too_long = [1] * client.max_model_len
     for stream in (False, True):
