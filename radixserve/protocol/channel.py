@@ -26,7 +26,7 @@ Contracts:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -45,8 +45,32 @@ _SOCKET_NAMES: dict[int, str] = {
 }
 
 
+_C = TypeVar("_C", bound="_ChannelBase")
+
+
 class _ChannelBase:
     """Framing, validation and lifetime shared by the sync and asyncio channels."""
+
+    @classmethod
+    def open(
+        cls: type[_C],
+        context: zmq.Context[Any],
+        socket_type: int,
+        address: str,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> _C:
+        """A channel on a new socket bound (``bind``) or connected to ``address``; pass a
+        `zmq.asyncio.Context` for an `AsyncChannel`."""
+        socket = context.socket(socket_type)
+        try:
+            _configure(socket, address, bind, identity, max_frame_bytes)
+            return cls(socket, max_frame_bytes=max_frame_bytes)
+        except BaseException:
+            socket.close(linger=0)
+            raise
 
     def __init__(self, socket: zmq.Socket[Any], max_frame_bytes: int) -> None:
         self._socket = socket
@@ -126,26 +150,6 @@ class _ChannelBase:
 class Channel(_ChannelBase):
     """A blocking channel over a `zmq.Context` socket."""
 
-    @classmethod
-    def open(
-        cls,
-        context: zmq.Context[Any],
-        socket_type: int,
-        address: str,
-        *,
-        bind: bool,
-        identity: bytes | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    ) -> Channel:
-        """A channel on a new socket bound (``bind``) or connected to ``address``."""
-        socket = context.socket(socket_type)
-        try:
-            _configure(socket, address, bind, identity, max_frame_bytes)
-            return cls(socket, max_frame_bytes=max_frame_bytes)
-        except BaseException:
-            socket.close(linger=0)
-            raise
-
     def __init__(
         self, socket: zmq.Socket[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     ) -> None:
@@ -194,26 +198,6 @@ class Channel(_ChannelBase):
 
 class AsyncChannel(_ChannelBase):
     """An asyncio channel over a `zmq.asyncio.Context` socket; same contracts as `Channel`."""
-
-    @classmethod
-    def open(
-        cls,
-        context: zmq.asyncio.Context,
-        socket_type: int,
-        address: str,
-        *,
-        bind: bool,
-        identity: bytes | None = None,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    ) -> AsyncChannel:
-        """A channel on a new socket bound (``bind``) or connected to ``address``."""
-        socket = context.socket(socket_type)
-        try:
-            _configure(socket, address, bind, identity, max_frame_bytes)
-            return cls(socket, max_frame_bytes=max_frame_bytes)
-        except BaseException:
-            socket.close(linger=0)
-            raise
 
     def __init__(
         self, socket: zmq.asyncio.Socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
