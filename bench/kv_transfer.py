@@ -26,7 +26,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
-from radixserve.model.config import ModelConfig  # noqa: E402
 from radixserve.transfer import PoolCompat, TransferError, create_agent  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -35,23 +34,10 @@ SMOLLM2_SHAPE = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "page_size
 
 
 def _pool(shape: dict[str, int], num_pages: int) -> tuple[KVPool, PoolCompat]:
-    heads, head_dim = shape["num_kv_heads"], shape["head_dim"]
-    config = ModelConfig(
-        architecture="llama",
-        vocab_size=8,
-        hidden_size=heads * head_dim,
-        intermediate_size=8,
-        num_layers=shape["num_layers"],
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-        max_position_embeddings=8,
-        tie_word_embeddings=False,
-        name="bench",
-    )
-    pool = KVPool(config, shape["page_size"], num_pages, torch.float32, torch.device("cpu"))
+    pool = KVPool(
+        shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["page_size"],
+        num_pages, torch.float32, torch.device("cpu"),
+    )  # fmt: skip
     return pool, PoolCompat.from_pool(pool, "bench")
 
 

@@ -27,7 +27,9 @@ class KVPool:
 
     def __init__(
         self,
-        config: ModelConfig,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
         page_size: int,
         num_pages: int,
         dtype: torch.dtype,
@@ -35,16 +37,31 @@ class KVPool:
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.num_layers = config.num_layers
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.dtype = dtype
         # (L, 2, P, page_size, H_kv, D); zeroed so unused slots never hold NaNs.
         self.kv = torch.zeros(
-            (config.num_layers, 2, num_pages, page_size, config.num_kv_heads, config.head_dim),
+            (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim),
             dtype=dtype,
             device=device,
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVPool:
+        """A pool shaped for `config`'s layers and KV heads."""
+        return cls(
+            config.num_layers, config.num_kv_heads, config.head_dim,
+            page_size, num_pages, dtype, device,
+        )  # fmt: skip
 
     @staticmethod
     def page_bytes_all_layers(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -76,7 +76,9 @@ class Engine:
         self.page_size = settings.page_size
         budget = int(settings.kv_cache_memory_gib * (1 << 30))
         num_pages = KVPool.num_pages_for_budget(self.config, self.page_size, self.dtype, budget)
-        self.kv_pool = KVPool(self.config, self.page_size, num_pages, self.dtype, self.device)
+        self.kv_pool = KVPool.from_config(
+            self.config, self.page_size, num_pages, self.dtype, self.device
+        )
         self.allocator = PageAllocator(num_pages)
         namespace = hash_namespace(self.config.name, settings.cache_salt)
         self.cache = (

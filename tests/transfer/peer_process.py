@@ -19,33 +19,15 @@ import pytest
 import torch
 
 from radixserve.cache.kv_pool import KVPool
-from radixserve.model.config import ModelConfig
 from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
 
 NUM_PAGES = 16
 START_TIMEOUT_S = 60.0
 
 
-def tiny_config(head_dim: int = 8) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=32,
-        hidden_size=2 * head_dim,
-        intermediate_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        name="tiny",
-    )
-
-
 def make_pool(head_dim: int = 8, num_pages: int = NUM_PAGES) -> tuple[KVPool, PoolCompat]:
-    pool = KVPool(tiny_config(head_dim), 4, num_pages, torch.float32, torch.device("cpu"))
+    # 2 layers, 2 KV heads, pages of 4 tokens
+    pool = KVPool(2, 2, head_dim, 4, num_pages, torch.float32, torch.device("cpu"))
     return pool, PoolCompat.from_pool(pool, "tiny")
 
 
