@@ -29,6 +29,7 @@ from radixserve.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     BoolSpec,
+    BytesSpec,
     FloatSpec,
     IntSpec,
     ListSpec,
@@ -175,6 +176,14 @@ def _check_value(spec: WireSpec, value: object, path: str) -> Any:
         return value
     if isinstance(spec, StrSpec):
         return _check_str(spec, value, path)
+    if isinstance(spec, BytesSpec):
+        if not isinstance(value, bytes):
+            raise _bad(path, "bytes (msgpack bin)", value)
+        if len(value) > spec.max_bytes:
+            raise ProtocolError(
+                f"{path}: expected at most {spec.max_bytes} bytes, got {len(value)}"
+            )
+        return value
     if isinstance(spec, ListSpec):
         return _check_list(spec, value, path)
     if isinstance(spec, NestedSpec):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 if TYPE_CHECKING:
     from radixserve.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 
 INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -42,6 +42,7 @@ MAX_ERROR_CHARS = 4096
 MAX_TEXT_CHARS = 1 << 20
 MAX_LOAD_STATS = 64
 MAX_DURATION_MS = 1e12
+MAX_BLOB_BYTES = 1 << 20
 
 Role = Literal["gateway", "prefill", "decode", "kvstore"]
 ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost"]
@@ -87,6 +88,13 @@ class StrSpec:
 
 
 @dataclass(frozen=True)
+class BytesSpec:
+    """A msgpack bin of at most ``max_bytes`` bytes (opaque data such as agent metadata)."""
+
+    max_bytes: int
+
+
+@dataclass(frozen=True)
 class ListSpec:
     """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
 
@@ -120,7 +128,15 @@ class StatsSpec:
 
 
 WireSpec = (
-    IntSpec | FloatSpec | BoolSpec | StrSpec | ListSpec | OptionalSpec | NestedSpec | StatsSpec
+    IntSpec
+    | FloatSpec
+    | BoolSpec
+    | StrSpec
+    | BytesSpec
+    | ListSpec
+    | OptionalSpec
+    | NestedSpec
+    | StatsSpec
 )
 
 
@@ -230,7 +246,13 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class HelloAck(Message):
-    """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer."""
+    """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer.
+
+    A worker also says what it serves (``model_name``, ``max_model_len``, ``page_size``)
+    and, if it owns KV pages peers may read, how to reach them: ``transfer_backend`` and
+    the agent's opaque ``transfer_metadata`` (`KVTransferAgent.metadata`), which the
+    reader checks for a compatible pool before its first transfer.
+    """
 
     TYPE_TAG: ClassVar[str] = "hello_ack"
     name: str = field(metadata=_spec(PEER_NAME))
@@ -239,6 +261,11 @@ class HelloAck(Message):
     protocol_version: tuple[int, int] = field(default=PROTOCOL_VERSION, metadata=_spec(VERSION))
     accepted: bool = field(default=True, metadata=_spec(BoolSpec()))
     reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+    model_name: str = field(default="", metadata=_spec(StrSpec(MAX_ID_CHARS)))
+    max_model_len: int = field(default=0, metadata=_spec(COUNT))
+    page_size: int = field(default=0, metadata=_spec(COUNT))
+    transfer_backend: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
+    transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -258,7 +285,11 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
-    """Gateway -> decode worker: a tokenised prompt to serve."""
+    """Gateway -> decode worker: a tokenised prompt to serve.
+
+    ``prefill_worker`` names the prefill worker the gateway picked for it (by load); the
+    decode worker uses it if it must prefill remotely, or picks one itself when empty.
+    """
 
     TYPE_TAG: ClassVar[str] = "generate_request"
     request_id: str = field(metadata=_spec(REQUEST_ID))
@@ -267,6 +298,7 @@ class GenerateRequest(Message):
         default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
     )
     arrival_time: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
+    prefill_worker: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
 
 
 @dataclass(frozen=True)

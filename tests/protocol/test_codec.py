@@ -17,6 +17,7 @@ from radixserve.protocol.messages import (
     GenerateRequest,
     Heartbeat,
     Hello,
+    HelloAck,
     KVReady,
     Message,
     PrefillRequest,
@@ -226,7 +227,7 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
             {"v": [2, 0]},
-            "peer speaks protocol version 2.0, this side 1.0: major versions must match",
+            "peer speaks protocol version 2.0, this side 1.1: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
@@ -369,3 +370,15 @@ def test_any_value_in_any_field_decodes_or_raises_protocol_error(field: str, val
     except ProtocolError:
         return
     assert encode(decoded)  # whatever decodes is valid for the sender as well
+
+
+def test_bytes_fields_round_trip_and_reject_other_types() -> None:
+    ack = HelloAck(
+        "prefill-0", "prefill", transfer_backend="nixl", transfer_metadata=b"\x00\xff" * 9
+    )
+    assert decode(encode(ack)) == ack
+    body = body_of(ack)
+    body["transfer_metadata"] = "not bytes"
+    assert "hello_ack.transfer_metadata: expected bytes" in rejected(pack(body))
+    body["transfer_metadata"] = b"x" * ((1 << 20) + 1)
+    assert "at most 1048576 bytes" in rejected(pack(body))
