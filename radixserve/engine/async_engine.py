@@ -1,8 +1,11 @@
 """Async streaming on top of `Engine`: the engine steps on its own thread.
 
-Callers on an asyncio loop submit requests through a thread-safe inbox; each step's
-outputs are handed back to the caller's loop with `call_soon_threadsafe`. Leaving the
-`stream()` iterator early (a client disconnect) aborts the request in the engine.
+Callers on an asyncio loop hand the engine thread work through a thread-safe inbox:
+`call(fn)` runs ``fn(engine)`` between two steps and returns its result (or raises its
+exception) on the caller's loop; `call(fn, watch=request_id)` also routes every later
+output of that request to a queue. `stream` is the plain case built on it. Outputs go
+back to the caller's loop with `call_soon_threadsafe`. Leaving the `stream()` iterator
+early (a client disconnect) aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -11,29 +14,35 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from radixserve.engine.engine import Engine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+#: What a watched request's queue receives: outputs, then a finished one or an exception.
+OutputQueue = asyncio.Queue  # [RequestOutput | BaseException]
+
 
 @dataclass
-class _Submit:
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    request_id: str
+class _Watch:
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
+    out: OutputQueue
 
 
 @dataclass
-class _Abort:
-    request_id: str
+class _Call:
+    fn: Callable[[Engine], Any]
+    loop: asyncio.AbstractEventLoop | None  # None: fire and forget
+    result: asyncio.Future | None
+    watch: str | None  # request id whose outputs go to `out`
+    out: OutputQueue | None
 
 
 class AsyncEngine:
@@ -41,12 +50,39 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submit | _Abort | None] = queue.Queue()
-        self._streams: dict[str, _Submit] = {}
+        self._inbox: queue.Queue[_Call | None] = queue.Queue()
+        self._watches: dict[str, _Watch] = {}
         self._ids = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
+
+    async def call(
+        self, fn: Callable[[Engine], T], watch: str | None = None
+    ) -> tuple[T, OutputQueue | None]:
+        """Run ``fn(engine)`` on the engine thread; return its result and, with ``watch``,
+        the queue that receives request ``watch``'s outputs from now on (the last one has
+        ``finished`` set, or an exception if a step failed); if ``fn`` itself returns an
+        output of that request, the queue gets it first. If ``fn`` raises, the exception
+        is raised here and nothing is watched."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+        out: OutputQueue | None = asyncio.Queue() if watch is not None else None
+        self._inbox.put(_Call(fn, loop, result, watch, out))
+        try:
+            return await result, out
+        except asyncio.CancelledError:  # the caller left: do not leave the request running
+            if watch is not None:
+                self.abort(watch)
+            raise
+
+    def submit(self, fn: Callable[[Engine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread without waiting (errors are logged)."""
+        self._inbox.put(_Call(fn, None, None, None, None))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request and stop watching it (fire and forget)."""
+        self.submit(lambda engine: self._abort(engine, request_id))
 
     async def stream(
         self,
@@ -61,15 +97,20 @@ class AsyncEngine:
             with self._lock:
                 self._ids += 1
                 request_id = f"async-{self._ids}"
-        out: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(
-            _Submit(prompt, params or SamplingParams(), request_id, asyncio.get_running_loop(), out)
-        )
+        rid = request_id
+        _, out = await self.call(lambda e: e.add_request(prompt, params, rid), watch=rid)
+        assert out is not None
+        async for item in self.outputs(rid, out):
+            yield item
+
+    async def outputs(self, request_id: str, out: OutputQueue) -> AsyncIterator[RequestOutput]:
+        """The outputs queued on ``out`` until a finished one; leaving early aborts."""
         finished = False
         try:
             while True:
                 item = await out.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 yield item
                 if item.finished:
@@ -77,14 +118,16 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(_Abort(request_id))
+                self.abort(request_id)
 
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=30)
 
+    # -- the engine thread -----------------------------------------------------------
+
     def _drain_inbox(self, block: bool) -> bool:
-        """Handle every queued submit/abort (waiting for one if `block`); False on close."""
+        """Handle every queued call (waiting for one if `block`); False on close."""
         while True:
             try:
                 msg = self._inbox.get(block=block)
@@ -107,30 +150,53 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
 
-    def _handle(self, msg: _Submit | _Abort) -> None:
-        if isinstance(msg, _Abort):
-            self._streams.pop(msg.request_id, None)
-            self.engine.abort(msg.request_id)
-            return
+    def _handle(self, call: _Call) -> None:
         try:
-            self.engine.add_request(msg.prompt, msg.params, msg.request_id)
-        except RequestError as exc:
-            msg.loop.call_soon_threadsafe(msg.out.put_nowait, exc)
+            value = call.fn(self.engine)
+        except Exception as exc:
+            if call.loop is None:
+                logger.exception("engine call failed")
+            else:
+                call.loop.call_soon_threadsafe(_settle, call.result, None, exc)
             return
-        self._streams[msg.request_id] = msg
+        if call.loop is None:
+            return
+        if call.watch is not None and call.out is not None:
+            watch = _Watch(call.loop, call.out)
+            if isinstance(value, RequestOutput) and value.request_id == call.watch:
+                # fn produced the request's first output itself (e.g. activate_remote)
+                call.loop.call_soon_threadsafe(call.out.put_nowait, value)
+                if not value.finished:
+                    self._watches[call.watch] = watch
+            else:
+                self._watches[call.watch] = watch
+        call.loop.call_soon_threadsafe(_settle, call.result, value, None)
+
+    def _abort(self, engine: Engine, request_id: str) -> None:
+        self._watches.pop(request_id, None)
+        engine.abort(request_id)
 
     def _deliver(self, request_id: str, item: object, last: bool) -> None:
-        sub = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if sub is not None:
-            sub.loop.call_soon_threadsafe(sub.out.put_nowait, item)
+        watch = self._watches.pop(request_id, None) if last else self._watches.get(request_id)
+        if watch is not None:
+            watch.loop.call_soon_threadsafe(watch.out.put_nowait, item)
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self._streams):
+        for request_id in list(self._watches):
             self.engine.abort(request_id)
             self._deliver(request_id, exc, last=True)
 
     def _abort_all(self) -> None:
-        for request_id in list(self._streams):
+        for request_id in list(self._watches):
             output = self.engine.abort(request_id)
             if output is not None:
                 self._deliver(request_id, output, last=True)
+
+
+def _settle(future: asyncio.Future | None, value: object, exc: BaseException | None) -> None:
+    if future is None or future.done():  # the caller gave up (cancelled) meanwhile
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)

@@ -219,13 +219,29 @@ class Engine:
         first = req.num_computed // self.page_size
         return req.request_id, req.num_computed, list(req.page_ids[first:])
 
-    def activate_remote(self, request_id: str, first_token: int) -> RequestOutput:
-        """The reserved pages now hold the prompt's KV; continue with `first_token`."""
+    def activate_remote(
+        self, request_id: str, first_token: int, cached_tokens: int | None = None
+    ) -> RequestOutput:
+        """The reserved pages now hold the prompt's KV; continue with `first_token`.
+
+        ``cached_tokens`` is how many prompt tokens the cluster served from a cache (the
+        prefill worker's hit); it replaces this engine's own count in the outputs.
+        """
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.AWAITING_KV:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
         self.scheduler.activate_remote(req)
+        if cached_tokens is not None:
+            req.num_cached_tokens = cached_tokens
+            req.num_computed_prompt_tokens = len(req.prompt_ids) - cached_tokens
         return self._append(req, first_token, time.perf_counter())
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a request for ``prompt_ids`` would find cached now (page-aligned,
+        never the last token); locks nothing."""
+        if self.cache is None or len(prompt_ids) < 2:
+            return 0
+        return self.cache.match_prefix(list(prompt_ids[:-1])).num_tokens
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
