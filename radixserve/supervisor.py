@@ -1,0 +1,316 @@
+"""A small process supervisor: `radixserve up` runs the gateway and workers under it.
+
+Each `ProcessSpec` becomes one OS process. `start()` spawns them in order, `poll()` does
+one non-blocking supervision pass (reap, log, restart), `run()` loops `poll()` until
+SIGINT/SIGTERM and then calls `stop()`, which shuts the children down.
+
+Contracts:
+  * Children get `os.environ` with `spec.env` on top, inherit stdout/stderr, and read
+    stdin from /dev/null.
+  * Every child starts in its own session (`start_new_session=True`), so a Ctrl-C in the
+    terminal reaches only the supervisor; the supervisor then stops the children itself,
+    in reverse start order (the gateway stops taking requests before the workers go).
+  * On Linux every child has PR_SET_PDEATHSIG=SIGTERM: if the supervisor dies, even by
+    SIGKILL, its children get SIGTERM. The signal follows the *thread* that spawned the
+    child, so call `start()`/`poll()`/`run()` from a thread that lives as long as the
+    supervisor (the main thread in practice).
+  * A child that exits on its own is restarted when `restart=True`, after a backoff that
+    starts at `restart_backoff_s`, doubles per consecutive quick crash up to
+    `max_backoff_s`, and resets once the child had lived more than 60 s. A child with
+    `restart=False` stays down.
+  * `start()` raises `SupervisorError` naming the process whose command cannot be run,
+    after stopping the processes it had already started.
+  * `stop()` is idempotent: SIGTERM to each live child, a shared wait of at most
+    `stop_timeout_s`, then SIGKILL to the process group of each straggler; every child
+    is reaped, so none is left a zombie. A stopped supervisor restarts nothing.
+  * Signal handlers only set a flag. A Supervisor is not thread-safe and starts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+from radixserve.errors import RadixServeError
+
+logger = logging.getLogger(__name__)
+
+_STABLE_AFTER_S = 60.0  # a child that lived this long resets its restart backoff
+_POLL_INTERVAL_S = 0.1
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SupervisorError(RadixServeError):
+    """A supervised process cannot be started, or the supervisor is misused."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One supervised process: a name for logs and `pid()`, and how to run it."""
+
+    name: str  # e.g. "gateway", "prefill-0", "decode-0"
+    argv: list[str]  # full command line, e.g. [sys.executable, "-m", "radixserve.cli", ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added on top of os.environ
+    restart: bool = True  # restart it when it exits on its own
+
+
+@dataclass
+class _Child:
+    """Mutable supervision state of one spec."""
+
+    spec: ProcessSpec
+    backoff_s: float  # delay before the next restart
+    proc: subprocess.Popen[bytes] | None = None  # None while down
+    started_at: float = 0.0  # time.monotonic() of the last spawn
+    num_restarts: int = 0
+    restart_at: float | None = None  # time.monotonic() of a pending restart
+
+
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Callable[..., int]:
+    """libc's prctl, loaded in the parent so the forked child does no dlopen."""
+    fn = ctypes.CDLL(None, use_errno=True).prctl
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """A preexec_fn making the child get SIGTERM when this process dies (Linux only)."""
+    if sys.platform != "linux":
+        return None
+    prctl = _prctl()
+    parent_pid = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
+            os._exit(1)
+
+    return preexec
+
+
+def _describe_exit(returncode: int) -> str:
+    """'code 3' or 'code -9 (signal SIGKILL)'."""
+    if returncode >= 0:
+        return f"code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"code {returncode} (signal {name})"
+
+
+class Supervisor:
+    """Starts, restarts and stops a fixed set of processes; see the module docstring."""
+
+    def __init__(
+        self,
+        specs: Sequence[ProcessSpec],
+        *,
+        restart_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names must be unique, got {names}")
+        if any(not s.argv for s in specs):
+            raise ValueError("every ProcessSpec needs a non-empty argv")
+        if not 0 < restart_backoff_s <= max_backoff_s:
+            raise ValueError("need 0 < restart_backoff_s <= max_backoff_s")
+        if stop_timeout_s < 0:
+            raise ValueError("stop_timeout_s must be >= 0")
+        self.restart_backoff_s = restart_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stop_timeout_s = stop_timeout_s
+        self._children = [_Child(spec=s, backoff_s=restart_backoff_s) for s in specs]
+        self._by_name = {c.spec.name: c for c in self._children}
+        self._started = False
+        self._stopped = False
+        self._signal: int | None = None  # set by the signal handler, read by run()
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn every process in order; on failure stop the ones already started."""
+        if self._started:
+            raise SupervisorError("supervisor already started")
+        self._started = True
+        for child in self._children:
+            try:
+                self._spawn(child)
+            except (OSError, subprocess.SubprocessError) as e:
+                self.stop()
+                raise SupervisorError(
+                    f"cannot start process {child.spec.name!r} ({shlex.join(child.spec.argv)}): {e}"
+                ) from e
+
+    def poll(self) -> None:
+        """One supervision pass: reap exited children, restart those whose backoff is up."""
+        if self._stopped:
+            return
+        now = time.monotonic()
+        for child in self._children:
+            if child.proc is not None and child.proc.poll() is not None:
+                self._on_exit(child, child.proc.returncode, now)
+            if child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.num_restarts += 1
+                try:
+                    self._spawn(child)
+                except (OSError, subprocess.SubprocessError) as e:
+                    logger.error("cannot restart %s: %s", child.spec.name, e)
+                    self._schedule_restart(child, now, lived_s=0.0)
+
+    def run(
+        self,
+        ready: Callable[[], bool] | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> int:
+        """Supervise until SIGINT (returns 130) or SIGTERM (returns 0); main thread only.
+
+        `on_ready()` is called once, the first time `ready()` returns True (at once when
+        `ready` is None). Returns 1 if every process is down and none will restart.
+        """
+        if not self._started:
+            self.start()
+        self._signal = None
+        handlers = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        try:
+            is_ready = False
+            while self._signal is None:
+                self.poll()
+                if not is_ready and (ready is None or ready()):
+                    is_ready = True
+                    logger.info("processes ready")
+                    if on_ready is not None:
+                        on_ready()
+                if not any(c.proc is not None or c.restart_at is not None for c in self._children):
+                    logger.error("every process has exited and none will restart")
+                    return 1
+                time.sleep(_POLL_INTERVAL_S)
+            logger.info("received %s; shutting down", signal.Signals(self._signal).name)
+            return 130 if self._signal == signal.SIGINT else 0
+        finally:
+            self.stop()  # with our handlers still in place: a second Ctrl-C is ignored
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
+
+    def stop(self) -> None:
+        """SIGTERM every live child (reverse order), wait, SIGKILL stragglers, reap all."""
+        if self._stopped:
+            return
+        self._stopped = True
+        live = [c for c in reversed(self._children) if c.proc is not None]
+        for child in self._children:
+            child.restart_at = None
+        if live:
+            logger.info("stopping %s", ", ".join(c.spec.name for c in live))
+        for child in live:
+            assert child.proc is not None
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for child in live:
+            assert child.proc is not None
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "%s (pid %d) still running %gs after SIGTERM; sending SIGKILL",
+                    child.spec.name,
+                    child.proc.pid,
+                    self.stop_timeout_s,
+                )
+                self._kill_group(child.proc)
+                child.proc.wait()
+            logger.info("%s stopped (%s)", child.spec.name, _describe_exit(child.proc.returncode))
+            child.proc = None
+
+    # ---- queries ------------------------------------------------------------------
+
+    def pid(self, name: str) -> int | None:
+        """The pid of `name` if it is running, else None."""
+        proc = self._child(name).proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def alive(self, name: str) -> bool:
+        """Whether `name` is running right now."""
+        return self.pid(name) is not None
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each process has been restarted (a copy)."""
+        return {c.spec.name: c.num_restarts for c in self._children}
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _child(self, name: str) -> _Child:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no process named {name!r}") from None
+
+    def _spawn(self, child: _Child) -> None:
+        spec = child.spec
+        child.proc = subprocess.Popen(
+            spec.argv,
+            env={**os.environ, **spec.env},
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_pdeathsig_preexec(),
+        )
+        child.started_at = time.monotonic()
+        logger.info("started %s (pid %d): %s", spec.name, child.proc.pid, shlex.join(spec.argv))
+
+    def _on_exit(self, child: _Child, returncode: int, now: float) -> None:
+        child.proc = None
+        how = _describe_exit(returncode)
+        if not child.spec.restart:
+            logger.warning(
+                "%s exited with %s; not restarting (restart=False)", child.spec.name, how
+            )
+            return
+        delay = self._schedule_restart(child, now, lived_s=now - child.started_at)
+        logger.warning(
+            "%s exited with %s; restarting in %gs (restart #%d)",
+            child.spec.name,
+            how,
+            delay,
+            child.num_restarts + 1,
+        )
+
+    def _schedule_restart(self, child: _Child, now: float, lived_s: float) -> float:
+        """Set the restart time of `child` and grow its backoff; returns the delay."""
+        if lived_s > _STABLE_AFTER_S:
+            child.backoff_s = self.restart_backoff_s
+        delay = child.backoff_s
+        child.backoff_s = min(2 * delay, self.max_backoff_s)
+        child.restart_at = now + delay
+        return delay
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the child and its process group (it leads one: start_new_session=True)."""
+        # The pid is not reaped yet, so it cannot have been reused. The group can be empty
+        # if the child moved to another one: then only the kill below reaches it.
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signal = signum  # only a flag: run() does the work
