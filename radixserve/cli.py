@@ -1,4 +1,8 @@
-"""The `radixserve` command line: generate, chat, serve (OpenAI HTTP API), bench."""
+"""The `radixserve` command line.
+
+up (the local disaggregated cluster), serve (HTTP API on an in-process engine),
+prefill | decode | gateway (one service, configured by RADIXSERVE_* settings, as
+compose and Kubernetes run them), generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -164,6 +168,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.engine_ttft import run_engine_bench
 
         return run_engine_bench(build_settings(args), out_path=args.out, quick=args.quick)
+    if args.scenario == "gateway":
+        from radixserve.bench.gateway_chat import run_gateway_bench
+
+        return run_gateway_bench(quick=args.quick, out_path=args.out)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
@@ -186,6 +194,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from radixserve.cluster import ClusterConfig, run_cluster
+
+    engine_env = {}
+    if args.model:
+        engine_env["RADIXSERVE_MODEL"] = args.model
+    if args.dtype:
+        engine_env["RADIXSERVE_DTYPE"] = args.dtype
+    if args.device:
+        engine_env["RADIXSERVE_DEVICE"] = args.device
+    if args.kv_cache_memory_gib is not None:
+        engine_env["RADIXSERVE_KV_CACHE_MEMORY_GIB"] = str(args.kv_cache_memory_gib)
+    if args.page_size is not None:
+        engine_env["RADIXSERVE_PAGE_SIZE"] = str(args.page_size)
+    if args.prefix_cache is False:
+        engine_env["RADIXSERVE_PREFIX_CACHE"] = "false"
+    if args.log_level:
+        engine_env["RADIXSERVE_LOG_LEVEL"] = args.log_level
+    decode_env = {}
+    if args.local_prefill_max_tokens is not None:
+        decode_env["RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS"] = str(
+            args.local_prefill_max_tokens
+        )
+    config = ClusterConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.transport,
+        host=args.host,
+        port=args.port,
+        engine_env=engine_env,
+        decode_env=decode_env,
+        num_threads=args.num_threads,
+    )
+    return run_cluster(config)
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    if args.command == "gateway":
+        from radixserve.services.gateway.__main__ import main as gateway_main
+
+        return gateway_main()
+    from radixserve.services.worker import run_worker
+
+    if args.command == "prefill":
+        from radixserve.services.prefill import PrefillSettings, PrefillWorker
+
+        return run_worker(PrefillWorker, PrefillSettings())
+    from radixserve.services.decode import DecodeSettings, DecodeWorker
+
+    return run_worker(DecodeWorker, DecodeSettings())
+
+
+_SERVICE_HELP = {
+    "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
+    "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
+    "gateway": "run the HTTP gateway alone (settings: RADIXSERVE_GATEWAY_*, RADIXSERVE_MODEL)",
+}
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,7 +272,13 @@ def make_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="run a benchmark scenario")
-    bench.add_argument("--scenario", default="engine", choices=["engine"])
+    bench.add_argument(
+        "--scenario",
+        default="engine",
+        choices=["engine", "gateway"],
+        help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
+        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy",
+    )
     bench.add_argument("--out", help="write results as JSON to this file")
     bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
     _engine_args(bench)
@@ -221,6 +294,27 @@ def make_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", help="model name clients send (alias: default)")
     _engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser(
+        "up", help="run the local cluster: gateway, prefill and decode workers as processes"
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+                    help="how KV pages move between workers (default nixl)")  # fmt: skip
+    up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--local-prefill-max-tokens", type=int,
+                    help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
+    up.add_argument("--num-threads", type=int,
+                    help="CPU threads per worker (default: the cores split between workers)")  # fmt: skip
+    _engine_args(up)
+    up.set_defaults(func=cmd_up)
+
+    for name, text in _SERVICE_HELP.items():
+        service = sub.add_parser(name, help=text, description=text)
+        service.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
+        service.set_defaults(func=cmd_service)
     return parser
 
 

@@ -25,5 +25,10 @@ class CapacityError(RequestError):
     """The request can never fit in the KV pool as configured."""
 
 
+class UnavailableError(RadixServeError):
+    """The serving workers cannot take or finish a request now (HTTP 503): none is up,
+    one died mid-request, or a transfer between them failed. Retrying later may work."""
+
+
 class ModelLoadError(RadixServeError):
     """A model path is missing, unreadable, corrupt or of an unsupported kind."""

@@ -10,13 +10,21 @@ radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
 radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
 radixserve_live_requests (gauges).
+
+Behind a disaggregated gateway the workers' own numbers arrive in their heartbeats and
+are exported per worker (labels ``worker``, ``role``): ``radixserve_worker_<key>`` for
+each gauge (pages_used, pages_free, pages_locked, live_requests, queued_tokens, ...),
+``radixserve_worker_<key>_total`` for each counter (kv_transfer_pages_total,
+kv_transfer_bytes_total, prefill_computed_tokens_total, ...), ``radixserve_worker_up``,
+and ``radixserve_kv_transfer_seconds`` (a summary: transfer count and total seconds).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,6 +34,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,8 @@ class ServingMetrics:
             key: Gauge(f"radixserve_{key}", f"Engine {key.replace('_', ' ')}.", registry=r)
             for key in _POOL_GAUGES
         }
+        self._workers = _WorkerCollector()
+        r.register(self._workers)
 
     def record_finish(
         self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reason: str
@@ -90,12 +102,61 @@ class ServingMetrics:
         self.generation_tokens.inc(completion_tokens)
         self.requests.labels(finish_reason=reason).inc()
 
-    def render(self, stats: Mapping[str, int]) -> bytes:
-        """Prometheus text exposition, pool gauges refreshed from `stats` first."""
+    def render(
+        self, stats: Mapping[str, int], workers: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> bytes:
+        """Prometheus text exposition, pool gauges refreshed from `stats` and per-worker
+        families from `workers` (name -> heartbeat stats with "role" and "up") first."""
         for key, gauge in self._pool.items():
             if key in stats:
                 gauge.set(stats[key])
+        self._workers.snapshot = dict(workers or {})
         return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    """Exports the latest per-worker stats as labelled families at scrape time."""
+
+    _SKIP = frozenset({"role", "address", "up", "generation"})
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Mapping[str, Any]] = {}
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["worker", "role"]
+        families: dict[str, Any] = {}
+        up = GaugeMetricFamily("radixserve_worker_up", "1 while the worker is up.", labels=labels)
+        transfer = SummaryMetricFamily(
+            "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
+        )
+        for name, stats in sorted(self.snapshot.items()):
+            ids = [name, str(stats.get("role", ""))]
+            up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
+            if "kv_transfers_total" in stats:
+                transfer.add_metric(
+                    ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
+                )
+            for key, value in stats.items():
+                if key in self._SKIP or not isinstance(value, int | float):
+                    continue
+                if key.endswith("_total"):
+                    base = f"radixserve_worker_{key[: -len('_total')]}"
+                    family = families.get(base) or CounterMetricFamily(
+                        base, f"Worker counter {key}.", labels=labels
+                    )
+                else:
+                    base = f"radixserve_worker_{key}"
+                    family = families.get(base) or GaugeMetricFamily(
+                        base, f"Worker {key.replace('_', ' ')}.", labels=labels
+                    )
+                families[base] = family
+                family.add_metric(ids, float(value))
+        yield up
+        yield transfer
+        yield from families.values()
 
 
 class RequestTimer:

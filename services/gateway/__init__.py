@@ -1,14 +1,49 @@
 """The OpenAI-compatible HTTP gateway (installed as ``radixserve.services.gateway``).
 
-`create_app(client, settings)` builds the FastAPI app over an `EngineClient`;
-`LocalEngineClient` runs the engine in-process. See `app` for the endpoints.
+`create_app(client, settings)` builds the FastAPI app over an `EngineClient`:
+`LocalEngineClient` runs the engine in-process, `ClusterClient` serves through decode
+and prefill workers; `build_client` picks by settings. See `app` for the endpoints.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from radixserve.services.gateway.app import create_app
 from radixserve.services.gateway.engine_client import EngineClient, LocalEngineClient
 from radixserve.services.gateway.settings import GatewaySettings
 
-__all__ = ["EngineClient", "GatewaySettings", "LocalEngineClient", "create_app", "serve"]
+if TYPE_CHECKING:
+    from radixserve.settings import EngineSettings
+
+__all__ = [
+    "EngineClient",
+    "GatewaySettings",
+    "LocalEngineClient",
+    "build_client",
+    "create_app",
+    "serve",
+]
+
+
+def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> EngineClient:
+    """A `ClusterClient` over ``settings.decode_workers`` if any (only the tokenizer is
+    loaded here), else an in-process engine built from ``engine_settings``."""
+    if settings.decode_workers:
+        from radixserve.model.checkpoint import load_checkpoint
+        from radixserve.services.gateway.cluster_client import ClusterClient
+
+        checkpoint = load_checkpoint(engine_settings.model, progress=False)
+        config = checkpoint.config
+        limit = min(engine_settings.max_model_len or config.max_position_embeddings,
+                    config.max_position_embeddings)  # fmt: skip
+        return ClusterClient(
+            settings, checkpoint.tokenizer, config.name, limit, engine_settings.page_size
+        )
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.engine import Engine
+
+    return LocalEngineClient(AsyncEngine(Engine(engine_settings)))
 
 
 def serve(client: EngineClient, settings: GatewaySettings) -> None:

@@ -1,31 +1,36 @@
-"""``python -m radixserve.services.gateway``: an in-process engine behind the gateway.
+"""``python -m radixserve.services.gateway``: the HTTP gateway as its own process.
 
-Configured from the environment only: engine settings as ``RADIXSERVE_*``, gateway
-settings as ``RADIXSERVE_GATEWAY_*``.
+Configured from the environment only: gateway settings as ``RADIXSERVE_GATEWAY_*``
+and the model as ``RADIXSERVE_MODEL`` (the gateway reads its tokenizer and chat
+template). With ``RADIXSERVE_GATEWAY_DECODE_WORKERS`` set it serves through those
+workers; without, it runs an engine in-process (``RADIXSERVE_*`` engine settings).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from radixserve.logging import setup_logging
 
-logger = logging.getLogger(__name__)
-
 
 def main() -> int:
-    from radixserve.engine.async_engine import AsyncEngine
-    from radixserve.engine.engine import Engine
-    from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
+    from radixserve.services.gateway import GatewaySettings, build_client, serve
     from radixserve.settings import EngineSettings
 
     setup_logging()
     from_env: dict[str, object] = {}  # every field from RADIXSERVE_* / defaults
     gateway_settings = GatewaySettings(**from_env)  # type: ignore[arg-type]
-    client = LocalEngineClient(AsyncEngine(Engine(EngineSettings(**from_env))))  # type: ignore[arg-type]
-    print(f"radixserve gateway on http://{gateway_settings.host}:{gateway_settings.port}/v1")
-    sys.stdout.flush()
+    client = build_client(gateway_settings, EngineSettings(**from_env))  # type: ignore[arg-type]
+    mode = (
+        f"{len(gateway_settings.decode_workers)} decode worker(s)"
+        if gateway_settings.decode_workers
+        else "an in-process engine"
+    )
+    print(
+        f"radixserve gateway on http://{gateway_settings.host}:{gateway_settings.port}/v1 "
+        f"serving {client.model_name} through {mode}",
+        flush=True,
+    )
     serve(client, gateway_settings)
     return 0
 

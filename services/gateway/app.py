@@ -12,6 +12,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), GET
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -42,6 +44,8 @@ from radixserve.services.gateway.settings import GatewaySettings
 logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
+_CLIENT_CLOSED = 499  # the client closed the connection (nginx's convention); never seen
 
 
 def _sse(obj: Any) -> str:
@@ -170,7 +174,9 @@ class _Gateway:
         prompt_ids = self.client.encode_prompt(req.single_prompt())
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(max_tokens)
-        return await self.generate("completion", prompt_ids, params, req.stream, req.include_usage)
+        return await self.generate(
+            request, "completion", prompt_ids, params, req.stream, req.include_usage
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -183,10 +189,13 @@ class _Gateway:
             room = self.client.max_model_len - len(prompt_ids)
             max_tokens = max(1, min(self.settings.default_max_tokens, room))
         params = req.sampling_params(max_tokens)
-        return await self.generate("chat", prompt_ids, params, req.stream, req.include_usage)
+        return await self.generate(
+            request, "chat", prompt_ids, params, req.stream, req.include_usage
+        )
 
     async def generate(
         self,
+        request: Request,
         kind: Kind,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -197,10 +206,13 @@ class _Gateway:
         self.acquire()
         gen = _Generation(self, self.client.generate(prompt_ids, params, rid))
         try:
-            first = await gen.stream.__anext__()  # RequestError → 400 before any byte
+            first = await self._first_output(request, gen)  # RequestError → 400, no byte sent
         except BaseException:
             await gen.close()
             raise
+        if first is None:  # the client left before the first token (e.g. during prefill)
+            await gen.close()
+            return Response(status_code=_CLIENT_CLOSED)
         meta = (kind, rid, int(time.time()), self.model_name)
         if stream:
             events = self._events(meta, gen, first, include_usage)
@@ -216,6 +228,23 @@ class _Gateway:
         finally:
             await gen.close()
         return JSONResponse(full_response(*meta, "".join(text), out))
+
+    async def _first_output(self, request: Request, gen: _Generation) -> RequestOutput | None:
+        """The stream's first output, or None if the client disconnects while waiting
+        (the prefill of a long prompt can take seconds; nobody should wait for it)."""
+        first = asyncio.ensure_future(gen.stream.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return first.result()
+                if await request.is_disconnected():
+                    logger.info("client left before the first token; aborting")
+                    return None
+        finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
 
     async def _events(
         self,
@@ -258,21 +287,43 @@ class _Gateway:
         }
         return {"object": "list", "data": [card]}
 
-    async def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.model_name}
+    async def health(self) -> JSONResponse:
+        ok, detail = self.client.health()
+        body = {"status": "ok" if ok else "unavailable", "model": self.model_name, **detail}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics_text(self) -> Response:
-        return Response(self.metrics.render(self.client.stats()), media_type=CONTENT_TYPE)
+        body = self.metrics.render(self.client.stats(), self.client.worker_stats())
+        return Response(body, media_type=CONTENT_TYPE)
 
     async def debug_cache(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
-        return {**self.client.stats(), "gateway_in_flight": self.in_flight}
+        body: dict[str, Any] = {**self.client.stats(), "gateway_in_flight": self.in_flight}
+        workers = self.client.worker_stats()
+        if workers:
+            body["workers"] = workers
+        return body
 
 
 def create_app(client: EngineClient, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway app over `client`. The caller owns `client` (and closes it)."""
     gw = _Gateway(client, settings or GatewaySettings())
-    app = FastAPI(title="radixserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(
+        title="radixserve gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
     install_error_handlers(app)
     app.add_api_route("/v1/completions", gw.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])

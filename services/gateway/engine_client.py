@@ -60,6 +60,22 @@ class EngineClient(abc.ABC):
     def close(self) -> None:
         """Stop the engine side; live requests are aborted. Idempotent."""
 
+    async def start(self) -> None:  # noqa: B027 - an optional hook
+        """Run once on the server's event loop before the first request (app startup);
+        clients that own sockets open them here. Nothing to do by default."""
+
+    async def shutdown(self) -> None:  # noqa: B027 - an optional hook
+        """Run once on the server's event loop at app shutdown. Nothing by default."""
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Whether requests can be served now, and details for /health."""
+        return True, {}
+
+    def worker_stats(self) -> dict[str, dict[str, Any]]:
+        """Per-worker load and pool counters (name -> stats) for /debug/cache and
+        /metrics; empty for an in-process engine (see `stats`)."""
+        return {}
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a completion prompt (text gets the tokenizer's special tokens);
         token ids are passed through and checked against the vocabulary by the engine."""

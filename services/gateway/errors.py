@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.errors import RequestError
+from radixserve.errors import RequestError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ _TYPES = {
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable",
 }
 
 
@@ -78,6 +79,10 @@ async def _request_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(400, str(exc), getattr(exc, "param", None))
 
 
+async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, str(exc))
+
+
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ValidationError | RequestValidationError)
     message, param = validation_message(exc)
@@ -99,6 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the gateway can meet to an OpenAI error object."""
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(UnavailableError, _unavailable)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -39,6 +39,32 @@ class GatewaySettings(BaseSettings):
         description="Model name clients must send (besides the alias 'default'); "
         "None = the engine's model name.",
     )
+    decode_workers: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Control addresses (tcp://host:port) of the decode workers to serve "
+        "through; empty = run an engine inside the gateway. From the environment as a JSON "
+        "list.",
+    )
+    prefill_workers: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Control addresses of the prefill workers (for load-based prefill "
+        "routing and /metrics, /debug/cache). From the environment as a JSON list.",
+    )
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
+    peer_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="A worker silent this long is down: its requests end with an error.",
+    )
+    decode_load_weight: float = Field(
+        4.0,
+        ge=0,
+        description="Decode routing: pages of cached prefix one in-flight request is worth "
+        "(cost = uncached pages + weight * in-flight requests).",
+    )
     default_max_tokens: int = Field(
         1024,
         ge=1,

@@ -1,0 +1,10 @@
+"""The decode service (installed as ``radixserve.services.decode``).
+
+`DecodeWorker` runs continuous-batching decode over its own radix cache, prefilling
+locally when little is missing and through a prefill worker otherwise;
+`DecodeSettings` configures it (``RADIXSERVE_DECODE_*``).
+"""
+
+from radixserve.services.decode.worker import DecodeSettings, DecodeWorker
+
+__all__ = ["DecodeSettings", "DecodeWorker"]

@@ -1,0 +1,14 @@
+"""``python -m radixserve.services.decode``: one decode worker, configured from the
+environment (``RADIXSERVE_*`` for the engine, ``RADIXSERVE_DECODE_*`` for the worker)."""
+
+from __future__ import annotations
+
+import sys
+
+from radixserve.logging import setup_logging
+from radixserve.services.decode import DecodeSettings, DecodeWorker
+from radixserve.services.worker import run_worker
+
+if __name__ == "__main__":
+    setup_logging()
+    sys.exit(run_worker(DecodeWorker, DecodeSettings()))

@@ -1,0 +1,339 @@
+"""The decode worker: continuous batching over its own radix cache, remote prefill on demand.
+
+For each `GenerateRequest` from the gateway:
+
+* **Local prefill** when the prompt's uncached delta on this worker is at most
+  ``local_prefill_max_tokens`` (turn N+1 of a chat whose turn N ran here), or when no
+  prefill worker is up: the engine prefills and decodes; no KV moves.
+* **Remote prefill** otherwise: the engine reserves pages for the part of the prompt its
+  cache lacks (`Engine.reserve_remote`), a prefill worker (the gateway's pick, else the
+  least loaded) computes the prompt and answers `KVReady`; this worker pulls exactly
+  those pages through its transfer agent, tells the prefill worker `TransferDone` and
+  continues from the first token (`Engine.activate_remote`).
+
+If the prefill worker fails, dies, times out (``prefill_timeout_s``) or the transfer
+fails, the reserved pages are returned uncached (never decoded from) and, with
+``on_transfer_failure="recompute"``, the request is prefilled locally; with ``"fail"``
+the gateway gets `RequestFailed`. Outputs stream to the gateway as `TokenChunk`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from radixserve.engine.outputs import RequestOutput
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol import (
+    Abort,
+    GenerateRequest,
+    KVReady,
+    Message,
+    PrefillRequest,
+    RequestFailed,
+    SamplingSpec,
+    TokenChunk,
+    TransferDone,
+)
+from radixserve.protocol.messages import ErrorType
+from radixserve.services.links import Link, LinkSet
+from radixserve.services.worker import Peer, Worker, WorkerSettings
+from radixserve.transfer import TransferError
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSettings(WorkerSettings):
+    """A decode worker's settings, from ``RADIXSERVE_DECODE_*``."""
+
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_DECODE_", frozen=True, extra="forbid")
+
+    prefill_workers: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Control addresses of the prefill workers (tcp://host:port); empty = "
+        "always prefill locally. From the environment as a JSON list.",
+    )
+    local_prefill_max_tokens: int = Field(
+        256,
+        ge=0,
+        description="Prefill here, moving no KV, when at most this many prompt tokens are "
+        "not already cached on this worker (conditional disaggregation).",
+    )
+    on_transfer_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="When remote prefill or its KV transfer fails: prefill locally, or fail "
+        "the request.",
+    )
+    prefill_timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="Longest wait for a prefill worker's KVReady."
+    )
+    transfer_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest wait for one KV page transfer."
+    )
+
+
+class PrefillFailed(Exception):
+    """Remote prefill of one request did not deliver KV."""
+
+    def __init__(self, kind: ErrorType, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class _Pending:
+    link: Link
+    ready: asyncio.Future  # -> KVReady
+
+
+def _chunk(out: RequestOutput) -> TokenChunk:
+    return TokenChunk(
+        request_id=out.request_id,
+        token_ids=tuple(out.new_token_ids),
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
+        prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens,
+        ttft_ms=out.ttft_ms,
+    )
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+    settings: DecodeSettings
+
+    def __init__(self, settings: DecodeSettings, engine) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(settings, engine)
+        self.prefills: LinkSet | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
+        self._assigned: dict[str, int] = {}  # prefill worker -> prompt tokens sent, unanswered
+
+    async def start(self) -> None:
+        s = self.settings
+        assert self.context is not None
+        self.prefills = LinkSet(
+            self.context,
+            list(s.prefill_workers),
+            name=self.name,
+            role="decode",
+            generation=self.generation,
+            interval_s=s.heartbeat_interval_s,
+            peer_timeout_s=s.peer_timeout_s,
+            on_message=self._from_prefill,
+            on_down=self._prefill_down,
+        )
+        self.prefills.start()
+
+    async def stop(self) -> None:
+        if self.prefills is not None:
+            await self.prefills.close()
+
+    # -- from the gateway ------------------------------------------------------------
+
+    def handle(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._owner[msg.request_id] = peer.identity
+            self.spawn(msg.request_id, self._serve(peer, msg))
+        elif isinstance(msg, Abort):
+            self.cancel(msg.request_id)
+        else:
+            super().handle(peer, msg)
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        for request_id, identity in list(self._owner.items()):
+            if identity == peer.identity:
+                self.cancel(request_id)
+
+    def load(self) -> dict[str, int | float]:
+        stats = super().load()
+        stats["prefills_up"] = len(self.prefills.up()) if self.prefills else 0
+        stats["awaiting_kv"] = len(self._pending)
+        return stats
+
+    async def _serve(self, peer: Peer, msg: GenerateRequest) -> None:
+        rid = msg.request_id
+        try:
+            params = msg.sampling.to_params()
+            out = await self._begin(rid, list(msg.prompt_token_ids), params, msg.prefill_worker)
+            async for output in self.engine.outputs(rid, out):
+                await self.send_to(peer, _chunk(output))
+        except PrefillFailed as exc:
+            await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self.fail(peer, rid, exc)
+        finally:
+            self._owner.pop(rid, None)
+
+    async def _begin(
+        self, rid: str, ids: list[int], params: SamplingParams, preferred: str
+    ) -> asyncio.Queue:
+        """Start the request (locally or through a prefill worker); its output queue."""
+        link = self._pick_prefill(preferred)
+        if link is not None:
+            cached, _ = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
+            if len(ids) - cached > self.settings.local_prefill_max_tokens:
+                reserved, _ = await self.engine.call(lambda e: e.reserve_remote(ids, params, rid))
+                if reserved is not None:
+                    return await self._remote(link, rid, ids, params, reserved[1], reserved[2])
+        return await self._local(rid, ids, params)
+
+    async def _local(self, rid: str, ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        self.counters["local_prefills_total"] += 1
+        _, out = await self.engine.call(lambda e: e.add_request(ids, params, rid), watch=rid)
+        assert out is not None
+        return out
+
+    # -- remote prefill --------------------------------------------------------------
+
+    def _pick_prefill(self, preferred: str) -> Link | None:
+        if self.prefills is None:
+            return None
+        up = self.prefills.up()
+        if not up:
+            return None
+        chosen = self.prefills.by_name(preferred) if preferred else None
+        if chosen is None:
+            chosen = min(
+                up,
+                key=lambda link: (
+                    float(link.load.get("queued_tokens", 0)) + self._assigned.get(link.name, 0),
+                    link.name,
+                ),
+            )
+        return chosen
+
+    async def _remote(
+        self,
+        link: Link,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        num_cached: int,
+        dst: list[int],
+    ) -> asyncio.Queue:
+        """Prefill on ``link``, pull the pages, activate; on failure recompute or raise."""
+        pending = _Pending(link, asyncio.get_running_loop().create_future())
+        self._pending[rid] = pending
+        self._assigned[link.name] = self._assigned.get(link.name, 0) + len(ids)
+        consumed = False
+        try:
+            await link.send(
+                PrefillRequest(
+                    request_id=rid,
+                    token_ids=tuple(ids),
+                    decode_worker=self.name,
+                    dst_page_ids=tuple(dst),
+                    transfer_backend=self.settings.transfer_backend,
+                    sampling=SamplingSpec.from_params(params),
+                    num_cached_tokens=num_cached,
+                )
+            )
+            kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
+            self._unassign(link, ids)
+            await self._pull(link, kv, dst)
+            consumed = True
+            await link.send(TransferDone(rid), timeout_ms=0)
+        except asyncio.CancelledError:
+            await self._give_back(link, rid, consumed)
+            raise
+        except (PrefillFailed, TransferError, TimeoutError) as exc:
+            await self._give_back(link, rid, consumed)
+            self.counters["remote_prefill_failures_total"] += 1
+            if isinstance(exc, PrefillFailed) and exc.kind == "invalid_request":
+                raise
+            if self.settings.on_transfer_failure == "fail":
+                kind: ErrorType = exc.kind if isinstance(exc, PrefillFailed) else "timeout"
+                raise PrefillFailed(kind, f"remote prefill on {link.label} failed: {exc}") from exc
+            logger.warning("%s: remote prefill of %s on %s failed (%s); recomputing locally",
+                           self.name, rid, link.label, exc)  # fmt: skip
+            return await self._local(rid, ids, params)
+        finally:
+            self._pending.pop(rid, None)
+            if not pending.ready.done():
+                self._unassign(link, ids)
+        self.counters["remote_prefills_total"] += 1
+        first = kv.first_token_id
+        _, out = await self.engine.call(
+            lambda e: e.activate_remote(rid, first, kv.cached_tokens), watch=rid
+        )
+        assert out is not None
+        return out
+
+    async def _pull(self, link: Link, kv: KVReady, dst: list[int]) -> None:
+        """Read the prefill worker's pages into ``dst``; raise `TransferError` if not done."""
+        agent = self.agent
+        assert agent is not None and link.ack is not None
+        if len(kv.src_page_ids) != len(dst):
+            raise TransferError(f"KVReady names {len(kv.src_page_ids)} pages, expected {len(dst)}")
+        if not dst:
+            return
+        agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
+        start = time.perf_counter()
+        handle = agent.read_pages(
+            link.name, list(kv.src_page_ids), dst, timeout_s=self.settings.transfer_timeout_s
+        )
+        try:
+            while agent.poll(handle) == "pending":
+                await asyncio.sleep(0.0005)
+        except asyncio.CancelledError:
+            agent.remove_peer(link.name)  # cancels the read: our pages must not change later
+            raise
+        if handle.state == "failed":
+            raise TransferError(handle.error or "KV transfer failed")
+        elapsed = time.perf_counter() - start
+        self.counters["kv_transfers_total"] += 1
+        self.counters["kv_transfer_pages_total"] += len(dst)
+        self.counters["kv_transfer_bytes_total"] += len(dst) * agent.page_bytes * agent.num_regions
+        self.counters["kv_transfer_seconds_total"] += elapsed
+
+    async def _give_back(self, link: Link, rid: str, consumed: bool) -> None:
+        """Free our reservation (uncached) and the prefill worker's lease or work."""
+        await self.engine.call(lambda e: e.abort(rid))
+        try:
+            if consumed:
+                await link.send(TransferDone(rid), timeout_ms=0)
+            else:
+                await link.send(Abort(rid, "decode gave up"), timeout_ms=0)
+        except TimeoutError:
+            pass  # the prefill worker is gone: its lease expires on its own
+
+    def _unassign(self, link: Link, ids: list[int]) -> None:
+        left = self._assigned.get(link.name, 0) - len(ids)
+        if left > 0:
+            self._assigned[link.name] = left
+        else:
+            self._assigned.pop(link.name, None)
+
+    def _from_prefill(self, link: Link, msg: Message) -> None:
+        rid = getattr(msg, "request_id", None)
+        pending = self._pending.get(rid) if isinstance(rid, str) else None
+        if pending is None or pending.link is not link or pending.ready.done():
+            if isinstance(msg, KVReady):  # we gave up on it: let the lease go now
+                asyncio.ensure_future(
+                    link.send(TransferDone(msg.request_id, ok=False), timeout_ms=0)
+                )
+            return
+        if isinstance(msg, KVReady):
+            pending.ready.set_result(msg)
+        elif isinstance(msg, RequestFailed):
+            pending.ready.set_exception(PrefillFailed(msg.error_type, msg.message))
+        else:
+            logger.warning("%s: unexpected %s from %s", self.name, msg.TYPE_TAG, link.label)
+
+    def _prefill_down(self, link: Link, why: str) -> None:
+        for pending in self._pending.values():
+            if pending.link is link and not pending.ready.done():
+                pending.ready.set_exception(PrefillFailed("peer_lost", f"{link.label} {why}"))
+        self._assigned.pop(link.name, None)

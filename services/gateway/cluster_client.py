@@ -1,0 +1,325 @@
+"""The gateway's `EngineClient` for a disaggregated cluster: decode workers over ZMQ.
+
+The gateway tokenises, picks a decode worker (`DecodeRouter`: longest cached prefix,
+then load) and a prefill worker (least queued prompt tokens), and sends the decode
+worker a `GenerateRequest` naming that prefill worker. The decode worker streams
+`TokenChunk`s back; they become `RequestOutput`s.
+
+Failure contract:
+- no decode worker up → `UnavailableError` (HTTP 503) at once;
+- the worker answers `RequestFailed` → `InvalidRequestError` / `CapacityError` (HTTP
+  400) for the request's own faults, `UnavailableError` otherwise;
+- the worker goes down (silent for ``peer_timeout_s``, or restarted) → every stream on
+  it ends with `UnavailableError` (an SSE error event mid-stream);
+- the caller closes the stream early → `Abort` to the decode worker, which aborts the
+  request there and on the prefill worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+
+from radixserve.cache.block_hash import hash_namespace
+from radixserve.engine.outputs import RequestOutput
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.protocol import (
+    Abort,
+    GenerateRequest,
+    Message,
+    RequestFailed,
+    SamplingSpec,
+    TokenChunk,
+)
+from radixserve.services.gateway.engine_client import EngineClient
+from radixserve.services.gateway.router import DecodeRouter
+from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.links import Link, LinkSet
+
+logger = logging.getLogger(__name__)
+
+_MAX_VIEW_PAGES = 1 << 18  # per decode worker, in the gateway's routing view
+
+
+@dataclass
+class _Stream:
+    link: Link
+    out: asyncio.Queue  # TokenChunk | BaseException
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+
+
+def _failure(msg: RequestFailed) -> Exception:
+    if msg.error_type == "invalid_request":
+        return InvalidRequestError(msg.message)
+    if msg.error_type == "capacity":
+        return CapacityError(msg.message)
+    return UnavailableError(f"{msg.error_type}: {msg.message}")
+
+
+class ClusterClient(EngineClient):
+    """Serves through remote decode (and prefill) workers. Call `start` on the event loop."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        page_size: int = 16,
+    ) -> None:
+        if not settings.decode_workers:
+            raise ValueError("a cluster client needs at least one decode worker address")
+        self.settings = settings
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self.name = f"gateway-{os.getpid()}"
+        self.generation = time.time_ns() // 10**6
+        self.router = DecodeRouter(
+            page_size, hash_namespace(model_name), settings.decode_load_weight, _MAX_VIEW_PAGES
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._prefill_assigned: dict[str, int] = {}
+        self._context: zmq.asyncio.Context | None = None
+        self.decodes: LinkSet | None = None
+        self.prefills: LinkSet | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifetime --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        self._context = zmq.asyncio.Context()
+        common: dict[str, Any] = dict(
+            name=self.name,
+            role="gateway",
+            generation=self.generation,
+            interval_s=s.heartbeat_interval_s,
+            peer_timeout_s=s.peer_timeout_s,
+        )
+        self.decodes = LinkSet(
+            self._context,
+            list(s.decode_workers),
+            on_message=self._from_decode,
+            on_up=self._decode_up,
+            on_down=self._decode_down,
+            **common,
+        )
+        self.prefills = LinkSet(
+            self._context, list(s.prefill_workers), on_message=self._unexpected, **common
+        )
+        self.decodes.start()
+        self.prefills.start()
+
+    async def shutdown(self) -> None:
+        for stream in self._streams.values():
+            stream.out.put_nowait(UnavailableError("the gateway is shutting down"))
+        for links in (self.decodes, self.prefills):
+            if links is not None:
+                await links.close()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    def close(self) -> None:
+        """Nothing to do off the loop: `shutdown` (run by the app) closes the sockets."""
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        up = self.decodes.up() if self.decodes else []
+        workers = {
+            link.label: link.up for ls in (self.decodes, self.prefills) if ls for link in ls.links
+        }
+        return bool(up), {"workers": workers}
+
+    # -- EngineClient ----------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def generate(  # type: ignore[override]
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        link = self._pick_decode(prompt_ids)
+        prefill = self._pick_prefill()
+        stream = _Stream(link, asyncio.Queue(), list(prompt_ids))
+        self._streams[request_id] = stream
+        self.router.started(link.name, prompt_ids)
+        if prefill:
+            self._prefill_assigned[prefill] = self._prefill_assigned.get(prefill, 0) + len(
+                prompt_ids
+            )
+        done = False
+        try:
+            try:
+                await link.send(
+                    GenerateRequest(
+                        request_id=request_id,
+                        prompt_token_ids=tuple(prompt_ids),
+                        sampling=SamplingSpec.from_params(params),
+                        arrival_time=time.time(),
+                        prefill_worker=prefill,
+                    )
+                )
+            except TimeoutError:
+                raise UnavailableError(
+                    f"decode worker {link.label} does not take requests"
+                ) from None
+            while True:
+                item = await stream.out.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if prefill:
+                    self._unassign_prefill(prefill, len(prompt_ids))
+                    prefill = ""
+                stream.output_ids.extend(item.token_ids)
+                output = RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=list(item.token_ids),
+                    new_text=item.text,
+                    finished=item.finished,
+                    finish_reason=item.finish_reason,
+                    prompt_tokens=item.prompt_tokens,
+                    cached_tokens=item.cached_tokens,
+                    completion_tokens=item.completion_tokens,
+                    ttft_ms=item.ttft_ms,
+                )
+                if item.finished:
+                    done = True
+                yield output
+                if done:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if prefill:
+                self._unassign_prefill(prefill, len(prompt_ids))
+            finished_ok = done and bool(stream.output_ids)
+            self.router.finished(
+                link.name, stream.prompt_ids + stream.output_ids if finished_ok else None
+            )
+            if not done and link.up:
+                self._spawn(self._abort(link, request_id))
+
+    def stats(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        if self.decodes is None or self.prefills is None:
+            return totals
+        for link in self.decodes.up() + self.prefills.up():
+            for key in ("pages_total", "pages_used", "pages_free", "pages_locked",
+                        "pages_evictable", "live_requests"):  # fmt: skip
+                if key in link.load:
+                    totals[key] = totals.get(key, 0) + int(link.load[key])
+        return totals
+
+    def worker_stats(self) -> dict[str, dict[str, Any]]:
+        workers: dict[str, dict[str, Any]] = {}
+        for links in (self.decodes, self.prefills):
+            if links is None:
+                continue
+            for link in links.links:
+                entry: dict[str, Any] = {
+                    "role": link.role or ("decode" if links is self.decodes else "prefill"),
+                    "address": link.address,
+                    "up": link.up,
+                    "generation": link.generation,
+                }
+                if link.up:
+                    entry.update(link.load)
+                if links is self.decodes:
+                    entry["gateway_in_flight"] = self.router.in_flight.get(link.name, 0)
+                    entry["routing_view_pages"] = self.router.known_pages(link.name)
+                workers[link.label] = entry
+        return workers
+
+    # -- routing ---------------------------------------------------------------------
+
+    def _pick_decode(self, prompt_ids: list[int]) -> Link:
+        up = self.decodes.up() if self.decodes else []
+        if not up:
+            raise UnavailableError("no decode worker is up; try again shortly")
+        name = self.router.pick([link.name for link in up], prompt_ids)
+        return next(link for link in up if link.name == name)
+
+    def _pick_prefill(self) -> str:
+        up = self.prefills.up() if self.prefills else []
+        if not up:
+            return ""
+        best = min(
+            up,
+            key=lambda link: (
+                float(link.load.get("queued_tokens", 0)) + self._prefill_assigned.get(link.name, 0),
+                link.name,
+            ),
+        )
+        return best.name
+
+    def _unassign_prefill(self, name: str, tokens: int) -> None:
+        left = self._prefill_assigned.get(name, 0) - tokens
+        if left > 0:
+            self._prefill_assigned[name] = left
+        else:
+            self._prefill_assigned.pop(name, None)
+
+    # -- from the workers ------------------------------------------------------------
+
+    def _from_decode(self, link: Link, msg: Message) -> None:
+        rid = getattr(msg, "request_id", "")
+        stream = self._streams.get(rid)
+        if stream is None or stream.link is not link:
+            if isinstance(msg, TokenChunk) and not msg.finished:
+                self._spawn(self._abort(link, rid))  # a request we no longer wait for
+            return
+        if isinstance(msg, TokenChunk):
+            stream.out.put_nowait(msg)
+        elif isinstance(msg, RequestFailed):
+            stream.out.put_nowait(_failure(msg))
+        else:
+            self._unexpected(link, msg)
+
+    def _decode_up(self, link: Link) -> None:
+        ack = link.ack
+        if ack is None:
+            return
+        if ack.model_name != self._model_name:
+            logger.error("decode worker %s serves %r, the gateway %r", link.label,
+                         ack.model_name, self._model_name)  # fmt: skip
+        if ack.max_model_len:
+            self._max_model_len = min(self._max_model_len, ack.max_model_len)
+
+    def _decode_down(self, link: Link, why: str) -> None:
+        self.router.forget(link.name)
+        for stream in self._streams.values():
+            if stream.link is link:
+                stream.out.put_nowait(UnavailableError(f"decode worker {link.label} {why}"))
+
+    def _unexpected(self, link: Link, msg: Message) -> None:
+        logger.warning("unexpected %s from %s", msg.TYPE_TAG, link.label)
+
+    async def _abort(self, link: Link, request_id: str) -> None:
+        with contextlib.suppress(TimeoutError):  # the worker is gone: nothing to abort
+            await link.send(Abort(request_id, "client gone"), timeout_ms=500)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

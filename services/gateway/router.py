@@ -1,0 +1,105 @@
+"""Which decode worker gets a request: the one holding the longest cached prefix, then load.
+
+The gateway cannot see the workers' radix trees, so it keeps its own approximate view:
+for each decode worker, the chained page hashes (`radixserve.cache.block_hash`) of the
+token sequences it served (prompt + output), in an LRU set of bounded size. A worker
+that restarts loses its cache, and `forget` drops its view with it.
+
+Cost of sending a request to worker w (lower wins; ties go to the less loaded, then
+the name)::
+
+    cost(w) = uncached_pages(w) + load_weight * in_flight(w)
+
+``uncached_pages`` counts the prompt's full pages after the longest prefix w is known
+to hold; ``in_flight`` is the number of this gateway's requests running on w. With the
+default weight a conversation stays on its worker until that worker carries
+``matched_pages / load_weight`` more requests than another.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from radixserve.cache.block_hash import page_hashes
+
+
+class PrefixView:
+    """An LRU set of page hashes one worker is believed to hold."""
+
+    def __init__(self, max_pages: int) -> None:
+        self._pages: OrderedDict[int, None] = OrderedDict()
+        self._max = max_pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Pages of ``hashes`` present from the start (refreshing them)."""
+        n = 0
+        for h in hashes:
+            if h not in self._pages:
+                break
+            self._pages.move_to_end(h)
+            n += 1
+        return n
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._pages[h] = None
+            self._pages.move_to_end(h)
+        while len(self._pages) > self._max:
+            self._pages.popitem(last=False)
+
+
+class DecodeRouter:
+    """Picks a decode worker per request and tracks what each one has seen."""
+
+    def __init__(
+        self, page_size: int, namespace: bytes, load_weight: float, max_pages_per_worker: int
+    ) -> None:
+        self.page_size = page_size
+        self.namespace = namespace
+        self.load_weight = load_weight
+        self._max_pages = max_pages_per_worker
+        self._views: dict[str, PrefixView] = {}
+        self.in_flight: dict[str, int] = {}
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return page_hashes(token_ids, self.page_size, self.namespace)
+
+    def pick(self, workers: Sequence[str], prompt_ids: Sequence[int]) -> str:
+        """The worker to serve ``prompt_ids`` (``workers`` must not be empty)."""
+        hashes = self.hashes(prompt_ids)
+
+        def cost(name: str) -> tuple[float, int, str]:
+            view = self._views.get(name)
+            matched = view.match(hashes) if view is not None else 0
+            load = self.in_flight.get(name, 0)
+            return (len(hashes) - matched + self.load_weight * load, load, name)
+
+        return min(workers, key=cost)
+
+    def started(self, worker: str, prompt_ids: Sequence[int]) -> None:
+        self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        self._view(worker).add(self.hashes(prompt_ids))
+
+    def finished(self, worker: str, token_ids: Sequence[int] | None) -> None:
+        """A request ended; ``token_ids`` (prompt + output) are cached there now, if given."""
+        self.in_flight[worker] = max(self.in_flight.get(worker, 0) - 1, 0)
+        if token_ids:
+            self._view(worker).add(self.hashes(token_ids))
+
+    def forget(self, worker: str) -> None:
+        """``worker`` lost its cache (restart, death)."""
+        self._views.pop(worker, None)
+
+    def known_pages(self, worker: str) -> int:
+        view = self._views.get(worker)
+        return len(view) if view is not None else 0
+
+    def _view(self, worker: str) -> PrefixView:
+        view = self._views.get(worker)
+        if view is None:
+            view = self._views[worker] = PrefixView(self._max_pages)
+        return view

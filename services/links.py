@@ -1,0 +1,167 @@
+"""Outgoing control links to workers: connect, hello, heartbeat, notice death and restart.
+
+A `LinkSet` holds one DEALER `AsyncChannel` per worker address. Used by the gateway
+(to every decode and prefill worker) and by decode workers (to prefill workers).
+
+Contracts:
+- A link is *up* from the worker's accepted `HelloAck` until it is silent for
+  ``peer_timeout_s`` or a heartbeat shows another generation (the worker restarted);
+  then it is *down*, ``on_down(link, why)`` runs once, and `Hello` is resent every
+  ``interval_s`` until a new `HelloAck` brings it up again (``on_up``).
+- While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
+  worker keeps this side as a peer) and records the worker's load from its own.
+- Every other message is handed to ``on_message(link, msg)``; a bad frame is logged
+  and dropped. Callbacks run on the event loop and must not block.
+- ZMQ reconnects by itself; a message sent while a worker is down waits in the socket
+  until it is back, so callers only send requests on links that are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import zmq
+import zmq.asyncio
+
+from radixserve.protocol import AsyncChannel, Heartbeat, Hello, HelloAck, Message, ProtocolError
+from radixserve.protocol.messages import Role
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Link:
+    """One worker as seen from this side: its socket and what it last told us."""
+
+    address: str
+    channel: AsyncChannel
+    name: str = ""
+    role: str = ""
+    generation: int = -1
+    up: bool = False
+    last_seen: float = 0.0
+    hello_sent: float = -math.inf
+    load: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
+    ack: HelloAck | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.address
+
+    async def send(self, msg: Message, timeout_ms: int = 2000) -> None:
+        """Send ``msg``; `TimeoutError` if the worker is unreachable for ``timeout_ms``."""
+        await self.channel.send(msg, timeout_ms=timeout_ms)
+
+
+class LinkSet:
+    """DEALER links from this process (``me``) to a fixed list of worker addresses."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        addresses: list[str],
+        *,
+        name: str,
+        role: Role,
+        generation: int,
+        interval_s: float,
+        peer_timeout_s: float,
+        on_message: Callable[[Link, Message], None],
+        on_up: Callable[[Link], None] | None = None,
+        on_down: Callable[[Link, str], None] | None = None,
+    ) -> None:
+        self.links = [
+            Link(address, AsyncChannel.open(context, zmq.DEALER, address, bind=False))
+            for address in addresses
+        ]
+        self._hello = Hello(name=name, role=role, generation=generation)
+        self._name, self._generation = name, generation
+        self._interval, self._timeout = interval_s, peer_timeout_s
+        self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Start receiving and the hello/heartbeat loop (on the running event loop)."""
+        self._tasks = [asyncio.create_task(self._receive(link)) for link in self.links]
+        self._tasks.append(asyncio.create_task(self._tick()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links:
+            link.channel.close()
+
+    def up(self) -> list[Link]:
+        return [link for link in self.links if link.up]
+
+    def by_name(self, name: str) -> Link | None:
+        return next((link for link in self.links if link.up and link.name == name), None)
+
+    def mark_down(self, link: Link, why: str) -> None:
+        if not link.up:
+            return
+        link.up = False
+        logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
+        if self._on_down is not None:
+            self._on_down(link, why)
+
+    async def _receive(self, link: Link) -> None:
+        while True:
+            try:
+                msg = await link.channel.recv()
+            except ProtocolError:
+                continue  # logged by the channel
+            if msg is None:
+                continue
+            link.last_seen = time.monotonic()
+            if isinstance(msg, HelloAck):
+                self._acked(link, msg)
+            elif isinstance(msg, Heartbeat):
+                if link.up and msg.generation != link.generation:
+                    self.mark_down(link, f"restarted (generation {msg.generation})")
+                    link.hello_sent = -math.inf
+                elif link.up:
+                    link.load = msg.load
+            else:
+                try:
+                    self._on_message(link, msg)
+                except Exception:
+                    logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
+
+    def _acked(self, link: Link, ack: HelloAck) -> None:
+        if not ack.accepted:
+            logger.error("worker at %s refused us: %s", link.address, ack.reason)
+            return
+        if link.up and ack.generation == link.generation:
+            return  # an answer to a repeated hello
+        if link.up:
+            self.mark_down(link, f"restarted (generation {ack.generation})")
+        link.name, link.role, link.generation, link.ack = ack.name, ack.role, ack.generation, ack
+        link.up = True
+        logger.info("worker %s (%s) at %s is up", ack.name, ack.role, link.address)
+        if self._on_up is not None:
+            self._on_up(link)
+
+    async def _tick(self) -> None:
+        while True:
+            now = time.monotonic()
+            for link in self.links:
+                if link.up and now - link.last_seen > self._timeout:
+                    self.mark_down(link, f"silent for {now - link.last_seen:.1f} s")
+                try:
+                    if not link.up and now - link.hello_sent >= self._interval:
+                        link.hello_sent = now
+                        await link.channel.send(self._hello, timeout_ms=0)
+                    elif link.up:
+                        beat = Heartbeat(sender=self._name, generation=self._generation)
+                        await link.channel.send(beat, timeout_ms=0)
+                except (TimeoutError, zmq.ZMQError):
+                    pass  # not connected yet: the next tick tries again
+            await asyncio.sleep(self._interval)

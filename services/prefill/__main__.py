@@ -1,0 +1,14 @@
+"""``python -m radixserve.services.prefill``: one prefill worker, configured from the
+environment (``RADIXSERVE_*`` for the engine, ``RADIXSERVE_PREFILL_*`` for the worker)."""
+
+from __future__ import annotations
+
+import sys
+
+from radixserve.logging import setup_logging
+from radixserve.services.prefill import PrefillSettings, PrefillWorker
+from radixserve.services.worker import run_worker
+
+if __name__ == "__main__":
+    setup_logging()
+    sys.exit(run_worker(PrefillWorker, PrefillSettings()))

@@ -1,0 +1,139 @@
+"""The prefill worker: compute a prompt's KV, sample its first token, lend the pages.
+
+For each `PrefillRequest` from a decode worker:
+
+1. the engine computes the prompt past what this worker's radix cache holds
+   (`Engine.add_prefill_request`), samples the first token and keeps the prompt's
+   pages under a lease of ``lease_s`` seconds;
+2. the worker answers `KVReady` with the first token and ``src_page_ids``: its pages
+   holding the prompt past the decode side's ``num_cached_tokens``, i.e. exactly the
+   pages the decode worker lacks, one per ``dst_page_ids`` entry;
+3. the decode worker pulls them (`KVTransferAgent.read_pages`) and sends
+   `TransferDone`, which releases the lease. A decode worker that never does (dead,
+   timed out) costs the pages only until the lease expires.
+
+An `Abort` cancels the computation or releases the lease, whichever applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
+from radixserve.services.worker import Peer, Worker, WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillSettings(WorkerSettings):
+    """A prefill worker's settings, from ``RADIXSERVE_PREFILL_*``."""
+
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_PREFILL_", frozen=True, extra="forbid")
+
+    lease_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long computed pages wait for the decode worker to read them.",
+    )
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+    settings: PrefillSettings
+
+    def __init__(self, settings: PrefillSettings, engine) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(settings, engine)
+        self.queued_tokens = 0
+        self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
+
+    def handle(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):
+            self._owner[msg.request_id] = peer.identity
+            self.spawn(msg.request_id, self._prefill(peer, msg))
+        elif isinstance(msg, TransferDone):
+            if not msg.ok:
+                logger.warning("%s: transfer of %s failed on the reader: %s", self.name,
+                               msg.request_id, msg.error)  # fmt: skip
+            self._release(msg.request_id)
+        elif isinstance(msg, Abort):
+            if not self.cancel(msg.request_id):
+                self._release(msg.request_id)
+        else:
+            super().handle(peer, msg)
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        for request_id, identity in list(self._owner.items()):
+            if identity == peer.identity and not self.cancel(request_id):
+                self._release(request_id)
+
+    def load(self) -> dict[str, int | float]:
+        stats = super().load()
+        stats["queued_tokens"] = self.queued_tokens
+        return stats
+
+    def _release(self, request_id: str) -> None:
+        self._owner.pop(request_id, None)
+        self.engine.submit(lambda engine: engine.release_lease(request_id))
+
+    async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
+        rid, ids = msg.request_id, list(msg.token_ids)
+        self.queued_tokens += len(ids)
+        counted = True
+        leased = False
+        try:
+            params = msg.sampling.to_params()
+            lease_s = self.settings.lease_s
+            _, out = await self.engine.call(
+                lambda e: e.add_prefill_request(ids, params, rid, lease_s), watch=rid
+            )
+            assert out is not None
+            last = None
+            async for output in self.engine.outputs(rid, out):
+                last = output
+            assert last is not None and last.finished and last.new_token_ids
+            leased = True
+            self.queued_tokens -= len(ids)
+            counted = False
+            pages, _ = await self.engine.call(lambda e: e.leased_pages(rid))
+            if pages is None:
+                raise TimeoutError(f"the lease of {rid} expired before it was handed over")
+            src = pages[msg.num_cached_tokens // self.page_size :]
+            if len(src) != len(msg.dst_page_ids):
+                raise ValueError(
+                    f"decode asked for {len(msg.dst_page_ids)} pages past token "
+                    f"{msg.num_cached_tokens}; the prompt has {len(src)}"
+                )
+            computed = last.prompt_tokens - last.cached_tokens
+            self.counters["prefill_requests_total"] += 1
+            self.counters["prefill_computed_tokens_total"] += computed
+            self.counters["prefill_cached_tokens_total"] += last.cached_tokens
+            await self.send_to(
+                peer,
+                KVReady(
+                    request_id=rid,
+                    first_token_id=last.new_token_ids[0],
+                    src_page_ids=src,
+                    num_pages_transferred=len(src),
+                    prefill_computed_tokens=computed,
+                    cached_tokens=last.cached_tokens,
+                ),
+            )
+        except asyncio.CancelledError:
+            # Even before `leased`: the request may have finished (and taken its lease)
+            # in the step that was running when the abort came; this releases it after.
+            self._release(rid)
+            raise
+        except Exception as exc:
+            if leased:
+                self._release(rid)
+            await self.fail(peer, rid, exc)
+        finally:
+            if counted:
+                self.queued_tokens -= len(ids)
+            if not leased:
+                self._owner.pop(rid, None)

@@ -1,0 +1,99 @@
+"""A real local cluster for tests: prefill, decode and gateway processes on loopback.
+
+`TestCluster` is `radixserve.cluster.LocalCluster` (the processes `radixserve up` runs,
+supervised from the test thread) with short heartbeats, so failures show within
+seconds, and an HTTP client. `wait_clean` polls the gateway's /debug/cache until every
+worker that is up reports no live request, no locked page, no lease and no task: the
+leak check the cluster tests run after every scenario.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+
+FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
+
+
+def _env(prefix: str, values: dict[str, str]) -> dict[str, str]:
+    return {f"RADIXSERVE_{prefix}_{k}": v for k, v in values.items()}
+
+
+class TestCluster(LocalCluster):
+    """Starts on construction (waits for /health and every worker); `stop()` ends it."""
+
+    __test__ = False  # not a test class, despite the name
+
+    def __init__(
+        self,
+        *,
+        transport: str = "nixl",
+        decode: dict[str, str] | None = None,
+        gateway: dict[str, str] | None = None,
+        prefill: dict[str, str] | None = None,
+    ) -> None:
+        config = ClusterConfig(
+            transport=transport,
+            port=free_port(),
+            engine_env={
+                "RADIXSERVE_DEVICE": "cpu",
+                "RADIXSERVE_DTYPE": "float32",
+                "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
+            },
+            prefill_env=_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
+            decode_env=_env("DECODE", {**FAST_LIVENESS, **(decode or {})}),
+            gateway_env=_env("GATEWAY", {**FAST_LIVENESS, **(gateway or {})}),
+        )
+        super().__init__(config)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def metrics(self) -> str:
+        return self.http.get("/metrics").text
+
+    def wait_clean(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Wait until every up worker holds nothing for any request; return /debug/cache."""
+        last: dict[str, Any] = {}
+        time.sleep(0.5)  # let every worker send a heartbeat from after the last request
+
+        def clean() -> bool:
+            nonlocal last
+            last = self.debug_cache()
+            return last["gateway_in_flight"] == 0 and all(
+                not w["up"]
+                or (
+                    w["live_requests"] == 0
+                    and w["pages_locked"] == 0
+                    and w["leases"] == 0
+                    and w["tasks"] == 0
+                )
+                for w in last["workers"].values()
+            )
+
+        try:
+            self.wait(clean, timeout_s, "workers to hold no request")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; last /debug/cache: {last}") from None
+        return last
+
+    def stop(self) -> None:
+        self.http.close()
+        super().stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` in a /metrics text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,270 @@
+"""The real cluster (gateway, prefill and decode processes) answers exactly like one
+process: greedy outputs through HTTP equal the single-process engine's, over NIXL and
+over ZMQ, with remote prefill and with local prefill; the official `openai` client
+works; a second chat turn reuses the first and moves only the missing pages.
+
+Cluster "remote" forces every prefill onto the prefill worker
+(``local_prefill_max_tokens=0``); cluster "conditional" keeps the default, so a long
+first turn prefills remotely and a short delta on a known conversation locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.cluster_helpers import TestCluster, metric_value
+from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+
+MAX_TOKENS = 12
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def remote_nixl():
+    cluster = TestCluster(
+        transport="nixl",
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
+        gateway={"MAX_QUEUED_REQUESTS": "64"},
+    )
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def conditional_zmq():
+    cluster = TestCluster(transport="zmq")
+    yield cluster
+    cluster.stop()
+
+
+def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    resp = cluster.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def decode_counter(cluster: TestCluster, key: str) -> float:
+    return float(cluster.workers()["decode-0"].get(key, 0))
+
+
+def settle(cluster: TestCluster) -> None:
+    cluster.wait_clean()  # also lets the heartbeats carry the latest counters
+
+
+def test_remote_prefill_over_nixl_equals_single_process(remote_nixl, reference_chat):
+    settle(remote_nixl)
+    before = decode_counter(remote_nixl, "kv_transfer_pages_total")
+    for question in QUESTIONS[:3]:
+        got = ask(remote_nixl, chat(question))
+        assert got["choices"][0]["message"]["content"] == reference_chat(chat(question), MAX_TOKENS)
+    settle(remote_nixl)
+    workers = remote_nixl.workers()
+    assert workers["decode-0"]["remote_prefills_total"] >= 3
+    assert workers["decode-0"].get("local_prefills_total", 0) == 0
+    assert decode_counter(remote_nixl, "kv_transfer_pages_total") > before
+    assert workers["prefill-0"]["prefill_requests_total"] >= 3
+
+
+def test_remote_and_local_prefill_over_zmq_equal_single_process(conditional_zmq, reference_chat):
+    cluster = conditional_zmq
+    # first sight of the system prompt: 274 uncached tokens > 256 -> remote prefill
+    first = ask(cluster, chat(QUESTIONS[0]))
+    settle(cluster)
+    decode = cluster.workers()["decode-0"]
+    assert decode["remote_prefills_total"] == 1 and decode["kv_transfer_pages_total"] > 0
+    moved = decode["kv_transfer_pages_total"]
+    # the system prompt is now cached on decode: a new question is a small delta -> local
+    second = ask(cluster, chat(QUESTIONS[1]))
+    settle(cluster)
+    decode = cluster.workers()["decode-0"]
+    assert decode["local_prefills_total"] == 1
+    assert decode["kv_transfer_pages_total"] == moved  # nothing moved
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 8
+    assert first["choices"][0]["message"]["content"] == reference_chat(
+        chat(QUESTIONS[0]), MAX_TOKENS
+    )
+    assert second["choices"][0]["message"]["content"] == reference_chat(
+        chat(QUESTIONS[1]), MAX_TOKENS
+    )
+
+
+@pytest.mark.parametrize("cluster_name", ["remote_nixl", "conditional_zmq"])
+def test_second_turn_reuses_the_first_and_moves_only_missing_pages(cluster_name, request):
+    cluster: TestCluster = request.getfixturevalue(cluster_name)
+    messages = chat(f"Can I bring my dog? ({cluster_name})")
+    turn1 = ask(cluster, messages, max_tokens=20)
+    settle(cluster)
+    moved_before = decode_counter(cluster, "kv_transfer_pages_total")
+    answer = turn1["choices"][0]["message"]["content"]
+    messages += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And my cat?"},
+    ]
+    turn2 = ask(cluster, messages, max_tokens=8)
+    settle(cluster)
+    moved = decode_counter(cluster, "kv_transfer_pages_total") - moved_before
+    p1, a1 = turn1["usage"]["prompt_tokens"], turn1["usage"]["completion_tokens"]
+    p2, cached2 = (
+        turn2["usage"]["prompt_tokens"],
+        turn2["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
+    # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache
+    decode_has = (p1 + a1 - 1) // PAGE
+    if cluster_name == "remote_nixl":
+        # the prefill worker cached turn 1's prompt: it computes only the rest
+        assert cached2 >= p1 // PAGE * PAGE
+        # exactly the pages decode lacked crossed the wire
+        assert moved == -(-p2 // PAGE) - decode_has
+    else:
+        # small delta on the decode worker: prefilled locally, nothing moved
+        assert cached2 == decode_has * PAGE
+        assert moved == 0
+
+
+def test_official_openai_client_chat_and_completions(remote_nixl, reference_chat):
+    client = openai.OpenAI(base_url=f"{remote_nixl.url}/v1", api_key="unused", max_retries=0)
+    messages = chat(QUESTIONS[3])
+    want = reference_chat(messages, MAX_TOKENS)
+    full = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert full.choices[0].message.content == want
+    stream = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    completion = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    streamed = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+    assert completion.usage.completion_tokens == 8
+
+
+def test_metrics_aggregate_every_worker(remote_nixl):
+    ask(remote_nixl, chat(QUESTIONS[4]))
+    settle(remote_nixl)
+    text = remote_nixl.metrics()
+    assert metric_value(text, "radixserve_ttft_seconds_count") >= 1
+    assert metric_value(text, "radixserve_prefill_computed_tokens_total") > 0
+    for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
+        assert metric_value(text, "radixserve_worker_up", worker=worker, role=role) == 1
+        assert metric_value(text, "radixserve_worker_pages_free", worker=worker) > 0
+    assert metric_value(text, "radixserve_worker_kv_transfer_pages_total", worker="decode-0") > 0
+    assert metric_value(text, "radixserve_worker_kv_transfer_bytes_total", worker="decode-0") > 0
+    assert metric_value(text, "radixserve_kv_transfer_seconds_count", worker="decode-0") > 0
+
+
+async def _stream_chat(client: httpx.AsyncClient, messages, max_tokens: int) -> tuple[int, str]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    text = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return resp.status_code, resp.text
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"]:
+                    text.append(event["choices"][0]["delta"].get("content") or "")
+    return 200, "".join(text)
+
+
+def test_64_concurrent_streams_complete_and_overload_is_refused_fast(remote_nixl, reference_chat):
+    cluster = remote_nixl
+    conversations = [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(64)]
+
+    async def burst(messages_list, max_tokens):
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as client:
+            return await asyncio.gather(
+                *(_stream_chat(client, m, max_tokens) for m in messages_list)
+            )
+
+    results = asyncio.run(burst(conversations, 5))
+    for messages, (status, text) in zip(conversations, results):
+        assert status == 200
+        assert text == reference_chat(messages, 5)
+    cluster.wait_clean(60)
+
+    # over the bound (64 in flight): the surplus is refused at once with 429
+    async def overload():
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as client:
+            slow = [
+                asyncio.create_task(_stream_chat(client, chat(QUESTIONS[i % 8]), 8))
+                for i in range(64)
+            ]
+            await asyncio.sleep(0.5)  # let the 64 get admitted
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            extra = await asyncio.gather(*(_stream_chat(client, chat("Hi"), 4) for _ in range(8)))
+            refused_in = loop.time() - started
+            done = await asyncio.gather(*slow)
+            return extra, refused_in, done
+
+    extra, refused_in, done = asyncio.run(overload())
+    assert all(status == 429 for status, _ in extra), extra
+    assert '"rate_limit_error"' in extra[0][1]
+    assert refused_in < 5.0  # refused, not queued behind the running requests
+    assert all(status == 200 for status, _ in done)
+    cluster.wait_clean(60)
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "default", "messages": [', 400),
+    (
+        "invalid UTF-8",
+        b'{"model": "default", "messages": [{"role": "user", "content": "\xff"}]}',
+        400,
+    ),
+    ("wrong type", json.dumps({"model": "default", "messages": "hi"}).encode(), 400),
+    (
+        "negative max_tokens",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}).encode(),
+        400,
+    ),
+    (
+        "prompt over the context",
+        json.dumps({"messages": [{"role": "user", "content": "ok " * 9000}]}).encode(),
+        400,
+    ),
+    (
+        "unknown model",
+        json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        404,
+    ),
+    ("oversized body", b'{"messages": "' + b"x" * (9 << 20) + b'"}', 413),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error_and_the_cluster_stays_up(remote_nixl, case, body, status):
+    resp = remote_nixl.http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    assert remote_nixl.http.get("/health").status_code == 200
+    if case == "prompt over the context":  # this one went to the decode worker and back
+        assert "context" in error["message"]
+        remote_nixl.wait_clean()

@@ -1,0 +1,157 @@
+"""Faults on the real cluster end cleanly: every test ends with no live request, no
+locked page, no lease and no task on the workers that are up (`/debug/cache`).
+
+- a client that disconnects mid-stream, or while its prompt is on the prefill worker,
+  has its request aborted on the decode and the prefill worker;
+- `kill -9` of the decode worker mid-stream ends the stream with an SSE error event
+  within a bounded time, and once the supervisor has restarted it new requests work;
+- `kill -9` of the prefill worker while it holds a request: the decode worker recomputes
+  the prompt itself (``on_transfer_failure=recompute``) and the answer is still exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.prompts import SYSTEM, chat
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = TestCluster(transport="nixl", decode={"LOCAL_PREFILL_MAX_TOKENS": "0"})
+    yield cluster
+    cluster.stop()
+
+
+def long_chat(tag: str) -> list[dict[str, str]]:
+    """About 1,400 prompt tokens nobody has cached: seconds of prefill on one thread."""
+    return chat("Which floor is quiet?", system=f"[{tag}] " + SYSTEM * 5)
+
+
+def stream_body(messages, max_tokens: int) -> dict:
+    return {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def wait_for(cluster: TestCluster, worker: str, key: str, at_least: int, timeout_s: float = 60):
+    cluster.wait(
+        lambda: cluster.workers()[worker].get(key, 0) >= at_least,
+        timeout_s,
+        f"{worker} {key} >= {at_least}",
+    )
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(cluster):
+    cluster.wait_clean()
+    body = stream_body(chat("Hi"), 500)
+    with cluster.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        content = 0
+        for line in r.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                content += 1
+            if content >= 3:
+                break  # leave mid-stream: the connection closes here
+    state = cluster.wait_clean()
+    assert state["workers"]["decode-0"]["live_requests"] == 0
+
+
+def test_client_disconnect_during_remote_prefill_aborts_it_on_the_prefill_worker(cluster):
+    cluster.wait_clean()
+    # a raw connection: send the request, then hang up while the prefill worker works
+    body = json.dumps(stream_body(long_chat("leave"), 50)).encode()
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_for(cluster, "prefill-0", "tasks", 1, timeout_s=30)
+    state = cluster.wait_clean(60)
+    prefill = state["workers"]["prefill-0"]
+    assert prefill["tasks"] == 0 and prefill["leases"] == 0 and prefill["pages_locked"] == 0
+
+
+def test_kill_9_decode_mid_stream_fails_the_stream_then_recovers(cluster, reference_chat):
+    cluster.wait_clean()
+    old_generation = cluster.workers()["decode-0"]["generation"]
+    events: list[dict] = []
+    body = stream_body(chat("Hi"), 800)
+    killed_at = None
+    with cluster.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if killed_at is None and len(events) >= 4:
+                os.kill(cluster.supervisor.pid("decode-0"), signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    ended_after = time.monotonic() - killed_at
+    assert "error" in events[-1], events[-1]
+    assert events[-1]["error"]["code"] >= 500
+    assert ended_after < 15.0  # heartbeat timeout (2 s here) plus slack
+    # the supervisor restarts it; the gateway sees the new generation come up
+    cluster.wait(
+        lambda: (
+            cluster.workers()["decode-0"]["up"]
+            and cluster.workers()["decode-0"]["generation"] != old_generation
+        ),
+        120,
+        "decode-0 to come back",
+    )
+    assert cluster.supervisor.restarts["decode-0"] >= 1
+    body = {"model": "default", "messages": chat("Hi"), "max_tokens": 8, "temperature": 0}
+    resp = cluster.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == reference_chat(chat("Hi"), 8)
+    cluster.wait_clean()
+
+
+def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat):
+    cluster.wait_clean()
+    old_generation = cluster.workers()["prefill-0"]["generation"]
+    failures_before = cluster.workers()["decode-0"].get("remote_prefill_failures_total", 0)
+    messages = long_chat("kill")
+    body = {"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}
+    result: dict = {}
+
+    def request() -> None:
+        result["resp"] = cluster.http.post("/v1/chat/completions", json=body)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    try:
+        wait_for(cluster, "prefill-0", "tasks", 1, timeout_s=30)
+        os.kill(cluster.supervisor.pid("prefill-0"), signal.SIGKILL)
+    finally:
+        thread.join(timeout=180)
+    resp = result["resp"]
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == reference_chat(messages, 8)
+    cluster.wait(
+        lambda: (
+            cluster.workers()["prefill-0"]["up"]
+            and cluster.workers()["prefill-0"]["generation"] != old_generation
+        ),
+        120,
+        "prefill-0 to come back",
+    )
+    state = cluster.wait_clean()
+    assert state["workers"]["decode-0"]["remote_prefill_failures_total"] > failures_before

@@ -1,0 +1,79 @@
+"""`radixserve up` as a user runs it: prints the URL once the cluster serves, answers
+requests, and a Ctrl-C (SIGINT) or SIGTERM stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixserve.cluster import free_port
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_up_serves_then_stops_everything(stop_signal):
+    port = free_port()
+    env = {**os.environ, "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1"}
+    cmd = [sys.executable, "-m", "radixserve.cli", "up", "--port", str(port), "--transport", "zmq"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    children: list[int] = []
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "cluster up" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
+        children = _children(proc.pid)
+        assert len(children) == 3  # prefill, decode, gateway
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(stop_signal)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == (130 if stop_signal == signal.SIGINT else 0), rest
+        assert "cluster stopped" in rest
+        assert all(_gone(pid) for pid in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for pid in children:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
