@@ -55,7 +55,8 @@ def _owner_main(conn: Connection, backend: str, shape: dict[str, int], num_pages
     agent = create_agent(backend, "bench-owner", pool, compat)
     conn.send(agent.metadata())
     try:
-        conn.poll(None)  # serve (the agent works in the background) until told to stop
+        while not conn.poll(0.0002):  # serve until told to stop
+            agent.serve_reads()
     finally:
         agent.close()
 

@@ -66,6 +66,11 @@ class WorkerSettings(BaseSettings):
     transfer_backend: Literal["nixl", "zmq"] = Field(
         "nixl", description="How KV pages move between workers: NIXL (UCX) or ZMQ over TCP."
     )
+    nixl_progress_thread: bool = Field(
+        False,
+        description="Give the NIXL agent its own progress thread (it busy-polls a CPU core); "
+        "off, the worker drives progress itself while a peer reads its pages.",
+    )
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
     peer_timeout_s: float = Field(
         5.0, gt=0, le=600, description="A peer silent this long is considered dead."
@@ -130,7 +135,13 @@ class Worker:
         self.name = self.name or f"{self.role}-{self.address.rsplit(':', 1)[1]}"
         engine = self.engine.engine
         compat = PoolCompat.from_pool(engine.kv_pool, engine.config.name)
-        self.agent = create_agent(s.transfer_backend, self.name, engine.kv_pool, compat)
+        self.agent = create_agent(
+            s.transfer_backend,
+            self.name,
+            engine.kv_pool,
+            compat,
+            nixl_progress_thread=s.nixl_progress_thread,
+        )
         background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
         try:
             await self.start()

@@ -37,12 +37,16 @@ def create_agent(
     pool: torch.Tensor | KVPool,
     compat: PoolCompat,
     default_timeout_s: float = 10.0,
+    nixl_progress_thread: bool = False,
 ) -> KVTransferAgent:
-    """An agent of `backend` ("nixl" or "zmq"); raises TransferError if unavailable."""
+    """An agent of `backend` ("nixl" or "zmq"); raises TransferError if unavailable.
+
+    ``nixl_progress_thread`` gives a NIXL agent its own progress thread (busy-polling a
+    core); without it, the page owner calls `serve_reads` while peers read."""
     if backend == "nixl":
         from radixserve.transfer.nixl import NixlTransferAgent
 
-        return NixlTransferAgent(name, pool, compat, default_timeout_s)
+        return NixlTransferAgent(name, pool, compat, default_timeout_s, nixl_progress_thread)
     if backend == "zmq":
         from radixserve.transfer.zmq import ZmqTransferAgent
 

@@ -15,6 +15,9 @@ Contracts:
   * A transfer is "done" only when every byte of every requested page has landed;
     errors, short replies and timeouts end in "failed" and `wait` raises.
   * Every transfer has a deadline: a dead peer yields `TransferError`, never a hang.
+  * The page owner calls `serve_reads` often (every few hundred µs) while a peer may be
+    reading its pages: a backend without a progress thread of its own (NIXL here: its
+    thread would busy-poll a core forever) makes progress only inside agent calls.
   * Agents are not thread-safe: use one from a single thread.
 """
 
@@ -250,6 +253,11 @@ class KVTransferAgent(ABC):
         self._check_open()
         return self._drain_notifications()
 
+    def serve_reads(self) -> None:
+        """Drive our side of peers' reads of our pages (cheap; see the module notes)."""
+        self._check_open()
+        self._serve_reads()
+
     def close(self) -> None:
         """Fail pending transfers, drop every peer, deregister memory. Idempotent."""
         if self._closed:
@@ -277,6 +285,10 @@ class KVTransferAgent(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"transfer agent {self.name!r} is closed")
+
+    def _serve_reads(self) -> None:
+        """Backend hook of `serve_reads`; backends that serve from a thread need none."""
+        return None
 
     def _idle(self, seconds: float) -> None:
         """Wait a little for progress; backends with a pollable socket override this."""

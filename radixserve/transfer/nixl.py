@@ -9,6 +9,11 @@ The pattern vLLM's NixlConnector uses:
     page owner (`get_new_notifs`) once the read completed, so it can free the pages.
 
 Memory kind follows the tensor: "DRAM" for CPU pools, "VRAM" for CUDA pools.
+
+Progress: NIXL's own progress thread busy-polls a CPU core even when idle, so by default
+the agent runs without it (``progress_thread=False``). The reader progresses its read
+in `poll`; the owner must call `serve_reads` while a peer reads (UCX over TCP or
+shared memory needs the target's progress; RDMA would not).
 """
 
 from __future__ import annotations
@@ -77,14 +82,18 @@ class NixlTransferAgent(KVTransferAgent):
         pool: torch.Tensor | KVPool,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
+        progress_thread: bool = False,
     ) -> None:
         super().__init__(name, pool, compat, default_timeout_s)
         nixl_agent, nixl_agent_config, errors = _import_nixl()
+        self._notifs: list[tuple[str, bytes]] = []
         self._errors: tuple[type[Exception], ...] = errors
         self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
         self._dev_id = (self.kv.device.index or 0) if self.kv.is_cuda else 0
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+            self._agent = nixl_agent(
+                name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            )
         except self._errors as exc:
             raise TransferError(f"cannot create NIXL agent {name!r}: {exc}") from exc
         if "UCX" not in self._agent.backends:
@@ -188,7 +197,16 @@ class NixlTransferAgent(KVTransferAgent):
         except self._errors as exc:  # an in-flight read that cannot be cancelled
             logger.warning("NIXL could not release transfer %d: %s", handle.id, exc)
 
+    def _serve_reads(self) -> None:
+        # Collecting notifications is the cheapest NIXL call that progresses the UCX
+        # worker; keep what it returns for `notifications`.
+        self._notifs.extend(self._collect_notifications())
+
     def _drain_notifications(self) -> list[tuple[str, bytes]]:
+        notifs, self._notifs = self._notifs + self._collect_notifications(), []
+        return notifs
+
+    def _collect_notifications(self) -> list[tuple[str, bytes]]:
         notifs = self._agent.get_new_notifs()
         return [(_as_str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
 

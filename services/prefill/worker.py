@@ -10,7 +10,8 @@ For each `PrefillRequest` from a decode worker:
    pages the decode worker lacks, one per ``dst_page_ids`` entry;
 3. the decode worker pulls them (`KVTransferAgent.read_pages`) and sends
    `TransferDone`, which releases the lease. A decode worker that never does (dead,
-   timed out) costs the pages only until the lease expires.
+   timed out) costs the pages only until the lease expires. While pages are lent, the
+   worker calls `serve_reads` every 200 µs so the reads progress on its side.
 
 An `Abort` cancels the computation or releases the lease, whichever applies.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -27,6 +29,8 @@ from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, Transfe
 from radixserve.services.worker import Peer, Worker, WorkerSettings
 
 logger = logging.getLogger(__name__)
+
+_SERVE_READS_PERIOD_S = 0.0002
 
 
 class PrefillSettings(WorkerSettings):
@@ -50,6 +54,30 @@ class PrefillWorker(Worker):
         super().__init__(settings, engine)
         self.queued_tokens = 0
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
+        self._lent: dict[str, float] = {}  # request id -> lease deadline, pages being read
+        self._lending = asyncio.Event()
+        self._server: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._server = asyncio.create_task(self._serve_reads())
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+            await asyncio.gather(self._server, return_exceptions=True)
+
+    async def _serve_reads(self) -> None:
+        """Drive the transfer agent while a decode worker may be reading our pages."""
+        assert self.agent is not None
+        while True:
+            if not self._lent:
+                self._lending.clear()
+                await self._lending.wait()
+            self.agent.serve_reads()
+            await asyncio.sleep(_SERVE_READS_PERIOD_S)
+            now = time.monotonic()
+            for rid in [rid for rid, deadline in self._lent.items() if deadline < now]:
+                del self._lent[rid]  # the lease expired in the engine as well
 
     def handle(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
@@ -78,6 +106,7 @@ class PrefillWorker(Worker):
 
     def _release(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
+        self._lent.pop(request_id, None)
         self.engine.submit(lambda engine: engine.release_lease(request_id))
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
@@ -108,6 +137,8 @@ class PrefillWorker(Worker):
                     f"decode asked for {len(msg.dst_page_ids)} pages past token "
                     f"{msg.num_cached_tokens}; the prompt has {len(src)}"
                 )
+            self._lent[rid] = time.monotonic() + self.settings.lease_s
+            self._lending.set()
             computed = last.prompt_tokens - last.cached_tokens
             self.counters["prefill_requests_total"] += 1
             self.counters["prefill_computed_tokens_total"] += computed

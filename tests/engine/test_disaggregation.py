@@ -37,12 +37,21 @@ def link(request, engines):
         compat = PoolCompat.from_pool(engine.kv_pool, engine.config.name)
         agents.append(create_agent(request.param, name, engine.kv_pool, compat))
     agents[1].add_peer("prefill-0", 1, agents[0].metadata())
-    yield prefill, decode, agents[1]
+    yield prefill, decode, agents
     for agent in agents:
         agent.close()
 
 
-def run_disaggregated(prefill, decode, reader, prompt_ids, params=GREEDY):
+def pull(agents, src_pages, dst_pages):
+    """Read the prefill agent's pages into decode's, serving the owner side meanwhile."""
+    owner, reader = agents
+    handle = reader.read_pages("prefill-0", src_pages, dst_pages)
+    while reader.poll(handle) == "pending":
+        owner.serve_reads()
+    assert handle.state == "done", handle.error
+
+
+def run_disaggregated(prefill, decode, agents, prompt_ids, params=GREEDY):
     """One request through prefill → transfer → decode.
 
     Returns (tokens, tokens decode had cached, pages moved)."""
@@ -55,8 +64,7 @@ def run_disaggregated(prefill, decode, reader, prompt_ids, params=GREEDY):
                 first = out.new_token_ids[0]
     src_pages = prefill.leased_pages(rid)[num_cached // decode.page_size :]
     assert len(src_pages) == len(dst_pages)
-    handle = reader.read_pages("prefill-0", src_pages, dst_pages)
-    reader.wait(handle)
+    pull(agents, src_pages, dst_pages)
     assert prefill.release_lease(rid)
     tokens = list(decode.activate_remote(rid, first).new_token_ids)
     while decode.has_unfinished():
@@ -66,33 +74,33 @@ def run_disaggregated(prefill, decode, reader, prompt_ids, params=GREEDY):
 
 
 def test_disaggregated_equals_single_engine(link, smol_off):
-    prefill, decode, reader = link
+    prefill, decode, agents = link
     prompts = [SYSTEM + "When do you open on Saturday?", SYSTEM + "Can I renew a book online?"]
     expected = [r.token_ids for r in smol_off.generate(prompts, GREEDY)]
     for prompt, tokens in zip(prompts, expected):
         ids = decode.tokenizer.encode(prompt)
-        assert run_disaggregated(prefill, decode, reader, ids)[0] == tokens
+        assert run_disaggregated(prefill, decode, agents, ids)[0] == tokens
     assert_no_leaks(decode)
     assert_no_leaks(prefill)
     assert prefill.cache_stats()["leases"] == 0
 
 
 def test_second_turn_moves_only_missing_pages(link, smol_off, request):
-    prefill, decode, reader = link
+    prefill, decode, agents = link
     room = "four" if "nixl" in request.node.name else "six"  # its own conversation per backend
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Do you have study rooms for groups of {room} people?"},
     ]
     turn1 = decode.chat_prompt_ids(messages)
-    tokens1, _, _ = run_disaggregated(prefill, decode, reader, turn1)
+    tokens1, _, _ = run_disaggregated(prefill, decode, agents, turn1)
     messages += [
         {"role": "assistant", "content": decode.tokenizer.decode(tokens1)},
         {"role": "user", "content": "And can I book one for tomorrow?"},
     ]
     turn2 = decode.chat_prompt_ids(messages)
     [expected] = smol_off.generate([turn2], GREEDY)
-    tokens2, cached2, moved2 = run_disaggregated(prefill, decode, reader, turn2)
+    tokens2, cached2, moved2 = run_disaggregated(prefill, decode, agents, turn2)
     assert tokens2 == expected.token_ids
     # decode kept turn 1 (prompt + answer) in its own cache: only the delta moved
     ps = decode.page_size

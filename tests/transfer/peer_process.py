@@ -45,7 +45,8 @@ def run_peer(conn: Connection, backend: str, name: str, seed: int, head_dim: int
     conn.send(agent.metadata())
     try:
         while True:
-            if not conn.poll(0.05):
+            if not conn.poll(0.0002):
+                agent.serve_reads()  # the owner's side of reads (NIXL has no thread of its own)
                 continue
             command = conn.recv()
             if command == "stop":
@@ -54,7 +55,7 @@ def run_peer(conn: Connection, backend: str, name: str, seed: int, head_dim: int
                 deadline = time.monotonic() + 5.0
                 notes = agent.notifications()
                 while not notes and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                    time.sleep(0.001)
                     notes = agent.notifications()
                 conn.send(notes)
     finally:
