@@ -43,6 +43,20 @@ SYSTEM = (
     "instalments without interest. Insurance covers theft and accidental damage for 6 "
     "euros a month with a 50 euro excess. "
 )
+
+
+def system_prompt(num_stores: int) -> str:
+    """The shared system prompt: the policies above plus a store directory of
+    ``num_stores`` lines (about 45 tokens each), so its length can be scaled."""
+    streets = ["Market", "Station", "Harbour", "Church", "Mill", "Castle", "Garden", "Bridge"]
+    lines = [
+        f"Store {i + 1}: {streets[i % 8]} Street {10 + 7 * i}, open {8 + i % 3}:00 to "
+        f"{18 + i % 4}:00, phone 020 555 {1000 + 37 * i}, repairs {'yes' if i % 3 else 'no'}."
+        for i in range(num_stores)
+    ]
+    return SYSTEM + ("Store directory:\n" + "\n".join(lines) if lines else "")
+
+
 QUESTIONS = [
     "Hi, I am thinking about switching to you. Which plan fits someone who streams a lot?",
     "What happens if I go over 200 GB on Unlimited?",
@@ -101,13 +115,13 @@ def _stream_turn(
 
 
 def _run_conversation(
-    config: ClusterConfig, turns: int, max_tokens: int, answers: list[str] | None
+    config: ClusterConfig, system: str, turns: int, max_tokens: int, answers: list[str] | None
 ) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     """Run the chat on a fresh cluster; with ``answers`` given, replay those answers as
     the history (so both runs send the same prompts). Returns per-turn rows, the
     answers, and the decode worker's counters at the end."""
     rows, got = [], []
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": system}]
     with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=600) as c:
         _stream_turn(c, [{"role": "user", "content": "Warm-up: say hi."}], 2)
         for i in range(turns):
@@ -125,7 +139,7 @@ def _run_conversation(
 
 
 def _engine_ttfts(
-    engine_env: dict[str, str], threads: int, answers: list[str], max_tokens: int
+    engine_env: dict[str, str], threads: int, system: str, answers: list[str], max_tokens: int
 ) -> list[float]:
     """The engine's own TTFT (cache on) for the same prompts, history built the same way."""
     from radixserve.engine.engine import Engine
@@ -143,7 +157,7 @@ def _engine_ttfts(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     engine.generate([engine.chat_prompt_ids([{"role": "user", "content": "Warm-up: say hi."}])],
                     SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
-    messages = [{"role": "system", "content": SYSTEM}]
+    messages = [{"role": "system", "content": system}]
     ttfts = []
     for i, answer in enumerate(answers):
         messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
@@ -156,7 +170,8 @@ def _engine_ttfts(
 def run_gateway_bench(quick: bool = False, out_path: str | None = None) -> int:
     from radixserve.bench.kv_transfer import measure_transfer
 
-    turns, max_tokens = (4, 16) if quick else (12, 48)
+    turns, max_tokens, stores = (4, 16, 6) if quick else (12, 48, 28)
+    system = system_prompt(stores)
     engine_env = {"RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.5", "RADIXSERVE_DTYPE": "float32",
                   "RADIXSERVE_DEVICE": "cpu"}  # fmt: skip
     threads = max(1, (os.cpu_count() or 1) // 2)
@@ -168,11 +183,11 @@ def run_gateway_bench(quick: bool = False, out_path: str | None = None) -> int:
         return ClusterConfig(port=free_port(), engine_env=env, num_threads=threads)
 
     print("gateway bench: cluster with the prefix cache ON ...", file=sys.stderr)
-    on, answers, decode_on = _run_conversation(config(True), turns, max_tokens, None)
+    on, answers, decode_on = _run_conversation(config(True), system, turns, max_tokens, None)
     print("gateway bench: cluster with the prefix cache OFF ...", file=sys.stderr)
-    off, _, _ = _run_conversation(config(False), turns, max_tokens, answers)
+    off, _, decode_off = _run_conversation(config(False), system, turns, max_tokens, answers)
     print("gateway bench: the engine alone (cache on), same prompts ...", file=sys.stderr)
-    engine = _engine_ttfts(engine_env, threads, answers, max_tokens)
+    engine = _engine_ttfts(engine_env, threads, system, answers, max_tokens)
     print("gateway bench: NIXL page reads vs memcpy ...", file=sys.stderr)
     nixl = measure_transfer("nixl", 256, scattered=False)
 
@@ -190,8 +205,21 @@ def run_gateway_bench(quick: bool = False, out_path: str | None = None) -> int:
         })  # fmt: skip
     cached_turns = rows[1:]
     overhead = statistics.median(r["gateway_minus_engine_ms"] for r in cached_turns)
-    moved = decode_on.get("kv_transfer_bytes_total", 0)
-    seconds = decode_on.get("kv_transfer_seconds_total", 0)
+
+    def transfers(decode: dict[str, Any]) -> dict[str, Any]:
+        moved, seconds = (
+            decode.get("kv_transfer_bytes_total", 0),
+            decode.get("kv_transfer_seconds_total", 0),
+        )
+        return {
+            "remote_prefills": decode.get("remote_prefills_total", 0),
+            "local_prefills": decode.get("local_prefills_total", 0),
+            "transfers": decode.get("kv_transfers_total", 0),
+            "pages": decode.get("kv_transfer_pages_total", 0),
+            "bytes": moved,
+            "gbps": moved / seconds / 1e9 if seconds else None,
+        }
+
     result = {
         "scenario": "gateway",
         "preset": "quick" if quick else "full",
@@ -205,9 +233,8 @@ def run_gateway_bench(quick: bool = False, out_path: str | None = None) -> int:
             "nixl_gbps": nixl["gbps"],
             "memcpy_gbps": nixl["memcpy_gbps"],
             "nixl_fraction_of_memcpy": nixl["fraction_of_memcpy"],
-            "cluster_transfers": decode_on.get("kv_transfers_total", 0),
-            "cluster_transfer_pages": decode_on.get("kv_transfer_pages_total", 0),
-            "cluster_transfer_gbps": moved / seconds / 1e9 if seconds else None,
+            "cluster_on": transfers(decode_on),
+            "cluster_off": transfers(decode_off),
         },
     }
     print(format_table(result))
@@ -236,7 +263,6 @@ def format_table(r: dict[str, Any]) -> str:
         )
     ok = "✓" if s["median_gateway_minus_engine_ms"] <= s["overhead_target_ms"] else "✗"
     ok_nixl = "✓" if s["nixl_fraction_of_memcpy"] >= 0.5 else "✗"
-    cluster_rate = f"{s['cluster_transfer_gbps']:.2f} GB/s" if s["cluster_transfer_gbps"] else "n/a"
     lines += [
         "",
         f"cached turns: gateway TTFT − engine TTFT, median {s['median_gateway_minus_engine_ms']:.1f} ms "
@@ -245,7 +271,12 @@ def format_table(r: dict[str, Any]) -> str:
         f"NIXL page reads (256 pages, two processes): {s['nixl_gbps']:.2f} GB/s vs memcpy "
         f"{s['memcpy_gbps']:.2f} GB/s = {100 * s['nixl_fraction_of_memcpy']:.0f} % "
         f"(target ≥ 50 %) {ok_nixl}",
-        f"in the cluster: {s['cluster_transfers']} transfer(s), {s['cluster_transfer_pages']} "
-        f"pages, effective {cluster_rate}",
     ]
+    for mode in ("on", "off"):
+        c = s[f"cluster_{mode}"]
+        rate = f"{c['gbps']:.2f} GB/s" if c["gbps"] else "n/a"
+        lines.append(
+            f"cluster, cache {mode}: {c['remote_prefills']} remote / {c['local_prefills']} local "
+            f"prefills; {c['transfers']} transfers moved {c['pages']} pages, effective {rate}"
+        )
     return "\n".join(lines)
