@@ -32,11 +32,15 @@ class TestCluster(LocalCluster):
         self,
         *,
         transport: str = "nixl",
+        num_prefill: int = 1,
+        num_decode: int = 1,
         decode: dict[str, str] | None = None,
         gateway: dict[str, str] | None = None,
         prefill: dict[str, str] | None = None,
     ) -> None:
         config = ClusterConfig(
+            num_prefill=num_prefill,
+            num_decode=num_decode,
             transport=transport,
             port=free_port(),
             engine_env={

@@ -1,0 +1,60 @@
+"""Decode routing through the real gateway: with two decode workers (and no prefill
+worker, so each prefills locally and only its own cache can serve a prefix), concurrent
+conversations that share no prefix spread over both workers by load, and each conversation's next turn goes
+back to the worker that holds it: its `cached_tokens` covers the whole first turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.prompts import SYSTEM
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def two_decoders():
+    cluster = TestCluster(num_prefill=0, num_decode=2)
+    yield cluster
+    cluster.stop()
+
+
+def test_conversations_spread_by_load_then_stick_to_their_worker(two_decoders):
+    cluster = two_decoders
+    conversations = [
+        [{"role": "system", "content": f"You work at our {name} branch. {SYSTEM}"},
+         {"role": "user", "content": "When do you open on Saturday?"}]
+        for name in ("North", "South")
+    ]  # fmt: skip
+
+    async def ask_all(bodies):
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=b) for b in bodies)
+            )
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json() for r in replies]
+
+    def body(messages, max_tokens):
+        return {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+    first = asyncio.run(ask_all([body(m, 12) for m in conversations]))
+    cluster.wait_clean()
+    served = {n: w.get("local_prefills_total", 0) for n, w in cluster.workers().items()}
+    assert served == {"decode-0": 1, "decode-1": 1}  # one each: load beat the tie-break
+
+    for messages, reply in zip(conversations, first):
+        messages += [
+            {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And on Sunday?"},
+        ]
+    second = asyncio.run(ask_all([body(m, 4) for m in conversations]))
+    for turn1, turn2 in zip(first, second):
+        usage1, usage2 = turn1["usage"], turn2["usage"]
+        held = (usage1["prompt_tokens"] + usage1["completion_tokens"] - 1) // PAGE * PAGE
+        assert usage2["prompt_tokens_details"]["cached_tokens"] == held
+    cluster.wait_clean()
