@@ -20,6 +20,7 @@ the gateway gets `RequestFailed`. Outputs stream to the gateway as `TokenChunk`s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class DecodeWorker(Worker):
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
         self._assigned: dict[str, int] = {}  # prefill worker -> prompt tokens sent, unanswered
+        self._notices: set[asyncio.Task] = set()  # fire-and-forget sends in flight
 
     async def start(self) -> None:
         s = self.settings
@@ -244,7 +246,7 @@ class DecodeWorker(Worker):
             self._unassign(link, ids)
             await self._pull(link, kv, dst)
             consumed = True
-            await link.send(TransferDone(rid), timeout_ms=0)
+            await self._tell(link, TransferDone(rid))
         except asyncio.CancelledError:
             await self._give_back(link, rid, consumed)
             raise
@@ -301,13 +303,13 @@ class DecodeWorker(Worker):
     async def _give_back(self, link: Link, rid: str, consumed: bool) -> None:
         """Free our reservation (uncached) and the prefill worker's lease or work."""
         await self.engine.call(lambda e: e.abort(rid))
-        try:
-            if consumed:
-                await link.send(TransferDone(rid), timeout_ms=0)
-            else:
-                await link.send(Abort(rid, "decode gave up"), timeout_ms=0)
-        except TimeoutError:
-            pass  # the prefill worker is gone: its lease expires on its own
+        await self._tell(link, TransferDone(rid) if consumed else Abort(rid, "decode gave up"))
+
+    @staticmethod
+    async def _tell(link: Link, msg: Message) -> None:
+        """Best-effort notice to a prefill worker; if it is unreachable, its lease expires."""
+        with contextlib.suppress(TimeoutError):
+            await link.send(msg, timeout_ms=0)
 
     def _unassign(self, link: Link, ids: list[int]) -> None:
         left = self._assigned.get(link.name, 0) - len(ids)
@@ -321,9 +323,11 @@ class DecodeWorker(Worker):
         pending = self._pending.get(rid) if isinstance(rid, str) else None
         if pending is None or pending.link is not link or pending.ready.done():
             if isinstance(msg, KVReady):  # we gave up on it: let the lease go now
-                asyncio.ensure_future(
-                    link.send(TransferDone(msg.request_id, ok=False), timeout_ms=0)
+                task = asyncio.ensure_future(
+                    self._tell(link, TransferDone(msg.request_id, ok=False))
                 )
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
             return
         if isinstance(msg, KVReady):
             pending.ready.set_result(msg)
