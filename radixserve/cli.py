@@ -221,6 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_prefill=args.prefill,
         num_decode=args.decode,
         transport=args.transport,
+        kvstore=args.kvstore,
         host=args.host,
         port=args.port,
         engine_env=engine_env,
@@ -237,6 +238,11 @@ def cmd_service(args: argparse.Namespace) -> int:
         return gateway_main()
     from radixserve.services.worker import run_worker
 
+    if args.command == "kvstore":
+        from radixserve.services.kvstore import KVStoreService, KVStoreSettings
+        from radixserve.services.service import serve_until_signalled
+
+        return serve_until_signalled(KVStoreService(KVStoreSettings()))
     if args.command == "prefill":
         from radixserve.services.prefill import PrefillSettings, PrefillWorker
 
@@ -250,6 +256,7 @@ _SERVICE_HELP = {
     "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
     "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
     "gateway": "run the HTTP gateway alone (settings: RADIXSERVE_GATEWAY_*, RADIXSERVE_MODEL)",
+    "kvstore": "run the kvstore, the cluster-wide cache index (settings: RADIXSERVE_KVSTORE_*)",
 }
 
 
@@ -302,6 +309,8 @@ def make_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     up.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
                     help="how KV pages move between workers (default nixl)")  # fmt: skip
+    up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
+                    help="do not start the kvstore (the cluster-wide cache index)")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     up.add_argument("--local-prefill-max-tokens", type=int,

@@ -39,6 +39,7 @@ class ClusterConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
+    kvstore: bool = True  # start the kvstore (the cluster-wide cache index)
     transport: str = "nixl"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +80,13 @@ def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
         **config.engine_env,
     }
     specs: list[ProcessSpec] = []
+    index: dict[str, str] = {}  # the kvstore's address for each service that talks to it
+    if config.kvstore:
+        port = free_port()
+        env = {**base, "RADIXSERVE_KVSTORE_NAME": "kvstore", "RADIXSERVE_KVSTORE_PORT": str(port)}
+        argv = [sys.executable, "-m", "radixserve.services.kvstore"]
+        specs.append(ProcessSpec("kvstore", argv, env))
+        index = {role: f"tcp://127.0.0.1:{port}" for role in ("PREFILL", "DECODE", "GATEWAY")}
 
     def workers_of(role: str, count: int, extra: dict[str, str]) -> list[str]:
         """Add ``count`` workers of ``role``; their control addresses."""
@@ -88,6 +96,7 @@ def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
             addresses.append(f"tcp://127.0.0.1:{port}")
             env = {
                 **base,
+                **({f"{prefix}KVSTORE": index[role.upper()]} if index else {}),
                 f"{prefix}NAME": name,
                 f"{prefix}PORT": str(port),
                 f"{prefix}TRANSFER_BACKEND": config.transport,
@@ -106,6 +115,7 @@ def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
         "RADIXSERVE_GATEWAY_PORT": str(config.port),
         "RADIXSERVE_GATEWAY_DECODE_WORKERS": json.dumps(decode_addrs),
         "RADIXSERVE_GATEWAY_PREFILL_WORKERS": json.dumps(prefill_addrs),
+        **({"RADIXSERVE_GATEWAY_KVSTORE": index["GATEWAY"]} if index else {}),
         **config.gateway_env,
     }
     specs.append(ProcessSpec("gateway", [sys.executable, "-m", "radixserve.services.gateway"], env))
@@ -126,7 +136,8 @@ def run_cluster(config: ClusterConfig) -> int:
     specs = cluster_specs(config)
     print(
         f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
-        f"worker(s) and the gateway (KV transfer over {config.transport}) ...",
+        f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
+        f"(KV transfer over {config.transport}) ...",
         flush=True,
     )
     supervisor = Supervisor(specs)

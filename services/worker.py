@@ -1,68 +1,41 @@
-"""What prefill and decode workers share: settings, the control socket, peers, heartbeats.
+"""What prefill and decode workers share: an engine and a KV transfer agent behind a service.
 
-A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), an
-asyncio loop on the main thread that owns every socket, and a KV transfer agent over
-the engine's pool. The loop never waits on a step, so heartbeats keep flowing while a
-long prefill runs.
+A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), the
+service control plane (`services.service`) on an asyncio loop on the main thread that
+owns every socket, and a KV transfer agent over the engine's pool. The loop never
+waits on a step, so heartbeats and aborts flow while a long prefill runs. A worker's
+`HelloAck` says what it serves (model, context, page size) and, for a prefill worker,
+carries its transfer agent's metadata.
 
-Control plane: the worker binds one ROUTER socket. Peers (the gateway, decode workers)
-connect DEALERs (`services.links`) and open with `Hello`; the worker answers `HelloAck`
-(model, context, page size, transfer backend and agent metadata) and from then on
-sends each peer a `Heartbeat` with its load every ``heartbeat_interval_s``. A peer
-silent for ``peer_timeout_s`` is forgotten and `on_peer_lost` ends its requests.
-
-Each request runs as one asyncio task keyed by its id; an `Abort` cancels that task,
-and the task's cleanup returns everything it holds in the engine.
+With a kvstore configured, the worker publishes its radix cache's events (`KVEvent`:
+pages stored and removed, by chained hash, numbered per generation) over a link to it;
+when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` and a
+snapshot of every cached page. Events go through one queue in the order the engine
+thread made them, so a snapshot never overtakes an earlier event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import sys
-import time
-from collections import Counter
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-import zmq
-import zmq.asyncio
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
-from radixserve.errors import CapacityError, RequestError
-from radixserve.protocol import (
-    AsyncChannel,
-    Heartbeat,
-    Hello,
-    HelloAck,
-    Message,
-    ProtocolError,
-    RequestFailed,
-)
-from radixserve.protocol.messages import ErrorType, Role
+from radixserve.protocol import HelloAck, KVEvent, KVResync, Message
+from radixserve.services.links import Link, LinkSet
+from radixserve.services.service import Service, ServiceSettings, serve_until_signalled
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(ServiceSettings):
     """Settings every worker has; `PrefillSettings` and `DecodeSettings` add their own."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="forbid")
-
-    name: str | None = Field(
-        None,
-        min_length=1,
-        max_length=128,
-        description="Worker name, unique in the cluster; default '<role>-<port>'.",
-    )
-    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
-    port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
     transfer_backend: Literal["nixl", "zmq"] = Field(
         "nixl", description="How KV pages move between workers: NIXL (UCX) or ZMQ over TCP."
     )
@@ -71,68 +44,33 @@ class WorkerSettings(BaseSettings):
         description="Give the NIXL agent its own progress thread (it busy-polls a CPU core); "
         "off, the worker drives progress itself while a peer reads its pages.",
     )
-    heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
-    peer_timeout_s: float = Field(
-        5.0, gt=0, le=600, description="A peer silent this long is considered dead."
+    kvstore: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Control address of the kvstore (tcp://host:port) to publish cache "
+        "events to; none = publish nothing.",
     )
-    generation: int | None = Field(
-        None, ge=0, description="Incarnation number; default: start time in milliseconds."
-    )
 
 
-@dataclass
-class Peer:
-    """A process connected to our ROUTER socket."""
+class Worker(Service):
+    """A service with an engine and a transfer agent; subclasses handle request messages."""
 
-    identity: bytes
-    name: str
-    role: str
-    last_seen: float
-
-
-def error_type(exc: BaseException) -> ErrorType:
-    """The wire error type for an exception that ended a request."""
-    if isinstance(exc, CapacityError):
-        return "capacity"
-    if isinstance(exc, RequestError):
-        return "invalid_request"
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    return "internal"
-
-
-class Worker:
-    """The shared half of a prefill or decode worker; subclasses handle request messages."""
-
-    role: ClassVar[Role]
+    settings: WorkerSettings
 
     def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self.engine = AsyncEngine(engine)
         self.page_size = engine.page_size
-        self.generation = (
-            settings.generation if settings.generation is not None else time.time_ns() // 10**6
-        )
-        self.name = settings.name or ""
-        self.address = ""
-        self.counters: Counter[str] = Counter()
-        self.peers: dict[bytes, Peer] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
         self.agent: KVTransferAgent | None = None
-        self.context: zmq.asyncio.Context | None = None
-        self._router: AsyncChannel | None = None
+        self.kvstore: LinkSet | None = None
+        self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
+        self._seq = 0
+        self._publisher: asyncio.Task | None = None
+        self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
 
-    # -- lifetime --------------------------------------------------------------------
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set; then end every request and close everything."""
-        self.context = zmq.asyncio.Context()
+    async def start(self) -> None:
         s = self.settings
-        self._router = AsyncChannel.open(
-            self.context, zmq.ROUTER, f"tcp://{s.host}:{s.port}", bind=True
-        )
-        self.address = self._router.endpoint
-        self.name = self.name or f"{self.role}-{self.address.rsplit(':', 1)[1]}"
         engine = self.engine.engine
         compat = PoolCompat.from_pool(engine.kv_pool, engine.config.name)
         self.agent = create_agent(
@@ -142,33 +80,41 @@ class Worker:
             compat,
             nixl_progress_thread=s.nixl_progress_thread,
         )
-        background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
-        try:
-            await self.start()
-            print(
-                f"radixserve {self.role} worker {self.name} (generation {self.generation}) "
-                f"listening on {self.address}, KV transfer over {s.transfer_backend}",
-                flush=True,
+        if s.kvstore and engine.cache is not None:
+            assert self.context is not None
+            loop = asyncio.get_running_loop()
+            self.kvstore = LinkSet(
+                self.context,
+                [s.kvstore],
+                name=self.name,
+                role=self.role,
+                generation=self.generation,
+                interval_s=s.heartbeat_interval_s,
+                peer_timeout_s=s.peer_timeout_s,
+                on_message=self._from_kvstore,
+                on_up=lambda link: self.engine.submit(self._snapshot),
             )
-            await stop.wait()
-            logger.info("%s: shutting down", self.name)
-        finally:
-            for task in [*background, *self.tasks.values()]:
-                task.cancel()
-            await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
-            await self.stop()
-            self.engine.close()
-            self.agent.close()
-            self._router.close()
-            self.context.term()
+            self._publisher = asyncio.create_task(self._publish())
 
-    async def start(self) -> None:
-        """Role hook: open outgoing links once the control socket is bound."""
+            def emit(kind: str, hashes: list[int]) -> None:  # on the engine thread
+                loop.call_soon_threadsafe(self._events.put_nowait, (kind, hashes))
+
+            self._emit = emit
+            engine.cache.set_event_listener(emit)
+            self.kvstore.start()
 
     async def stop(self) -> None:
-        """Role hook: close outgoing links (requests are already cancelled)."""
+        if self.kvstore is not None:
+            await self.kvstore.close()
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+        self.engine.close()
+        if self.agent is not None:
+            self.agent.close()
 
-    # -- messages --------------------------------------------------------------------
+    def describe(self) -> str:
+        return f", KV transfer over {self.settings.transfer_backend}"
 
     def hello_ack(self) -> HelloAck:
         engine = self.engine.engine
@@ -184,104 +130,34 @@ class Worker:
             transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
         )
 
-    def handle(self, peer: Peer, msg: Message) -> None:
-        """Role hook: a request-level message from ``peer`` (must not block)."""
-        logger.warning("%s: unexpected %s from %s", self.name, type(msg).__name__, peer.name)
+    def _snapshot(self, engine: Engine) -> None:
+        """On the engine thread: queue "cleared", then every cached page as "stored"."""
+        assert engine.cache is not None and self._emit is not None
+        self._emit("cleared", [])
+        self._emit("stored", engine.cache.all_page_hashes())
 
-    def on_peer_lost(self, peer: Peer) -> None:
-        """Role hook: ``peer`` went silent; end what it asked for."""
-
-    async def send_to(self, peer: Peer, msg: Message) -> None:
-        """Send to a connected peer; a send that fails is logged (the peer may be gone)."""
-        assert self._router is not None
-        try:
-            await self._router.send_to(peer.identity, msg, timeout_ms=1000)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            logger.warning("%s: cannot send %s to %s: %s", self.name, msg.TYPE_TAG, peer.name, exc)
-
-    async def fail(self, peer: Peer, request_id: str, exc: BaseException) -> None:
-        """Tell ``peer`` that ``request_id`` ended with ``exc``."""
-        kind = error_type(exc)
-        if kind == "internal":
-            logger.error("%s: request %s failed: %r", self.name, request_id, exc)
-        message = str(exc) or type(exc).__name__
-        await self.send_to(peer, RequestFailed(request_id, kind, message[:4096]))
-
-    def spawn(self, request_id: str, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` as the task of ``request_id`` (cancelled by `cancel`)."""
-        if request_id in self.tasks:
-            coro.close()
-            logger.warning("%s: request %s is already running; ignored", self.name, request_id)
-            return
-        task = asyncio.create_task(coro)
-        self.tasks[request_id] = task
-        task.add_done_callback(lambda t: self._done(request_id, t))
-
-    def cancel(self, request_id: str) -> bool:
-        task = self.tasks.get(request_id)
-        if task is None:
-            return False
-        task.cancel()
-        return True
-
-    def _done(self, request_id: str, task: asyncio.Task) -> None:
-        if self.tasks.get(request_id) is task:
-            del self.tasks[request_id]
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("%s: task of %s crashed", self.name, request_id, exc_info=task.exception())
-
-    async def _receive(self) -> None:
-        assert self._router is not None
+    async def _publish(self) -> None:
+        """Send queued cache events to the kvstore, numbered; a lost one shows as a gap."""
         while True:
+            kind, hashes = await self._events.get()
+            self._seq += 1
+            link = self.kvstore.links[0] if self.kvstore else None
+            if link is None or not link.up:
+                continue  # the kvstore resyncs us when the link comes up
+            event = KVEvent(self.name, self.generation, self._seq, kind, tuple(hashes))
             try:
-                got = await self._router.recv_from()
-            except ProtocolError:
-                continue  # logged by the channel; the peer's request times out on its side
-            if got is None:
-                continue
-            identity, msg = got
-            now = time.monotonic()
-            peer = self.peers.get(identity)
-            if isinstance(msg, Hello | Heartbeat):
-                name = msg.name if isinstance(msg, Hello) else msg.sender
-                role = msg.role if isinstance(msg, Hello) else (peer.role if peer else "")
-                if peer is None:
-                    peer = self.peers[identity] = Peer(identity, name, role, now)
-                    logger.info("%s: peer %s (%s) connected", self.name, name, role or "?")
-                peer.last_seen = now
-                if isinstance(msg, Hello):
-                    peer.role = msg.role
-                    await self.send_to(peer, self.hello_ack())
-                continue
-            if peer is None:  # a request before any hello (e.g. across our restart)
-                peer = self.peers[identity] = Peer(identity, "?", "", now)
-            peer.last_seen = now
-            try:
-                self.handle(peer, msg)
-            except Exception:
-                logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
+                await link.send(event, timeout_ms=0)
+            except TimeoutError:
+                self.counters["kv_events_dropped_total"] += 1
 
-    async def _beat(self) -> None:
-        s = self.settings
-        while True:
-            now = time.monotonic()
-            for identity, peer in list(self.peers.items()):
-                if now - peer.last_seen > s.peer_timeout_s:
-                    del self.peers[identity]
-                    logger.warning(
-                        "%s: peer %s went silent; ending its requests", self.name, peer.name
-                    )
-                    self.on_peer_lost(peer)
-                    continue
-                beat = Heartbeat(sender=self.name, generation=self.generation, load=self.load())
-                await self.send_to(peer, beat)
-            await asyncio.sleep(s.heartbeat_interval_s)
+    def _from_kvstore(self, link: Link, msg: Message) -> None:
+        if isinstance(msg, KVResync):
+            self.engine.submit(self._snapshot)
 
     def load(self) -> dict[str, int | float]:
-        """Load and counters for heartbeats: pool pages, live requests, role counters."""
+        """Pool pages and live requests, then the service's tasks and counters."""
         stats: dict[str, int | float] = dict(self.engine.engine.cache_stats())
-        stats["tasks"] = len(self.tasks)
-        stats.update(self.counters)
+        stats.update(super().load())
         return stats
 
 
@@ -290,16 +166,4 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
     from radixserve.settings import EngineSettings
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
-    engine = Engine(EngineSettings(**from_env))
-    worker = worker_cls(settings, engine)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await worker.run(stop)
-
-    asyncio.run(main())
-    sys.stdout.flush()
-    return 0
+    return serve_until_signalled(worker_cls(settings, Engine(EngineSettings(**from_env))))

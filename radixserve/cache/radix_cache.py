@@ -260,6 +260,20 @@ class RadixCache:
         if hashes and self._on_event is not None:
             self._on_event("removed", hashes)
 
+    def set_event_listener(self, on_event: EventCallback | None) -> None:
+        """Report "stored"/"removed" page hashes to ``on_event`` from now on (None: stop)."""
+        self._on_event = on_event
+
+    def all_page_hashes(self) -> list[int]:
+        """Every cached page's hash, parents before children (a snapshot for a resync)."""
+        hashes: list[int] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            hashes.extend(node.page_hashes)
+            stack.extend(node.children.values())
+        return hashes
+
     def check_integrity(self) -> None:
         """Walk the tree and raise ``AssertionError`` on any broken invariant.
 

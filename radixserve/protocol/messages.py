@@ -408,6 +408,57 @@ class RequestFailed(Message):
     message: str = field(default="", metadata=_spec(ERROR_TEXT))
 
 
+# --- the kvstore: cluster-wide index of cached pages ---------------------------------
+
+PAGE_HASH = IntSpec(0, 2**64 - 1)
+PAGE_HASHES = ListSpec(PAGE_HASH, MAX_PAGES_PER_MESSAGE)
+KV_EVENT_KINDS: frozenset[str] = frozenset({"stored", "removed", "cleared"})
+
+
+@dataclass(frozen=True)
+class KVEvent(Message):
+    """Worker -> kvstore: pages entered (``stored``) or left (``removed``) its device cache,
+    or it dropped everything (``cleared``). ``seq`` counts this worker's events from 1 per
+    generation; a gap tells the kvstore it missed some and must resync the worker."""
+
+    TYPE_TAG: ClassVar[str] = "kv_event"
+    worker: str = field(metadata=_spec(PEER_NAME))
+    generation: int = field(metadata=_spec(COUNT))
+    seq: int = field(metadata=_spec(IntSpec(1)))
+    kind: str = field(metadata=_spec(StrSpec(16, choices=KV_EVENT_KINDS)))
+    page_hashes: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_HASHES))
+
+
+@dataclass(frozen=True)
+class KVResync(Message):
+    """Kvstore -> worker: send ``cleared`` and then every cached page as ``stored``."""
+
+    TYPE_TAG: ClassVar[str] = "kv_resync"
+    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+
+
+@dataclass(frozen=True)
+class IndexQuery(Message):
+    """Anyone -> kvstore: which workers hold how long a prefix of these chained page
+    hashes (the pages of a prompt, `radixserve.cache.block_hash.page_hashes`)?"""
+
+    TYPE_TAG: ClassVar[str] = "index_query"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
+
+
+@dataclass(frozen=True)
+class IndexReply(Message):
+    """Kvstore -> asker: leading pages of the query each worker holds (workers with 0 left
+    out)."""
+
+    TYPE_TAG: ClassVar[str] = "index_reply"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    device_pages: Mapping[str, int | float] = field(
+        default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
+    )
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     Hello,
     HelloAck,
@@ -419,6 +470,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     TokenChunk,
     Abort,
     RequestFailed,
+    KVEvent,
+    KVResync,
+    IndexQuery,
+    IndexReply,
 )
 
 

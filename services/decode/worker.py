@@ -44,7 +44,8 @@ from radixserve.protocol import (
 )
 from radixserve.protocol.messages import ErrorType
 from radixserve.services.links import Link, LinkSet
-from radixserve.services.worker import Peer, Worker, WorkerSettings
+from radixserve.services.service import Peer
+from radixserve.services.worker import Worker, WorkerSettings
 from radixserve.transfer import TransferError
 
 logger = logging.getLogger(__name__)
@@ -118,9 +119,9 @@ class DecodeWorker(Worker):
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
         self._assigned: dict[str, int] = {}  # prefill worker -> prompt tokens sent, unanswered
-        self._notices: set[asyncio.Task] = set()  # fire-and-forget sends in flight
 
     async def start(self) -> None:
+        await super().start()
         s = self.settings
         assert self.context is not None
         self.prefills = LinkSet(
@@ -139,6 +140,7 @@ class DecodeWorker(Worker):
     async def stop(self) -> None:
         if self.prefills is not None:
             await self.prefills.close()
+        await super().stop()
 
     # -- from the gateway ------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The gateway's `EngineClient` for a disaggregated cluster: decode workers over ZMQ.
 
 The gateway tokenises, picks a decode worker (`DecodeRouter`: longest cached prefix,
-then load) and a prefill worker (least queued prompt tokens), and sends the decode
+then load) and a prefill worker (`prefill_cost`: pages it would compute given the
+kvstore index, plus its queued prompt tokens), and sends the decode
 worker a `GenerateRequest` naming that prefill worker. The decode worker streams
 `TokenChunk`s back; they become `RequestOutput`s.
 
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +38,15 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
+    IndexQuery,
+    IndexReply,
     Message,
     RequestFailed,
     SamplingSpec,
     TokenChunk,
 )
 from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.router import DecodeRouter
+from radixserve.services.gateway.router import DecodeRouter, prefill_cost
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.links import Link, LinkSet
 
@@ -94,6 +98,9 @@ class ClusterClient(EngineClient):
         self._context: zmq.asyncio.Context | None = None
         self.decodes: LinkSet | None = None
         self.prefills: LinkSet | None = None
+        self.kvstore: LinkSet | None = None
+        self._queries: dict[str, asyncio.Future] = {}  # kvstore query id -> its reply
+        self.index_misses = 0  # prefill routings made without the index (kvstore slow/down)
         self._background: set[asyncio.Task] = set()
 
     # -- lifetime --------------------------------------------------------------------
@@ -119,15 +126,16 @@ class ClusterClient(EngineClient):
         self.prefills = LinkSet(
             self._context, list(s.prefill_workers), on_message=self._unexpected, **common
         )
-        self.decodes.start()
-        self.prefills.start()
+        kvstore = [s.kvstore] if s.kvstore else []
+        self.kvstore = LinkSet(self._context, kvstore, on_message=self._from_kvstore, **common)
+        for links in self._link_sets():
+            links.start()
 
     async def shutdown(self) -> None:
         for stream in self._streams.values():
             stream.out.put_nowait(UnavailableError("the gateway is shutting down"))
-        for links in (self.decodes, self.prefills):
-            if links is not None:
-                await links.close()
+        for links in self._link_sets():
+            await links.close()
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -135,11 +143,12 @@ class ClusterClient(EngineClient):
     def close(self) -> None:
         """Nothing to do off the loop: `shutdown` (run by the app) closes the sockets."""
 
+    def _link_sets(self) -> list[LinkSet]:
+        return [ls for ls in (self.decodes, self.prefills, self.kvstore) if ls is not None]
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         up = self.decodes.up() if self.decodes else []
-        workers = {
-            link.label: link.up for ls in (self.decodes, self.prefills) if ls for link in ls.links
-        }
+        workers = {link.label: link.up for ls in self._link_sets() for link in ls.links}
         return bool(up), {"workers": workers}
 
     # -- EngineClient ----------------------------------------------------------------
@@ -160,7 +169,7 @@ class ClusterClient(EngineClient):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         link = self._pick_decode(prompt_ids)
-        prefill = self._pick_prefill()
+        prefill = await self._pick_prefill(prompt_ids)
         stream = _Stream(link, asyncio.Queue(), list(prompt_ids))
         self._streams[request_id] = stream
         self.router.started(link.name, prompt_ids)
@@ -221,7 +230,7 @@ class ClusterClient(EngineClient):
                 self._spawn(self._abort(link, request_id))
 
     def stats(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
+        totals: dict[str, int] = {"gateway_index_misses": self.index_misses}
         if self.decodes is None or self.prefills is None:
             return totals
         for link in self.decodes.up() + self.prefills.up():
@@ -233,12 +242,15 @@ class ClusterClient(EngineClient):
 
     def worker_stats(self) -> dict[str, dict[str, Any]]:
         workers: dict[str, dict[str, Any]] = {}
-        for links in (self.decodes, self.prefills):
-            if links is None:
-                continue
+        roles = {
+            id(self.decodes): "decode",
+            id(self.prefills): "prefill",
+            id(self.kvstore): "kvstore",
+        }
+        for links in self._link_sets():
             for link in links.links:
                 entry: dict[str, Any] = {
-                    "role": link.role or ("decode" if links is self.decodes else "prefill"),
+                    "role": link.role or roles[id(links)],
                     "address": link.address,
                     "up": link.up,
                     "generation": link.generation,
@@ -260,18 +272,62 @@ class ClusterClient(EngineClient):
         name = self.router.pick([link.name for link in up], prompt_ids)
         return next(link for link in up if link.name == name)
 
-    def _pick_prefill(self) -> str:
+    async def _pick_prefill(self, prompt_ids: list[int]) -> str:
+        """The prefill worker of least cost (see `services.gateway.router.prefill_cost`),
+        its cache hits from the kvstore index; "" if none is up."""
         up = self.prefills.up() if self.prefills else []
         if not up:
             return ""
+        hashes = self.router.hashes(prompt_ids)
+        cached = await self._index_lookup(hashes) if len(up) > 1 else {}
+        s = self.settings
+        page_size = self.router.page_size
+
+        def queued(link: Link) -> float:
+            return float(link.load.get("queued_tokens", 0)) + self._prefill_assigned.get(
+                link.name, 0
+            )
+
+        candidates = [link for link in up if queued(link) <= s.prefill_busy_tokens] or up
         best = min(
-            up,
+            candidates,
             key=lambda link: (
-                float(link.load.get("queued_tokens", 0)) + self._prefill_assigned.get(link.name, 0),
+                prefill_cost(len(hashes), cached.get(link.name, 0), queued(link) / page_size,
+                             s.prefill_cache_weight, s.prefill_load_weight),
+                queued(link),
                 link.name,
             ),
-        )
+        )  # fmt: skip
         return best.name
+
+    async def _index_lookup(self, hashes: list[int]) -> dict[str, int]:
+        """Leading pages of ``hashes`` each worker holds, per the kvstore ({} if it is down
+        or slow: routing then goes by load)."""
+        link = self.kvstore.up()[0] if self.kvstore and self.kvstore.up() else None
+        if link is None or not hashes:
+            return {}
+        query_id = uuid.uuid4().hex
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = reply
+        try:
+            await link.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=0)
+            answer: IndexReply = await asyncio.wait_for(
+                reply, self.settings.kvstore_query_timeout_s
+            )
+        except TimeoutError:
+            self.index_misses += 1
+            return {}
+        finally:
+            self._queries.pop(query_id, None)
+        return {name: int(pages) for name, pages in answer.device_pages.items()}
+
+    def _from_kvstore(self, link: Link, msg: Message) -> None:
+        if isinstance(msg, IndexReply):
+            reply = self._queries.get(msg.query_id)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
+        else:
+            self._unexpected(link, msg)
 
     def _unassign_prefill(self, name: str, tokens: int) -> None:
         left = self._prefill_assigned.get(name, 0) - tokens

@@ -1,5 +1,6 @@
-"""Which decode worker gets a request: the one holding the longest cached prefix, then load.
+"""Where a request goes: decode by longest cached prefix then load; prefill by cost.
 
+**Decode.**
 The gateway cannot see the workers' radix trees, so it keeps its own approximate view:
 for each decode worker, the chained page hashes (`radixserve.cache.block_hash`) of the
 token sequences it served (prompt + output), in an LRU set of bounded size. A worker
@@ -14,6 +15,18 @@ the name)::
 to hold; ``in_flight`` is the number of this gateway's requests running on w. With the
 default weight a conversation stays on its worker until that worker carries
 ``matched_pages / load_weight`` more requests than another.
+
+**Prefill** (`prefill_cost`): the kvstore's index says how many leading pages of the
+prompt each prefill worker holds on device. For a prompt of P full pages::
+
+    cost(w) = cache_weight * (P - device_hit_pages(w)) + load_weight * queued_tokens(w) / page_size
+
+Workers with more than ``prefill_busy_tokens`` queued are skipped while any other is
+under it; ties go to the less loaded, then the name. So shared-prefix requests gather
+where the prefix is cached until the queue there costs more than recomputing the prefix
+elsewhere. ``queued_tokens`` is the worker's heartbeat figure plus what this gateway sent
+it since. Without the index (kvstore down or slower than ``kvstore_query_timeout_s``)
+every hit counts as 0 and routing goes by load alone.
 """
 
 from __future__ import annotations
@@ -103,3 +116,15 @@ class DecodeRouter:
         if view is None:
             view = self._views[worker] = PrefixView(self._max_pages)
         return view
+
+
+def prefill_cost(
+    num_pages: int,
+    hit_pages: int,
+    queued_pages: float,
+    cache_weight: float,
+    load_weight: float,
+) -> float:
+    """Cost of prefilling a ``num_pages``-page prompt on a worker holding ``hit_pages``
+    of it with ``queued_pages`` of prompts queued (see the module notes)."""
+    return cache_weight * (num_pages - hit_pages) + load_weight * queued_pages

@@ -52,6 +52,12 @@ class GatewaySettings(BaseSettings):
         description="Control addresses of the prefill workers (for load-based prefill "
         "routing and /metrics, /debug/cache). From the environment as a JSON list.",
     )
+    kvstore: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Control address of the kvstore, for /metrics and /debug/cache.",
+    )
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
     peer_timeout_s: float = Field(
         5.0,
@@ -64,6 +70,30 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Decode routing: pages of cached prefix one in-flight request is worth "
         "(cost = uncached pages + weight * in-flight requests).",
+    )
+    prefill_cache_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Prefill routing: weight of the pages a worker would have to compute "
+        "(the prompt's pages less the prefix the kvstore index says it holds).",
+    )
+    prefill_load_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Prefill routing: weight of a worker's queued prompt tokens, in pages.",
+    )
+    prefill_busy_tokens: int = Field(
+        65536,
+        ge=1,
+        description="Prefill routing: a worker with more queued prompt tokens is skipped "
+        "while another is under the threshold.",
+    )
+    kvstore_query_timeout_s: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="Longest wait for the kvstore index per request; past it, prefill is "
+        "routed by load alone.",
     )
     default_max_tokens: int = Field(
         1024,

@@ -26,7 +26,8 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
-from radixserve.services.worker import Peer, Worker, WorkerSettings
+from radixserve.services.service import Peer
+from radixserve.services.worker import Worker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,14 @@ class PrefillWorker(Worker):
         self._server: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await super().start()
         self._server = asyncio.create_task(self._serve_reads())
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.cancel()
             await asyncio.gather(self._server, return_exceptions=True)
+        await super().stop()
 
     async def _serve_reads(self) -> None:
         """Drive the transfer agent while a decode worker may be reading our pages."""
@@ -112,6 +115,7 @@ class PrefillWorker(Worker):
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
         self.queued_tokens += len(ids)
+        self.beat_now()  # routers see the queue change now, not a heartbeat later
         counted = True
         leased = False
         try:
@@ -128,6 +132,7 @@ class PrefillWorker(Worker):
             leased = True
             self.queued_tokens -= len(ids)
             counted = False
+            self.beat_now()
             pages, _ = await self.engine.call(lambda e: e.leased_pages(rid))
             if pages is None:
                 raise TimeoutError(f"the lease of {rid} expired before it was handed over")

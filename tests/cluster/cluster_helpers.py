@@ -47,6 +47,7 @@ class TestCluster(LocalCluster):
                 "RADIXSERVE_DEVICE": "cpu",
                 "RADIXSERVE_DTYPE": "float32",
                 "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
+                **_env("KVSTORE", FAST_LIVENESS),  # every process gets it; the kvstore reads it
             },
             prefill_env=_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
             decode_env=_env("DECODE", {**FAST_LIVENESS, **(decode or {})}),
@@ -68,11 +69,9 @@ class TestCluster(LocalCluster):
             last = self.debug_cache()
             return last["gateway_in_flight"] == 0 and all(
                 not w["up"]
-                or (
-                    w["live_requests"] == 0
-                    and w["pages_locked"] == 0
-                    and w["leases"] == 0
-                    and w["tasks"] == 0
+                or all(
+                    w.get(key, 0) == 0
+                    for key in ("live_requests", "pages_locked", "leases", "tasks")
                 )
                 for w in last["workers"].values()
             )

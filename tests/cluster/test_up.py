@@ -60,7 +60,7 @@ def test_up_serves_then_stops_everything(stop_signal):
                 break
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
         children = _children(proc.pid)
-        assert len(children) == 3  # prefill, decode, gateway
+        assert len(children) == 4  # kvstore, prefill, decode, gateway
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text

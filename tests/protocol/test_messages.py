@@ -22,7 +22,11 @@ from radixserve.protocol.messages import (
     Heartbeat,
     Hello,
     HelloAck,
+    IndexQuery,
+    IndexReply,
+    KVEvent,
     KVReady,
+    KVResync,
     Message,
     PrefillRequest,
     RequestFailed,
@@ -39,6 +43,7 @@ token_id = st.integers(0, 2**31 - 1)
 token_ids = st.lists(token_id, max_size=40).map(tuple)
 prompt = st.lists(token_id, min_size=1, max_size=40).map(tuple)
 page_ids = st.lists(st.integers(0, 2**31 - 1), max_size=20).map(tuple)
+page_hashes = st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple)
 count = st.integers(0, 2**63 - 1)
 millis = st.floats(0.0, 1e9, allow_nan=False)
 roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
@@ -106,6 +111,11 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         protocol_version=versions,
         accepted=st.booleans(),
         reason=text,
+        model_name=text.map(lambda t: t[:256]),
+        max_model_len=count,
+        page_size=count,
+        transfer_backend=names,
+        transfer_metadata=st.binary(max_size=64),
     ),
     Heartbeat: st.builds(Heartbeat, sender=names, generation=count, load=load_stats),
     GenerateRequest: st.builds(
@@ -114,6 +124,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         prompt_token_ids=prompt,
         sampling=sampling,
         arrival_time=st.floats(0.0, 2e9),
+        prefill_worker=st.just("") | names,
     ),
     PrefillRequest: prefill_requests(),
     KVReady: st.builds(
@@ -137,6 +148,17 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         ),
         message=text,
     ),
+    KVEvent: st.builds(
+        KVEvent,
+        worker=names,
+        generation=count,
+        seq=st.integers(1, 2**63 - 1),
+        kind=st.sampled_from(["stored", "removed", "cleared"]),
+        page_hashes=page_hashes,
+    ),
+    KVResync: st.builds(KVResync, reason=text),
+    IndexQuery: st.builds(IndexQuery, query_id=ids, page_hashes=page_hashes),
+    IndexReply: st.builds(IndexReply, query_id=ids, device_pages=load_stats),
 }
 
 any_message = st.one_of(*STRATEGIES.values())

@@ -1,0 +1,6 @@
+"""The kvstore service (installed as ``radixserve.services.kvstore``): the cluster-wide
+index of cached pages (`KVStoreService`, settings ``RADIXSERVE_KVSTORE_*``)."""
+
+from radixserve.services.kvstore.service import KVStoreService, KVStoreSettings
+
+__all__ = ["KVStoreService", "KVStoreSettings"]

@@ -1,0 +1,14 @@
+"""``python -m radixserve.services.kvstore``: the kvstore alone, configured from the
+environment (``RADIXSERVE_KVSTORE_*``)."""
+
+from __future__ import annotations
+
+import sys
+
+from radixserve.logging import setup_logging
+from radixserve.services.kvstore import KVStoreService, KVStoreSettings
+from radixserve.services.service import serve_until_signalled
+
+if __name__ == "__main__":
+    setup_logging()
+    sys.exit(serve_until_signalled(KVStoreService(KVStoreSettings())))

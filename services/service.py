@@ -1,0 +1,271 @@
+"""A service process's control plane: one ROUTER socket, peers, heartbeats, request tasks.
+
+Every service (prefill and decode workers, the kvstore) binds one ROUTER socket. Peers
+connect DEALERs (`services.links`) and open with `Hello`; the service answers
+`hello_ack()` and from then on sends each peer a `Heartbeat` with `load()` every
+``heartbeat_interval_s``. A peer silent for ``peer_timeout_s`` is forgotten and
+`on_peer_lost` ends what it asked for. Each request runs as one asyncio task keyed by
+its id (`spawn`); `cancel` ends it, and the task's own cleanup returns what it holds.
+Everything runs on one asyncio loop; nothing here blocks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import zmq
+import zmq.asyncio
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from radixserve.errors import CapacityError, RequestError
+from radixserve.protocol import (
+    AsyncChannel,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Message,
+    ProtocolError,
+    RequestFailed,
+)
+from radixserve.protocol.messages import ErrorType, Role
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceSettings(BaseSettings):
+    """Settings every service process has; each service's class adds its own."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Service name, unique in the cluster; default '<role>-<port>'.",
+    )
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
+    port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
+    peer_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A peer silent this long is considered dead."
+    )
+    generation: int | None = Field(
+        None, ge=0, description="Incarnation number; default: start time in milliseconds."
+    )
+
+
+@dataclass
+class Peer:
+    """A process connected to our ROUTER socket."""
+
+    identity: bytes
+    name: str
+    role: str
+    last_seen: float
+
+
+def error_type(exc: BaseException) -> ErrorType:
+    """The wire error type for an exception that ended a request."""
+    if isinstance(exc, CapacityError):
+        return "capacity"
+    if isinstance(exc, RequestError):
+        return "invalid_request"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "internal"
+
+
+class Service:
+    """The control plane of one service process; subclasses handle request messages."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        self.settings = settings
+        self.generation = (
+            settings.generation if settings.generation is not None else time.time_ns() // 10**6
+        )
+        self.name = settings.name or ""
+        self.address = ""
+        self.counters: Counter[str] = Counter()
+        self.peers: dict[bytes, Peer] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._notices: set[asyncio.Task] = set()  # fire-and-forget sends in flight
+        self._beat_now = asyncio.Event()
+        self.context: zmq.asyncio.Context | None = None
+        self._router: AsyncChannel | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set; then end every request and close everything."""
+        self.context = zmq.asyncio.Context()
+        s = self.settings
+        self._router = AsyncChannel.open(
+            self.context, zmq.ROUTER, f"tcp://{s.host}:{s.port}", bind=True
+        )
+        self.address = self._router.endpoint
+        self.name = self.name or f"{self.role}-{self.address.rsplit(':', 1)[1]}"
+        background: list[asyncio.Task] = []
+        try:
+            await self.start()
+            background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
+            print(f"radixserve {self.role} {self.name} (generation {self.generation}) "
+                  f"listening on {self.address}{self.describe()}", flush=True)  # fmt: skip
+            await stop.wait()
+            logger.info("%s: shutting down", self.name)
+        finally:
+            for task in [*background, *self.tasks.values()]:
+                task.cancel()
+            await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
+            await self.stop()
+            self._router.close()
+            self.context.term()
+
+    async def start(self) -> None:
+        """Hook: set up what the service needs once its control socket is bound."""
+
+    async def stop(self) -> None:
+        """Hook: release what `start` set up (request tasks are already cancelled)."""
+
+    def describe(self) -> str:
+        """Hook: a suffix for the start-up line."""
+        return ""
+
+    def hello_ack(self) -> HelloAck:
+        """Hook: the answer to a peer's `Hello`."""
+        return HelloAck(name=self.name, role=self.role, generation=self.generation)
+
+    def handle(self, peer: Peer, msg: Message) -> None:
+        """Hook: a request-level message from ``peer`` (must not block)."""
+        logger.warning("%s: unexpected %s from %s", self.name, type(msg).__name__, peer.name)
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        """Hook: ``peer`` went silent; end what it asked for."""
+
+    def load(self) -> dict[str, int | float]:
+        """Load and counters sent in heartbeats."""
+        stats: dict[str, int | float] = {"tasks": len(self.tasks)}
+        stats.update(self.counters)
+        return stats
+
+    async def send_to(self, peer: Peer, msg: Message) -> None:
+        """Send to a connected peer; a send that fails is logged (the peer may be gone)."""
+        assert self._router is not None
+        try:
+            await self._router.send_to(peer.identity, msg, timeout_ms=1000)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            logger.warning("%s: cannot send %s to %s: %s", self.name, msg.TYPE_TAG, peer.name, exc)
+
+    async def fail(self, peer: Peer, request_id: str, exc: BaseException) -> None:
+        """Tell ``peer`` that ``request_id`` ended with ``exc``."""
+        kind = error_type(exc)
+        if kind == "internal":
+            logger.error("%s: request %s failed: %r", self.name, request_id, exc)
+        message = str(exc) or type(exc).__name__
+        await self.send_to(peer, RequestFailed(request_id, kind, message[:4096]))
+
+    def spawn(self, request_id: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as the task of ``request_id`` (cancelled by `cancel`)."""
+        if request_id in self.tasks:
+            coro.close()
+            logger.warning("%s: request %s is already running; ignored", self.name, request_id)
+            return
+        task = asyncio.create_task(coro)
+        self.tasks[request_id] = task
+        task.add_done_callback(lambda t: self._done(request_id, t))
+
+    def spawn_notice(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a short fire-and-forget coroutine (a send) without blocking the caller."""
+        task = asyncio.ensure_future(coro)
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    def cancel(self, request_id: str) -> bool:
+        task = self.tasks.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    def _done(self, request_id: str, task: asyncio.Task) -> None:
+        if self.tasks.get(request_id) is task:
+            del self.tasks[request_id]
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s: task of %s crashed", self.name, request_id, exc_info=task.exception())
+
+    async def _receive(self) -> None:
+        assert self._router is not None
+        while True:
+            try:
+                got = await self._router.recv_from()
+            except ProtocolError:
+                continue  # logged by the channel; the peer's request times out on its side
+            if got is None:
+                continue
+            identity, msg = got
+            now = time.monotonic()
+            peer = self.peers.get(identity)
+            if isinstance(msg, Hello | Heartbeat):
+                name = msg.name if isinstance(msg, Hello) else msg.sender
+                role = msg.role if isinstance(msg, Hello) else (peer.role if peer else "")
+                if peer is None:
+                    peer = self.peers[identity] = Peer(identity, name, role, now)
+                    logger.info("%s: peer %s (%s) connected", self.name, name, role or "?")
+                peer.last_seen = now
+                if isinstance(msg, Hello):
+                    peer.role = msg.role
+                    await self.send_to(peer, self.hello_ack())
+                continue
+            if peer is None:  # a request before any hello (e.g. across our restart)
+                peer = self.peers[identity] = Peer(identity, "?", "", now)
+            peer.last_seen = now
+            try:
+                self.handle(peer, msg)
+            except Exception:
+                logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
+
+    async def _beat(self) -> None:
+        s = self.settings
+        while True:
+            now = time.monotonic()
+            for identity, peer in list(self.peers.items()):
+                if now - peer.last_seen > s.peer_timeout_s:
+                    del self.peers[identity]
+                    logger.warning(
+                        "%s: peer %s went silent; ending its requests", self.name, peer.name
+                    )
+                    self.on_peer_lost(peer)
+                    continue
+                beat = Heartbeat(sender=self.name, generation=self.generation, load=self.load())
+                await self.send_to(peer, beat)
+            self._beat_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), s.heartbeat_interval_s)
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the load changed in a way routers should see)."""
+        self._beat_now.set()
+
+
+def serve_until_signalled(service: Service) -> int:
+    """Run ``service`` until SIGINT/SIGTERM; the body of a service's process entry."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await service.run(stop)
+
+    asyncio.run(main())
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,101 @@
+"""The kvstore's cluster-wide index on the real cluster: workers' cache events reach it,
+it survives being killed (serving goes on, the index rebuilds from resyncs), and a killed
+worker's entries leave it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import zmq
+
+from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.protocol import Channel, IndexQuery, IndexReply
+from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.prompts import QUESTIONS, chat
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = TestCluster(transport="nixl")
+    yield cluster
+    cluster.stop()
+
+
+def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:
+    """Ask the kvstore which workers hold how many leading pages of ``prompt_ids``
+    ({} if it does not answer within 2 s: it is down)."""
+    address = cluster.workers()["kvstore"]["address"]
+    model = cluster.http.get("/v1/models").json()["data"][0]["id"]
+    hashes = page_hashes(prompt_ids, PAGE, hash_namespace(model))
+    context = zmq.Context()
+    try:
+        with Channel.open(context, zmq.DEALER, address, bind=False) as channel:
+            query_id = uuid.uuid4().hex
+            channel.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=2000)
+            reply = channel.recv(timeout_ms=2000)
+    finally:
+        context.term()
+    if reply is None:
+        return {}
+    assert isinstance(reply, IndexReply) and reply.query_id == query_id
+    return {name: int(pages) for name, pages in reply.device_pages.items()}
+
+
+def ask(cluster: TestCluster, messages) -> dict:
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    resp = cluster.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, reference_engine):
+    messages = chat(QUESTIONS[0])
+    prompt_ids = reference_engine.chat_prompt_ids(messages)
+    full_pages = len(prompt_ids) // PAGE
+    ask(cluster, messages)  # 274 uncached tokens: prefilled remotely, then decoded
+    cluster.wait(
+        lambda: index_of(cluster, prompt_ids).get("decode-0", 0) == full_pages,
+        10,
+        "decode-0's pages in the index",
+    )
+    held = index_of(cluster, prompt_ids)
+    assert held["prefill-0"] == full_pages  # the prefill worker cached the prompt too
+    assert cluster.workers()["kvstore"]["index_pages"] >= full_pages
+
+    # kill the kvstore: serving goes on without it
+    os.kill(cluster.supervisor.pid("kvstore"), signal.SIGKILL)
+    ask(cluster, chat(QUESTIONS[1]))
+    # restarted, it learns everything again from the workers' resyncs
+    cluster.wait(
+        lambda: (
+            cluster.workers()["kvstore"]["up"]
+            and index_of(cluster, prompt_ids).get("decode-0", 0) == full_pages
+        ),
+        60,
+        "the index to rebuild after the kvstore restarted",
+    )
+    assert cluster.supervisor.restarts["kvstore"] >= 1
+    assert index_of(cluster, prompt_ids)["prefill-0"] == full_pages
+    cluster.wait_clean()
+
+
+def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
+    messages = chat(QUESTIONS[2])
+    prompt_ids = reference_engine.chat_prompt_ids(messages)
+    ask(cluster, messages)
+    cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 indexed")
+    os.kill(cluster.supervisor.pid("decode-0"), signal.SIGKILL)
+    # gone from the index once the kvstore notices (heartbeat timeout), and a restarted
+    # decode-0 starts with an empty cache, so it never reappears for this prompt
+    cluster.wait(lambda: "decode-0" not in index_of(cluster, prompt_ids), 30, "decode-0 dropped")
+    cluster.wait(lambda: cluster.workers()["decode-0"]["up"], 120, "decode-0 restarted")
+    assert "decode-0" not in index_of(cluster, prompt_ids)
+    assert "prefill-0" in index_of(cluster, prompt_ids)
+    ask(cluster, messages)
+    cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 again")
+    cluster.wait_clean()

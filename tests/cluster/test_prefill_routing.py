@@ -1,0 +1,62 @@
+"""Cache-aware prefill routing through the real gateway and kvstore: with two prefill
+workers, a shared system prompt is computed once cluster-wide while requests come one
+at a time (they go where the prefix is cached), and a concurrent burst spreads over both
+workers once the queue on the caching one costs more than recomputing the prefix."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.cluster.cluster_helpers import TestCluster, metric_value
+from tests.cluster.prompts import QUESTIONS, chat
+
+
+@pytest.fixture(scope="module")
+def two_prefills():
+    cluster = TestCluster(num_prefill=2, decode={"LOCAL_PREFILL_MAX_TOKENS": "0"})
+    yield cluster
+    cluster.stop()
+
+
+def prefill_counter(cluster: TestCluster, key: str) -> dict[str, float]:
+    workers = cluster.workers()
+    return {name: workers[name].get(key, 0) for name in ("prefill-0", "prefill-1")}
+
+
+def test_shared_prefix_is_computed_once_then_load_spreads_it(two_prefills, reference_engine):
+    cluster = two_prefills
+    prompts = [reference_engine.chat_prompt_ids(chat(q)) for q in QUESTIONS[:4]]
+    for question in QUESTIONS[:4]:  # one at a time
+        body = {"messages": chat(question), "max_tokens": 4, "temperature": 0}
+        assert cluster.http.post("/v1/chat/completions", json=body).status_code == 200
+    cluster.wait_clean()
+    computed = prefill_counter(cluster, "prefill_computed_tokens_total")
+    served = prefill_counter(cluster, "prefill_requests_total")
+    # all four went to the worker that cached the system prompt on the first request ...
+    assert sorted(served.values()) == [0, 4]
+    # ... so the system prompt was computed once: the first prompt whole, then deltas
+    shared = 256  # the pages all four prompts share (16 full pages)
+    assert sum(computed.values()) == sum(len(p) for p in prompts) - 3 * shared
+    gateway_computed = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
+    assert gateway_computed == sum(computed.values())
+
+    # a concurrent burst: the caching worker's queue soon outweighs its cache hit
+    async def burst():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
+            bodies = [
+                {"messages": chat(f"{QUESTIONS[i % 8]} (visitor {i})"), "max_tokens": 4,
+                 "temperature": 0}
+                for i in range(6)
+            ]  # fmt: skip
+            return await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=b) for b in bodies)
+            )
+
+    replies = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in replies)
+    cluster.wait_clean()
+    after = prefill_counter(cluster, "prefill_requests_total")
+    assert all(after[name] > served[name] for name in after), (served, after)
