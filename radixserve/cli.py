@@ -172,8 +172,71 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.gateway_chat import run_gateway_bench
 
         return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario in SUITE_SCENARIOS:
+        return _run_suite(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
+
+
+SUITE_SCENARIOS = ("multi-turn", "rag", "all")
+
+
+def suite_options(args: argparse.Namespace):
+    """`SuiteOptions` from the bench flags (the preset, resized by any override)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from radixserve.bench.suite import SCENARIOS, SuiteOptions
+    from radixserve.bench.workload import PRESETS
+
+    preset_name = "quick" if args.quick else args.preset
+    preset = PRESETS[preset_name]
+    multi_turn, rag = preset.multi_turn, preset.rag
+    for flag in ("concurrency", "conversations", "rounds", "users"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise RequestError(f"--{flag} must be at least 1, not {value}")
+    if args.conversations is not None:
+        multi_turn = replace(multi_turn, conversations=args.conversations)
+    if args.rounds is not None:
+        multi_turn = replace(multi_turn, rounds=args.rounds)
+    if args.users is not None:
+        rag = replace(rag, users=args.users)
+    if args.concurrency is not None:
+        multi_turn = replace(multi_turn, concurrency=args.concurrency)
+        rag = replace(rag, concurrency=args.concurrency)
+    engine_env = {}
+    for key, env in (("device", "DEVICE"), ("dtype", "DTYPE"), ("page_size", "PAGE_SIZE"),
+                     ("log_level", "LOG_LEVEL")):  # fmt: skip
+        if getattr(args, key, None) is not None:
+            engine_env[f"RADIXSERVE_{env}"] = str(getattr(args, key))
+    if args.kv_cache_memory_gib is not None:
+        preset = replace(preset, kv_cache_gib=args.kv_cache_memory_gib)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    out = args.out or f"bench/results/suite-{args.scenario}-{preset_name}.json"
+    return SuiteOptions(
+        scenarios=scenarios,
+        preset_name=preset_name,
+        preset=replace(preset, multi_turn=multi_turn, rag=rag),
+        out_path=Path(out),
+        seed=args.seed,
+        url=args.url,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.transport,
+        model=args.model or "default",
+        engine_env=engine_env,
+    )
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    from radixserve.bench.suite import run_suite
+
+    options = suite_options(args)
+    if args.prefix_cache is False:
+        raise RequestError("--no-prefix-cache: the suite runs the cache on and off itself")
+    run_suite(options)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -282,12 +345,30 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway"],
+        choices=["engine", "gateway", *SUITE_SCENARIOS],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
-        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy",
+        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; multi-turn, rag, "
+        "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
     )
-    bench.add_argument("--out", help="write results as JSON to this file")
+    bench.add_argument("--out", help="write results as JSON to this file (the suite also "
+                       "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
     bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
+    suite = bench.add_argument_group("suite (--scenario multi-turn, rag, all)")
+    suite.add_argument("--preset", choices=["quick", "seed"], default="seed",
+                       help="quick: scaled down, minutes on 2 CPU cores; seed: the founding "
+                       "table's lengths (default)")  # fmt: skip
+    suite.add_argument("--concurrency", type=int,
+                       help="conversations (multi-turn) or questions (rag) in flight at once")  # fmt: skip
+    suite.add_argument("--conversations", type=int, help="multi-turn conversations")
+    suite.add_argument("--rounds", type=int, help="rounds per multi-turn conversation")
+    suite.add_argument("--users", type=int, help="rag users (one question each)")
+    suite.add_argument("--seed", type=int, default=0, help="seed of the generated text")
+    suite.add_argument("--url", help="an OpenAI-compatible server to run against instead of a "
+                       "local cluster (one run: its cache cannot be switched off)")  # fmt: skip
+    suite.add_argument("--prefill", type=int, default=1, help="local prefill workers (default 1)")
+    suite.add_argument("--decode", type=int, default=1, help="local decode workers (default 1)")
+    suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+                       help="KV transfer between the local workers (default nixl)")  # fmt: skip
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 
