@@ -89,11 +89,19 @@ def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
     prompt_ids = reference_engine.chat_prompt_ids(messages)
     ask(cluster, messages)
     cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 indexed")
+    old_generation = cluster.workers()["decode-0"]["generation"]
     os.kill(cluster.supervisor.pid("decode-0"), signal.SIGKILL)
     # gone from the index once the kvstore notices (heartbeat timeout), and a restarted
     # decode-0 starts with an empty cache, so it never reappears for this prompt
     cluster.wait(lambda: "decode-0" not in index_of(cluster, prompt_ids), 30, "decode-0 dropped")
-    cluster.wait(lambda: cluster.workers()["decode-0"]["up"], 120, "decode-0 restarted")
+    cluster.wait(
+        lambda: (
+            cluster.workers()["decode-0"]["up"]
+            and cluster.workers()["decode-0"]["generation"] != old_generation
+        ),
+        120,
+        "decode-0 restarted",
+    )
     assert "decode-0" not in index_of(cluster, prompt_ids)
     assert "prefill-0" in index_of(cluster, prompt_ids)
     ask(cluster, messages)
