@@ -258,7 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from radixserve.cluster import ClusterConfig, run_cluster
+    from radixserve.cluster import ClusterConfig, cluster_specs, gateway_healthy
+    from radixserve.supervisor import Supervisor
 
     engine_env = {}
     if args.model:
@@ -291,7 +292,24 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode_env=decode_env,
         num_threads=args.num_threads,
     )
-    return run_cluster(config)
+    print(
+        f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
+        f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
+        f"(KV transfer over {config.transport}) ...",
+        flush=True,
+    )
+
+    def announce() -> None:
+        print(
+            f"radixserve: cluster up. OpenAI API at {config.url}/v1 "
+            f"(metrics {config.url}/metrics, cache {config.url}/debug/cache). Ctrl-C stops it.",
+            flush=True,
+        )
+
+    supervisor = Supervisor(cluster_specs(config))
+    code = supervisor.run(ready=lambda: gateway_healthy(config.url, 0.5), on_ready=announce)
+    print("radixserve: cluster stopped", flush=True)
+    return code
 
 
 def cmd_service(args: argparse.Namespace) -> int:

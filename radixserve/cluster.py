@@ -1,14 +1,14 @@
 """`radixserve up`: the whole local cluster as separate processes under one supervisor.
 
-(`LocalCluster` runs the same processes for tests and benchmarks, supervised from the
-calling thread.)
+(`radixserve up` itself is `cli.cmd_up`; `LocalCluster` runs the same processes for
+tests and benchmarks, supervised from the calling thread.)
 
 `cluster_specs` turns a `ClusterConfig` into one `ProcessSpec` per process — prefill
 workers, decode workers, then the gateway — each configured only through environment
 settings (``RADIXSERVE_*``), exactly as compose or Kubernetes would run them. Workers
-listen on free loopback ports; the gateway on ``host:port``. `run_cluster` starts them,
-waits for the gateway's /health, prints the URL, restarts whatever crashes and stops
-everything on Ctrl-C or SIGTERM.
+listen on free loopback ports; the gateway on ``host:port``. `radixserve up` runs them
+under a `Supervisor`: it waits for the gateway's /health (`gateway_healthy`), prints the
+URL, restarts whatever crashes and stops everything on Ctrl-C or SIGTERM.
 
 CPU threads: unless ``num_threads`` is given, the machine's cores are split evenly
 between the workers, so their compute threads do not fight over the same cores.
@@ -129,29 +129,6 @@ def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-def run_cluster(config: ClusterConfig) -> int:
-    """Run the cluster until Ctrl-C/SIGTERM; the exit code of `radixserve up`."""
-    specs = cluster_specs(config)
-    print(
-        f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
-        f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
-        f"(KV transfer over {config.transport}) ...",
-        flush=True,
-    )
-    supervisor = Supervisor(specs)
-
-    def announce() -> None:
-        print(
-            f"radixserve: cluster up. OpenAI API at {config.url}/v1 "
-            f"(metrics {config.url}/metrics, cache {config.url}/debug/cache). Ctrl-C stops it.",
-            flush=True,
-        )
-
-    code = supervisor.run(ready=lambda: gateway_healthy(config.url, 0.5), on_ready=announce)
-    print("radixserve: cluster stopped", flush=True)
-    return code
 
 
 class LocalCluster:
