@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
+    from radixserve.engine.outputs import RequestOutput
     from radixserve.engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 1)
@@ -379,6 +380,37 @@ class TokenChunk(Message):
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     completion_tokens: int = field(default=0, metadata=_spec(COUNT))
     ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> TokenChunk:
+        """The wire form of one engine step's output for a request."""
+        return cls(
+            request_id=out.request_id,
+            token_ids=tuple(out.new_token_ids),
+            text=out.new_text,
+            finished=out.finished,
+            finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            completion_tokens=out.completion_tokens,
+            ttft_ms=out.ttft_ms,
+        )
+
+    def to_output(self) -> RequestOutput:
+        """The engine's `RequestOutput` this chunk carries (inverse of `from_output`)."""
+        from radixserve.engine.outputs import RequestOutput
+
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=list(self.token_ids),
+            new_text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            ttft_ms=self.ttft_ms,
+        )
 
     def invariant_error(self) -> str | None:
         if self.finished != (self.finish_reason is not None):

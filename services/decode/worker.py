@@ -29,7 +29,6 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.protocol import (
     Abort,
@@ -95,20 +94,6 @@ class _Pending:
     ready: asyncio.Future  # -> KVReady
 
 
-def _chunk(out: RequestOutput) -> TokenChunk:
-    return TokenChunk(
-        request_id=out.request_id,
-        token_ids=tuple(out.new_token_ids),
-        text=out.new_text,
-        finished=out.finished,
-        finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
-        prompt_tokens=out.prompt_tokens,
-        cached_tokens=out.cached_tokens,
-        completion_tokens=out.completion_tokens,
-        ttft_ms=out.ttft_ms,
-    )
-
-
 class DecodeWorker(Worker):
     role = "decode"
     settings: DecodeSettings
@@ -170,7 +155,7 @@ class DecodeWorker(Worker):
             params = msg.sampling.to_params()
             out = await self._begin(rid, list(msg.prompt_token_ids), params, msg.prefill_worker)
             async for output in self.engine.outputs(rid, out):
-                await self.send_to(peer, _chunk(output))
+                await self.send_to(peer, TokenChunk.from_output(output))
         except PrefillFailed as exc:
             await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
         except asyncio.CancelledError:

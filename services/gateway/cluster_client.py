@@ -202,17 +202,7 @@ class ClusterClient(EngineClient):
                     self._unassign_prefill(prefill, len(prompt_ids))
                     prefill = ""
                 stream.output_ids.extend(item.token_ids)
-                output = RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=list(item.token_ids),
-                    new_text=item.text,
-                    finished=item.finished,
-                    finish_reason=item.finish_reason,
-                    prompt_tokens=item.prompt_tokens,
-                    cached_tokens=item.cached_tokens,
-                    completion_tokens=item.completion_tokens,
-                    ttft_ms=item.ttft_ms,
-                )
+                output = item.to_output()
                 if item.finished:
                     done = True
                 yield output

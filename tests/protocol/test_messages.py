@@ -243,3 +243,15 @@ def test_sampling_spec_to_params_applies_semantic_checks() -> None:
     assert codec.decode(codec.encode(GenerateRequest("r", (1,), sampling=spec)))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         spec.to_params()
+
+
+def test_token_chunk_carries_a_request_output_both_ways() -> None:
+    from radixserve.engine.outputs import RequestOutput
+    from radixserve.protocol.codec import decode, encode
+
+    out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 8, 3, 41.5)
+    chunk = TokenChunk.from_output(out)
+    assert decode(encode(chunk)) == chunk
+    assert chunk.to_output() == out
+    running = RequestOutput("r", [5], "h", False, None, 12, 8, 1, 41.5)
+    assert TokenChunk.from_output(running).to_output() == running
