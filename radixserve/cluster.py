@@ -150,6 +150,9 @@ class LocalCluster:
         try:
             self.wait(lambda: gateway_healthy(self.url), startup_timeout_s, "cluster start")
             self.wait(lambda: all(w["up"] for w in self.workers().values()), 60, "workers up")
+            # and every decode worker has its own links to the prefill workers up, so the
+            # first request can prefill remotely
+            self.wait(self._decode_links_up, 60, "decode workers' links to prefill workers")
         except BaseException:
             self.supervisor.stop()
             raise
@@ -169,6 +172,10 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
             time.sleep(0.1)
+
+    def _decode_links_up(self) -> bool:
+        decodes = [w for w in self.workers().values() if w["role"] == "decode"]
+        return all(w.get("prefills_up", 0) >= self.config.num_prefill for w in decodes)
 
     def debug_cache(self) -> dict[str, Any]:
         """The gateway's /debug/cache: totals and per-worker stats."""
