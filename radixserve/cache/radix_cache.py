@@ -29,6 +29,12 @@ Eviction removes least-recently-used unlocked leaves; a parent left as an unlock
 leaf becomes a candidate. ``last_access`` is a per-cache counter bumped once per
 ``match_prefix``/``insert`` and stamped on every node of the walked path, so a parent is
 never older than its children. Not thread-safe: one engine thread drives it.
+
+Spilling (the kvstore's host tier, `set_spill_listener`): eviction hands each node's
+page hashes and ids to the listener before the tree lets the pages go (write-back); with
+a write-through threshold N, a cached prefix is also handed over, root first, once N
+requests have used it (1: as soon as it is computed). A node handed over is marked
+``written`` and not handed over again.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from radixserve.cache.page_allocator import PageAllocator
 logger = logging.getLogger(__name__)
 
 EventCallback = Callable[[str, list[int]], None]
+SpillCallback = Callable[[list[int], list[int]], None]  # (page hashes, page ids)
 
 
 class RadixNode:
@@ -59,6 +66,8 @@ class RadixNode:
         "lock_ref",
         "own_locks",
         "last_access",
+        "uses",
+        "written",
     )
 
     def __init__(
@@ -79,6 +88,8 @@ class RadixNode:
         self.lock_ref = 0
         self.own_locks = 0
         self.last_access = last_access
+        self.uses = 0  # requests that started from a prefix ending in this node
+        self.written = False  # handed to the spill listener already
 
     @property
     def last_hash(self) -> int | None:
@@ -118,6 +129,8 @@ class RadixCache:
         self._page_size = page_size
         self._namespace = namespace
         self._on_event = on_event
+        self._on_spill: SpillCallback | None = None
+        self._write_through_uses = 0
         self._clock = 0
         self._next_node_id = 0
         self._root = self._new_node([], [], [], None, 0)
@@ -229,6 +242,8 @@ class RadixCache:
         while released < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
+            if self._on_spill is not None and not node.written:
+                self._on_spill(list(node.page_hashes), list(node.page_ids))
             released += self._remove_leaf(node)
             if parent in self._evictable:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
@@ -263,6 +278,57 @@ class RadixCache:
     def set_event_listener(self, on_event: EventCallback | None) -> None:
         """Report "stored"/"removed" page hashes to ``on_event`` from now on (None: stop)."""
         self._on_event = on_event
+
+    def set_spill_listener(
+        self, on_spill: SpillCallback | None, write_through_uses: int = 0
+    ) -> None:
+        """Hand evicted pages to ``on_spill`` (None: stop); with ``write_through_uses`` N
+        >= 1, also every prefix used by N requests (see the module notes)."""
+        if write_through_uses < 0:
+            raise ValueError(f"write_through_uses must be >= 0, got {write_through_uses}")
+        self._on_spill = on_spill
+        self._write_through_uses = write_through_uses if on_spill is not None else 0
+
+    def clear_written(self) -> None:
+        """Forget which nodes were handed over (the tier they went to was emptied)."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            node.written = False
+            stack.extend(node.children.values())
+
+    def note_use(self, node: RadixNode) -> None:
+        """A request starts from the cached prefix ending at ``node``: count the use on the
+        path and write the prefix through once it reaches the threshold."""
+        threshold = self._write_through_uses
+        if threshold < 1 or node is self._root:
+            return
+        self._check_attached(node)
+        current: RadixNode | None = node
+        while current is not None and current is not self._root:
+            current.uses += 1
+            current = current.parent
+        if node.uses >= threshold:
+            self._write_path(node)
+
+    def _write_path(self, node: RadixNode) -> None:
+        """Hand the not yet written nodes from the root down to ``node`` to the listener."""
+        assert self._on_spill is not None
+        path: list[RadixNode] = []
+        current: RadixNode | None = node
+        while current is not None and current is not self._root:
+            if not current.written:
+                path.append(current)
+            current = current.parent
+        if not path:
+            return
+        hashes: list[int] = []
+        pages: list[int] = []
+        for current in reversed(path):
+            current.written = True
+            hashes.extend(current.page_hashes)
+            pages.extend(current.page_ids)
+        self._on_spill(hashes, pages)
 
     def all_page_hashes(self) -> list[int]:
         """Every cached page's hash, parents before children (a snapshot for a resync)."""
@@ -403,6 +469,7 @@ class RadixCache:
             node.last_access,
         )
         upper.lock_ref = node.lock_ref
+        upper.uses, upper.written = node.uses, node.written
         parent.children[tuple(node.key[:page_size])] = upper
         node.key = node.key[cut:]
         node.page_ids = node.page_ids[num_pages:]
@@ -424,6 +491,10 @@ class RadixCache:
         self._num_cached_pages += len(pages)
         if self._on_event is not None:
             self._on_event("stored", list(hashes))
+        if self._write_through_uses:
+            leaf.uses = 1
+            if self._write_through_uses == 1:
+                self._write_path(leaf)
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Detach an unlocked leaf and drop the tree's references; return its page count."""

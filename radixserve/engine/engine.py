@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.cache.block_hash import hash_namespace
+from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import RadixCache, RadixNode
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
@@ -49,6 +49,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+@dataclasses.dataclass
+class HostLoad:
+    """Device pages allocated for a prefix being read from the host tier (`begin_host_load`)."""
+
+    tokens: list[int]  # the prefix that will be cached: device head + loaded pages
+    head_pages: list[int]  # the device-cached head, locked through `node`
+    page_ids: list[int]  # the pages the host-tier read fills, in order
+    node: RadixNode
 
 
 class Engine:
@@ -96,6 +106,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.leases = LeaseTable(self.allocator)
+        self._host_loads: dict[str, HostLoad] = {}
         logger.info(
             "engine ready: %s on %s/%s, %d KV pages of %d tokens (%.2f GiB), prefix cache %s",
             self.config.name, self.device, self.dtype, num_pages, self.page_size,
@@ -166,9 +177,13 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        host_cached_tokens: int = 0,
     ) -> str:
-        """Queue a request; raises RequestError subclasses for input it can never serve."""
+        """Queue a request; raises RequestError subclasses for input it can never serve.
+        ``host_cached_tokens``: of its cached prefix, how much was just loaded from the
+        host tier (reported in its outputs)."""
         req = self._new_request(prompt, params, request_id)
+        req.num_host_cached_tokens = host_cached_tokens
         self.scheduler.add(req)
         return req.request_id
 
@@ -180,6 +195,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lease_s: float = 30.0,
+        host_cached_tokens: int = 0,
     ) -> str:
         """Compute a prompt and sample its first token only; then hold the prompt's pages
         under a lease (`leased_pages`) until `release_lease` or `lease_s` seconds pass."""
@@ -187,6 +203,7 @@ class Engine:
         params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         req = self._new_request(prompt, params, request_id)
         req.lease_s = lease_s
+        req.num_host_cached_tokens = host_cached_tokens
         self.scheduler.add(req)
         return req.request_id
 
@@ -220,7 +237,11 @@ class Engine:
         return req.request_id, req.num_computed, list(req.page_ids[first:])
 
     def activate_remote(
-        self, request_id: str, first_token: int, cached_tokens: int | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        cached_tokens: int | None = None,
+        host_cached_tokens: int = 0,
     ) -> RequestOutput:
         """The reserved pages now hold the prompt's KV; continue with `first_token`.
 
@@ -234,6 +255,7 @@ class Engine:
         if cached_tokens is not None:
             req.num_cached_tokens = cached_tokens
             req.num_computed_prompt_tokens = len(req.prompt_ids) - cached_tokens
+        req.num_host_cached_tokens = host_cached_tokens
         return self._append(req, first_token, time.perf_counter())
 
     def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
@@ -242,6 +264,59 @@ class Engine:
         if self.cache is None or len(prompt_ids) < 2:
             return 0
         return self.cache.match_prefix(list(prompt_ids[:-1])).num_tokens
+
+    # -- the kvstore's host tier -------------------------------------------------------
+
+    def host_prefix_plan(self, prompt_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """(pages of the prompt cached on this device, chained hashes of its further full
+        pages): what a host-tier lookup could add. Never counts the last token."""
+        if self.cache is None or len(prompt_ids) < 2:
+            return 0, []
+        tokens = list(prompt_ids[:-1])
+        match = self.cache.match_prefix(tokens)
+        size = self.page_size
+        start, stop = match.num_tokens, len(tokens) - len(tokens) % size
+        namespace = self.cache.namespace
+        return start // size, page_hashes(tokens[start:stop], size, namespace, match.last_hash)
+
+    def begin_host_load(
+        self, load_id: str, prompt_ids: Sequence[int], device_pages: int, num_pages: int
+    ) -> list[int] | None:
+        """Lock the prompt's first ``device_pages`` cached pages and allocate ``num_pages``
+        more (evicting if needed) for a host-tier read; their ids, in order. None if the
+        device head is no longer cached or the pool cannot spare the pages. Always end it
+        with `finish_host_load(load_id, ok)`."""
+        if self.cache is None or load_id in self._host_loads or num_pages < 1:
+            return None
+        size = self.page_size
+        head = list(prompt_ids[: device_pages * size])
+        tokens = list(prompt_ids[: (device_pages + num_pages) * size])
+        if len(tokens) != (device_pages + num_pages) * size or len(tokens) >= len(prompt_ids):
+            return None
+        match = self.cache.match_prefix(head)
+        if match.num_tokens != len(head):
+            return None
+        self.cache.lock(match.node)
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.cache.evict(short) < short:
+            self.cache.unlock(match.node)
+            return None
+        pages = self.allocator.alloc(num_pages)
+        self._host_loads[load_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
+        return list(pages)
+
+    def finish_host_load(self, load_id: str, ok: bool) -> int:
+        """End a host-tier load: if ``ok`` the pages hold the KV read, and the prefix goes
+        into the cache. Returns the tokens added (0 if not ok or unknown)."""
+        load = self._host_loads.pop(load_id, None)
+        if load is None:
+            return 0
+        assert self.cache is not None
+        if ok:
+            self.cache.insert(load.tokens, load.head_pages + load.page_ids)
+        self.allocator.decref(load.page_ids)
+        self.cache.unlock(load.node)
+        return len(load.page_ids) * self.page_size if ok else 0
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -310,6 +385,7 @@ class Engine:
             cached_tokens=req.num_cached_tokens,
             completion_tokens=len(req.output_ids),
             ttft_ms=req.ttft_ms,
+            host_cached_tokens=min(req.num_host_cached_tokens, req.num_cached_tokens),
         )
 
     def request(self, request_id: str) -> Request | None:
@@ -349,6 +425,7 @@ class Engine:
             "pages_free": self.allocator.num_free,
             "live_requests": len(self._requests),
             "leases": len(self.leases),
+            "host_loads_in_flight": len(self._host_loads),
         }
         if self.cache is not None:
             stats["pages_cached"] = self.cache.num_cached_pages

@@ -18,6 +18,7 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     ttft_ms: float | None
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in page_ids
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_host_cached_tokens: int = 0  # of those, loaded from the host tier just before
     num_computed_prompt_tokens: int = 0  # prompt tokens this request actually ran through the model
     locked_node: RadixNode | None = None
     first_token_time: float | None = None

@@ -137,6 +137,8 @@ class Scheduler:
             match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
             self.allocator.incref(match.page_ids)
             self.cache.lock(match.node)
+            if match.num_tokens:
+                self.cache.note_use(match.node)
             req.locked_node = match.node
             req.page_ids = list(match.page_ids)
             req.num_computed = match.num_tokens

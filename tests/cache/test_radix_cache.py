@@ -326,3 +326,60 @@ def test_time_match_prefix_runs_and_returns_positive_figures() -> None:
     assert 0 < stats["min_us"] <= stats["median_us"]
     assert stats["matched_tokens"] == stats["num_tokens"] == 1024
     assert stats["path_nodes"] >= 1
+
+
+# -- spilling to the host tier -------------------------------------------------------
+
+
+def test_eviction_hands_pages_to_the_spill_listener_before_freeing_them() -> None:
+    cache, allocator = make_cache()
+    spilled: list[tuple[list[int], list[int], list[int]]] = []
+
+    def on_spill(hashes: list[int], pages: list[int]) -> None:
+        # the pages are still allocated while the listener copies them
+        spilled.append((hashes, pages, [allocator.refcount(p) for p in pages]))
+
+    cache.set_spill_listener(on_spill)
+    pages = run_request(cache, allocator, seq(1, 2, 3))
+    assert spilled == []  # write-back: nothing until eviction
+    assert cache.evict(3) == 3
+    assert spilled == [(page_hashes(seq(1, 2, 3), PAGE, NAMESPACE), pages, [1, 1, 1])]
+    assert allocator.num_free == 64
+    cache.set_spill_listener(None)
+    run_request(cache, allocator, seq(4))
+    cache.evict(1)
+    assert len(spilled) == 1  # no listener, no spill
+
+
+def test_write_through_writes_a_prefix_once_it_is_used_enough() -> None:
+    cache, allocator = make_cache()
+    spilled: list[list[int]] = []
+    cache.set_spill_listener(lambda hashes, pages: spilled.append(hashes), write_through_uses=2)
+    run_request(cache, allocator, seq(1, 2, 3))
+    assert spilled == []  # used once (computed)
+    match = cache.match_prefix(seq(1, 2))  # a request starts from two pages of it
+    cache.note_use(match.node)
+    assert spilled == [page_hashes(seq(1, 2), PAGE, NAMESPACE)]  # root first, the used part
+    cache.note_use(cache.match_prefix(seq(1, 2)).node)
+    assert len(spilled) == 1  # written once
+    cache.evict(64)
+    tail = page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)[2:]
+    assert spilled[1:] == [tail]  # eviction spills only what was not written
+    cache.check_integrity()
+
+
+def test_write_through_on_store_and_clear_written() -> None:
+    cache, allocator = make_cache()
+    spilled: list[list[int]] = []
+    cache.set_spill_listener(lambda hashes, pages: spilled.append(hashes), write_through_uses=1)
+    run_request(cache, allocator, seq(1, 2))
+    run_request(cache, allocator, seq(1, 2, 3))
+    assert spilled == [
+        page_hashes(seq(1, 2), PAGE, NAMESPACE),
+        page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)[2:],
+    ]
+    cache.clear_written()  # the tier was emptied: eviction spills everything again
+    cache.evict(64)
+    assert sorted(h for hashes in spilled[2:] for h in hashes) == sorted(
+        page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)
+    )
