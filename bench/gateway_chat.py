@@ -73,9 +73,10 @@ QUESTIONS = [
 ]
 
 
-def _stream_turn(
+def stream_turn(
     client: httpx.Client, messages: list[dict[str, str]], max_tokens: int
 ) -> dict[str, Any]:
+    """One streamed greedy chat completion: client-side TTFT, text and usage."""
     body = {
         "model": "default",
         "messages": messages,
@@ -123,10 +124,10 @@ def _run_conversation(
     rows, got = [], []
     messages = [{"role": "system", "content": system}]
     with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=600) as c:
-        _stream_turn(c, [{"role": "user", "content": "Warm-up: say hi."}], 2)
+        stream_turn(c, [{"role": "user", "content": "Warm-up: say hi."}], 2)
         for i in range(turns):
             messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
-            row = _stream_turn(c, messages, max_tokens)
+            row = stream_turn(c, messages, max_tokens)
             answer = answers[i] if answers is not None else row["text"]
             got.append(row["text"])
             messages.append({"role": "assistant", "content": answer})

@@ -172,6 +172,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.gateway_chat import run_gateway_bench
 
         return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "host-tier":
+        from radixserve.bench.host_tier import run_host_tier_bench
+
+        return run_host_tier_bench(quick=args.quick, out_path=args.out)
     if args.scenario in SUITE_SCENARIOS:
         return _run_suite(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
@@ -286,6 +290,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_decode=args.decode,
         transport=args.transport,
         kvstore=args.kvstore,
+        host_tier_gib=args.host_tier_gib,
         host=args.host,
         port=args.port,
         engine_env=engine_env,
@@ -337,7 +342,8 @@ _SERVICE_HELP = {
     "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
     "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
     "gateway": "run the HTTP gateway alone (settings: RADIXSERVE_GATEWAY_*, RADIXSERVE_MODEL)",
-    "kvstore": "run the kvstore, the cluster-wide cache index (settings: RADIXSERVE_KVSTORE_*)",
+    "kvstore": "run the kvstore, the cluster-wide cache index and host tier "
+    "(settings: RADIXSERVE_KVSTORE_*)",
 }
 
 
@@ -363,9 +369,11 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", *SUITE_SCENARIOS],
+        choices=["engine", "gateway", "host-tier", *SUITE_SCENARIOS],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
-        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; multi-turn, rag, "
+        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
+        "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
+        "multi-turn, rag, "
         "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
@@ -410,6 +418,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="how KV pages move between workers (default nixl)")  # fmt: skip
     up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
                     help="do not start the kvstore (the cluster-wide cache index)")  # fmt: skip
+    up.add_argument("--host-tier-gib", type=float,
+                    help="host-memory tier of the kvstore that evicted KV spills into "
+                    "(default 4; 0 = none)")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     up.add_argument("--local-prefill-max-tokens", type=int,

@@ -39,7 +39,8 @@ class ClusterConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
-    kvstore: bool = True  # start the kvstore (the cluster-wide cache index)
+    kvstore: bool = True  # start the kvstore (the cluster-wide cache index and host tier)
+    host_tier_gib: float | None = None  # the kvstore's host tier (None: its default)
     transport: str = "nixl"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -56,6 +57,8 @@ class ClusterConfig:
             raise ValueError("--prefill must be 0 or more")
         if self.transport not in ("nixl", "zmq"):
             raise ValueError(f"--transport must be nixl or zmq, not {self.transport!r}")
+        if self.host_tier_gib is not None and self.host_tier_gib < 0:
+            raise ValueError("--host-tier-gib must be 0 (no host tier) or more")
 
     @property
     def url(self) -> str:
@@ -83,7 +86,14 @@ def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
     index: dict[str, str] = {}  # the kvstore's address for each service that talks to it
     if config.kvstore:
         port = free_port()
-        env = {**base, "RADIXSERVE_KVSTORE_NAME": "kvstore", "RADIXSERVE_KVSTORE_PORT": str(port)}
+        env = {
+            **base,
+            "RADIXSERVE_KVSTORE_NAME": "kvstore",
+            "RADIXSERVE_KVSTORE_PORT": str(port),
+            "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
+        }
+        if config.host_tier_gib is not None:
+            env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
         argv = [sys.executable, "-m", "radixserve.services.kvstore"]
         specs.append(ProcessSpec("kvstore", argv, env))
         index = {role: f"tcp://127.0.0.1:{port}" for role in ("PREFILL", "DECODE", "GATEWAY")}

@@ -5,7 +5,8 @@ several apps can live in one process (tests). Latencies are observed by `Request
 as outputs stream; pool gauges are refreshed from the engine's `stats()` at scrape time.
 
 Metric names: radixserve_ttft_seconds, radixserve_itl_seconds, radixserve_e2e_seconds
-(histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total,
+(histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total{tier} (tier
+"device": the worker's own cache; "host": loaded from the kvstore's host tier),
 radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
 radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -36,6 +37,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from radixserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +73,13 @@ class ServingMetrics:
             "radixserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
         self.cached_tokens = Counter(
-            "radixserve_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r
+            "radixserve_cached_tokens",
+            "Prompt tokens served from the prefix cache, by tier (device, host).",
+            ["tier"],
+            registry=r,
         )
+        for tier in ("device", "host"):
+            self.cached_tokens.labels(tier=tier)
         self.prefill_computed_tokens = Counter(
             "radixserve_prefill_computed_tokens",
             "Prompt tokens that ran through the model (prompt - cached).",
@@ -93,11 +102,19 @@ class ServingMetrics:
         r.register(self._workers)
 
     def record_finish(
-        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reason: str
+        self,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        reason: str,
+        host_cached_tokens: int = 0,
     ) -> None:
-        """Count one finished (or aborted) request."""
+        """Count one finished (or aborted) request; ``host_cached_tokens`` of its
+        ``cached_tokens`` came from the host tier."""
+        host = min(host_cached_tokens, cached_tokens)
         self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
+        self.cached_tokens.labels(tier="device").inc(cached_tokens - host)
+        self.cached_tokens.labels(tier="host").inc(host)
         self.prefill_computed_tokens.inc(max(prompt_tokens - cached_tokens, 0))
         self.generation_tokens.inc(completion_tokens)
         self.requests.labels(finish_reason=reason).inc()
@@ -183,8 +200,10 @@ class RequestTimer:
                 self._metrics.itl.observe(gap)
         self._last = now
 
-    def finish(
-        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reason: str
-    ) -> None:
+    def finish(self, last: RequestOutput, reason: str) -> None:
+        """The request ended (``reason``); ``last`` is its latest output (the counts)."""
         self._metrics.e2e.observe(time.perf_counter() - self._start)
-        self._metrics.record_finish(prompt_tokens, cached_tokens, completion_tokens, reason)
+        self._metrics.record_finish(
+            last.prompt_tokens, last.cached_tokens, last.completion_tokens, reason,
+            last.host_cached_tokens,
+        )  # fmt: skip

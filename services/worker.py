@@ -11,7 +11,9 @@ With a kvstore configured, the worker publishes its radix cache's events (`KVEve
 pages stored and removed, by chained hash, numbered per generation) over a link to it;
 when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` and a
 snapshot of every cached page. Events go through one queue in the order the engine
-thread made them, so a snapshot never overtakes an earlier event.
+thread made them, so a snapshot never overtakes an earlier event. If the kvstore has a
+host tier, the worker also spills evicted pages into it and loads prefixes it misses on
+device from it (`services.host_tier`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import Field
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.protocol import HelloAck, KVEvent, KVResync, Message
+from radixserve.services.host_tier import HostTierClient
 from radixserve.services.links import Link, LinkSet
 from radixserve.services.service import Service, ServiceSettings, serve_until_signalled
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
@@ -51,6 +54,31 @@ class WorkerSettings(ServiceSettings):
         description="Control address of the kvstore (tcp://host:port) to publish cache "
         "events to; none = publish nothing.",
     )
+    host_tier: bool = Field(
+        True,
+        description="Spill evicted pages into the kvstore's host tier and load prefixes "
+        "missing on device from it (when the kvstore has one).",
+    )
+    host_spill_buffer_mib: int = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Host buffer that evicted pages are copied into until the kvstore has "
+        "read them; when full, further evicted pages are dropped.",
+    )
+    host_write_through_uses: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="Also write a cached prefix to the host tier once this many requests "
+        "used it (1 = as soon as it is computed); 0 = only on eviction (write-back).",
+    )
+    host_lookup_timeout_s: float = Field(
+        0.2, gt=0, le=60, description="Longest wait for the kvstore's host-tier lookup."
+    )
+    host_load_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest read of host-tier pages."
+    )
 
 
 class Worker(Service):
@@ -64,6 +92,7 @@ class Worker(Service):
         self.page_size = engine.page_size
         self.agent: KVTransferAgent | None = None
         self.kvstore: LinkSet | None = None
+        self.host: HostTierClient | None = None
         self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
         self._seq = 0
         self._publisher: asyncio.Task | None = None
@@ -83,6 +112,8 @@ class Worker(Service):
         if s.kvstore and engine.cache is not None:
             assert self.context is not None
             loop = asyncio.get_running_loop()
+            if s.host_tier:
+                self.host = HostTierClient(self)
             self.kvstore = LinkSet(
                 self.context,
                 [s.kvstore],
@@ -92,7 +123,8 @@ class Worker(Service):
                 interval_s=s.heartbeat_interval_s,
                 peer_timeout_s=s.peer_timeout_s,
                 on_message=self._from_kvstore,
-                on_up=lambda link: self.engine.submit(self._snapshot),
+                on_up=self._kvstore_up,
+                on_down=self._kvstore_down,
             )
             self._publisher = asyncio.create_task(self._publish())
 
@@ -109,6 +141,8 @@ class Worker(Service):
         if self._publisher is not None:
             self._publisher.cancel()
             await asyncio.gather(self._publisher, return_exceptions=True)
+        if self.host is not None:
+            await self.host.close()
         self.engine.close()
         if self.agent is not None:
             self.agent.close()
@@ -150,14 +184,34 @@ class Worker(Service):
             except TimeoutError:
                 self.counters["kv_events_dropped_total"] += 1
 
+    def _kvstore_up(self, link: Link) -> None:
+        self.engine.submit(self._snapshot)
+        if self.host is not None:
+            self.host.on_up(link)
+
+    def _kvstore_down(self, link: Link, why: str) -> None:
+        if self.host is not None:
+            self.host.on_down(link, why)
+
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if isinstance(msg, KVResync):
             self.engine.submit(self._snapshot)
+        elif self.host is None or not self.host.on_message(link, msg):
+            logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
+
+    async def load_from_host(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Load the prompt's longest host-tier prefix past the device hit into the cache
+        (`HostTierClient.load_prefix`); the tokens loaded, 0 without a host tier."""
+        if self.host is None:
+            return 0
+        return await self.host.load_prefix(request_id, prompt_ids)
 
     def load(self) -> dict[str, int | float]:
         """Pool pages and live requests, then the service's tasks and counters."""
         stats: dict[str, int | float] = dict(self.engine.engine.cache_stats())
         stats.update(super().load())
+        if self.host is not None:
+            stats.update(self.host.stats())
         return stats
 
 

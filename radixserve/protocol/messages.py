@@ -16,6 +16,12 @@ Flow of the disaggregated design::
     prefill --KVReady--> decode --TransferDone--> prefill        (lease release)
     decode --TokenChunk | RequestFailed--> gateway;  Abort in either direction
     Hello / HelloAck on connect, Heartbeat periodically from every worker
+
+and of the kvstore's host-memory tier (each worker over its link to the kvstore)::
+
+    worker --HostAttach--> kvstore --HostAttachAck-->             (agents meet)
+    worker --SpillOffer--> kvstore (reads the staged pages) --SpillDone--> worker
+    worker --HostLookup--> kvstore --HostLease--> worker (reads) --HostRelease-->
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
     from radixserve.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 
 INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -41,7 +47,7 @@ MAX_ID_CHARS = 256
 MAX_NAME_CHARS = 128
 MAX_ERROR_CHARS = 4096
 MAX_TEXT_CHARS = 1 << 20
-MAX_LOAD_STATS = 64
+MAX_LOAD_STATS = 256
 MAX_DURATION_MS = 1e12
 MAX_BLOB_BYTES = 1 << 20
 
@@ -352,6 +358,7 @@ class KVReady(Message):
     transfer_ms: float = field(default=0.0, metadata=_spec(DURATION_MS))
     prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
 
 
 @dataclass(frozen=True)
@@ -380,6 +387,7 @@ class TokenChunk(Message):
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     completion_tokens: int = field(default=0, metadata=_spec(COUNT))
     ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
+    host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> TokenChunk:
@@ -394,6 +402,7 @@ class TokenChunk(Message):
             cached_tokens=out.cached_tokens,
             completion_tokens=out.completion_tokens,
             ttft_ms=out.ttft_ms,
+            host_cached_tokens=out.host_cached_tokens,
         )
 
     def to_output(self) -> RequestOutput:
@@ -410,6 +419,7 @@ class TokenChunk(Message):
             cached_tokens=self.cached_tokens,
             completion_tokens=self.completion_tokens,
             ttft_ms=self.ttft_ms,
+            host_cached_tokens=self.host_cached_tokens,
         )
 
     def invariant_error(self) -> str | None:
@@ -489,6 +499,92 @@ class IndexReply(Message):
     device_pages: Mapping[str, int | float] = field(
         default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
     )
+    host_pages: int = field(default=0, metadata=_spec(COUNT))
+
+
+# --- the kvstore's host-memory tier ---------------------------------------------------
+
+PAGE_IDS = ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE)
+
+
+@dataclass(frozen=True)
+class HostAttach(Message):
+    """Worker -> kvstore: join the host tier. ``metadata`` is the worker's spill buffer
+    agent (`KVTransferAgent.metadata`): the kvstore reads spilled pages from it."""
+
+    TYPE_TAG: ClassVar[str] = "host_attach"
+    worker: str = field(metadata=_spec(PEER_NAME))
+    generation: int = field(metadata=_spec(COUNT))
+    metadata: bytes = field(metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
+
+
+@dataclass(frozen=True)
+class HostAttachAck(Message):
+    """Kvstore -> worker: ``accepted`` with the host pool's agent ``metadata`` (the worker
+    reads host pages from it), or refused with ``reason`` (no tier, other model...)."""
+
+    TYPE_TAG: ClassVar[str] = "host_attach_ack"
+    accepted: bool = field(metadata=_spec(BoolSpec()))
+    metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
+    num_pages: int = field(default=0, metadata=_spec(COUNT))
+    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+
+
+@dataclass(frozen=True)
+class SpillOffer(Message):
+    """Worker -> kvstore: pages it evicted (or writes through), staged in its spill buffer
+    at ``buffer_page_ids``, one per chained hash; the kvstore copies those it lacks."""
+
+    TYPE_TAG: ClassVar[str] = "spill_offer"
+    spill_id: int = field(metadata=_spec(IntSpec(1)))
+    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
+    buffer_page_ids: tuple[int, ...] = field(metadata=_spec(PAGE_IDS))
+
+    def invariant_error(self) -> str | None:
+        if len(self.page_hashes) != len(self.buffer_page_ids):
+            return (
+                f"{len(self.page_hashes)} page hashes for {len(self.buffer_page_ids)} buffer pages"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class SpillDone(Message):
+    """Kvstore -> worker: done with spill ``spill_id``'s buffer pages (reuse them);
+    ``stored`` new pages entered the host tier."""
+
+    TYPE_TAG: ClassVar[str] = "spill_done"
+    spill_id: int = field(metadata=_spec(IntSpec(1)))
+    stored: int = field(default=0, metadata=_spec(COUNT))
+
+
+@dataclass(frozen=True)
+class HostLookup(Message):
+    """Worker -> kvstore: lease the longest leading run of these chained page hashes held
+    in the host tier (the pages of a prompt past the worker's own device hit)."""
+
+    TYPE_TAG: ClassVar[str] = "host_lookup"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
+
+
+@dataclass(frozen=True)
+class HostLease(Message):
+    """Kvstore -> worker: host pages holding the first ``len(host_page_ids)`` queried
+    pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found."""
+
+    TYPE_TAG: ClassVar[str] = "host_lease"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    lease_id: int = field(default=0, metadata=_spec(COUNT))
+    host_page_ids: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_IDS))
+
+
+@dataclass(frozen=True)
+class HostRelease(Message):
+    """Worker -> kvstore: done reading a lease's pages."""
+
+    TYPE_TAG: ClassVar[str] = "host_release"
+    lease_id: int = field(metadata=_spec(IntSpec(1)))
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
@@ -506,6 +602,13 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     KVResync,
     IndexQuery,
     IndexReply,
+    HostAttach,
+    HostAttachAck,
+    SpillOffer,
+    SpillDone,
+    HostLookup,
+    HostLease,
+    HostRelease,
 )
 
 

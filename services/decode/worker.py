@@ -2,6 +2,9 @@
 
 For each `GenerateRequest` from the gateway:
 
+First, the prefix the kvstore's host tier holds past this worker's device hit is loaded
+into its cache (`Worker.load_from_host`). Then:
+
 * **Local prefill** when the prompt's uncached delta on this worker is at most
   ``local_prefill_max_tokens`` (turn N+1 of a chat whose turn N ran here), or when no
   prefill worker is up: the engine prefills and decodes; no KV moves.
@@ -169,6 +172,7 @@ class DecodeWorker(Worker):
         self, rid: str, ids: list[int], params: SamplingParams, preferred: str
     ) -> asyncio.Queue:
         """Start the request (locally or through a prefill worker); its output queue."""
+        host = await self.load_from_host(rid, ids)
         link = self._pick_prefill(preferred)
         if link is not None:
             cached, _ = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
@@ -176,11 +180,13 @@ class DecodeWorker(Worker):
                 reserved, _ = await self.engine.call(lambda e: e.reserve_remote(ids, params, rid))
                 if reserved is not None:
                     return await self._remote(link, rid, ids, params, reserved[1], reserved[2])
-        return await self._local(rid, ids, params)
+        return await self._local(rid, ids, params, host)
 
-    async def _local(self, rid: str, ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    async def _local(
+        self, rid: str, ids: list[int], params: SamplingParams, host: int = 0
+    ) -> asyncio.Queue:
         self.counters["local_prefills_total"] += 1
-        _, out = await self.engine.call(lambda e: e.add_request(ids, params, rid), watch=rid)
+        _, out = await self.engine.call(lambda e: e.add_request(ids, params, rid, host), watch=rid)
         assert out is not None
         return out
 
@@ -255,7 +261,8 @@ class DecodeWorker(Worker):
         self.counters["remote_prefills_total"] += 1
         first = kv.first_token_id
         _, out = await self.engine.call(
-            lambda e: e.activate_remote(rid, first, kv.cached_tokens), watch=rid
+            lambda e: e.activate_remote(rid, first, kv.cached_tokens, kv.host_cached_tokens),
+            watch=rid,
         )
         assert out is not None
         return out

@@ -85,7 +85,7 @@ class _Generation:
         self.timer.tokens(len(out.new_token_ids))
         if out.finished:
             reason = out.finish_reason or "stop"
-            self.timer.finish(out.prompt_tokens, out.cached_tokens, out.completion_tokens, reason)
+            self.timer.finish(out, reason)
 
     async def close(self) -> None:
         """Idempotent: abort the engine request if unfinished, count it, free the slot."""
@@ -97,9 +97,7 @@ class _Generation:
         finally:
             last = self.last
             if last is not None and not last.finished:
-                self.timer.finish(
-                    last.prompt_tokens, last.cached_tokens, last.completion_tokens, "abort"
-                )
+                self.timer.finish(last, "abort")
             self.gateway.release()
 
 

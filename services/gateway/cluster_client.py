@@ -269,7 +269,7 @@ class ClusterClient(EngineClient):
         if not up:
             return ""
         hashes = self.router.hashes(prompt_ids)
-        cached = await self._index_lookup(hashes) if len(up) > 1 else {}
+        cached, host = await self._index_lookup(hashes) if len(up) > 1 else ({}, 0)
         s = self.settings
         page_size = self.router.page_size
 
@@ -283,19 +283,20 @@ class ClusterClient(EngineClient):
             candidates,
             key=lambda link: (
                 prefill_cost(len(hashes), cached.get(link.name, 0), queued(link) / page_size,
-                             s.prefill_cache_weight, s.prefill_load_weight),
+                             s.prefill_cache_weight, s.prefill_load_weight, host,
+                             s.prefill_host_hit_weight),
                 queued(link),
                 link.name,
             ),
         )  # fmt: skip
         return best.name
 
-    async def _index_lookup(self, hashes: list[int]) -> dict[str, int]:
-        """Leading pages of ``hashes`` each worker holds, per the kvstore ({} if it is down
-        or slow: routing then goes by load)."""
+    async def _index_lookup(self, hashes: list[int]) -> tuple[dict[str, int], int]:
+        """Leading pages of ``hashes`` each worker holds on device and the host tier holds,
+        per the kvstore (({}, 0) if it is down or slow: routing then goes by load)."""
         link = self.kvstore.up()[0] if self.kvstore and self.kvstore.up() else None
         if link is None or not hashes:
-            return {}
+            return {}, 0
         query_id = uuid.uuid4().hex
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queries[query_id] = reply
@@ -306,10 +307,10 @@ class ClusterClient(EngineClient):
             )
         except TimeoutError:
             self.index_misses += 1
-            return {}
+            return {}, 0
         finally:
             self._queries.pop(query_id, None)
-        return {name: int(pages) for name, pages in answer.device_pages.items()}
+        return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if isinstance(msg, IndexReply):

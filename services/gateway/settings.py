@@ -82,6 +82,13 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Prefill routing: weight of a worker's queued prompt tokens, in pages.",
     )
+    prefill_host_hit_weight: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Prefill routing: cost of loading a page from the kvstore's host tier, "
+        "relative to computing it.",
+    )
     prefill_busy_tokens: int = Field(
         65536,
         ge=1,

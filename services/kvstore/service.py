@@ -1,26 +1,46 @@
-"""The kvstore: the cluster-wide radix index of which worker caches which pages.
+"""The kvstore: the cluster-wide radix index, and the host-memory tier behind the workers.
 
-Workers connect, say `Hello`, and publish `KVEvent`s as pages enter and leave their
-device caches; the kvstore applies them to a `GlobalIndex`. An event it cannot apply in
-order (a gap in the worker's sequence numbers, a worker it does not know — e.g. after
-the kvstore itself restarted — or a new generation of a restarted worker) drops that
-worker's entries and answers `KVResync`; the worker replies ``cleared`` plus a snapshot.
-A worker that stops heartbeating is dropped from the index, so nothing is routed to a
-cache that no longer exists. `IndexQuery` (from the gateway or anyone) gets an
-`IndexReply`: per worker, how many leading pages of the query it holds.
+**Index.** Workers connect, say `Hello`, and publish `KVEvent`s as pages enter and
+leave their device caches; the kvstore applies them to a `GlobalIndex`. An event it
+cannot apply in order (a gap in the worker's sequence numbers, a worker it does not
+know — e.g. after the kvstore itself restarted — or a new generation of a restarted
+worker) drops that worker's entries and answers `KVResync`; the worker replies
+``cleared`` plus a snapshot. A worker that stops heartbeating is dropped from the index,
+so nothing is routed to a cache that no longer exists. `IndexQuery` (from the gateway or
+anyone) gets an `IndexReply`: per worker, how many leading pages of the query it holds
+on device, and how many the host tier holds.
 
-The kvstore holds no KV itself (yet): when it is down, serving goes on without the
-index, and it rebuilds as workers reconnect and resync.
+**Host tier** (`HostPool`, ``host_capacity_gib`` > 0): workers attach (`HostAttach`),
+spill the pages they evict into it (`SpillOffer`) and load prefixes they miss on device
+from it (`HostLookup` ... `HostRelease`); see `services.kvstore.host_pool`.
+
+When the kvstore is down serving goes on: without the index routing goes by load, and
+without the host tier an evicted prefix is recomputed. After a restart the index
+rebuilds as workers reconnect and resync; the host tier starts empty.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.cache.global_index import GlobalIndex
-from radixserve.protocol import IndexQuery, IndexReply, KVEvent, KVResync, Message
+from radixserve.protocol import (
+    HostAttach,
+    HostLookup,
+    HostRelease,
+    IndexQuery,
+    IndexReply,
+    KVEvent,
+    KVResync,
+    Message,
+    SpillDone,
+    SpillOffer,
+)
+from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.service import Peer, Service, ServiceSettings
 
 logger = logging.getLogger(__name__)
@@ -31,13 +51,59 @@ class KVStoreSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="RADIXSERVE_KVSTORE_", frozen=True, extra="forbid")
 
+    host_capacity_gib: float = Field(
+        4.0,
+        ge=0,
+        le=65536,
+        description="Size of the host-memory page pool workers spill into (allocated when "
+        "the first worker attaches); 0 = index only, no host tier.",
+    )
+    transfer_backend: Literal["nixl", "zmq"] = Field(
+        "nixl", description="How pages move to and from the host tier; the workers' backend."
+    )
+    nixl_progress_thread: bool = Field(
+        False, description="Give the NIXL agent its own (core-polling) progress thread."
+    )
+    host_lease_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How long a worker may take to read leased pages; keep it above the "
+        "workers' host_load_timeout_s.",
+    )
+    host_transfer_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest read of a worker's spilled pages."
+    )
+
 
 class KVStoreService(Service):
     role = "kvstore"
+    settings: KVStoreSettings
 
     def __init__(self, settings: KVStoreSettings) -> None:
         super().__init__(settings)
         self.index = GlobalIndex()
+        self.host: HostPool | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        self.host = HostPool(
+            self.name,
+            s.transfer_backend,
+            s.host_capacity_gib,
+            s.host_lease_s,
+            s.host_transfer_timeout_s,
+            s.nixl_progress_thread,
+        )
+        self.host.start()
+
+    async def stop(self) -> None:
+        if self.host is not None:
+            await self.host.stop()
+
+    def describe(self) -> str:
+        gib = self.settings.host_capacity_gib
+        return f", host tier {gib:g} GiB over {self.settings.transfer_backend}" if gib else ""
 
     def handle(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, KVEvent):
@@ -51,14 +117,32 @@ class KVStoreService(Service):
                             msg.worker, msg.seq, msg.generation)  # fmt: skip
                 self._send_later(peer, KVResync(f"event {msg.seq} out of order"))
         elif isinstance(msg, IndexQuery):
-            reply = IndexReply(msg.query_id, self.index.match(msg.page_hashes))
+            hashes = list(msg.page_hashes)
+            host_pages = self.host.match(hashes) if self.host is not None else 0
+            reply = IndexReply(msg.query_id, self.index.match(hashes), host_pages)
             self._send_later(peer, reply)
+        elif isinstance(msg, HostAttach) and self.host is not None:
+            ack = self.host.attach(msg.worker, msg.generation, msg.metadata, peer.identity)
+            self._send_later(peer, ack)
+        elif isinstance(msg, SpillOffer) and self.host is not None:
+            self.spawn_notice(self._spill(peer, msg))
+        elif isinstance(msg, HostLookup) and self.host is not None:
+            self._send_later(peer, self.host.lookup(peer.name, msg))
+        elif isinstance(msg, HostRelease) and self.host is not None:
+            self.host.release(msg.lease_id)
         else:
             super().handle(peer, msg)
+
+    async def _spill(self, peer: Peer, offer: SpillOffer) -> None:
+        assert self.host is not None
+        stored = await self.host.spill(peer.name, offer)
+        await self.send_to(peer, SpillDone(offer.spill_id, stored))
 
     def on_peer_lost(self, peer: Peer) -> None:
         if peer.role in ("prefill", "decode"):
             self.index.drop(peer.name)
+            if self.host is not None:
+                self.host.detach(peer.name, peer.identity)
             logger.info("%s: dropped %s from the index", self.name, peer.name)
 
     def load(self) -> dict[str, int | float]:
@@ -69,6 +153,8 @@ class KVStoreService(Service):
         stats["index_resyncs_total"] = self.index.num_resyncs
         lags = [w["since_last_event_s"] for w in self.index.workers().values()]
         stats["index_max_event_age_s"] = max(lags) if lags else 0.0
+        if self.host is not None:
+            stats.update(self.host.stats())
         return stats
 
     def _send_later(self, peer: Peer, msg: Message) -> None:

@@ -2,8 +2,9 @@
 
 For each `PrefillRequest` from a decode worker:
 
-1. the engine computes the prompt past what this worker's radix cache holds
-   (`Engine.add_prefill_request`), samples the first token and keeps the prompt's
+1. the engine computes the prompt past what this worker's radix cache holds, after
+   loading what the kvstore's host tier adds to it (`Worker.load_from_host`,
+   `Engine.add_prefill_request`), samples the first token and keeps the prompt's
    pages under a lease of ``lease_s`` seconds;
 2. the worker answers `KVReady` with the first token and ``src_page_ids``: its pages
    holding the prompt past the decode side's ``num_cached_tokens``, i.e. exactly the
@@ -121,8 +122,9 @@ class PrefillWorker(Worker):
         try:
             params = msg.sampling.to_params()
             lease_s = self.settings.lease_s
+            host = await self.load_from_host(rid, ids)
             _, out = await self.engine.call(
-                lambda e: e.add_prefill_request(ids, params, rid, lease_s), watch=rid
+                lambda e: e.add_prefill_request(ids, params, rid, lease_s, host), watch=rid
             )
             assert out is not None
             last = None
@@ -157,6 +159,7 @@ class PrefillWorker(Worker):
                     num_pages_transferred=len(src),
                     prefill_computed_tokens=computed,
                     cached_tokens=last.cached_tokens,
+                    host_cached_tokens=last.host_cached_tokens,
                 ),
             )
         except asyncio.CancelledError:

@@ -4,7 +4,8 @@
 supervised from the test thread) with short heartbeats, so failures show within
 seconds, and an HTTP client. `wait_clean` polls the gateway's /debug/cache until every
 worker that is up reports no live request, no locked page, no lease and no task: the
-leak check the cluster tests run after every scenario.
+leak check the cluster tests run after every scenario (host-tier loads and leases
+included). The kvstore's host tier is 0.25 GiB here unless a test sets another size.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class TestCluster(LocalCluster):
         decode: dict[str, str] | None = None,
         gateway: dict[str, str] | None = None,
         prefill: dict[str, str] | None = None,
+        kvstore: dict[str, str] | None = None,
+        kv_cache_memory_gib: float = 0.1,
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,
@@ -46,8 +49,11 @@ class TestCluster(LocalCluster):
             engine_env={
                 "RADIXSERVE_DEVICE": "cpu",
                 "RADIXSERVE_DTYPE": "float32",
-                "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
-                **_env("KVSTORE", FAST_LIVENESS),  # every process gets it; the kvstore reads it
+                "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(kv_cache_memory_gib),
+                # every process gets these; the kvstore reads them
+                **_env(
+                    "KVSTORE", {**FAST_LIVENESS, "HOST_CAPACITY_GIB": "0.25", **(kvstore or {})}
+                ),
             },
             prefill_env=_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
             decode_env=_env("DECODE", {**FAST_LIVENESS, **(decode or {})}),
@@ -71,7 +77,15 @@ class TestCluster(LocalCluster):
                 not w["up"]
                 or all(
                     w.get(key, 0) == 0
-                    for key in ("live_requests", "pages_locked", "leases", "tasks")
+                    for key in (
+                        "live_requests",
+                        "pages_locked",
+                        "leases",
+                        "tasks",
+                        "host_loads_in_flight",
+                        "host_leases",
+                        "host_pages_leased",
+                    )  # fmt: skip
                 )
                 for w in last["workers"].values()
             )

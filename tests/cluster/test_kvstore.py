@@ -1,6 +1,6 @@
 """The kvstore's cluster-wide index on the real cluster: workers' cache events reach it,
-it survives being killed (serving goes on, the index rebuilds from resyncs), and a killed
-worker's entries leave it."""
+it survives being killed (serving goes on, the index rebuilds from resyncs, the workers
+attach to its new, empty host tier), and a killed worker's entries leave it."""
 
 from __future__ import annotations
 
@@ -81,6 +81,14 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
     )
     assert cluster.supervisor.restarts["kvstore"] >= 1
     assert index_of(cluster, prompt_ids)["prefill-0"] == full_pages
+    # its host tier came back empty, and both workers attached to it again
+    cluster.wait(
+        lambda: all(cluster.workers()[w].get("host_attached") for w in ("prefill-0", "decode-0")),
+        30,
+        "the workers to attach to the restarted host tier",
+    )
+    assert cluster.workers()["kvstore"]["host_pages_stored"] == 0
+    ask(cluster, chat(QUESTIONS[3]))
     cluster.wait_clean()
 
 

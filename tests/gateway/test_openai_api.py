@@ -203,7 +203,8 @@ def test_metrics(http):
         < 60 * _sample(m, "radixserve_ttft_seconds_count")
     )
     prompt = _sample(m, "radixserve_prompt_tokens_total")
-    cached = _sample(m, "radixserve_cached_tokens_total")
+    cached = _sample(m, 'radixserve_cached_tokens_total{tier="device"}')
+    assert _sample(m, 'radixserve_cached_tokens_total{tier="host"}') == 0  # no host tier
     computed = _sample(m, "radixserve_prefill_computed_tokens_total")
     assert prompt > 0 and prompt == cached + computed
     assert _sample(m, 'radixserve_requests_total{finish_reason="length"}') >= 1

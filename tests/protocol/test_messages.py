@@ -22,6 +22,11 @@ from radixserve.protocol.messages import (
     Heartbeat,
     Hello,
     HelloAck,
+    HostAttach,
+    HostAttachAck,
+    HostLease,
+    HostLookup,
+    HostRelease,
     IndexQuery,
     IndexReply,
     KVEvent,
@@ -31,6 +36,8 @@ from radixserve.protocol.messages import (
     PrefillRequest,
     RequestFailed,
     SamplingSpec,
+    SpillDone,
+    SpillOffer,
     TokenChunk,
     TransferDone,
 )
@@ -92,7 +99,16 @@ def token_chunks(draw: st.DrawFn) -> TokenChunk:
         cached_tokens=draw(count),
         completion_tokens=draw(count),
         ttft_ms=draw(st.none() | millis),
+        host_cached_tokens=draw(count),
     )
+
+
+@st.composite
+def spill_offers(draw: st.DrawFn) -> SpillOffer:
+    hashes = draw(page_hashes)
+    pages = draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(hashes), max_size=len(hashes)))
+    return SpillOffer(spill_id=draw(st.integers(1, 2**63 - 1)), page_hashes=hashes,
+                      buffer_page_ids=tuple(pages))  # fmt: skip
 
 
 load_stats = st.dictionaries(
@@ -136,6 +152,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         transfer_ms=millis,
         prefill_computed_tokens=count,
         cached_tokens=count,
+        host_cached_tokens=count,
     ),
     TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans(), error=st.none() | text),
     TokenChunk: token_chunks(),
@@ -158,7 +175,22 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     KVResync: st.builds(KVResync, reason=text),
     IndexQuery: st.builds(IndexQuery, query_id=ids, page_hashes=page_hashes),
-    IndexReply: st.builds(IndexReply, query_id=ids, device_pages=load_stats),
+    IndexReply: st.builds(IndexReply, query_id=ids, device_pages=load_stats, host_pages=count),
+    HostAttach: st.builds(
+        HostAttach, worker=names, generation=count, metadata=st.binary(max_size=64)
+    ),
+    HostAttachAck: st.builds(
+        HostAttachAck,
+        accepted=st.booleans(),
+        metadata=st.binary(max_size=64),
+        num_pages=count,
+        reason=text,
+    ),
+    SpillOffer: spill_offers(),
+    SpillDone: st.builds(SpillDone, spill_id=st.integers(1, 2**63 - 1), stored=count),
+    HostLookup: st.builds(HostLookup, query_id=ids, page_hashes=page_hashes),
+    HostLease: st.builds(HostLease, query_id=ids, lease_id=count, host_page_ids=page_ids),
+    HostRelease: st.builds(HostRelease, lease_id=st.integers(1, 2**63 - 1)),
 }
 
 any_message = st.one_of(*STRATEGIES.values())

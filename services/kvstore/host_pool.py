@@ -1,0 +1,232 @@
+"""The kvstore's host-memory tier: a preallocated page pool that workers spill into.
+
+The pool is one tensor in the pool layout (`KVPool`: L, 2, P, S, H, D), allocated when
+the first worker attaches (its spill buffer's transfer metadata says the model, dtype and
+page shape) with as many pages as ``capacity_gib`` holds, pinned when CUDA is present,
+and registered with a transfer agent (NIXL or ZMQ, like the workers). `HostPageIndex`
+keeps which page holds which chained page hash.
+
+* **Spill** (`SpillOffer`): the worker has copied pages it evicted into its spill buffer;
+  the kvstore reserves host pages for the hashes it lacks, *reads* the buffer pages into
+  them, makes them visible and answers `SpillDone` so the worker reuses its buffer.
+* **Load** (`HostLookup`): the kvstore leases the longest stored run of the asked hashes
+  and answers `HostLease` with the host page ids; the worker reads them into its device
+  pool and sends `HostRelease`. A leased page is never evicted; a lease not released
+  within ``lease_s`` (a reader that died) ends on its own. It is not ended sooner when
+  its worker is declared lost: a worker that was only silent may still be reading, and
+  its reads have a deadline (``host_load_timeout_s``) below ``lease_s``.
+
+Every transfer is a pull by the side that receives, so one read primitive serves both
+directions. While pages are leased the kvstore drives its agent (`serve_reads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgpack
+import torch
+
+from radixserve.cache.host_index import HostPageIndex
+from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
+from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
+
+logger = logging.getLogger(__name__)
+
+_SERVE_READS_PERIOD_S = 0.0002
+
+
+def spill_agent_name(worker: str) -> str:
+    """The transfer agent name of ``worker``'s spill buffer."""
+    return f"{worker}.spill"
+
+
+class HostPool:
+    """Host pages, their index and the agent that moves them; driven by the kvstore."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: str,
+        capacity_gib: float,
+        lease_s: float,
+        transfer_timeout_s: float,
+        nixl_progress_thread: bool = False,
+    ) -> None:
+        self.name = name
+        self.backend = backend
+        self.capacity_bytes = int(capacity_gib * (1 << 30))
+        self.lease_s = lease_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.nixl_progress_thread = nixl_progress_thread
+        self.compat: PoolCompat | None = None
+        self.kv: torch.Tensor | None = None
+        self.agent: KVTransferAgent | None = None
+        self.index: HostPageIndex | None = None
+        self.counters = {
+            "host_spill_offers_total": 0,
+            "host_spill_failures_total": 0,
+            "host_lookups_total": 0,
+            "host_bytes_stored_total": 0,
+        }
+        self._connections: dict[str, bytes] = {}  # worker -> connection it attached on
+        self._leased = asyncio.Event()
+        self._server: asyncio.Task | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    def start(self) -> None:
+        self._server = asyncio.create_task(self._serve_reads())
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+            await asyncio.gather(self._server, return_exceptions=True)
+        if self.agent is not None:
+            self.agent.close()
+
+    # -- attach -----------------------------------------------------------------------
+
+    def attach(
+        self, worker: str, generation: int, metadata: bytes, connection: bytes = b""
+    ) -> HostAttachAck:
+        """Let ``worker`` (at ``generation``, on ``connection``) spill into and load from
+        the pool."""
+        if not self.enabled:
+            return HostAttachAck(False, reason="this kvstore has no host tier (capacity 0)")
+        try:
+            compat = PoolCompat.from_dict(msgpack.unpackb(metadata, raw=False)["compat"])
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            return HostAttachAck(False, reason=f"malformed spill buffer metadata: {exc}")
+        if self.agent is None:
+            try:
+                self._allocate(compat)
+            except (TransferError, ValueError, RuntimeError) as exc:
+                return HostAttachAck(False, reason=f"cannot set up the host pool: {exc}")
+        assert self.agent is not None and self.index is not None and self.compat is not None
+        if compat.digest != self.compat.digest:
+            diff = "; ".join(self.compat.mismatches(compat))
+            return HostAttachAck(False, reason=f"the host pool holds other pages: {diff}")
+        try:
+            self.agent.add_peer(spill_agent_name(worker), generation, metadata)
+        except TransferError as exc:
+            return HostAttachAck(False, reason=str(exc))
+        self._connections[worker] = connection
+        logger.info("%s: %s attached to the host tier", self.name, worker)
+        return HostAttachAck(True, self.agent.metadata(), self.index.num_pages)
+
+    def _allocate(self, compat: PoolCompat) -> None:
+        dtype = getattr(torch, compat.dtype)
+        element = torch.empty((), dtype=dtype).element_size()
+        page_bytes = 2 * compat.num_layers * compat.page_size * compat.num_kv_heads
+        page_bytes *= compat.head_dim * element
+        num_pages = self.capacity_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"{self.capacity_bytes} bytes hold no page of {page_bytes} bytes; "
+                "raise host_capacity_gib"
+            )
+        shape = (
+            compat.num_layers, 2, num_pages, compat.page_size, compat.num_kv_heads,
+            compat.head_dim,
+        )  # fmt: skip
+        kv = torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        self.agent = create_agent(
+            self.backend,
+            self.name,
+            kv,
+            compat,
+            self.transfer_timeout_s,
+            nixl_progress_thread=self.nixl_progress_thread,
+        )
+        self.kv, self.compat = kv, compat
+        self.index = HostPageIndex(num_pages)
+        logger.info("%s: host tier of %d pages (%.2f GiB) for %s", self.name, num_pages,
+                    kv.nbytes / (1 << 30), compat.model_name)  # fmt: skip
+
+    def detach(self, worker: str, connection: bytes = b"") -> None:
+        """The ``connection`` of ``worker`` was lost: fail its pending spill reads, unless
+        a newer incarnation of it has attached meanwhile. (Its leases run out.)"""
+        if self.agent is None or self._connections.get(worker) != connection:
+            return
+        del self._connections[worker]
+        self.agent.remove_peer(spill_agent_name(worker))
+
+    # -- spill and load ---------------------------------------------------------------
+
+    async def spill(self, worker: str, offer: SpillOffer) -> int:
+        """Copy the offered pages the pool lacks out of ``worker``'s spill buffer; the
+        number of pages stored."""
+        if self.agent is None or self.index is None:
+            return 0
+        self.counters["host_spill_offers_total"] += 1
+        hashes = list(offer.page_hashes)
+        reserved = self.index.reserve(hashes)
+        if not reserved:
+            return 0
+        mine = [hashes[i] for i, _ in reserved]
+        src = [offer.buffer_page_ids[i] for i, _ in reserved]
+        dst = [page for _, page in reserved]
+        ok = False
+        try:
+            handle = self.agent.read_pages(spill_agent_name(worker), src, dst)
+            while self.agent.poll(handle) == "pending":
+                await asyncio.sleep(0.0005)
+            ok = handle.state == "done"
+        except TransferError as exc:
+            logger.warning("%s: spill from %s failed: %s", self.name, worker, exc)
+        except asyncio.CancelledError:
+            self.agent.remove_peer(spill_agent_name(worker))  # the read must not land later
+            self.index.abort(mine)
+            raise
+        if not ok:
+            self.counters["host_spill_failures_total"] += 1
+            self.index.abort(mine)
+            return 0
+        self.index.commit(mine)
+        page_bytes = self.agent.page_bytes * self.agent.num_regions
+        self.counters["host_bytes_stored_total"] += len(dst) * page_bytes
+        return len(dst)
+
+    def lookup(self, worker: str, msg: HostLookup) -> HostLease:
+        """Lease the longest stored run of the asked hashes for ``worker``."""
+        if self.index is None:
+            return HostLease(msg.query_id)
+        self.counters["host_lookups_total"] += 1
+        lease_id, pages = self.index.lease(
+            worker, list(msg.page_hashes), time.monotonic() + self.lease_s
+        )
+        if lease_id:
+            self._leased.set()
+        return HostLease(msg.query_id, lease_id, tuple(pages))
+
+    def release(self, lease_id: int) -> None:
+        if self.index is not None:
+            self.index.release(lease_id)
+
+    def match(self, page_hashes: list[int]) -> int:
+        """Leading pages of a prompt the host tier holds (for routing)."""
+        return self.index.match(page_hashes) if self.index is not None else 0
+
+    async def _serve_reads(self) -> None:
+        """Drive the agent while workers may read leased pages; expire forgotten leases."""
+        while True:
+            if self.index is None or not self.index.num_leases:
+                self._leased.clear()
+                await self._leased.wait()
+            assert self.agent is not None and self.index is not None
+            self.agent.serve_reads()
+            await asyncio.sleep(_SERVE_READS_PERIOD_S)
+            expired = self.index.expire(time.monotonic())
+            if expired:
+                logger.warning("%s: %d host-tier leases expired unreleased", self.name, expired)
+
+    def stats(self) -> dict[str, int | float]:
+        stats: dict[str, int | float] = dict(self.counters)
+        if self.index is not None:
+            stats.update(self.index.stats())
+        return stats

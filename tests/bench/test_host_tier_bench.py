@@ -1,0 +1,34 @@
+"""`radixserve bench --scenario host-tier --quick` end to end on a real local cluster.
+
+The speed ratio is the benchmark's to report (bench/README.md), not this test's to
+assert; the test checks that each path is what it claims: the recompute turn caches
+nothing, the device turn hits the device, and the host turn's prefix comes from the
+host tier (its tokens counted under ``tier="host"``, pages read by the worker).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from radixserve.cli import main
+
+
+def test_host_tier_bench_quick(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "host-tier.json"
+    assert main(["bench", "--scenario", "host-tier", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "host-tier" and result["prefix_tokens"] == 1024
+    (row,) = result["rows"]
+    assert row["device_cached_tokens"] >= 1024 - 16  # the document, on the device
+    # the host turn shares the same prefix, and it came from the host tier
+    assert row["host_cached_tokens"] >= 1024 - 16
+    assert (
+        row["host_cached_tokens"] + row["host_path_device_cached_tokens"]
+        == (row["device_cached_tokens"])
+    )
+    assert row["host_load_pages"] * 16 >= row["host_cached_tokens"]
+    assert row["host_load_bytes"] == row["host_load_pages"] * 16 * 46080
+    for key in ("recompute", "device", "host"):
+        assert result["median_ms"][key] > 0
+    assert "host / recompute" in capsys.readouterr().out

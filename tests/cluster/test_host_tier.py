@@ -1,0 +1,164 @@
+"""The kvstore's host-memory tier on the real cluster (processes, NIXL or ZMQ, HTTP).
+
+* A device pool too small for every conversation: returning to an evicted one loads its
+  prefix from the host tier (``tier="host"`` hits, pages read by the workers) instead of
+  recomputing it, and the answer is the single-process engine's.
+* Cross-worker reuse: a system prompt computed on one prefill worker is written through
+  to the host tier; when that worker is busy, the gateway routes the next request on it
+  to the other prefill worker (host hits make it cheap), which loads the prefix from the
+  host tier and computes only the question.
+* A bounded load with a host tier smaller than the conversations: it stays within its
+  capacity (evicting), answers do not change with the tier, and afterwards no lease, no
+  host page reader and no spill buffer page is left held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.cluster.cluster_helpers import TestCluster, metric_value
+from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+
+MAX_TOKENS = 8
+PAGE = 16
+
+
+def branch_system(i: int) -> str:
+    """A long system prompt (about 480 tokens) that differs from the first page on."""
+    return f"You answer for branch number {i} of the library. " + SYSTEM + SYSTEM
+
+
+def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    resp = cluster.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def cached(answer: dict) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def host_hits(cluster: TestCluster) -> float:
+    return metric_value(cluster.metrics(), "radixserve_cached_tokens_total", tier="host")
+
+
+def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat):
+    cluster = TestCluster(
+        transport="nixl",
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # the prefill worker computes every prompt
+        kv_cache_memory_gib=0.05,  # 72 pages: room for two of these conversations
+    )
+    try:
+        first = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
+        prompt = first["usage"]["prompt_tokens"]
+        assert cached(first) == 0
+        for i in range(1, 4):  # three more conversations push the first out of every pool
+            ask(cluster, chat(QUESTIONS[i], branch_system(i)))
+        workers = cluster.workers()
+        assert workers["kvstore"]["host_pages_stored"] > 0
+        assert workers["prefill-0"]["host_spill_pages_total"] > 0
+        before = host_hits(cluster)
+
+        again = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
+        full_pages = (prompt - 1) // PAGE
+        assert cached(again) == full_pages * PAGE  # all of it from the host tier
+        assert host_hits(cluster) - before == full_pages * PAGE
+        text = again["choices"][0]["message"]["content"]
+        assert text == first["choices"][0]["message"]["content"]
+        assert text == reference_chat(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
+        workers = cluster.workers()
+        assert workers["prefill-0"]["host_load_pages_total"] >= full_pages
+        assert workers["prefill-0"].get("host_load_failures_total", 0) == 0
+        cluster.wait_clean()
+    finally:
+        cluster.stop()
+
+
+def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(reference_chat):
+    cluster = TestCluster(
+        transport="nixl",
+        num_prefill=2,
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
+        prefill={"HOST_WRITE_THROUGH_USES": "1"},  # write each prefix as it is computed
+    )
+    try:
+        system = branch_system(7)
+        first = ask(cluster, chat(QUESTIONS[0], system))
+        workers = cluster.workers()
+        owner = max(("prefill-0", "prefill-1"),
+                    key=lambda w: workers[w].get("prefill_requests_total", 0))  # fmt: skip
+        other = "prefill-1" if owner == "prefill-0" else "prefill-0"
+        system_pages = first["usage"]["prompt_tokens"] // PAGE - 2
+        cluster.wait(
+            lambda: cluster.workers()["kvstore"].get("host_pages_stored", 0) >= system_pages,
+            30,
+            "the system prompt to be written through to the host tier",
+        )
+
+        # keep the owner busy with a long unrelated prompt...
+        busy = threading.Thread(
+            target=ask, args=(cluster, chat("Summarise the rules.", branch_system(99) * 2), 4)
+        )
+        before = host_hits(cluster)
+        busy.start()
+        try:
+            cluster.wait(
+                lambda: any(w.get("queued_tokens", 0) > 0 for w in cluster.workers().values()),
+                30,
+                "the long prompt to be queued on a prefill worker",
+            )
+            loaded = cluster.workers()
+            busy_worker = next(n for n in (owner, other) if loaded[n].get("queued_tokens", 0))
+            # ...then the shared prefix goes to the idle worker, which loads it from host
+            second = ask(cluster, chat(QUESTIONS[1], system))
+        finally:
+            busy.join()
+        idle = other if busy_worker == owner else owner
+        after = cluster.workers()
+        assert after[idle].get("host_load_pages_total", 0) >= system_pages
+        assert cached(second) >= system_pages * PAGE
+        assert host_hits(cluster) - before >= system_pages * PAGE
+        text = second["choices"][0]["message"]["content"]
+        assert text == reference_chat(chat(QUESTIONS[1], system), MAX_TOKENS)
+        cluster.wait_clean()
+    finally:
+        cluster.stop()
+
+
+def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(reference_chat):
+    cluster = TestCluster(
+        transport="zmq",
+        kv_cache_memory_gib=0.05,
+        kvstore={"HOST_CAPACITY_GIB": "0.04"},  # 58 pages: less than the conversations
+        gateway={"MAX_QUEUED_REQUESTS": "64"},
+    )
+    try:
+        conversations = [chat(QUESTIONS[i % len(QUESTIONS)], branch_system(i)) for i in range(6)]
+        with ThreadPoolExecutor(3) as pool:
+            rounds = [list(pool.map(lambda m: ask(cluster, m), conversations)) for _ in range(2)]
+        texts = [[a["choices"][0]["message"]["content"] for a in r] for r in rounds]
+        assert texts[0] == texts[1]  # whichever tier served the second round
+        for i in (0, 5):
+            assert texts[0][i] == reference_chat(conversations[i], MAX_TOKENS)
+        deadline = time.monotonic() + 30
+        while True:
+            workers = cluster.workers()
+            store = workers["kvstore"]
+            buffers = [w for n, w in workers.items() if n != "kvstore" and "host_attached" in w]
+            idle = all(w["host_spill_buffer_free"] == w["host_spill_buffer_pages"] for w in buffers)
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert idle, "spill buffers still held"
+        assert len(buffers) == 2
+        assert store["host_pages_total"] == int(0.04 * (1 << 30)) // (PAGE * 46080)
+        assert store["host_pages_used"] <= store["host_pages_total"]
+        assert store["host_stored_pages_total"] > store["host_pages_total"]
+        assert store["host_evictions_total"] > 0  # the bound was reached and held
+        assert store["host_leases"] == 0 and store["host_pages_leased"] == 0
+        cluster.wait_clean()
+    finally:
+        cluster.stop()
