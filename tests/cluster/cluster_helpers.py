@@ -11,11 +11,15 @@ included). The kvstore's host tier is 0.25 GiB here unless a test sets another s
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import httpx
+import zmq
 
+from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.protocol import Channel, IndexQuery, IndexReply
 
 FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
 
@@ -114,3 +118,23 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> IndexReply | None:
+    """Ask the kvstore which workers hold how many leading pages of ``prompt_ids`` on
+    device, and how many its host tier holds (None if it does not answer within 2 s)."""
+    address = cluster.workers()["kvstore"]["address"]
+    model = cluster.http.get("/v1/models").json()["data"][0]["id"]
+    hashes = page_hashes(prompt_ids, page, hash_namespace(model))
+    context = zmq.Context()
+    try:
+        with Channel.open(context, zmq.DEALER, address, bind=False) as channel:
+            query_id = uuid.uuid4().hex
+            channel.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=2000)
+            reply = channel.recv(timeout_ms=2000)
+    finally:
+        context.term()
+    if reply is None:
+        return None
+    assert isinstance(reply, IndexReply) and reply.query_id == query_id
+    return reply

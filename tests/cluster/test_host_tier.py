@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.cluster.cluster_helpers import TestCluster, metric_value
+from tests.cluster.cluster_helpers import TestCluster, index_query, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
 MAX_TOKENS = 8
@@ -45,7 +45,7 @@ def host_hits(cluster: TestCluster) -> float:
     return metric_value(cluster.metrics(), "radixserve_cached_tokens_total", tier="host")
 
 
-def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat):
+def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, reference_engine):
     cluster = TestCluster(
         transport="nixl",
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # the prefill worker computes every prompt
@@ -60,10 +60,15 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat):
         workers = cluster.workers()
         assert workers["kvstore"]["host_pages_stored"] > 0
         assert workers["prefill-0"]["host_spill_pages_total"] > 0
+        full_pages = (prompt - 1) // PAGE
+        ids = reference_engine.chat_prompt_ids(chat(QUESTIONS[0], branch_system(0)))
+        reply = index_query(cluster, ids[: full_pages * PAGE])
+        assert reply is not None
+        assert reply.host_pages == full_pages  # the index sees it in the host tier...
+        assert not reply.device_pages  # ...and on no device
         before = host_hits(cluster)
 
         again = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
-        full_pages = (prompt - 1) // PAGE
         assert cached(again) == full_pages * PAGE  # all of it from the host tier
         assert host_hits(cluster) - before == full_pages * PAGE
         text = again["choices"][0]["message"]["content"]

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 import pytest
-import zmq
 
-from radixserve.cache.block_hash import hash_namespace, page_hashes
-from radixserve.protocol import Channel, IndexQuery, IndexReply
-from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.cluster_helpers import TestCluster, index_query
 from tests.cluster.prompts import QUESTIONS, chat
 
 PAGE = 16
@@ -27,23 +23,9 @@ def cluster():
 
 
 def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:
-    """Ask the kvstore which workers hold how many leading pages of ``prompt_ids``
-    ({} if it does not answer within 2 s: it is down)."""
-    address = cluster.workers()["kvstore"]["address"]
-    model = cluster.http.get("/v1/models").json()["data"][0]["id"]
-    hashes = page_hashes(prompt_ids, PAGE, hash_namespace(model))
-    context = zmq.Context()
-    try:
-        with Channel.open(context, zmq.DEALER, address, bind=False) as channel:
-            query_id = uuid.uuid4().hex
-            channel.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=2000)
-            reply = channel.recv(timeout_ms=2000)
-    finally:
-        context.term()
-    if reply is None:
-        return {}
-    assert isinstance(reply, IndexReply) and reply.query_id == query_id
-    return {name: int(pages) for name, pages in reply.device_pages.items()}
+    """Leading pages of ``prompt_ids`` each worker holds per the kvstore ({} if it is down)."""
+    reply = index_query(cluster, prompt_ids, PAGE)
+    return {} if reply is None else {name: int(n) for name, n in reply.device_pages.items()}
 
 
 def ask(cluster: TestCluster, messages) -> dict:
