@@ -10,9 +10,10 @@ the buffer space reused. A full buffer drops the pages (counted), as the cache w
 have without a host tier. With ``host_write_through_uses`` N >= 1, a prefix used by N
 requests is written the same way before any eviction, so other workers can load it.
 
-**Load.** Before a prompt is computed (`load_prefix`), the worker hashes its pages past
-its own device hit (`Engine.host_prefix_plan`) and asks the kvstore to lease the longest
-run it holds (`HostLookup` -> `HostLease`). The engine locks the device head and
+**Load.** Before a prompt is computed (`load_prefix`), the worker hashes its pages, finds
+its own device hit in `Worker.device_pages` (its cache events mirrored on the loop, so
+no engine call waits for a step) and asks the kvstore to lease the longest run past it
+(`HostLookup` -> `HostLease`). The engine locks the device head and
 allocates pages (`begin_host_load`), the agent reads the host pages into them, and
 `finish_host_load` inserts the prefix into the radix cache; the request that follows
 finds it cached. A slow kvstore, a failed read or a cancelled request ends the load
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.cache.block_hash import page_hashes
 from radixserve.protocol import (
     HostAttach,
     HostAttachAck,
@@ -82,6 +84,9 @@ class HostTierClient:
             nixl_progress_thread=s.nixl_progress_thread,
         )
         self.page_bytes = page_bytes
+        self.page_size = engine.page_size
+        assert engine.cache is not None
+        self.namespace = engine.cache.namespace
         self.link: Link | None = None
         self.attached = False
         self.kvstore_agent = ""  # peer name of the host pool's agent in the worker's agent
@@ -244,11 +249,15 @@ class HostTierClient:
         the tokens loaded (0 when there is none or anything fails)."""
         if not self.attached or len(prompt_ids) < 2:
             return 0
-        engine = self.worker.engine
-        (device_pages, hashes), _ = await engine.call(lambda e: e.host_prefix_plan(prompt_ids))
-        if not hashes:
+        size = self.page_size
+        full = (len(prompt_ids) - 1) // size  # never the last token: its logits are needed
+        hashes = page_hashes(prompt_ids[: full * size], size, self.namespace)
+        device_pages = 0  # the device hit, from the worker's view of its cache (no step wait)
+        while device_pages < full and hashes[device_pages] in self.worker.device_pages:
+            device_pages += 1
+        if device_pages == full:
             return 0
-        lease = await self._lookup(request_id, hashes)
+        lease = await self._lookup(request_id, hashes[device_pages:])
         if lease is None or not lease.lease_id:
             return 0
         try:

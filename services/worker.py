@@ -97,6 +97,8 @@ class Worker(Service):
         self._seq = 0
         self._publisher: asyncio.Task | None = None
         self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
+        # hashes of the pages in the engine's radix cache, as of the last event published
+        self.device_pages: set[int] = set()
 
     async def start(self) -> None:
         s = self.settings
@@ -171,9 +173,16 @@ class Worker(Service):
         self._emit("stored", engine.cache.all_page_hashes())
 
     async def _publish(self) -> None:
-        """Send queued cache events to the kvstore, numbered; a lost one shows as a gap."""
+        """Send queued cache events to the kvstore, numbered; a lost one shows as a gap.
+        They also keep `device_pages`, this loop's view of the device cache."""
         while True:
             kind, hashes = await self._events.get()
+            if kind == "stored":
+                self.device_pages.update(hashes)
+            elif kind == "removed":
+                self.device_pages.difference_update(hashes)
+            else:
+                self.device_pages.clear()
             self._seq += 1
             link = self.kvstore.links[0] if self.kvstore else None
             if link is None or not link.up:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.block_hash import hash_namespace
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache, RadixNode
@@ -266,18 +266,6 @@ class Engine:
         return self.cache.match_prefix(list(prompt_ids[:-1])).num_tokens
 
     # -- the kvstore's host tier -------------------------------------------------------
-
-    def host_prefix_plan(self, prompt_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """(pages of the prompt cached on this device, chained hashes of its further full
-        pages): what a host-tier lookup could add. Never counts the last token."""
-        if self.cache is None or len(prompt_ids) < 2:
-            return 0, []
-        tokens = list(prompt_ids[:-1])
-        match = self.cache.match_prefix(tokens)
-        size = self.page_size
-        start, stop = match.num_tokens, len(tokens) - len(tokens) % size
-        namespace = self.cache.namespace
-        return start // size, page_hashes(tokens[start:stop], size, namespace, match.last_hash)
 
     def begin_host_load(
         self, load_id: str, prompt_ids: Sequence[int], device_pages: int, num_pages: int

@@ -1,5 +1,5 @@
-"""The engine's side of the host tier: planning a load, loading a prefix into the cache,
-and every way a load can end without leaking a page or a lock.
+"""The engine's side of the host tier: loading a prefix into the cache, and every way a
+load can end without leaking a page or a lock.
 
 The host tier's bytes are played here by the pages of a second engine that computed the
 prompt (the copy stands in for the NIXL read the cluster does; the real path runs in
@@ -32,6 +32,15 @@ def prompt_ids(engine) -> list[int]:
     return engine.tokenize(text)
 
 
+def path_to(engine, node) -> list:
+    """The radix nodes from the root's child down to ``node``."""
+    path = []
+    while node is not engine.cache.root:
+        path.append(node)
+        node = node.parent
+    return path[::-1]
+
+
 def leak_free(engine) -> None:
     stats = engine.cache_stats()
     assert stats["pages_locked"] == 0 and stats["live_requests"] == 0
@@ -46,17 +55,18 @@ def test_a_prefix_loaded_into_the_cache_serves_like_a_device_hit(source):
     size = source.page_size
     held = source.cache.match_prefix(ids[:-1])
     engine = fresh()
-    device_pages, hashes = engine.host_prefix_plan(ids)
     full = (len(ids) - 1) // size
-    assert device_pages == 0 and len(hashes) == full
-    assert hashes == page_hashes(ids[: full * size], size, engine.cache.namespace)
+    # the "host tier" is keyed by the pages' chained hashes, the same on both engines
+    assert page_hashes(ids[: full * size], size, engine.cache.namespace) == [
+        h for node in path_to(source, held.node) for h in node.page_hashes
+    ]
 
     pages = engine.begin_host_load("load-1", ids, 0, full)
     assert pages is not None and len(pages) == full
     assert engine.cache_stats()["pages_locked"] == 0  # nothing cached to lock yet
     engine.kv_pool.kv[:, :, pages] = source.kv_pool.kv[:, :, held.page_ids]  # "the read"
     assert engine.finish_host_load("load-1", ok=True) == full * size
-    assert engine.host_prefix_plan(ids) == (full, [])
+    assert engine.cached_prefix_tokens(ids) == full * size
 
     rid = engine.add_request(ids, GREEDY, host_cached_tokens=full * size)
     outputs = []
@@ -94,9 +104,8 @@ def test_a_load_extends_the_device_head_it_locked(source):
     engine = fresh()
     head = 2
     engine.generate([ids[: head * size + 1]], SamplingParams(max_tokens=1))  # caches 2 pages
-    device_pages, hashes = engine.host_prefix_plan(ids)
-    assert device_pages == head
-    rest = len(hashes)
+    assert engine.cached_prefix_tokens(ids) == head * size
+    rest = (len(ids) - 1) // size - head
     pages = engine.begin_host_load("load-6", ids, head, rest)
     assert pages is not None
     assert engine.cache_stats()["pages_locked"] == head  # the head cannot be evicted
