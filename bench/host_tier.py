@@ -60,6 +60,21 @@ def _delta(before: str, after: str, name: str, **labels: str) -> float:
     return _metric(after, name, **labels) - _metric(before, name, **labels)
 
 
+def _metrics_after_load(cluster: LocalCluster, client: httpx.Client, before: str) -> str:
+    """/metrics once the worker's heartbeat has reported the host-tier load that just
+    happened (worker counters reach the gateway with heartbeats, not with the answer)."""
+    name = "radixserve_worker_host_loads_total"
+    text = before
+
+    def reported() -> bool:
+        nonlocal text
+        text = client.get("/metrics").text
+        return _metric(text, name) > _metric(before, name)
+
+    cluster.wait(reported, 10, "the worker to report its host-tier load")
+    return text
+
+
 def _turn(client: httpx.Client, doc: str, question: str) -> dict[str, Any]:
     messages = [{"role": "system", "content": doc}, {"role": "user", "content": question}]
     return stream_turn(client, messages, 4)
@@ -82,6 +97,7 @@ def run_host_tier_bench(quick: bool = False, out_path: str | None = None) -> int
     print(f"host-tier bench: {rounds} round(s), {prefix}-token prefix, KV pool "
           f"{pool_gib:.2f} GiB, host tier 1 GiB ...", file=sys.stderr)  # fmt: skip
     with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
+        cluster.wait_host_tier()
         stream_turn(c, [{"role": "user", "content": "Warm-up: say hi."}], 2)
         for r in range(rounds):
             doc = document(4 * r, prefix)
@@ -91,7 +107,7 @@ def run_host_tier_bench(quick: bool = False, out_path: str | None = None) -> int
                 _turn(c, document(4 * r + k, prefix), QUESTIONS[0])
             before = c.get("/metrics").text
             host = _turn(c, doc, QUESTIONS[2])
-            after = c.get("/metrics").text
+            after = _metrics_after_load(cluster, c, before)
             row = {
                 "round": r + 1,
                 "prompt_tokens": host["prompt_tokens"],

@@ -32,6 +32,8 @@ from radixserve.supervisor import ProcessSpec, Supervisor
 
 logger = logging.getLogger(__name__)
 
+WORKER_ROLES = ("prefill", "decode")
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -196,6 +198,16 @@ class LocalCluster:
     def workers(self) -> dict[str, dict[str, Any]]:
         workers: dict[str, dict[str, Any]] = self.debug_cache()["workers"]
         return workers
+
+    def wait_host_tier(self, timeout_s: float = 60.0) -> None:
+        """Wait until every prefill and decode worker has attached to the kvstore's host
+        tier (until then, evicted pages are dropped rather than spilled)."""
+
+        def attached() -> bool:
+            workers = [w for w in self.workers().values() if w.get("role") in WORKER_ROLES]
+            return bool(workers) and all(w.get("up") and w.get("host_attached") for w in workers)
+
+        self.wait(attached, timeout_s, "the workers to attach to the host tier")
 
     def stop(self) -> None:
         self.supervisor.stop()

@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 _SERVE_READS_PERIOD_S = 0.0002
 _MAX_PAGES_PER_OFFER = 4096
-_QUARANTINE_S = 120.0  # > the kvstore's read deadline (host_transfer_timeout_s, 30 s)
+_QUARANTINE_S = 120.0  # > the kvstore's read deadline (host_transfer_timeout_s <= 100 s)
 
 
 class HostTierClient:
@@ -98,7 +98,6 @@ class HostTierClient:
         self._outstanding: dict[int, list[int]] = {}  # spill id -> buffer pages
         self._spill_ids = 0
         self._queries: dict[str, asyncio.Future] = {}
-        self._loads = 0
         self._busy = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._tasks = [

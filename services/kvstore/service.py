@@ -72,7 +72,11 @@ class KVStoreSettings(ServiceSettings):
         "workers' host_load_timeout_s.",
     )
     host_transfer_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="Longest read of a worker's spilled pages."
+        30.0,
+        gt=0,
+        le=100,
+        description="Longest read of a worker's spilled pages (a worker reuses the buffer "
+        "pages of a kvstore it lost after 120 s).",
     )
 
 

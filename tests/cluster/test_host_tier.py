@@ -52,20 +52,20 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         kv_cache_memory_gib=0.05,  # 72 pages: room for two of these conversations
     )
     try:
+        cluster.wait_host_tier()  # spills before the attach would be dropped
         first = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
         prompt = first["usage"]["prompt_tokens"]
         assert cached(first) == 0
         for i in range(1, 4):  # three more conversations push the first out of every pool
             ask(cluster, chat(QUESTIONS[i], branch_system(i)))
-        workers = cluster.workers()
-        assert workers["kvstore"]["host_pages_stored"] > 0
-        assert workers["prefill-0"]["host_spill_pages_total"] > 0
         full_pages = (prompt - 1) // PAGE
         ids = reference_engine.chat_prompt_ids(chat(QUESTIONS[0], branch_system(0)))
-        reply = index_query(cluster, ids[: full_pages * PAGE])
-        assert reply is not None
-        assert reply.host_pages == full_pages  # the index sees it in the host tier...
-        assert not reply.device_pages  # ...and on no device
+
+        def spilled() -> bool:  # the index sees it in the host tier, on no device
+            reply = index_query(cluster, ids[: full_pages * PAGE])
+            return reply is not None and reply.host_pages == full_pages and not reply.device_pages
+
+        cluster.wait(spilled, 10, "the first conversation to be only in the host tier")
         before = host_hits(cluster)
 
         again = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
@@ -74,9 +74,12 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         text = again["choices"][0]["message"]["content"]
         assert text == first["choices"][0]["message"]["content"]
         assert text == reference_chat(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
-        workers = cluster.workers()
-        assert workers["prefill-0"]["host_load_pages_total"] >= full_pages
-        assert workers["prefill-0"].get("host_load_failures_total", 0) == 0
+        cluster.wait(
+            lambda: cluster.workers()["prefill-0"].get("host_load_pages_total", 0) >= full_pages,
+            10,
+            "prefill-0 to report the pages it loaded",
+        )
+        assert cluster.workers()["prefill-0"].get("host_load_failures_total", 0) == 0
         cluster.wait_clean()
     finally:
         cluster.stop()
@@ -90,6 +93,7 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(reference_
         prefill={"HOST_WRITE_THROUGH_USES": "1"},  # write each prefix as it is computed
     )
     try:
+        cluster.wait_host_tier()
         system = branch_system(7)
         first = ask(cluster, chat(QUESTIONS[0], system))
         workers = cluster.workers()
@@ -115,15 +119,17 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(reference_
                 30,
                 "the long prompt to be queued on a prefill worker",
             )
-            loaded = cluster.workers()
-            busy_worker = next(n for n in (owner, other) if loaded[n].get("queued_tokens", 0))
+            # (both idle, it went to the first by name, as the first request did)
+            assert cluster.workers()[owner].get("queued_tokens", 0) > 0
             # ...then the shared prefix goes to the idle worker, which loads it from host
             second = ask(cluster, chat(QUESTIONS[1], system))
         finally:
             busy.join()
-        idle = other if busy_worker == owner else owner
-        after = cluster.workers()
-        assert after[idle].get("host_load_pages_total", 0) >= system_pages
+        cluster.wait(
+            lambda: cluster.workers()[other].get("host_load_pages_total", 0) >= system_pages,
+            10,
+            f"{other} to report loading the system prompt from the host tier",
+        )
         assert cached(second) >= system_pages * PAGE
         assert host_hits(cluster) - before >= system_pages * PAGE
         text = second["choices"][0]["message"]["content"]
@@ -141,6 +147,7 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(refere
         gateway={"MAX_QUEUED_REQUESTS": "64"},
     )
     try:
+        cluster.wait_host_tier()
         conversations = [chat(QUESTIONS[i % len(QUESTIONS)], branch_system(i)) for i in range(6)]
         with ThreadPoolExecutor(3) as pool:
             rounds = [list(pool.map(lambda m: ask(cluster, m), conversations)) for _ in range(2)]
