@@ -25,9 +25,8 @@ from typing import Any, TypeVar
 import msgpack
 
 from radixserve.errors import RadixServeError
-from radixserve.protocol.messages import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
+from radixserve.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
+from radixserve.protocol.wire import (
     BoolSpec,
     BytesSpec,
     FloatSpec,

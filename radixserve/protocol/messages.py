@@ -1,8 +1,9 @@
 """Every message type of the wire protocol, with the bounds of each field.
 
 Messages are frozen dataclasses of plain data (no tensors: KV bytes move through the
-transfer layer). Each field carries a *wire spec* in its metadata: the type and bounds
-the codec (`radixserve.protocol.codec`) enforces on encode and decode. Construction does
+transfer layer). Each field carries a *wire spec* in its metadata (the spec types and the
+base classes are in `radixserve.protocol.wire`): the type and bounds the codec
+(`radixserve.protocol.codec`) enforces on encode and decode. Construction does
 not validate; it only normalises containers (lists become tuples, maps become read-only
 mappings, ints in float fields become floats), so the codec is the single gate.
 
@@ -30,7 +31,23 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from radixserve.protocol.wire import (
+    INT64_MAX,
+    BoolSpec,
+    BytesSpec,
+    FloatSpec,
+    IntSpec,
+    ListSpec,
+    Message,
+    NestedSpec,
+    OptionalSpec,
+    StatsSpec,
+    StrSpec,
+    WireStruct,
+)
+from radixserve.protocol.wire import field_spec as _spec
 
 if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
@@ -38,7 +55,6 @@ if TYPE_CHECKING:
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 
-INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_PAGE_ID = 2**31 - 1
 MAX_TOKENS_PER_MESSAGE = 1 << 21
@@ -48,7 +64,6 @@ MAX_NAME_CHARS = 128
 MAX_ERROR_CHARS = 4096
 MAX_TEXT_CHARS = 1 << 20
 MAX_LOAD_STATS = 256
-MAX_DURATION_MS = 1e12
 MAX_BLOB_BYTES = 1 << 20
 
 Role = Literal["gateway", "prefill", "decode", "kvstore"]
@@ -59,103 +74,6 @@ ERROR_TYPES: frozenset[str] = frozenset(
     {"invalid_request", "capacity", "internal", "timeout", "peer_lost"}
 )
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
-
-
-# --- wire specs: declarative bounds, interpreted by the codec -------------------------
-
-
-@dataclass(frozen=True)
-class IntSpec:
-    """An int (never a bool) in ``[lo, hi]``."""
-
-    lo: int = 0
-    hi: int = INT64_MAX
-
-
-@dataclass(frozen=True)
-class FloatSpec:
-    """A finite number (int accepted, bool not) in ``[lo, hi]``, held as float."""
-
-    lo: float = 0.0
-    hi: float = MAX_DURATION_MS
-
-
-@dataclass(frozen=True)
-class BoolSpec:
-    """A bool."""
-
-
-@dataclass(frozen=True)
-class StrSpec:
-    """A str of ``min_chars..max_chars`` characters, one of ``choices`` when given."""
-
-    max_chars: int
-    min_chars: int = 0
-    choices: frozenset[str] | None = None
-
-
-@dataclass(frozen=True)
-class BytesSpec:
-    """A msgpack bin of at most ``max_bytes`` bytes (opaque data such as agent metadata)."""
-
-    max_bytes: int
-
-
-@dataclass(frozen=True)
-class ListSpec:
-    """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
-
-    item: IntSpec | StrSpec
-    max_len: int
-    min_len: int = 0
-
-
-@dataclass(frozen=True)
-class OptionalSpec:
-    """None (msgpack nil) or a value matching ``inner``."""
-
-    inner: IntSpec | FloatSpec | StrSpec
-
-
-@dataclass(frozen=True)
-class NestedSpec:
-    """A map decoded into the wire struct ``cls`` (no type tag, no version)."""
-
-    cls: type[WireStruct]
-
-
-@dataclass(frozen=True)
-class StatsSpec:
-    """A flat map of str keys to ints or finite floats; held as a read-only mapping."""
-
-    max_entries: int
-    key: StrSpec
-    value: IntSpec
-    float_value: FloatSpec
-
-
-WireSpec = (
-    IntSpec
-    | FloatSpec
-    | BoolSpec
-    | StrSpec
-    | BytesSpec
-    | ListSpec
-    | OptionalSpec
-    | NestedSpec
-    | StatsSpec
-)
-
-
-def _spec(spec: WireSpec) -> dict[str, WireSpec]:
-    """Field metadata holding the wire spec of one field."""
-    return {"wire": spec}
-
-
-def wire_spec(f: dataclasses.Field[Any]) -> WireSpec:
-    """The wire spec declared on dataclass field ``f``."""
-    spec: WireSpec = f.metadata["wire"]
-    return spec
 
 
 COUNT = IntSpec()
@@ -171,35 +89,6 @@ ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
 LOAD_STATS = StatsSpec(
     MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
 )
-
-
-# --- base classes ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WireStruct:
-    """Base of every wire struct: normalises containers after construction."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            spec, value = wire_spec(f), getattr(self, f.name)
-            if isinstance(spec, ListSpec) and isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-            elif isinstance(spec, StatsSpec) and isinstance(value, dict):
-                object.__setattr__(self, f.name, MappingProxyType(dict(value)))
-            elif isinstance(spec, FloatSpec) and type(value) is int:
-                object.__setattr__(self, f.name, float(value))
-
-    def invariant_error(self) -> str | None:
-        """Why the fields contradict each other, or None; the codec rejects such values."""
-        return None
-
-
-@dataclass(frozen=True)
-class Message(WireStruct):
-    """A top-level message; ``TYPE_TAG`` is its stable name on the wire."""
-
-    TYPE_TAG: ClassVar[str] = ""
 
 
 # --- sampling -------------------------------------------------------------------------
