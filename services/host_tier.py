@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SERVE_READS_PERIOD_S = 0.0002
 _MAX_PAGES_PER_OFFER = 4096
 _QUARANTINE_S = 120.0  # > the kvstore's read deadline (host_transfer_timeout_s <= 100 s)
 
@@ -102,7 +101,10 @@ class HostTierClient:
         self._loop = asyncio.get_running_loop()
         self._tasks = [
             asyncio.create_task(self._send_offers()),
-            asyncio.create_task(self._serve_reads()),
+            # drive the buffer's agent while the kvstore may be reading it
+            asyncio.create_task(
+                self.buffer_agent.serve_reads_while(lambda: bool(self._outstanding), self._busy)
+            ),
         ]
 
     async def close(self) -> None:
@@ -232,15 +234,6 @@ class HostTierClient:
                 with self._lock:
                     self._free.extend(self._outstanding.pop(self._spill_ids, []))
 
-    async def _serve_reads(self) -> None:
-        """Drive the buffer's agent while the kvstore may be reading it."""
-        while True:
-            if not self._outstanding:
-                self._busy.clear()
-                await self._busy.wait()
-            self.buffer_agent.serve_reads()
-            await asyncio.sleep(_SERVE_READS_PERIOD_S)
-
     # -- load ---------------------------------------------------------------------------
 
     async def load_prefix(self, request_id: str, prompt_ids: list[int]) -> int:
@@ -305,13 +298,10 @@ class HostTierClient:
             handle = agent.read_pages(
                 self.kvstore_agent, src, dst, timeout_s=self.worker.settings.host_load_timeout_s
             )
-            while agent.poll(handle) == "pending":
-                await asyncio.sleep(0.0005)
-            ok = handle.state == "done"
+            ok = await agent.wait_async(handle) == "done"
         except TransferError as exc:
             logger.warning("%s: host-tier load failed: %s", self.worker.name, exc)
-        except asyncio.CancelledError:
-            agent.remove_peer(self.kvstore_agent)  # the read must never land in freed pages
+        except asyncio.CancelledError:  # wait_async removed the peer: attach again
             self.attached = False
             if self.link is not None and self.link.up:
                 self.on_up(self.link)  # attach again: re-adds the peer

@@ -16,17 +16,21 @@ Contracts:
     errors, short replies and timeouts end in "failed" and `wait` raises.
   * Every transfer has a deadline: a dead peer yields `TransferError`, never a hang.
   * The page owner calls `serve_reads` often (every few hundred µs) while a peer may be
-    reading its pages: a backend without a progress thread of its own (NIXL here: its
-    thread would busy-poll a core forever) makes progress only inside agent calls.
+    reading its pages (`serve_reads_while` is that loop for an asyncio owner): a backend
+    without a progress thread of its own (NIXL here: its thread would busy-poll a core
+    forever) makes progress only inside agent calls. An asyncio reader waits with
+    `wait_async`.
   * Agents are not thread-safe: use one from a single thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -247,6 +251,39 @@ class KVTransferAgent(ABC):
             self._idle(min(remaining, 0.05))
         if handle.state == "failed":
             raise TransferError(handle.error or "transfer failed")
+
+    async def wait_async(self, handle: TransferHandle, period_s: float = 0.0005) -> TransferState:
+        """Poll ``handle`` from an event loop until it is done or failed; its final state.
+
+        If the caller is cancelled meanwhile, the peer is removed first, which fails the
+        read, so that it can never land in pages the caller frees next."""
+        try:
+            while self.poll(handle) == "pending":
+                await asyncio.sleep(period_s)
+        except asyncio.CancelledError:
+            self.remove_peer(handle.peer)
+            raise
+        return handle.state
+
+    async def serve_reads_while(
+        self,
+        busy: Callable[[], bool],
+        wake: asyncio.Event,
+        after: Callable[[], None] | None = None,
+        period_s: float = 0.0002,
+    ) -> None:
+        """Forever: call `serve_reads` every ``period_s`` while ``busy()`` (peers may be
+        reading our pages), then ``after()``; otherwise sleep until ``wake`` is set (set it
+        whenever ``busy()`` may have become true). Run it as the page owner's task."""
+        while True:
+            if not busy():
+                wake.clear()
+                await wake.wait()
+                continue
+            self.serve_reads()
+            await asyncio.sleep(period_s)
+            if after is not None:
+                after()
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """(peer name, message) of reads of our pages completed since the last call."""

@@ -280,13 +280,7 @@ class DecodeWorker(Worker):
         handle = agent.read_pages(
             link.name, list(kv.src_page_ids), dst, timeout_s=self.settings.transfer_timeout_s
         )
-        try:
-            while agent.poll(handle) == "pending":
-                await asyncio.sleep(0.0005)
-        except asyncio.CancelledError:
-            agent.remove_peer(link.name)  # cancels the read: our pages must not change later
-            raise
-        if handle.state == "failed":
+        if await agent.wait_async(handle) == "failed":
             raise TransferError(handle.error or "KV transfer failed")
         elapsed = time.perf_counter() - start
         self.counters["kv_transfers_total"] += 1

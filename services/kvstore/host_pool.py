@@ -35,8 +35,6 @@ from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, crea
 
 logger = logging.getLogger(__name__)
 
-_SERVE_READS_PERIOD_S = 0.0002
-
 
 def spill_agent_name(worker: str) -> str:
     """The transfer agent name of ``worker``'s spill buffer."""
@@ -78,9 +76,6 @@ class HostPool:
     @property
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
-
-    def start(self) -> None:
-        self._server = asyncio.create_task(self._serve_reads())
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -145,6 +140,13 @@ class HostPool:
         )
         self.kv, self.compat = kv, compat
         self.index = HostPageIndex(num_pages)
+        # drive the agent while workers may read leased pages; expire forgotten leases
+        index = self.index
+        self._server = asyncio.create_task(
+            self.agent.serve_reads_while(
+                lambda: bool(index.num_leases), self._leased, self._expire_leases
+            )
+        )
         logger.info("%s: host tier of %d pages (%.2f GiB) for %s", self.name, num_pages,
                     kv.nbytes / (1 << 30), compat.model_name)  # fmt: skip
 
@@ -174,13 +176,10 @@ class HostPool:
         ok = False
         try:
             handle = self.agent.read_pages(spill_agent_name(worker), src, dst)
-            while self.agent.poll(handle) == "pending":
-                await asyncio.sleep(0.0005)
-            ok = handle.state == "done"
+            ok = await self.agent.wait_async(handle) == "done"
         except TransferError as exc:
             logger.warning("%s: spill from %s failed: %s", self.name, worker, exc)
-        except asyncio.CancelledError:
-            self.agent.remove_peer(spill_agent_name(worker))  # the read must not land later
+        except asyncio.CancelledError:  # wait_async removed the peer: the read cannot land
             self.index.abort(mine)
             raise
         if not ok:
@@ -212,18 +211,11 @@ class HostPool:
         """Leading pages of a prompt the host tier holds (for routing)."""
         return self.index.match(page_hashes) if self.index is not None else 0
 
-    async def _serve_reads(self) -> None:
-        """Drive the agent while workers may read leased pages; expire forgotten leases."""
-        while True:
-            if self.index is None or not self.index.num_leases:
-                self._leased.clear()
-                await self._leased.wait()
-            assert self.agent is not None and self.index is not None
-            self.agent.serve_reads()
-            await asyncio.sleep(_SERVE_READS_PERIOD_S)
-            expired = self.index.expire(time.monotonic())
-            if expired:
-                logger.warning("%s: %d host-tier leases expired unreleased", self.name, expired)
+    def _expire_leases(self) -> None:
+        assert self.index is not None
+        expired = self.index.expire(time.monotonic())
+        if expired:
+            logger.warning("%s: %d host-tier leases expired unreleased", self.name, expired)
 
     def stats(self) -> dict[str, int | float]:
         stats: dict[str, int | float] = dict(self.counters)

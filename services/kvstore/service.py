@@ -99,7 +99,6 @@ class KVStoreService(Service):
             s.host_transfer_timeout_s,
             s.nixl_progress_thread,
         )
-        self.host.start()
 
     async def stop(self) -> None:
         if self.host is not None:

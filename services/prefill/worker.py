@@ -32,8 +32,6 @@ from radixserve.services.worker import Worker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
-_SERVE_READS_PERIOD_S = 0.0002
-
 
 class PrefillSettings(WorkerSettings):
     """A prefill worker's settings, from ``RADIXSERVE_PREFILL_*``."""
@@ -62,7 +60,12 @@ class PrefillWorker(Worker):
 
     async def start(self) -> None:
         await super().start()
-        self._server = asyncio.create_task(self._serve_reads())
+        assert self.agent is not None
+        # drive the transfer agent while a decode worker may be reading our pages
+        self._server = asyncio.create_task(
+            self.agent.serve_reads_while(lambda: bool(self._lent), self._lending,
+                                         self._forget_expired)
+        )  # fmt: skip
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -70,18 +73,10 @@ class PrefillWorker(Worker):
             await asyncio.gather(self._server, return_exceptions=True)
         await super().stop()
 
-    async def _serve_reads(self) -> None:
-        """Drive the transfer agent while a decode worker may be reading our pages."""
-        assert self.agent is not None
-        while True:
-            if not self._lent:
-                self._lending.clear()
-                await self._lending.wait()
-            self.agent.serve_reads()
-            await asyncio.sleep(_SERVE_READS_PERIOD_S)
-            now = time.monotonic()
-            for rid in [rid for rid, deadline in self._lent.items() if deadline < now]:
-                del self._lent[rid]  # the lease expired in the engine as well
+    def _forget_expired(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, deadline in self._lent.items() if deadline < now]:
+            del self._lent[rid]  # the lease expired in the engine as well
 
     def handle(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
