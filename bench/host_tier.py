@@ -33,6 +33,7 @@ import httpx
 
 from radixserve.bench.gateway_chat import stream_turn, system_prompt
 from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.metrics import metric_value
 
 QUESTIONS = ("Which store is open the longest?", "Can I pay by direct debit?",
              "What does a replacement SIM cost?")  # fmt: skip
@@ -45,19 +46,9 @@ def document(i: int, prefix_tokens: int) -> str:
     return f"Reference document {i}. " + system_prompt(stores)
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
 def _delta(before: str, after: str, name: str, **labels: str) -> float:
     """How much metric ``name`` grew between two /metrics texts."""
-    return _metric(after, name, **labels) - _metric(before, name, **labels)
+    return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
 
 def _metrics_after_load(cluster: LocalCluster, client: httpx.Client, before: str) -> str:
@@ -69,7 +60,7 @@ def _metrics_after_load(cluster: LocalCluster, client: httpx.Client, before: str
     def reported() -> bool:
         nonlocal text
         text = client.get("/metrics").text
-        return _metric(text, name) > _metric(before, name)
+        return metric_value(text, name) > metric_value(before, name)
 
     cluster.wait(reported, 10, "the worker to report its host-tier load")
     return text

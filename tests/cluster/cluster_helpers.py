@@ -19,7 +19,10 @@ import zmq
 
 from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.metrics import metric_value
 from radixserve.protocol import Channel, IndexQuery, IndexReply
+
+__all__ = ["TestCluster", "index_query", "metric_value"]
 
 FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
 
@@ -103,21 +106,6 @@ class TestCluster(LocalCluster):
     def stop(self) -> None:
         self.http.close()
         super().stop()
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` in a /metrics text."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> IndexReply | None:
