@@ -322,11 +322,11 @@ def cmd_service(args: argparse.Namespace) -> int:
         from radixserve.services.gateway.__main__ import main as gateway_main
 
         return gateway_main()
-    from radixserve.services.worker import run_worker
+    from radixserve.services.runtime.worker import run_worker
 
     if args.command == "kvstore":
         from radixserve.services.kvstore import KVStoreService, KVStoreSettings
-        from radixserve.services.service import serve_until_signalled
+        from radixserve.services.runtime.service import serve_until_signalled
 
         return serve_until_signalled(KVStoreService(KVStoreSettings()))
     if args.command == "prefill":

@@ -45,9 +45,9 @@ from radixserve.protocol import (
     TransferDone,
 )
 from radixserve.protocol.messages import ErrorType
-from radixserve.services.links import Link, LinkSet
-from radixserve.services.service import Peer
-from radixserve.services.worker import Worker, WorkerSettings
+from radixserve.services.runtime.links import Link, LinkSet
+from radixserve.services.runtime.service import Peer
+from radixserve.services.runtime.worker import Worker, WorkerSettings
 from radixserve.transfer import TransferError
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from radixserve.protocol import (
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.router import DecodeRouter, prefill_cost
 from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.links import Link, LinkSet
+from radixserve.services.runtime.links import Link, LinkSet
 
 logger = logging.getLogger(__name__)
 

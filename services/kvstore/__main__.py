@@ -7,7 +7,7 @@ import sys
 
 from radixserve.logging import setup_logging
 from radixserve.services.kvstore import KVStoreService, KVStoreSettings
-from radixserve.services.service import serve_until_signalled
+from radixserve.services.runtime.service import serve_until_signalled
 
 if __name__ == "__main__":
     setup_logging()

@@ -41,7 +41,7 @@ from radixserve.protocol import (
     SpillOffer,
 )
 from radixserve.services.kvstore.host_pool import HostPool
-from radixserve.services.service import Peer, Service, ServiceSettings
+from radixserve.services.runtime.service import Peer, Service, ServiceSettings
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 
 from radixserve.logging import setup_logging
 from radixserve.services.prefill import PrefillSettings, PrefillWorker
-from radixserve.services.worker import run_worker
+from radixserve.services.runtime.worker import run_worker
 
 if __name__ == "__main__":
     setup_logging()

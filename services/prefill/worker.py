@@ -27,8 +27,8 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
-from radixserve.services.service import Peer
-from radixserve.services.worker import Worker, WorkerSettings
+from radixserve.services.runtime.service import Peer
+from radixserve.services.runtime.worker import Worker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 

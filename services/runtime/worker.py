@@ -1,7 +1,7 @@
 """What prefill and decode workers share: an engine and a KV transfer agent behind a service.
 
 A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), the
-service control plane (`services.service`) on an asyncio loop on the main thread that
+service control plane (`services.runtime.service`) on an asyncio loop on the main thread that
 owns every socket, and a KV transfer agent over the engine's pool. The loop never
 waits on a step, so heartbeats and aborts flow while a long prefill runs. A worker's
 `HelloAck` says what it serves (model, context, page size) and, for a prefill worker,
@@ -13,7 +13,7 @@ when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` an
 snapshot of every cached page. Events go through one queue in the order the engine
 thread made them, so a snapshot never overtakes an earlier event. If the kvstore has a
 host tier, the worker also spills evicted pages into it and loads prefixes it misses on
-device from it (`services.host_tier`).
+device from it (`services.runtime.host_tier`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pydantic import Field
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.protocol import HelloAck, KVEvent, KVResync, Message
-from radixserve.services.host_tier import HostTierClient
-from radixserve.services.links import Link, LinkSet
-from radixserve.services.service import Service, ServiceSettings, serve_until_signalled
+from radixserve.services.runtime.host_tier import HostTierClient
+from radixserve.services.runtime.links import Link, LinkSet
+from radixserve.services.runtime.service import Service, ServiceSettings, serve_until_signalled
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A service process's control plane: one ROUTER socket, peers, heartbeats, request tasks.
 
 Every service (prefill and decode workers, the kvstore) binds one ROUTER socket. Peers
-connect DEALERs (`services.links`) and open with `Hello`; the service answers
+connect DEALERs (`services.runtime.links`) and open with `Hello`; the service answers
 `hello_ack()` and from then on sends each peer a `Heartbeat` with `load()` every
 ``heartbeat_interval_s``. A peer silent for ``peer_timeout_s`` is forgotten and
 `on_peer_lost` ends what it asked for. Each request runs as one asyncio task keyed by

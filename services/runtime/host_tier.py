@@ -50,11 +50,11 @@ from radixserve.protocol import (
     SpillDone,
     SpillOffer,
 )
-from radixserve.services.links import Link
+from radixserve.services.runtime.links import Link
 from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
 
 if TYPE_CHECKING:
-    from radixserve.services.worker import Worker
+    from radixserve.services.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
 
