@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -176,6 +177,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.host_tier import run_host_tier_bench
 
         return run_host_tier_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "autoscale":
+        from radixserve.bench.autoscale import run_autoscale_bench
+
+        return run_autoscale_bench(args.quick, args.out, args.trace, args.seed)
     if args.scenario in SUITE_SCENARIOS:
         return _run_suite(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
@@ -262,8 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from radixserve.cluster import ClusterConfig, cluster_specs, gateway_healthy
-    from radixserve.supervisor import Supervisor
+    from radixserve.cluster import ClusterConfig, build_cluster, gateway_healthy, join_command
 
     engine_env = {}
     if args.model:
@@ -296,6 +300,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_env=engine_env,
         decode_env=decode_env,
         num_threads=args.num_threads,
+        autoscale=args.autoscale,
+        drain_timeout_s=args.drain_timeout_s,
     )
     print(
         f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
@@ -303,6 +309,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"(KV transfer over {config.transport}) ...",
         flush=True,
     )
+    cluster = build_cluster(config, control_port=args.control_port)
 
     def announce() -> None:
         print(
@@ -310,9 +317,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"(metrics {config.url}/metrics, cache {config.url}/debug/cache). Ctrl-C stops it.",
             flush=True,
         )
+        if cluster.control is not None and cluster.kvstore is not None:
+            print(f"radixserve: add a worker: {join_command(config, cluster.kvstore)}  "
+                  "(or decode instead of prefill)", flush=True)  # fmt: skip
+            print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
+                  f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip
 
-    supervisor = Supervisor(cluster_specs(config))
-    code = supervisor.run(ready=lambda: gateway_healthy(config.url, 0.5), on_ready=announce)
+    pools = cluster.pools
+    try:
+        code = cluster.supervisor.run(
+            ready=lambda: gateway_healthy(config.url, 0.5),
+            on_ready=announce,
+            on_poll=pools.reconcile if pools is not None else None,
+        )
+    finally:
+        cluster.stop()
     print("radixserve: cluster stopped", flush=True)
     return code
 
@@ -322,28 +341,40 @@ def cmd_service(args: argparse.Namespace) -> int:
         from radixserve.services.gateway.__main__ import main as gateway_main
 
         return gateway_main()
+    if args.command == "autoscaler":
+        from radixserve.services.autoscaler.__main__ import main as autoscaler_main
+
+        return autoscaler_main()
+    from radixserve.services.runtime.service import serve_until_signalled
     from radixserve.services.runtime.worker import run_worker
 
+    overrides: dict[str, Any] = {}
+    for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
+                      ("host", "host"), ("advertise_host", "advertise_host"),
+                      ("transport", "transfer_backend")):  # fmt: skip
+        if getattr(args, flag, None) is not None:
+            overrides[key] = getattr(args, flag)
     if args.command == "kvstore":
         from radixserve.services.kvstore import KVStoreService, KVStoreSettings
-        from radixserve.services.runtime.service import serve_until_signalled
 
-        return serve_until_signalled(KVStoreService(KVStoreSettings()))
+        return serve_until_signalled(KVStoreService(KVStoreSettings(**overrides)))
     if args.command == "prefill":
         from radixserve.services.prefill import PrefillSettings, PrefillWorker
 
-        return run_worker(PrefillWorker, PrefillSettings())
+        return run_worker(PrefillWorker, PrefillSettings(**overrides))
     from radixserve.services.decode import DecodeSettings, DecodeWorker
 
-    return run_worker(DecodeWorker, DecodeSettings())
+    return run_worker(DecodeWorker, DecodeSettings(**overrides))
 
 
 _SERVICE_HELP = {
     "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
     "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
     "gateway": "run the HTTP gateway alone (settings: RADIXSERVE_GATEWAY_*, RADIXSERVE_MODEL)",
-    "kvstore": "run the kvstore, the cluster-wide cache index and host tier "
+    "kvstore": "run the kvstore, the cluster-wide cache index, host tier and membership "
     "(settings: RADIXSERVE_KVSTORE_*)",
+    "autoscaler": "run the SLO autoscaler of the prefill and decode pools "
+    "(settings: RADIXSERVE_AUTOSCALER_*)",
 }
 
 
@@ -369,16 +400,21 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", "host-tier", *SUITE_SCENARIOS],
+        choices=["engine", "gateway", "host-tier", "autoscale", *SUITE_SCENARIOS],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
+        "autoscale: the autoscaler's policy in a simulation of the pools over a load trace, "
+        "against static-peak and naive-reactive pools; "
         "multi-turn, rag, "
         "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
     bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
+    bench.add_argument("--trace", help="autoscale: a JSONL load trace (t, input_tokens, "
+                       "output_tokens, cached_tokens per line) instead of the generated "
+                       "diurnal one")  # fmt: skip
     suite = bench.add_argument_group("suite (--scenario multi-turn, rag, all)")
     suite.add_argument("--preset", choices=["quick", "seed"], default="seed",
                        help="quick: scaled down, minutes on 2 CPU cores; seed: the founding "
@@ -427,12 +463,32 @@ def make_parser() -> argparse.ArgumentParser:
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,
                     help="CPU threads per worker (default: the cores split between workers)")  # fmt: skip
+    up.add_argument("--autoscale", action="store_true",
+                    help="run the SLO autoscaler, sizing the pools (RADIXSERVE_AUTOSCALER_* "
+                    "settings: targets, bounds, interval)")  # fmt: skip
+    up.add_argument("--control-port", type=int, default=0,
+                    help="port of the pool-size API on 127.0.0.1 (default: any free)")  # fmt: skip
+    up.add_argument("--drain-timeout-s", type=float, default=60.0,
+                    help="a removed worker is killed if still running this long after "
+                    "SIGTERM (default 60)")  # fmt: skip
     _engine_args(up)
     up.set_defaults(func=cmd_up)
 
     for name, text in _SERVICE_HELP.items():
         service = sub.add_parser(name, help=text, description=text)
         service.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
+        if name in ("prefill", "decode"):
+            service.add_argument("--join", metavar="KVSTORE",
+                                 help="join the cluster whose kvstore is at this address "
+                                 "(tcp://host:port; as `radixserve up` prints it)")  # fmt: skip
+            service.add_argument("--transport", choices=["nixl", "zmq"],
+                                 help="KV transfer backend (the cluster's)")  # fmt: skip
+        if name in ("prefill", "decode", "kvstore"):
+            service.add_argument("--name", help="name in the cluster (default <role>-<port>)")
+            service.add_argument("--host", help="listen address (default 127.0.0.1)")
+            service.add_argument("--port", type=int, help="control port (default: any free)")
+            service.add_argument("--advertise-host",
+                                 help="address others dial to reach it (default: --host)")  # fmt: skip
         service.set_defaults(func=cmd_service)
     return parser
 

@@ -3,12 +3,17 @@
 (`radixserve up` itself is `cli.cmd_up`; `LocalCluster` runs the same processes for
 tests and benchmarks, supervised from the calling thread.)
 
-`cluster_specs` turns a `ClusterConfig` into one `ProcessSpec` per process — prefill
-workers, decode workers, then the gateway — each configured only through environment
-settings (``RADIXSERVE_*``), exactly as compose or Kubernetes would run them. Workers
-listen on free loopback ports; the gateway on ``host:port``. `radixserve up` runs them
-under a `Supervisor`: it waits for the gateway's /health (`gateway_healthy`), prints the
-URL, restarts whatever crashes and stops everything on Ctrl-C or SIGTERM.
+`cluster_specs` turns a `ClusterConfig` into one `ProcessSpec` per process — the
+kvstore, prefill workers, decode workers, then the gateway — each configured only
+through environment settings (``RADIXSERVE_*``), exactly as compose or Kubernetes would
+run them. Workers listen on free loopback ports; the gateway on ``host:port``. With the
+kvstore (the default) nobody is told another's address but the kvstore's: workers
+register there and the gateway and decode workers find them through its membership
+(`radixserve.services.runtime.membership`), so workers can be added and removed while it
+runs (`LocalPools`, `join_command`). Without it, the addresses are static lists.
+`radixserve up` runs them under a `Supervisor`: it waits for the gateway's /health
+(`gateway_healthy`), prints the URL, restarts whatever crashes and stops everything on
+Ctrl-C or SIGTERM.
 
 CPU threads: unless ``num_threads`` is given, the machine's cores are split evenly
 between the workers, so their compute threads do not fight over the same cores.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.local_pools import LocalPools, PoolControl
 from radixserve.supervisor import ProcessSpec, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -51,6 +58,9 @@ class ClusterConfig:
     decode_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_DECODE_*
     gateway_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_GATEWAY_*
     num_threads: int | None = None
+    autoscale: bool = False  # run the autoscaler (needs the kvstore: pools are resizable)
+    autoscaler_env: dict[str, str] = field(default_factory=dict)  # RADIXSERVE_AUTOSCALER_*
+    drain_timeout_s: float = 60.0  # a retired worker still running after this is killed
 
     def __post_init__(self) -> None:
         if self.num_decode < 1:
@@ -61,6 +71,8 @@ class ClusterConfig:
             raise ValueError(f"--transport must be nixl or zmq, not {self.transport!r}")
         if self.host_tier_gib is not None and self.host_tier_gib < 0:
             raise ValueError("--host-tier-gib must be 0 (no host tier) or more")
+        if self.autoscale and not self.kvstore:
+            raise ValueError("--autoscale needs the kvstore (new workers join through it)")
 
     @property
     def url(self) -> str:
@@ -74,22 +86,49 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
-    """The processes of the cluster, workers first, each with its own environment."""
+def base_env(config: ClusterConfig) -> dict[str, str]:
+    """What every process of the cluster gets: the engine settings and a thread count."""
     workers = config.num_prefill + config.num_decode
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // workers)
-    base = {
+    return {
         "RADIXSERVE_LOAD_PROGRESS": "false",
         "RADIXSERVE_NUM_THREADS": str(threads),
         "OMP_NUM_THREADS": str(threads),
         **config.engine_env,
     }
+
+
+def worker_spec(
+    config: ClusterConfig, role: str, index: int, kvstore: str | None, prefill_addrs: list[str]
+) -> tuple[ProcessSpec, str]:
+    """Worker ``index`` of ``role`` on a free port, and its control address. With a
+    ``kvstore`` address it registers there; otherwise a decode worker is told the
+    ``prefill_addrs``."""
+    name, port, prefix = f"{role}-{index}", free_port(), f"RADIXSERVE_{role.upper()}_"
+    extra = config.prefill_env if role == "prefill" else config.decode_env
+    env = {
+        **base_env(config),
+        **({f"{prefix}KVSTORE": kvstore} if kvstore else {}),
+        f"{prefix}NAME": name,
+        f"{prefix}PORT": str(port),
+        f"{prefix}TRANSFER_BACKEND": config.transport,
+        **extra,
+    }
+    if role == "decode" and not kvstore:
+        env["RADIXSERVE_DECODE_PREFILL_WORKERS"] = json.dumps(prefill_addrs)
+    argv = [sys.executable, "-m", f"radixserve.services.{role}"]
+    return ProcessSpec(name, argv, env), f"tcp://127.0.0.1:{port}"
+
+
+def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> list[ProcessSpec]:
+    """The processes of the cluster, the kvstore and workers first, each with its own
+    environment (``kvstore_port``: where the kvstore listens; default a free port)."""
     specs: list[ProcessSpec] = []
-    index: dict[str, str] = {}  # the kvstore's address for each service that talks to it
+    kvstore: str | None = None
     if config.kvstore:
-        port = free_port()
+        port = kvstore_port or free_port()
         env = {
-            **base,
+            **base_env(config),
             "RADIXSERVE_KVSTORE_NAME": "kvstore",
             "RADIXSERVE_KVSTORE_PORT": str(port),
             "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
@@ -98,40 +137,97 @@ def cluster_specs(config: ClusterConfig) -> list[ProcessSpec]:
             env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
         argv = [sys.executable, "-m", "radixserve.services.kvstore"]
         specs.append(ProcessSpec("kvstore", argv, env))
-        index = {role: f"tcp://127.0.0.1:{port}" for role in ("PREFILL", "DECODE", "GATEWAY")}
-
-    def workers_of(role: str, count: int, extra: dict[str, str]) -> list[str]:
-        """Add ``count`` workers of ``role``; their control addresses."""
-        addresses = []
+        kvstore = f"tcp://127.0.0.1:{port}"
+    addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for i in range(count):
-            name, port, prefix = f"{role}-{i}", free_port(), f"RADIXSERVE_{role.upper()}_"
-            addresses.append(f"tcp://127.0.0.1:{port}")
-            env = {
-                **base,
-                **({f"{prefix}KVSTORE": index[role.upper()]} if index else {}),
-                f"{prefix}NAME": name,
-                f"{prefix}PORT": str(port),
-                f"{prefix}TRANSFER_BACKEND": config.transport,
-                **extra,
-            }
-            argv = [sys.executable, "-m", f"radixserve.services.{role}"]
-            specs.append(ProcessSpec(name, argv, env))
-        return addresses
-
-    prefill_addrs = workers_of("prefill", config.num_prefill, config.prefill_env)
-    links = {"RADIXSERVE_DECODE_PREFILL_WORKERS": json.dumps(prefill_addrs)}
-    decode_addrs = workers_of("decode", config.num_decode, {**links, **config.decode_env})
+            spec, address = worker_spec(config, role, i, kvstore, addresses["prefill"])
+            specs.append(spec)
+            addresses[role].append(address)
     env = {
-        **base,
+        **base_env(config),
         "RADIXSERVE_GATEWAY_HOST": config.host,
         "RADIXSERVE_GATEWAY_PORT": str(config.port),
-        "RADIXSERVE_GATEWAY_DECODE_WORKERS": json.dumps(decode_addrs),
-        "RADIXSERVE_GATEWAY_PREFILL_WORKERS": json.dumps(prefill_addrs),
-        **({"RADIXSERVE_GATEWAY_KVSTORE": index["GATEWAY"]} if index else {}),
+        **({"RADIXSERVE_GATEWAY_KVSTORE": kvstore} if kvstore else {}),
         **config.gateway_env,
     }
+    if not kvstore:
+        env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
+        env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])
     specs.append(ProcessSpec("gateway", [sys.executable, "-m", "radixserve.services.gateway"], env))
     return specs
+
+
+def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> str:
+    """The one-line command that starts one more worker of ``role`` and joins it to the
+    cluster whose kvstore is at ``kvstore`` (the engine settings it must share first)."""
+    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "radixserve" else None
+    argv = [program] if program else [sys.executable, "-m", "radixserve.cli"]
+    argv += [role, "--join", kvstore]
+    if config.transport != "nixl":
+        argv += ["--transport", config.transport]
+    extra = config.prefill_env if role == "prefill" else config.decode_env
+    env = [f"{k}={shlex.quote(v)}" for k, v in {**config.engine_env, **extra}.items()]
+    return " ".join([*env, shlex.join(argv)])
+
+
+def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
+    """The autoscaler, sizing this cluster's pools through its control API (``local``)."""
+    env = {
+        **base_env(config),
+        "RADIXSERVE_AUTOSCALER_CONNECTOR": "local",
+        "RADIXSERVE_AUTOSCALER_LOCAL_URL": control_url,
+        "RADIXSERVE_AUTOSCALER_GATEWAY_URL": config.url,
+        **config.autoscaler_env,
+    }
+    return ProcessSpec("autoscaler", [sys.executable, "-m", "radixserve.services.autoscaler"], env)
+
+
+@dataclass
+class ClusterProcesses:
+    """A cluster as processes: the supervisor and, with the kvstore, the resizable pools
+    and their control API (started, on loopback)."""
+
+    supervisor: Supervisor
+    kvstore: str | None
+    pools: LocalPools | None
+    control: PoolControl | None
+
+    def poll(self) -> None:
+        """One supervision pass, then the pools' reconciliation."""
+        self.supervisor.poll()
+        if self.pools is not None:
+            self.pools.reconcile()
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+        if self.control is not None:
+            self.control.close()
+
+
+def build_cluster(
+    config: ClusterConfig, restart_backoff_s: float = 1.0, control_port: int = 0
+) -> ClusterProcesses:
+    """The supervisor of ``config``'s processes (not started) with its pools and control
+    API (started) when the cluster has a kvstore."""
+    kvstore_port = free_port() if config.kvstore else None
+    supervisor = Supervisor(
+        cluster_specs(config, kvstore_port), restart_backoff_s=restart_backoff_s
+    )
+    if kvstore_port is None:
+        return ClusterProcesses(supervisor, None, None, None)
+    kvstore = f"tcp://127.0.0.1:{kvstore_port}"
+
+    def spawn(role: str, index: int) -> ProcessSpec:
+        return worker_spec(config, role, index, kvstore, [])[0]
+
+    initial = {"prefill": config.num_prefill, "decode": config.num_decode}
+    pools = LocalPools(supervisor, initial, spawn, config.drain_timeout_s)
+    control = PoolControl(pools, port=control_port)
+    control.start()
+    if config.autoscale:
+        supervisor.add(autoscaler_spec(config, control.url))
+    return ClusterProcesses(supervisor, kvstore, pools, control)
 
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:
@@ -157,16 +253,17 @@ class LocalCluster:
     ) -> None:
         self.config = config
         self.url = config.url
-        self.supervisor = Supervisor(cluster_specs(config), restart_backoff_s=restart_backoff_s)
-        self.supervisor.start()
+        self.processes = build_cluster(config, restart_backoff_s=restart_backoff_s)
+        self.supervisor = self.processes.supervisor
         try:
+            self.supervisor.start()
             self.wait(lambda: gateway_healthy(self.url), startup_timeout_s, "cluster start")
-            self.wait(lambda: all(w["up"] for w in self.workers().values()), 60, "workers up")
+            self.wait(self._workers_up, 60, "every worker up at the gateway")
             # and every decode worker has its own links to the prefill workers up, so the
             # first request can prefill remotely
             self.wait(self._decode_links_up, 60, "decode workers' links to prefill workers")
         except BaseException:
-            self.supervisor.stop()
+            self.processes.stop()
             raise
 
     def __enter__(self) -> LocalCluster:
@@ -180,10 +277,24 @@ class LocalCluster:
         within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not condition():
-            self.supervisor.poll()
+            self.processes.poll()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
             time.sleep(0.1)
+
+    def _workers_up(self) -> bool:
+        workers = self.workers()
+        counts = {"prefill": self.config.num_prefill, "decode": self.config.num_decode}
+        for role, count in counts.items():
+            up = [w for w in workers.values() if w["role"] == role and w["up"]]
+            if len(up) < count:
+                return False
+        return all(w["up"] for w in workers.values())
+
+    @property
+    def control_url(self) -> str | None:
+        """The pools' control API (None without the kvstore)."""
+        return self.processes.control.url if self.processes.control else None
 
     def _decode_links_up(self) -> bool:
         decodes = [w for w in self.workers().values() if w["role"] == "decode"]
@@ -199,6 +310,20 @@ class LocalCluster:
         workers: dict[str, dict[str, Any]] = self.debug_cache()["workers"]
         return workers
 
+    def worker(self, name: str) -> dict[str, Any]:
+        """One worker as the gateway sees it; ``{"up": False}`` while the gateway knows
+        none of that name (a dead worker leaves the membership until it is back)."""
+        return self.workers().get(name, {"up": False})
+
+    def wait_restarted(self, name: str, old_generation: int, timeout_s: float = 120) -> None:
+        """Wait until ``name`` is up again under another generation (a restart)."""
+
+        def back() -> bool:
+            w = self.worker(name)
+            return bool(w["up"]) and w.get("generation") != old_generation
+
+        self.wait(back, timeout_s, f"{name} to come back")
+
     def wait_host_tier(self, timeout_s: float = 60.0) -> None:
         """Wait until every prefill and decode worker has attached to the kvstore's host
         tier (until then, evicted pages are dropped rather than spilled)."""
@@ -210,4 +335,4 @@ class LocalCluster:
         self.wait(attached, timeout_s, "the workers to attach to the host tier")
 
     def stop(self) -> None:
-        self.supervisor.stop()
+        self.processes.stop()

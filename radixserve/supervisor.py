@@ -23,6 +23,10 @@ Contracts:
   * `stop()` is idempotent: SIGTERM to each live child, a shared wait of at most
     `stop_timeout_s`, then SIGKILL to the process group of each straggler; every child
     is reaped, so none is left a zombie. A stopped supervisor restarts nothing.
+  * The set changes at run time: `add(spec)` starts one more process; `retire(name,
+    timeout_s)` sends it SIGTERM (a worker drains, then exits 0), never restarts it,
+    SIGKILLs its group if it is still running after `timeout_s`, and forgets it once it
+    has exited (its exit code stays in `retired`).
   * Signal handlers only set a flag. A Supervisor is not thread-safe and starts once.
 """
 
@@ -76,6 +80,7 @@ class _Child:
     started_at: float = 0.0  # time.monotonic() of the last spawn
     num_restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a pending restart
+    retire_by: float | None = None  # retiring: SIGKILL if still running at this time
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,6 +147,7 @@ class Supervisor:
         self._started = False
         self._stopped = False
         self._signal: int | None = None  # set by the signal handler, read by run()
+        self.retired: dict[str, int] = {}  # name -> exit code of each retired process
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -159,12 +165,71 @@ class Supervisor:
                     f"cannot start process {child.spec.name!r} ({shlex.join(child.spec.argv)}): {e}"
                 ) from e
 
+    def add(self, spec: ProcessSpec) -> None:
+        """Start one more process, named uniquely, and supervise it like the others."""
+        if spec.name in self._by_name:
+            raise ValueError(f"a process named {spec.name!r} is already supervised")
+        if not spec.argv:
+            raise ValueError("every ProcessSpec needs a non-empty argv")
+        if self._stopped:
+            raise SupervisorError("the supervisor is stopped")
+        child = _Child(spec=spec, backoff_s=self.restart_backoff_s)
+        self._children.append(child)
+        self._by_name[spec.name] = child
+        if self._started:
+            try:
+                self._spawn(child)
+            except (OSError, subprocess.SubprocessError) as e:
+                self._forget(child)
+                raise SupervisorError(f"cannot start process {spec.name!r}: {e}") from e
+
+    def retire(self, name: str, timeout_s: float) -> None:
+        """SIGTERM ``name`` and never restart it; SIGKILL after ``timeout_s``; forgotten
+        (exit code in `retired`) once it has exited."""
+        child = self._child(name)
+        if child.retire_by is not None:
+            return
+        child.retire_by = time.monotonic() + timeout_s
+        child.restart_at = None
+        if child.proc is not None and child.proc.poll() is None:
+            logger.info("retiring %s (pid %d)", name, child.proc.pid)
+            child.proc.send_signal(signal.SIGTERM)
+
+    def names(self) -> list[str]:
+        """Every supervised process, retiring ones included, in start order."""
+        return [c.spec.name for c in self._children]
+
+    def retiring(self, name: str) -> bool:
+        return self._child(name).retire_by is not None
+
+    def _forget(self, child: _Child) -> None:
+        self._children.remove(child)
+        del self._by_name[child.spec.name]
+
+    def _poll_retiring(self, child: _Child, now: float) -> None:
+        assert child.retire_by is not None
+        proc = child.proc
+        if proc is not None and proc.poll() is None:
+            if now >= child.retire_by:
+                logger.warning("%s still running past its drain; sending SIGKILL", child.spec.name)
+                self._kill_group(proc)
+                proc.wait()
+            else:
+                return
+        code = proc.returncode if proc is not None else 0
+        logger.info("%s retired (%s)", child.spec.name, _describe_exit(code))
+        self.retired[child.spec.name] = code
+        self._forget(child)
+
     def poll(self) -> None:
         """One supervision pass: reap exited children, restart those whose backoff is up."""
         if self._stopped:
             return
         now = time.monotonic()
-        for child in self._children:
+        for child in list(self._children):
+            if child.retire_by is not None:
+                self._poll_retiring(child, now)
+                continue
             if child.proc is not None and child.proc.poll() is not None:
                 self._on_exit(child, child.proc.returncode, now)
             if child.restart_at is not None and now >= child.restart_at:
@@ -180,11 +245,13 @@ class Supervisor:
         self,
         ready: Callable[[], bool] | None = None,
         on_ready: Callable[[], None] | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> int:
         """Supervise until SIGINT (returns 130) or SIGTERM (returns 0); main thread only.
 
         `on_ready()` is called once, the first time `ready()` returns True (at once when
-        `ready` is None). Returns 1 if every process is down and none will restart.
+        `ready` is None); `on_poll()` after every supervision pass (it may `add` and
+        `retire`). Returns 1 if every process is down and none will restart.
         """
         if not self._started:
             self.start()
@@ -194,6 +261,8 @@ class Supervisor:
             is_ready = False
             while self._signal is None:
                 self.poll()
+                if on_poll is not None:
+                    on_poll()
                 if not is_ready and (ready is None or ready()):
                     is_ready = True
                     logger.info("processes ready")

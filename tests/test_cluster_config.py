@@ -6,14 +6,25 @@ import json
 
 import pytest
 
-from radixserve.cluster import ClusterConfig, cluster_specs
+from radixserve.cluster import ClusterConfig, cluster_specs, join_command
 from radixserve.services.decode import DecodeSettings
 from radixserve.services.gateway import GatewaySettings
 from radixserve.services.kvstore import KVStoreSettings
 from radixserve.services.prefill import PrefillSettings
 
 
-def test_specs_wire_workers_to_each_other_and_the_gateway(monkeypatch):
+def _settings_of(env: dict[str, str], cls, monkeypatch):
+    """``cls`` built from ``env`` alone, as the service's process would build it."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        return cls()
+    finally:
+        for key in env:
+            monkeypatch.delenv(key)
+
+
+def test_with_the_kvstore_everyone_finds_the_workers_through_it(monkeypatch):
     config = ClusterConfig(num_prefill=2, num_decode=3, transport="zmq", port=8123,
                            engine_env={"RADIXSERVE_PREFIX_CACHE": "false"}, num_threads=2)  # fmt: skip
     specs = cluster_specs(config)
@@ -22,33 +33,51 @@ def test_specs_wire_workers_to_each_other_and_the_gateway(monkeypatch):
     ]  # fmt: skip
     envs = {s.name: dict(s.env) for s in specs}
     kvstore = envs["gateway"]["RADIXSERVE_GATEWAY_KVSTORE"]
-    prefill_addrs = [f"tcp://127.0.0.1:{envs[f'prefill-{i}']['RADIXSERVE_PREFILL_PORT']}"
-                     for i in range(2)]  # fmt: skip
+    ports = set()
     # each service's env parses into its own settings class, as in a real deployment
     for name, env in envs.items():
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
         assert env["RADIXSERVE_PREFIX_CACHE"] == "false" and env["RADIXSERVE_NUM_THREADS"] == "2"
         if name.startswith("prefill"):
-            s = PrefillSettings()
+            s = _settings_of(env, PrefillSettings, monkeypatch)
             assert s.name == name and s.transfer_backend == "zmq" and s.kvstore == kvstore
+            ports.add(s.port)
         elif name.startswith("decode"):
-            s = DecodeSettings()
-            assert s.name == name and s.prefill_workers == prefill_addrs
-            assert s.kvstore == kvstore
+            s = _settings_of(env, DecodeSettings, monkeypatch)
+            assert s.name == name and s.prefill_workers == [] and s.kvstore == kvstore
+            ports.add(s.port)
         elif name == "kvstore":
-            assert f"tcp://127.0.0.1:{KVStoreSettings().port}" == kvstore
+            k = _settings_of(env, KVStoreSettings, monkeypatch)
+            assert f"tcp://127.0.0.1:{k.port}" == kvstore
         else:
-            g = GatewaySettings()
-            assert g.port == 8123 and g.prefill_workers == prefill_addrs
-            assert len(g.decode_workers) == 3 and g.kvstore == kvstore
-        for key in env:
-            monkeypatch.delenv(key)
-    ports = [
-        int(a.rsplit(":", 1)[1])
-        for a in json.loads(envs["gateway"]["RADIXSERVE_GATEWAY_DECODE_WORKERS"])
-    ]
-    assert len(set(ports)) == 3
+            g = _settings_of(env, GatewaySettings, monkeypatch)
+            assert g.port == 8123 and g.kvstore == kvstore
+            assert g.prefill_workers == [] and g.decode_workers == []  # all from membership
+    assert len(ports) == 5
+
+
+def test_without_the_kvstore_the_addresses_are_static_lists(monkeypatch):
+    config = ClusterConfig(num_prefill=2, num_decode=2, kvstore=False)
+    envs = {s.name: dict(s.env) for s in cluster_specs(config)}
+    assert "kvstore" not in envs
+    prefill_addrs = [f"tcp://127.0.0.1:{envs[f'prefill-{i}']['RADIXSERVE_PREFILL_PORT']}"
+                     for i in range(2)]  # fmt: skip
+    for i in range(2):
+        s = _settings_of(envs[f"decode-{i}"], DecodeSettings, monkeypatch)
+        assert s.prefill_workers == prefill_addrs and s.kvstore is None
+    g = _settings_of(envs["gateway"], GatewaySettings, monkeypatch)
+    assert g.prefill_workers == prefill_addrs and g.kvstore is None
+    ports = [int(a.rsplit(":", 1)[1]) for a in g.decode_workers]
+    assert len(set(ports)) == 2
+    assert json.loads(envs["gateway"]["RADIXSERVE_GATEWAY_DECODE_WORKERS"]) == g.decode_workers
+
+
+def test_join_command_carries_what_a_worker_must_share():
+    config = ClusterConfig(transport="zmq", engine_env={"RADIXSERVE_PAGE_SIZE": "32"},
+                           decode_env={"RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS": "64"})  # fmt: skip
+    line = join_command(config, "tcp://127.0.0.1:5000", "decode")
+    assert line.startswith("RADIXSERVE_PAGE_SIZE=32 RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS=64 ")
+    assert line.endswith("decode --join tcp://127.0.0.1:5000 --transport zmq")
+    assert "DECODE" not in join_command(config, "tcp://127.0.0.1:5000", "prefill")
 
 
 @pytest.mark.parametrize(
@@ -57,6 +86,7 @@ def test_specs_wire_workers_to_each_other_and_the_gateway(monkeypatch):
         ({"num_decode": 0}, "at least one decode worker"),
         ({"num_prefill": -1}, "--prefill"),
         ({"transport": "tcp"}, "--transport"),
+        ({"autoscale": True, "kvstore": False}, "--autoscale needs the kvstore"),
     ],
 )
 def test_bad_cluster_shapes_are_refused(kwargs, message):

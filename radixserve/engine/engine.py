@@ -28,6 +28,7 @@ from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampler import Sampler, make_generator
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
+from radixserve.engine.step_stats import StepStats
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.checkpoint import load_checkpoint
@@ -107,6 +108,7 @@ class Engine:
         self._ids = itertools.count()
         self.leases = LeaseTable(self.allocator)
         self._host_loads: dict[str, HostLoad] = {}
+        self.step_stats = StepStats()
         logger.info(
             "engine ready: %s on %s/%s, %d KV pages of %d tokens (%.2f GiB), prefix cache %s",
             self.config.name, self.device, self.dtype, num_pages, self.page_size,
@@ -185,6 +187,7 @@ class Engine:
         req = self._new_request(prompt, params, request_id)
         req.num_host_cached_tokens = host_cached_tokens
         self.scheduler.add(req)
+        self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
         return req.request_id
 
     # -- disaggregation: the prefill side ----------------------------------------------
@@ -322,19 +325,23 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        start = time.perf_counter()
         logits, sampling = self.runner.run(batch)
         self.scheduler.after_step(batch)
-        if not sampling:
-            return []
-        tokens = self.sampler(
-            logits,
-            [r.params for r in sampling],
-            [r.generator for r in sampling],
-            [len(r.output_ids) for r in sampling],
-            self.config.eos_token_ids,
-        ).tolist()
+        tokens: list[int] = []
+        if sampling:
+            tokens = self.sampler(
+                logits,
+                [r.params for r in sampling],
+                [r.generator for r in sampling],
+                [len(r.output_ids) for r in sampling],
+                self.config.eos_token_ids,
+            ).tolist()
         now = time.perf_counter()
-        return [self._append(req, tok, now) for req, tok in zip(sampling, tokens)]
+        self.step_stats.record(batch.num_new_tokens, now - start)
+        outputs = [self._append(req, tok, now) for req, tok in zip(sampling, tokens)]
+        self.step_stats.queued_prompt_tokens = self.scheduler.pending_prompt_tokens()
+        return outputs
 
     def _append(self, req: Request, token: int, now: float) -> RequestOutput:
         req.output_ids.append(token)
@@ -404,6 +411,10 @@ class Engine:
             ttft_ms=(req.first_token_time - req.arrival_time) * 1000.0,
             e2e_ms=(req.finish_time - req.arrival_time) * 1000.0,
         )
+
+    def step_counters(self) -> dict[str, int | float]:
+        """`StepStats` as a flat map (safe to read from another thread)."""
+        return self.step_stats.as_dict()
 
     def cache_stats(self) -> dict[str, int]:
         """Pool pages: used, free, and (with the cache) cached, locked and evictable."""

@@ -53,6 +53,12 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens of waiting and running requests not computed yet."""
+        return sum(
+            max(0, len(r.prompt_ids) - r.num_computed) for r in (*self.waiting, *self.running)
+        )
+
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         chosen: dict[str, tuple[Request, int]] = {}

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
     from radixserve.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (2, 0)
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_PAGE_ID = 2**31 - 1
@@ -67,11 +67,11 @@ MAX_LOAD_STATS = 256
 MAX_BLOB_BYTES = 1 << 20
 
 Role = Literal["gateway", "prefill", "decode", "kvstore"]
-ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost"]
+ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"]
 FinishReason = Literal["stop", "length", "abort"]
 ROLES: frozenset[str] = frozenset({"gateway", "prefill", "decode", "kvstore"})
 ERROR_TYPES: frozenset[str] = frozenset(
-    {"invalid_request", "capacity", "internal", "timeout", "peer_lost"}
+    {"invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"}
 )
 FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
@@ -165,13 +165,32 @@ class HelloAck(Message):
 
 
 @dataclass(frozen=True)
+class WorkerLoad(WireStruct):
+    """The load a service reports in every heartbeat, read by routers and the autoscaler.
+
+    ``queued_tokens``: prompt tokens accepted but not computed yet (a prefill worker's
+    whole prompts until their first token; a decode worker's local prefills);
+    ``running`` / ``waiting``: requests in the engine's running batch / admission queue;
+    ``draining``: the service takes no new requests and leaves once its work is done.
+    """
+
+    queued_tokens: int = field(default=0, metadata=_spec(COUNT))
+    running: int = field(default=0, metadata=_spec(COUNT))
+    waiting: int = field(default=0, metadata=_spec(COUNT))
+    draining: bool = field(default=False, metadata=_spec(BoolSpec()))
+
+
+@dataclass(frozen=True)
 class Heartbeat(Message):
-    """Periodic liveness and load, e.g. ``{"queued_tokens": 10, "pages_free": 100}``."""
+    """Periodic liveness, typed load (`WorkerLoad`) and counters for metrics (``stats``,
+    e.g. ``{"pages_free": 100, "kv_transfer_bytes_total": 4096}``; read by nothing but
+    metrics and /debug/cache)."""
 
     TYPE_TAG: ClassVar[str] = "heartbeat"
     sender: str = field(metadata=_spec(PEER_NAME))
     generation: int = field(default=0, metadata=_spec(COUNT))
-    load: Mapping[str, int | float] = field(
+    load: WorkerLoad = field(default_factory=WorkerLoad, metadata=_spec(NestedSpec(WorkerLoad)))
+    stats: Mapping[str, int | float] = field(
         default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
     )
 
@@ -391,6 +410,63 @@ class IndexReply(Message):
     host_pages: int = field(default=0, metadata=_spec(COUNT))
 
 
+# --- membership: which services make up the cluster ----------------------------------
+
+MAX_MEMBERS = 4096
+
+
+@dataclass(frozen=True)
+class MemberInfo(WireStruct):
+    """One service of the cluster as the kvstore's registry knows it: reachable at
+    ``address`` (its control socket, as others must dial it)."""
+
+    name: str = field(metadata=_spec(PEER_NAME))
+    role: Role = field(metadata=_spec(ROLE))
+    address: str = field(metadata=_spec(StrSpec(MAX_NAME_CHARS * 2, min_chars=1)))
+    generation: int = field(default=0, metadata=_spec(COUNT))
+    draining: bool = field(default=False, metadata=_spec(BoolSpec()))
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """Service -> kvstore: ``member`` is in the cluster (sent on connecting and whenever
+    its state changes, e.g. when it starts draining)."""
+
+    TYPE_TAG: ClassVar[str] = "register"
+    member: MemberInfo = field(metadata=_spec(NestedSpec(MemberInfo)))
+
+
+@dataclass(frozen=True)
+class Deregister(Message):
+    """Service -> kvstore: it leaves the cluster now (its drain is done)."""
+
+    TYPE_TAG: ClassVar[str] = "deregister"
+    name: str = field(metadata=_spec(PEER_NAME))
+    generation: int = field(default=0, metadata=_spec(COUNT))
+
+
+@dataclass(frozen=True)
+class WatchMembers(Message):
+    """Anyone -> kvstore: send me the members of these ``roles`` now and on every change."""
+
+    TYPE_TAG: ClassVar[str] = "watch_members"
+    roles: tuple[str, ...] = field(default=(), metadata=_spec(ListSpec(ROLE, 8)))
+
+
+@dataclass(frozen=True)
+class MemberList(Message):
+    """Kvstore -> watcher: every registered member of the watched roles. ``epoch`` is the
+    kvstore's generation (a new one starts with an empty registry that fills as services
+    register again); ``version`` grows with every change within an epoch."""
+
+    TYPE_TAG: ClassVar[str] = "member_list"
+    epoch: int = field(metadata=_spec(COUNT))
+    version: int = field(metadata=_spec(COUNT))
+    members: tuple[MemberInfo, ...] = field(
+        default=(), metadata=_spec(ListSpec(NestedSpec(MemberInfo), MAX_MEMBERS))
+    )
+
+
 # --- the kvstore's host-memory tier ---------------------------------------------------
 
 PAGE_IDS = ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE)
@@ -498,6 +574,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     HostLookup,
     HostLease,
     HostRelease,
+    Register,
+    Deregister,
+    WatchMembers,
+    MemberList,
 )
 
 

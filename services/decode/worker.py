@@ -17,7 +17,15 @@ into its cache (`Worker.load_from_host`). Then:
 If the prefill worker fails, dies, times out (``prefill_timeout_s``) or the transfer
 fails, the reserved pages are returned uncached (never decoded from) and, with
 ``on_transfer_failure="recompute"``, the request is prefilled locally; with ``"fail"``
-the gateway gets `RequestFailed`. Outputs stream to the gateway as `TokenChunk`s.
+the gateway gets `RequestFailed`. A prefill worker that refuses because it is draining
+is no failure: the next one is tried, else the prompt is prefilled here. Outputs stream
+to the gateway as `TokenChunk`s.
+
+Prefill workers come from ``prefill_workers`` (static) and from the cluster's
+membership (`services.runtime.membership`); the pick is `PrefillRouter`'s (the same cost
+the gateway uses, by load alone here, since the gateway already weighed the cache).
+While draining (SIGTERM) this worker refuses new `GenerateRequest`s ("draining": the
+gateway sends them elsewhere) and leaves once its running requests have finished.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ from radixserve.protocol import (
 )
 from radixserve.protocol.messages import ErrorType
 from radixserve.services.runtime.links import Link, LinkSet
+from radixserve.services.runtime.membership import MemberView
+from radixserve.services.runtime.prefill_router import PrefillRouter
 from radixserve.services.runtime.service import Peer
 from radixserve.services.runtime.worker import Worker, WorkerSettings
 from radixserve.transfer import TransferError
@@ -99,17 +109,18 @@ class _Pending:
 
 class DecodeWorker(Worker):
     role = "decode"
+    refused_while_draining = (GenerateRequest,)
     settings: DecodeSettings
 
     def __init__(self, settings: DecodeSettings, engine) -> None:  # type: ignore[no-untyped-def]
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
+        self.view: MemberView | None = None
+        self.router = PrefillRouter(self.page_size)
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
-        self._assigned: dict[str, int] = {}  # prefill worker -> prompt tokens sent, unanswered
 
     async def start(self) -> None:
-        await super().start()
         s = self.settings
         assert self.context is not None
         self.prefills = LinkSet(
@@ -123,12 +134,17 @@ class DecodeWorker(Worker):
             on_message=self._from_prefill,
             on_down=self._prefill_down,
         )
+        self.view = MemberView({"prefill": self.prefills})
+        await super().start()  # the kvstore link: membership starts arriving
         self.prefills.start()
 
     async def stop(self) -> None:
         if self.prefills is not None:
             await self.prefills.close()
         await super().stop()
+
+    def member_view(self) -> MemberView | None:
+        return self.view
 
     # -- from the gateway ------------------------------------------------------------
 
@@ -146,9 +162,12 @@ class DecodeWorker(Worker):
             if identity == peer.identity:
                 self.cancel(request_id)
 
-    def load(self) -> dict[str, int | float]:
-        stats = super().load()
-        stats["prefills_up"] = len(self.prefills.up()) if self.prefills else 0
+    def queued_tokens(self) -> int:
+        return self.engine.engine.step_stats.queued_prompt_tokens
+
+    def stats(self) -> dict[str, int | float]:
+        stats = super().stats()
+        stats["prefills_up"] = len(self.prefills.ready()) if self.prefills else 0
         stats["awaiting_kv"] = len(self._pending)
         return stats
 
@@ -173,13 +192,20 @@ class DecodeWorker(Worker):
     ) -> asyncio.Queue:
         """Start the request (locally or through a prefill worker); its output queue."""
         host = await self.load_from_host(rid, ids)
-        link = self._pick_prefill(preferred)
-        if link is not None:
+        tried: set[str] = set()
+        while (link := self._pick_prefill(preferred, frozenset(tried))) is not None:
             cached, _ = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
-            if len(ids) - cached > self.settings.local_prefill_max_tokens:
-                reserved, _ = await self.engine.call(lambda e: e.reserve_remote(ids, params, rid))
-                if reserved is not None:
-                    return await self._remote(link, rid, ids, params, reserved[1], reserved[2])
+            if len(ids) - cached <= self.settings.local_prefill_max_tokens:
+                break
+            reserved, _ = await self.engine.call(lambda e: e.reserve_remote(ids, params, rid))
+            if reserved is None:
+                break
+            try:
+                return await self._remote(link, rid, ids, params, reserved[1], reserved[2])
+            except PrefillFailed as exc:
+                if exc.kind != "draining":
+                    raise
+                tried.add(link.name)  # it began draining after it was picked: next one
         return await self._local(rid, ids, params, host)
 
     async def _local(
@@ -192,22 +218,10 @@ class DecodeWorker(Worker):
 
     # -- remote prefill --------------------------------------------------------------
 
-    def _pick_prefill(self, preferred: str) -> Link | None:
+    def _pick_prefill(self, preferred: str, exclude: frozenset[str]) -> Link | None:
         if self.prefills is None:
             return None
-        up = self.prefills.up()
-        if not up:
-            return None
-        chosen = self.prefills.by_name(preferred) if preferred else None
-        if chosen is None:
-            chosen = min(
-                up,
-                key=lambda link: (
-                    float(link.load.get("queued_tokens", 0)) + self._assigned.get(link.name, 0),
-                    link.name,
-                ),
-            )
-        return chosen
+        return self.router.pick(self.prefills.links, preferred=preferred, exclude=exclude)
 
     async def _remote(
         self,
@@ -221,8 +235,8 @@ class DecodeWorker(Worker):
         """Prefill on ``link``, pull the pages, activate; on failure recompute or raise."""
         pending = _Pending(link, asyncio.get_running_loop().create_future())
         self._pending[rid] = pending
-        self._assigned[link.name] = self._assigned.get(link.name, 0) + len(ids)
-        consumed = False
+        self.router.assign(link.name, len(ids))
+        answered = consumed = False
         try:
             await link.send(
                 PrefillRequest(
@@ -236,7 +250,8 @@ class DecodeWorker(Worker):
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
-            self._unassign(link, ids)
+            self.router.answered(link.name, len(ids))
+            answered = True
             await self._pull(link, kv, dst)
             consumed = True
             await self._tell(link, TransferDone(rid))
@@ -245,6 +260,8 @@ class DecodeWorker(Worker):
             raise
         except (PrefillFailed, TransferError, TimeoutError) as exc:
             await self._give_back(link, rid, consumed)
+            if isinstance(exc, PrefillFailed) and exc.kind == "draining":
+                raise  # not a failure: `_begin` tries the next prefill worker
             self.counters["remote_prefill_failures_total"] += 1
             if isinstance(exc, PrefillFailed) and exc.kind == "invalid_request":
                 raise
@@ -256,8 +273,8 @@ class DecodeWorker(Worker):
             return await self._local(rid, ids, params)
         finally:
             self._pending.pop(rid, None)
-            if not pending.ready.done():
-                self._unassign(link, ids)
+            if not answered:
+                self.router.answered(link.name, len(ids))
         self.counters["remote_prefills_total"] += 1
         first = kv.first_token_id
         _, out = await self.engine.call(
@@ -299,13 +316,6 @@ class DecodeWorker(Worker):
         with contextlib.suppress(TimeoutError):
             await link.send(msg, timeout_ms=0)
 
-    def _unassign(self, link: Link, ids: list[int]) -> None:
-        left = self._assigned.get(link.name, 0) - len(ids)
-        if left > 0:
-            self._assigned[link.name] = left
-        else:
-            self._assigned.pop(link.name, None)
-
     def _from_prefill(self, link: Link, msg: Message) -> None:
         rid = getattr(msg, "request_id", None)
         pending = self._pending.get(rid) if isinstance(rid, str) else None
@@ -328,4 +338,6 @@ class DecodeWorker(Worker):
         for pending in self._pending.values():
             if pending.link is link and not pending.ready.done():
                 pending.ready.set_exception(PrefillFailed("peer_lost", f"{link.label} {why}"))
-        self._assigned.pop(link.name, None)
+        self.router.forget(link.name)
+        if self.view is not None:
+            self.view.link_down("prefill", link)

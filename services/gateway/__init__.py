@@ -27,9 +27,10 @@ __all__ = [
 
 
 def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> EngineClient:
-    """A `ClusterClient` over ``settings.decode_workers`` if any (only the tokenizer is
-    loaded here), else an in-process engine built from ``engine_settings``."""
-    if settings.decode_workers:
+    """A `ClusterClient` over ``settings.decode_workers`` and the members of the cluster
+    of ``settings.kvstore``, if either is set (only the tokenizer is loaded here), else an
+    in-process engine built from ``engine_settings``."""
+    if settings.decode_workers or settings.kvstore:
         from radixserve.model.checkpoint import load_checkpoint
         from radixserve.services.gateway.cluster_client import ClusterClient
 

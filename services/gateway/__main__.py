@@ -21,11 +21,12 @@ def main() -> int:
     from_env: dict[str, object] = {}  # every field from RADIXSERVE_* / defaults
     gateway_settings = GatewaySettings(**from_env)  # type: ignore[arg-type]
     client = build_client(gateway_settings, EngineSettings(**from_env))  # type: ignore[arg-type]
-    mode = (
-        f"{len(gateway_settings.decode_workers)} decode worker(s)"
-        if gateway_settings.decode_workers
-        else "an in-process engine"
-    )
+    if gateway_settings.kvstore:
+        mode = f"the workers of the cluster at {gateway_settings.kvstore}"
+    elif gateway_settings.decode_workers:
+        mode = f"{len(gateway_settings.decode_workers)} decode worker(s)"
+    else:
+        mode = "an in-process engine"
     print(
         f"radixserve gateway on http://{gateway_settings.host}:{gateway_settings.port}/v1 "
         f"serving {client.model_name} through {mode}",

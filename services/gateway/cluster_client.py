@@ -1,13 +1,20 @@
 """The gateway's `EngineClient` for a disaggregated cluster: decode workers over ZMQ.
 
 The gateway tokenises, picks a decode worker (`DecodeRouter`: longest cached prefix,
-then load) and a prefill worker (`prefill_cost`: pages it would compute given the
+then load) and a prefill worker (`PrefillRouter`: pages it would compute given the
 kvstore index, plus its queued prompt tokens), and sends the decode
 worker a `GenerateRequest` naming that prefill worker. The decode worker streams
 `TokenChunk`s back; they become `RequestOutput`s.
 
+Workers are the static ``decode_workers`` / ``prefill_workers`` plus whatever the
+kvstore's membership lists (`services.runtime.membership`): a worker that joins is
+routed to once its link is up, one that drains gets nothing new at once, one that
+leaves or dies is dropped.
+
 Failure contract:
 - no decode worker up → `UnavailableError` (HTTP 503) at once;
+- the worker refuses because it is draining → the request goes to another one (before
+  any token has streamed, so nothing is lost or repeated);
 - the worker answers `RequestFailed` → `InvalidRequestError` / `CapacityError` (HTTP
   400) for the request's own faults, `UnavailableError` otherwise;
 - the worker goes down (silent for ``peer_timeout_s``, or restarted) → every stream on
@@ -20,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,15 +48,18 @@ from radixserve.protocol import (
     GenerateRequest,
     IndexQuery,
     IndexReply,
+    MemberList,
     Message,
     RequestFailed,
     SamplingSpec,
     TokenChunk,
 )
 from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.router import DecodeRouter, prefill_cost
+from radixserve.services.gateway.router import DecodeRouter
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.runtime.links import Link, LinkSet
+from radixserve.services.runtime.membership import MemberView
+from radixserve.services.runtime.prefill_router import PrefillRouter, PrefillWeights
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +74,16 @@ class _Stream:
     output_ids: list[int] = field(default_factory=list)
 
 
+class _Draining(UnavailableError):
+    """The decode worker refused the request because it is draining: retry elsewhere."""
+
+
+_MAX_DRAINING_RETRIES = 8
+
+
 def _failure(msg: RequestFailed) -> Exception:
+    if msg.error_type == "draining":
+        return _Draining(msg.message)
     if msg.error_type == "invalid_request":
         return InvalidRequestError(msg.message)
     if msg.error_type == "capacity":
@@ -82,8 +102,10 @@ class ClusterClient(EngineClient):
         max_model_len: int,
         page_size: int = 16,
     ) -> None:
-        if not settings.decode_workers:
-            raise ValueError("a cluster client needs at least one decode worker address")
+        if not settings.decode_workers and not settings.kvstore:
+            raise ValueError(
+                "a cluster client needs decode worker addresses or a kvstore to find them"
+            )
         self.settings = settings
         self._tokenizer = tokenizer
         self._model_name = model_name
@@ -93,12 +115,21 @@ class ClusterClient(EngineClient):
         self.router = DecodeRouter(
             page_size, hash_namespace(model_name), settings.decode_load_weight, _MAX_VIEW_PAGES
         )
+        self.prefill_router = PrefillRouter(
+            page_size,
+            PrefillWeights(
+                settings.prefill_cache_weight,
+                settings.prefill_load_weight,
+                settings.prefill_host_hit_weight,
+                settings.prefill_busy_tokens,
+            ),
+        )
         self._streams: dict[str, _Stream] = {}
-        self._prefill_assigned: dict[str, int] = {}
         self._context: zmq.asyncio.Context | None = None
         self.decodes: LinkSet | None = None
         self.prefills: LinkSet | None = None
         self.kvstore: LinkSet | None = None
+        self.view: MemberView | None = None
         self._queries: dict[str, asyncio.Future] = {}  # kvstore query id -> its reply
         self.index_misses = 0  # prefill routings made without the index (kvstore slow/down)
         self._background: set[asyncio.Task] = set()
@@ -124,10 +155,21 @@ class ClusterClient(EngineClient):
             **common,
         )
         self.prefills = LinkSet(
-            self._context, list(s.prefill_workers), on_message=self._unexpected, **common
+            self._context,
+            list(s.prefill_workers),
+            on_message=self._unexpected,
+            on_down=self._prefill_down,
+            **common,
         )
+        self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
         kvstore = [s.kvstore] if s.kvstore else []
-        self.kvstore = LinkSet(self._context, kvstore, on_message=self._from_kvstore, **common)
+        self.kvstore = LinkSet(
+            self._context,
+            kvstore,
+            on_message=self._from_kvstore,
+            on_up=self._kvstore_up,
+            **common,
+        )
         for links in self._link_sets():
             links.start()
 
@@ -147,7 +189,7 @@ class ClusterClient(EngineClient):
         return [ls for ls in (self.decodes, self.prefills, self.kvstore) if ls is not None]
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        up = self.decodes.up() if self.decodes else []
+        up = self.decodes.ready() if self.decodes else []
         workers = {link.label: link.up for ls in self._link_sets() for link in ls.links}
         return bool(up), {"workers": workers}
 
@@ -168,17 +210,37 @@ class ClusterClient(EngineClient):
     async def generate(  # type: ignore[override]
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        link = self._pick_decode(prompt_ids)
-        prefill = await self._pick_prefill(prompt_ids)
+        tried: set[str] = set()
+        for attempt in range(_MAX_DRAINING_RETRIES + 1):
+            streamed = False
+            outputs = self._generate_on(prompt_ids, params, request_id, tried)
+            try:
+                async with contextlib.aclosing(outputs):  # closing us aborts the request now
+                    async for output in outputs:
+                        streamed = True
+                        yield output
+                return
+            except _Draining:
+                if streamed or attempt == _MAX_DRAINING_RETRIES:
+                    raise
+                logger.info("%s: decode worker is draining; routing elsewhere", request_id)
+
+    async def _generate_on(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tried: set[str]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Serve the request on the best decode worker not in ``tried`` (added to it)."""
+        link = self._pick_decode(prompt_ids, tried)
+        tried.add(link.name)
+        # counted before any await, so requests arriving together see each other's load
+        self.router.started(link.name, prompt_ids)
         stream = _Stream(link, asyncio.Queue(), list(prompt_ids))
         self._streams[request_id] = stream
-        self.router.started(link.name, prompt_ids)
-        if prefill:
-            self._prefill_assigned[prefill] = self._prefill_assigned.get(prefill, 0) + len(
-                prompt_ids
-            )
+        prefill = ""
         done = False
         try:
+            prefill = await self._pick_prefill(prompt_ids)
+            if prefill:
+                self.prefill_router.assign(prefill, len(prompt_ids))
             try:
                 await link.send(
                     GenerateRequest(
@@ -199,7 +261,7 @@ class ClusterClient(EngineClient):
                     done = True
                     raise item
                 if prefill:
-                    self._unassign_prefill(prefill, len(prompt_ids))
+                    self.prefill_router.answered(prefill, len(prompt_ids))
                     prefill = ""
                 stream.output_ids.extend(item.token_ids)
                 output = item.to_output()
@@ -211,7 +273,7 @@ class ClusterClient(EngineClient):
         finally:
             self._streams.pop(request_id, None)
             if prefill:
-                self._unassign_prefill(prefill, len(prompt_ids))
+                self.prefill_router.answered(prefill, len(prompt_ids))
             finished_ok = done and bool(stream.output_ids)
             self.router.finished(
                 link.name, stream.prompt_ids + stream.output_ids if finished_ok else None
@@ -226,8 +288,8 @@ class ClusterClient(EngineClient):
         for link in self.decodes.up() + self.prefills.up():
             for key in ("pages_total", "pages_used", "pages_free", "pages_locked",
                         "pages_evictable", "live_requests"):  # fmt: skip
-                if key in link.load:
-                    totals[key] = totals.get(key, 0) + int(link.load[key])
+                if key in link.stats:
+                    totals[key] = totals.get(key, 0) + int(link.stats[key])
         return totals
 
     def worker_stats(self) -> dict[str, dict[str, Any]]:
@@ -244,52 +306,39 @@ class ClusterClient(EngineClient):
                     "address": link.address,
                     "up": link.up,
                     "generation": link.generation,
+                    "discovered": link.discovered,
                 }
                 if link.up:
-                    entry.update(link.load)
+                    entry.update(link.stats)
+                    entry.update(dataclasses.asdict(link.load))
                 if links is self.decodes:
                     entry["gateway_in_flight"] = self.router.in_flight.get(link.name, 0)
                     entry["routing_view_pages"] = self.router.known_pages(link.name)
+                if links is self.prefills:
+                    entry["gateway_assigned_tokens"] = self.prefill_router.assigned(link.name)
                 workers[link.label] = entry
         return workers
 
     # -- routing ---------------------------------------------------------------------
 
-    def _pick_decode(self, prompt_ids: list[int]) -> Link:
-        up = self.decodes.up() if self.decodes else []
-        if not up:
+    def _pick_decode(self, prompt_ids: list[int], exclude: set[str]) -> Link:
+        ready = [link for link in self.decodes.ready()] if self.decodes else []
+        ready = [link for link in ready if link.name not in exclude]
+        if not ready:
             raise UnavailableError("no decode worker is up; try again shortly")
-        name = self.router.pick([link.name for link in up], prompt_ids)
-        return next(link for link in up if link.name == name)
+        name = self.router.pick([link.name for link in ready], prompt_ids)
+        return next(link for link in ready if link.name == name)
 
     async def _pick_prefill(self, prompt_ids: list[int]) -> str:
-        """The prefill worker of least cost (see `services.gateway.router.prefill_cost`),
-        its cache hits from the kvstore index; "" if none is up."""
-        up = self.prefills.up() if self.prefills else []
-        if not up:
+        """The prefill worker of least cost (`PrefillRouter`), its cache hits from the
+        kvstore index; "" if none is ready."""
+        ready = self.prefills.ready() if self.prefills else []
+        if not ready:
             return ""
         hashes = self.router.hashes(prompt_ids)
-        cached, host = await self._index_lookup(hashes) if len(up) > 1 else ({}, 0)
-        s = self.settings
-        page_size = self.router.page_size
-
-        def queued(link: Link) -> float:
-            return float(link.load.get("queued_tokens", 0)) + self._prefill_assigned.get(
-                link.name, 0
-            )
-
-        candidates = [link for link in up if queued(link) <= s.prefill_busy_tokens] or up
-        best = min(
-            candidates,
-            key=lambda link: (
-                prefill_cost(len(hashes), cached.get(link.name, 0), queued(link) / page_size,
-                             s.prefill_cache_weight, s.prefill_load_weight, host,
-                             s.prefill_host_hit_weight),
-                queued(link),
-                link.name,
-            ),
-        )  # fmt: skip
-        return best.name
+        cached, host = await self._index_lookup(hashes) if len(ready) > 1 else ({}, 0)
+        best = self.prefill_router.pick(ready, len(hashes), cached, host)
+        return best.name if best is not None else ""
 
     async def _index_lookup(self, hashes: list[int]) -> tuple[dict[str, int], int]:
         """Leading pages of ``hashes`` each worker holds on device and the host tier holds,
@@ -312,20 +361,20 @@ class ClusterClient(EngineClient):
             self._queries.pop(query_id, None)
         return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
 
+    def _kvstore_up(self, link: Link) -> None:
+        if self.view is not None:
+            self._spawn(self._send_quietly(link, self.view.watch()))
+
     def _from_kvstore(self, link: Link, msg: Message) -> None:
-        if isinstance(msg, IndexReply):
+        if isinstance(msg, MemberList):
+            if self.view is not None:
+                self.view.apply(msg)
+        elif isinstance(msg, IndexReply):
             reply = self._queries.get(msg.query_id)
             if reply is not None and not reply.done():
                 reply.set_result(msg)
         else:
             self._unexpected(link, msg)
-
-    def _unassign_prefill(self, name: str, tokens: int) -> None:
-        left = self._prefill_assigned.get(name, 0) - tokens
-        if left > 0:
-            self._prefill_assigned[name] = left
-        else:
-            self._prefill_assigned.pop(name, None)
 
     # -- from the workers ------------------------------------------------------------
 
@@ -358,13 +407,24 @@ class ClusterClient(EngineClient):
         for stream in self._streams.values():
             if stream.link is link:
                 stream.out.put_nowait(UnavailableError(f"decode worker {link.label} {why}"))
+        if self.view is not None:
+            self.view.link_down("decode", link)
+
+    def _prefill_down(self, link: Link, why: str) -> None:
+        self.prefill_router.forget(link.name)
+        if self.view is not None:
+            self.view.link_down("prefill", link)
 
     def _unexpected(self, link: Link, msg: Message) -> None:
         logger.warning("unexpected %s from %s", msg.TYPE_TAG, link.label)
 
     async def _abort(self, link: Link, request_id: str) -> None:
-        with contextlib.suppress(TimeoutError):  # the worker is gone: nothing to abort
-            await link.send(Abort(request_id, "client gone"), timeout_ms=500)
+        await self._send_quietly(link, Abort(request_id, "client gone"), timeout_ms=500)
+
+    @staticmethod
+    async def _send_quietly(link: Link, msg: Message, timeout_ms: int = 0) -> None:
+        with contextlib.suppress(TimeoutError):  # the peer is gone: nothing to tell
+            await link.send(msg, timeout_ms=timeout_ms)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

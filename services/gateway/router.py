@@ -1,4 +1,4 @@
-"""Where a request goes: decode by longest cached prefix then load; prefill by cost.
+"""Where a request goes: decode by longest cached prefix, then load.
 
 **Decode.**
 The gateway cannot see the workers' radix trees, so it keeps its own approximate view:
@@ -16,23 +16,8 @@ to hold; ``in_flight`` is the number of this gateway's requests running on w. Wi
 default weight a conversation stays on its worker until that worker carries
 ``matched_pages / load_weight`` more requests than another.
 
-**Prefill** (`prefill_cost`): the kvstore's index says how many leading pages of the
-prompt each prefill worker holds on device, and how many the host tier holds (any worker
-can load those). For a prompt of P full pages, device hit d(w) and host hit h::
-
-    host_only(w) = max(0, h - d(w))                  pages w would load, not compute
-    cost(w) = cache_weight * (P - d(w) - host_only(w) + host_weight * host_only(w))
-            + load_weight * queued_tokens(w) / page_size
-
-``host_weight`` (``prefill_host_hit_weight``) is what loading a page from the host tier
-costs relative to computing it.
-
-Workers with more than ``prefill_busy_tokens`` queued are skipped while any other is
-under it; ties go to the less loaded, then the name. So shared-prefix requests gather
-where the prefix is cached until the queue there costs more than recomputing the prefix
-elsewhere. ``queued_tokens`` is the worker's heartbeat figure plus what this gateway sent
-it since. Without the index (kvstore down or slower than ``kvstore_query_timeout_s``)
-every hit counts as 0 and routing goes by load alone.
+**Prefill** routing is `radixserve.services.runtime.prefill_router.PrefillRouter`, shared
+with the decode workers.
 """
 
 from __future__ import annotations
@@ -122,20 +107,3 @@ class DecodeRouter:
         if view is None:
             view = self._views[worker] = PrefixView(self._max_pages)
         return view
-
-
-def prefill_cost(
-    num_pages: int,
-    hit_pages: int,
-    queued_pages: float,
-    cache_weight: float,
-    load_weight: float,
-    host_pages: int = 0,
-    host_weight: float = 1.0,
-) -> float:
-    """Cost of prefilling a ``num_pages``-page prompt on a worker holding ``hit_pages``
-    of it on device, ``host_pages`` of it in the host tier, with ``queued_pages`` of
-    prompts queued (see the module notes)."""
-    host_only = max(0, host_pages - hit_pages)
-    to_compute = num_pages - hit_pages - host_only + host_weight * host_only
-    return cache_weight * to_compute + load_weight * queued_pages

@@ -42,21 +42,23 @@ class GatewaySettings(BaseSettings):
     decode_workers: list[str] = Field(
         default_factory=list,
         max_length=1024,
-        description="Control addresses (tcp://host:port) of the decode workers to serve "
-        "through; empty = run an engine inside the gateway. From the environment as a JSON "
-        "list.",
+        description="Control addresses (tcp://host:port) of decode workers to serve "
+        "through, besides those the kvstore's membership lists; with neither this nor "
+        "kvstore, an engine runs inside the gateway. From the environment as a JSON list.",
     )
     prefill_workers: list[str] = Field(
         default_factory=list,
         max_length=1024,
-        description="Control addresses of the prefill workers (for load-based prefill "
-        "routing and /metrics, /debug/cache). From the environment as a JSON list.",
+        description="Control addresses of prefill workers, besides those the kvstore's "
+        "membership lists (for prefill routing and /metrics, /debug/cache). From the "
+        "environment as a JSON list.",
     )
     kvstore: str | None = Field(
         None,
         min_length=1,
         max_length=255,
-        description="Control address of the kvstore, for /metrics and /debug/cache.",
+        description="Control address of the cluster's kvstore: where the gateway finds the "
+        "workers (membership) and the cache index for prefill routing.",
     )
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
     peer_timeout_s: float = Field(

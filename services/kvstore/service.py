@@ -10,17 +10,25 @@ so nothing is routed to a cache that no longer exists. `IndexQuery` (from the ga
 anyone) gets an `IndexReply`: per worker, how many leading pages of the query it holds
 on device, and how many the host tier holds.
 
+**Membership** (`MemberRegistry`): the kvstore is also where services find each other.
+Workers `Register` (name, role, the address to dial, draining or not) and `Deregister`;
+a worker whose connection goes silent is dropped. Routers send `WatchMembers` and get a
+`MemberList` of the roles they watch at once, after every change, and every
+``member_refresh_s`` (see `services.runtime.membership`).
+
 **Host tier** (`HostPool`, ``host_capacity_gib`` > 0): workers attach (`HostAttach`),
 spill the pages they evict into it (`SpillOffer`) and load prefixes they miss on device
 from it (`HostLookup` ... `HostRelease`); see `services.kvstore.host_pool`.
 
-When the kvstore is down serving goes on: without the index routing goes by load, and
-without the host tier an evicted prefix is recomputed. After a restart the index
-rebuilds as workers reconnect and resync; the host tier starts empty.
+When the kvstore is down serving goes on: without the index routing goes by load,
+without the host tier an evicted prefix is recomputed, and without the registry every
+router keeps the members it knew. After a restart the index rebuilds as workers
+reconnect and resync, the registry as they register again; the host tier starts empty.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Literal
 
@@ -29,6 +37,7 @@ from pydantic_settings import SettingsConfigDict
 
 from radixserve.cache.global_index import GlobalIndex
 from radixserve.protocol import (
+    Deregister,
     HostAttach,
     HostLookup,
     HostRelease,
@@ -37,10 +46,13 @@ from radixserve.protocol import (
     KVEvent,
     KVResync,
     Message,
+    Register,
     SpillDone,
     SpillOffer,
+    WatchMembers,
 )
 from radixserve.services.kvstore.host_pool import HostPool
+from radixserve.services.kvstore.registry import MemberRegistry
 from radixserve.services.runtime.service import Peer, Service, ServiceSettings
 
 logger = logging.getLogger(__name__)
@@ -78,6 +90,9 @@ class KVStoreSettings(ServiceSettings):
         description="Longest read of a worker's spilled pages (a worker reuses the buffer "
         "pages of a kvstore it lost after 120 s).",
     )
+    member_refresh_s: float = Field(
+        2.0, gt=0, le=600, description="Period of the member list sent to every watcher."
+    )
 
 
 class KVStoreService(Service):
@@ -87,7 +102,9 @@ class KVStoreService(Service):
     def __init__(self, settings: KVStoreSettings) -> None:
         super().__init__(settings)
         self.index = GlobalIndex()
+        self.registry = MemberRegistry(self.generation)
         self.host: HostPool | None = None
+        self._refresher: asyncio.Task | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -99,8 +116,12 @@ class KVStoreService(Service):
             s.host_transfer_timeout_s,
             s.nixl_progress_thread,
         )
+        self._refresher = asyncio.create_task(self._refresh_members())
 
     async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
         if self.host is not None:
             await self.host.stop()
 
@@ -127,6 +148,19 @@ class KVStoreService(Service):
         elif isinstance(msg, HostAttach) and self.host is not None:
             ack = self.host.attach(msg.worker, msg.generation, msg.metadata, peer.identity)
             self._send_later(peer, ack)
+        elif isinstance(msg, Register):
+            if self.registry.register(msg.member, peer.identity):
+                logger.info("%s: member %s (%s) at %s%s", self.name, msg.member.name,
+                            msg.member.role, msg.member.address,
+                            " is draining" if msg.member.draining else "")  # fmt: skip
+                self._tell_watchers()
+        elif isinstance(msg, Deregister):
+            if self.registry.deregister(msg.name, msg.generation):
+                logger.info("%s: member %s left", self.name, msg.name)
+                self._tell_watchers()
+        elif isinstance(msg, WatchMembers):
+            self.registry.watch(peer.identity, msg.roles)
+            self._send_later(peer, self.registry.listing(msg.roles))
         elif isinstance(msg, SpillOffer) and self.host is not None:
             self.spawn_notice(self._spill(peer, msg))
         elif isinstance(msg, HostLookup) and self.host is not None:
@@ -141,15 +175,32 @@ class KVStoreService(Service):
         stored = await self.host.spill(peer.name, offer)
         await self.send_to(peer, SpillDone(offer.spill_id, stored))
 
+    def _tell_watchers(self) -> None:
+        for connection, listing in self.registry.watchers():
+            peer = self.peers.get(connection)
+            if peer is not None:
+                self._send_later(peer, listing)
+
+    async def _refresh_members(self) -> None:
+        """Repeat the member list now and then: a watcher that missed one catches up."""
+        while True:
+            await asyncio.sleep(self.settings.member_refresh_s)
+            self._tell_watchers()
+
     def on_peer_lost(self, peer: Peer) -> None:
+        gone = self.registry.drop_connection(peer.identity)
+        if gone:
+            logger.warning("%s: member(s) %s went silent; dropped", self.name, ", ".join(gone))
+            self._tell_watchers()
         if peer.role in ("prefill", "decode"):
             self.index.drop(peer.name)
             if self.host is not None:
                 self.host.detach(peer.name, peer.identity)
             logger.info("%s: dropped %s from the index", self.name, peer.name)
 
-    def load(self) -> dict[str, int | float]:
-        stats = super().load()
+    def stats(self) -> dict[str, int | float]:
+        stats = super().stats()
+        stats.update(self.registry.stats())
         stats["index_pages"] = self.index.num_pages
         stats["index_workers"] = len(self.index.workers())
         stats["index_events_total"] = self.index.num_events

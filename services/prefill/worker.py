@@ -14,7 +14,9 @@ For each `PrefillRequest` from a decode worker:
    timed out) costs the pages only until the lease expires. While pages are lent, the
    worker calls `serve_reads` every 200 µs so the reads progress on its side.
 
-An `Abort` cancels the computation or releases the lease, whichever applies.
+An `Abort` cancels the computation or releases the lease, whichever applies. While
+draining (SIGTERM) the worker refuses new `PrefillRequest`s ("draining": the decode
+worker prefills elsewhere) and leaves once the pages it lent have been read.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ class PrefillSettings(WorkerSettings):
 
 class PrefillWorker(Worker):
     role = "prefill"
+    refused_while_draining = (PrefillRequest,)
     settings: PrefillSettings
 
     def __init__(self, settings: PrefillSettings, engine) -> None:  # type: ignore[no-untyped-def]
         super().__init__(settings, engine)
-        self.queued_tokens = 0
+        self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
         self._lent: dict[str, float] = {}  # request id -> lease deadline, pages being read
         self._lending = asyncio.Event()
@@ -98,10 +101,12 @@ class PrefillWorker(Worker):
             if identity == peer.identity and not self.cancel(request_id):
                 self._release(request_id)
 
-    def load(self) -> dict[str, int | float]:
-        stats = super().load()
-        stats["queued_tokens"] = self.queued_tokens
-        return stats
+    def queued_tokens(self) -> int:
+        return self._queued
+
+    def busy(self) -> bool:
+        """Requests running, or pages lent that a decode worker has yet to read."""
+        return bool(self.tasks or self._lent)
 
     def _release(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
@@ -110,7 +115,7 @@ class PrefillWorker(Worker):
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
-        self.queued_tokens += len(ids)
+        self._queued += len(ids)
         self.beat_now()  # routers see the queue change now, not a heartbeat later
         counted = True
         leased = False
@@ -127,7 +132,7 @@ class PrefillWorker(Worker):
                 last = output
             assert last is not None and last.finished and last.new_token_ids
             leased = True
-            self.queued_tokens -= len(ids)
+            self._queued -= len(ids)
             counted = False
             self.beat_now()
             pages, _ = await self.engine.call(lambda e: e.leased_pages(rid))
@@ -168,6 +173,6 @@ class PrefillWorker(Worker):
             await self.fail(peer, rid, exc)
         finally:
             if counted:
-                self.queued_tokens -= len(ids)
+                self._queued -= len(ids)
             if not leased:
                 self._owner.pop(rid, None)

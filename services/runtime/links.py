@@ -1,7 +1,10 @@
 """Outgoing control links to workers: connect, hello, heartbeat, notice death and restart.
 
 A `LinkSet` holds one DEALER `AsyncChannel` per worker address. Used by the gateway
-(to every decode and prefill worker) and by decode workers (to prefill workers).
+(to every decode and prefill worker and the kvstore) and by workers (decode to prefill
+workers, each worker to the kvstore). Addresses given at start are *static*; `add` and
+`remove` change the set at run time (the membership the kvstore lists,
+`services.runtime.membership`).
 
 Contracts:
 - A link is *up* from the worker's accepted `HelloAck` until it is silent for
@@ -9,7 +12,9 @@ Contracts:
   then it is *down*, ``on_down(link, why)`` runs once, and `Hello` is resent every
   ``interval_s`` until a new `HelloAck` brings it up again (``on_up``).
 - While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
-  worker keeps this side as a peer) and records the worker's load from its own.
+  worker keeps this side as a peer) and records the worker's typed load (``load``,
+  `WorkerLoad`) and counters (``stats``) from its own. A worker whose load says
+  ``draining`` is up but not `ready`: nothing new is routed to it.
 - Every other message is handed to ``on_message(link, msg)``; a bad frame is logged
   and dropped. Callbacks run on the event loop and must not block.
 - ZMQ reconnects by itself; a message sent while a worker is down waits in the socket
@@ -29,7 +34,15 @@ from types import MappingProxyType
 import zmq
 import zmq.asyncio
 
-from radixserve.protocol import AsyncChannel, Heartbeat, Hello, HelloAck, Message, ProtocolError
+from radixserve.protocol import (
+    AsyncChannel,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Message,
+    ProtocolError,
+    WorkerLoad,
+)
 from radixserve.protocol.messages import Role
 
 logger = logging.getLogger(__name__)
@@ -47,20 +60,34 @@ class Link:
     up: bool = False
     last_seen: float = 0.0
     hello_sent: float = -math.inf
-    load: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    stats: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
     ack: HelloAck | None = None
+    discovered: bool = False  # added from the membership (not a static address)
 
     @property
     def label(self) -> str:
         return self.name or self.address
 
+    @property
+    def ready(self) -> bool:
+        """Up and taking new requests (not draining)."""
+        return self.up and not self.load.draining
+
     async def send(self, msg: Message, timeout_ms: int = 2000) -> None:
-        """Send ``msg``; `TimeoutError` if the worker is unreachable for ``timeout_ms``."""
-        await self.channel.send(msg, timeout_ms=timeout_ms)
+        """Send ``msg``; `TimeoutError` if the worker is unreachable for ``timeout_ms`` or
+        the link was removed meanwhile (its worker left the cluster)."""
+        if self.channel.closed:
+            raise TimeoutError(f"the link to {self.label} is closed: it left the cluster")
+        try:
+            await self.channel.send(msg, timeout_ms=timeout_ms)
+        except zmq.ZMQError as exc:
+            raise TimeoutError(f"cannot send to {self.label}: {exc}") from exc
 
 
 class LinkSet:
-    """DEALER links from this process (``me``) to a fixed list of worker addresses."""
+    """DEALER links from this process (``me``) to worker addresses: static ones given here,
+    more added and removed at run time (`add`, `remove`)."""
 
     def __init__(
         self,
@@ -76,33 +103,73 @@ class LinkSet:
         on_up: Callable[[Link], None] | None = None,
         on_down: Callable[[Link, str], None] | None = None,
     ) -> None:
-        self.links = [
-            Link(address, AsyncChannel.open(context, zmq.DEALER, address, bind=False))
-            for address in addresses
-        ]
+        self._context = context
+        self.links: list[Link] = []
         self._hello = Hello(name=name, role=role, generation=generation)
         self._name, self._generation = name, generation
         self._interval, self._timeout = interval_s, peer_timeout_s
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
-        self._tasks: list[asyncio.Task] = []
+        self._receivers: dict[int, asyncio.Task] = {}  # id(link) -> its receive task
+        self._tick_task: asyncio.Task | None = None
+        self._started = False
+        for address in addresses:
+            self.add(address)
 
     def start(self) -> None:
         """Start receiving and the hello/heartbeat loop (on the running event loop)."""
-        self._tasks = [asyncio.create_task(self._receive(link)) for link in self.links]
-        self._tasks.append(asyncio.create_task(self._tick()))
+        self._started = True
+        for link in self.links:
+            self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+        self._tick_task = asyncio.create_task(self._tick())
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._receivers.values(), *([self._tick_task] if self._tick_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._receivers.clear()
         for link in self.links:
             link.channel.close()
+
+    def add(self, address: str, discovered: bool = False) -> Link:
+        """Link to ``address`` (hello is sent on the next tick); the existing link if any."""
+        known = self.by_address(address)
+        if known is not None:
+            return known
+        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False)
+        link = Link(address, channel, discovered=discovered)
+        self.links.append(link)
+        if self._started:
+            self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+        return link
+
+    def remove(self, link: Link, why: str) -> None:
+        """Drop ``link`` for good (its worker left the cluster): down first if it was up,
+        then its socket closes. Safe to call from any callback of this set."""
+        if link not in self.links:
+            return
+        self.mark_down(link, why)
+        self.links.remove(link)
+        task = self._receivers.pop(id(link), None)
+        logger.info("forgetting worker %s (%s): %s", link.label, link.address, why)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        elif task is not None:  # called from its own receive loop: end it after this message
+            asyncio.get_running_loop().call_soon(task.cancel)
+        link.channel.close()
 
     def up(self) -> list[Link]:
         return [link for link in self.links if link.up]
 
+    def ready(self) -> list[Link]:
+        """Links up and taking new requests."""
+        return [link for link in self.links if link.ready]
+
     def by_name(self, name: str) -> Link | None:
         return next((link for link in self.links if link.up and link.name == name), None)
+
+    def by_address(self, address: str) -> Link | None:
+        return next((link for link in self.links if link.address == address), None)
 
     def mark_down(self, link: Link, why: str) -> None:
         if not link.up:
@@ -113,7 +180,7 @@ class LinkSet:
             self._on_down(link, why)
 
     async def _receive(self, link: Link) -> None:
-        while True:
+        while link in self.links:
             try:
                 msg = await link.channel.recv()
             except ProtocolError:
@@ -128,7 +195,7 @@ class LinkSet:
                     self.mark_down(link, f"restarted (generation {msg.generation})")
                     link.hello_sent = -math.inf
                 elif link.up:
-                    link.load = msg.load
+                    link.load, link.stats = msg.load, msg.stats
             else:
                 try:
                     self._on_message(link, msg)
@@ -152,9 +219,11 @@ class LinkSet:
     async def _tick(self) -> None:
         while True:
             now = time.monotonic()
-            for link in self.links:
+            for link in list(self.links):
                 if link.up and now - link.last_seen > self._timeout:
                     self.mark_down(link, f"silent for {now - link.last_seen:.1f} s")
+                if link not in self.links:
+                    continue  # removed by the down callback
                 try:
                     if not link.up and now - link.hello_sent >= self._interval:
                         link.hello_sent = now

@@ -1,20 +1,29 @@
-"""A service process's control plane: one ROUTER socket, peers, heartbeats, request tasks.
+"""A service process's control plane: one ROUTER socket, peers, heartbeats, request tasks,
+and the drain that ends it.
 
 Every service (prefill and decode workers, the kvstore) binds one ROUTER socket. Peers
 connect DEALERs (`services.runtime.links`) and open with `Hello`; the service answers
-`hello_ack()` and from then on sends each peer a `Heartbeat` with `load()` every
-``heartbeat_interval_s``. A peer silent for ``peer_timeout_s`` is forgotten and
-`on_peer_lost` ends what it asked for. Each request runs as one asyncio task keyed by
-its id (`spawn`); `cancel` ends it, and the task's own cleanup returns what it holds.
-Everything runs on one asyncio loop; nothing here blocks it.
+`hello_ack()` and from then on sends each peer a `Heartbeat` with `load()` (typed, for
+routers) and `stats()` (counters, for metrics) every ``heartbeat_interval_s``. A peer
+silent for ``peer_timeout_s`` is forgotten and `on_peer_lost` ends what it asked for.
+Each request runs as one asyncio task keyed by its id (`spawn`); `cancel` ends it, and
+the task's own cleanup returns what it holds. Everything runs on one asyncio loop;
+nothing here blocks it.
+
+**Drain** (SIGTERM, `drain`): the service reports ``draining`` in its next heartbeat (at
+once) and through `on_drain`, refuses new requests (`refused_while_draining` message
+types get `RequestFailed` "draining", which senders retry elsewhere), waits until
+`busy()` is false or ``drain_grace_s`` has passed, cancels whatever is left (each task's
+cleanup still returns what it holds), calls `on_drained` (leave the membership) and
+stops; the process exits 0. SIGINT, or a second SIGTERM, stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -36,6 +45,7 @@ from radixserve.protocol import (
     Message,
     ProtocolError,
     RequestFailed,
+    WorkerLoad,
 )
 from radixserve.protocol.messages import ErrorType, Role
 
@@ -59,8 +69,23 @@ class ServiceSettings(BaseSettings):
     peer_timeout_s: float = Field(
         5.0, gt=0, le=600, description="A peer silent this long is considered dead."
     )
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Host name or address other services dial to reach this one (a pod IP, "
+        "a compose service name); default: the listen host, or this machine's host name "
+        "when listening on every interface.",
+    )
     generation: int | None = Field(
         None, ge=0, description="Incarnation number; default: start time in milliseconds."
+    )
+    drain_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=86400,
+        description="On SIGTERM, how long running requests may take to finish before they "
+        "are aborted (keep Kubernetes' terminationGracePeriodSeconds above it).",
     )
 
 
@@ -89,6 +114,8 @@ class Service:
     """The control plane of one service process; subclasses handle request messages."""
 
     role: ClassVar[Role]
+    #: request messages answered `RequestFailed` ("draining") once the drain has begun
+    refused_while_draining: ClassVar[tuple[type[Message], ...]] = ()
 
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
@@ -96,24 +123,32 @@ class Service:
             settings.generation if settings.generation is not None else time.time_ns() // 10**6
         )
         self.name = settings.name or ""
-        self.address = ""
+        self.address = ""  # as bound (tcp://host:port)
+        self.advertised_address = ""  # as others dial it
+        self.started_at = time.monotonic()
+        self.draining = False
         self.counters: Counter[str] = Counter()
         self.peers: dict[bytes, Peer] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self._notices: set[asyncio.Task] = set()  # fire-and-forget sends in flight
         self._beat_now = asyncio.Event()
+        self._stop: asyncio.Event | None = None
+        self._drain: asyncio.Task | None = None
         self.context: zmq.asyncio.Context | None = None
         self._router: AsyncChannel | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set; then end every request and close everything."""
         self.context = zmq.asyncio.Context()
+        self._stop = stop
         s = self.settings
         self._router = AsyncChannel.open(
             self.context, zmq.ROUTER, f"tcp://{s.host}:{s.port}", bind=True
         )
         self.address = self._router.endpoint
-        self.name = self.name or f"{self.role}-{self.address.rsplit(':', 1)[1]}"
+        port = self.address.rsplit(":", 1)[1]
+        self.advertised_address = f"tcp://{advertise_host(s.host, s.advertise_host)}:{port}"
+        self.name = self.name or f"{self.role}-{port}"
         background: list[asyncio.Task] = []
         try:
             await self.start()
@@ -123,6 +158,9 @@ class Service:
             await stop.wait()
             logger.info("%s: shutting down", self.name)
         finally:
+            if self._drain is not None:
+                self._drain.cancel()
+                background.append(self._drain)
             for task in [*background, *self.tasks.values()]:
                 task.cancel()
             await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
@@ -151,11 +189,65 @@ class Service:
     def on_peer_lost(self, peer: Peer) -> None:
         """Hook: ``peer`` went silent; end what it asked for."""
 
-    def load(self) -> dict[str, int | float]:
-        """Load and counters sent in heartbeats."""
+    def load(self) -> WorkerLoad:
+        """Hook: the typed load sent in heartbeats (routers and the autoscaler read it)."""
+        return WorkerLoad(draining=self.draining)
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters and gauges sent in heartbeats, for metrics and /debug/cache."""
         stats: dict[str, int | float] = {"tasks": len(self.tasks)}
+        stats["uptime_s"] = round(time.monotonic() - self.started_at, 3)
         stats.update(self.counters)
         return stats
+
+    # -- drain ------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Start draining (SIGTERM); a second call stops at once."""
+        if self._drain is not None:
+            logger.warning("%s: asked again to stop while draining; stopping now", self.name)
+            if self._stop is not None:
+                self._stop.set()
+            return
+        self._drain = asyncio.ensure_future(self._drain_then_stop())
+
+    async def _drain_then_stop(self) -> None:
+        await self.drain()
+        if self._stop is not None:
+            self._stop.set()
+
+    async def drain(self) -> None:
+        """Take no new requests; let the running ones finish within ``drain_grace_s``,
+        then abort what is left and leave (`on_drained`)."""
+        self.draining = True
+        grace = self.settings.drain_grace_s
+        logger.warning("%s: draining (up to %g s for %d running requests)", self.name, grace,
+                       len(self.tasks))  # fmt: skip
+        self.beat_now()
+        self.on_drain()
+        deadline = time.monotonic() + grace
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.tasks:
+            logger.warning("%s: drain grace of %g s is over; aborting %d requests", self.name,
+                           grace, len(self.tasks))  # fmt: skip
+            for task in list(self.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.on_drained()
+        logger.warning("%s: drained; leaving", self.name)
+
+    def busy(self) -> bool:
+        """Hook: whether anything still needs this process (the drain waits for it)."""
+        return bool(self.tasks)
+
+    def on_drain(self) -> None:
+        """Hook: the drain began (say so to the membership)."""
+
+    async def on_drained(self) -> None:
+        """Hook: the drain is done; leave the membership."""
+
+    # -- sending ----------------------------------------------------------------------
 
     async def send_to(self, peer: Peer, msg: Message) -> None:
         """Send to a connected peer; a send that fails is logged (the peer may be gone)."""
@@ -202,6 +294,8 @@ class Service:
         if not task.cancelled() and task.exception() is not None:
             logger.error("%s: task of %s crashed", self.name, request_id, exc_info=task.exception())
 
+    # -- receiving --------------------------------------------------------------------
+
     async def _receive(self) -> None:
         assert self._router is not None
         while True:
@@ -228,6 +322,12 @@ class Service:
             if peer is None:  # a request before any hello (e.g. across our restart)
                 peer = self.peers[identity] = Peer(identity, "?", "", now)
             peer.last_seen = now
+            if self.draining and isinstance(msg, self.refused_while_draining):
+                self.counters["refused_draining_total"] += 1
+                rid = getattr(msg, "request_id", "")
+                refusal = RequestFailed(rid, "draining", f"{self.name} is draining")
+                self.spawn_notice(self.send_to(peer, refusal))
+                continue
             try:
                 self.handle(peer, msg)
             except Exception:
@@ -245,25 +345,47 @@ class Service:
                     )
                     self.on_peer_lost(peer)
                     continue
-                beat = Heartbeat(sender=self.name, generation=self.generation, load=self.load())
+                beat = Heartbeat(self.name, self.generation, self.load(), self.stats())
                 await self.send_to(peer, beat)
             self._beat_now.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), s.heartbeat_interval_s)
+            await wait_event(self._beat_now, s.heartbeat_interval_s)
 
     def beat_now(self) -> None:
         """Send the next heartbeat at once (the load changed in a way routers should see)."""
         self._beat_now.set()
 
 
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set or ``timeout_s`` passes; whether it is set. (Not
+    `asyncio.wait_for`: before Python 3.12 it can swallow a cancel that arrives just as
+    the event is set, and a task that ignores its cancel never ends.)"""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+def advertise_host(listen_host: str, advertise: str | None) -> str:
+    """The host others dial: ``advertise`` if set, else the listen host, or this machine's
+    host name when listening on every interface."""
+    if advertise:
+        return advertise
+    if listen_host in ("0.0.0.0", "::", "*", ""):
+        return socket.gethostname()
+    return listen_host
+
+
 def serve_until_signalled(service: Service) -> int:
-    """Run ``service`` until SIGINT/SIGTERM; the body of a service's process entry."""
+    """Run ``service`` until SIGTERM (drain, then stop) or SIGINT (stop now); the body of
+    a service's process entry. Exits 0 either way."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
         await service.run(stop)
 
     asyncio.run(main())

@@ -7,7 +7,14 @@ waits on a step, so heartbeats and aborts flow while a long prefill runs. A work
 `HelloAck` says what it serves (model, context, page size) and, for a prefill worker,
 carries its transfer agent's metadata.
 
-With a kvstore configured, the worker publishes its radix cache's events (`KVEvent`:
+With a kvstore configured (``kvstore``, or ``radixserve prefill|decode --join``), the
+worker is a member of that cluster: it registers there when the link comes up
+(`Register`: name, role, the address to dial, draining or not), says so again when it
+starts draining, and deregisters when the drain is done; routers learn of it from the
+kvstore (`services.runtime.membership`). A worker that routes to others (decode, to
+prefill workers) also watches the membership through the same link.
+
+With a kvstore and a prefix cache, the worker publishes its radix cache's events (`KVEvent`:
 pages stored and removed, by chained hash, numbered per generation) over a link to it;
 when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` and a
 snapshot of every cached page. Events go through one queue in the order the engine
@@ -27,9 +34,20 @@ from pydantic import Field
 
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
-from radixserve.protocol import HelloAck, KVEvent, KVResync, Message
+from radixserve.protocol import (
+    Deregister,
+    HelloAck,
+    KVEvent,
+    KVResync,
+    MemberInfo,
+    MemberList,
+    Message,
+    Register,
+    WorkerLoad,
+)
 from radixserve.services.runtime.host_tier import HostTierClient
 from radixserve.services.runtime.links import Link, LinkSet
+from radixserve.services.runtime.membership import MemberView
 from radixserve.services.runtime.service import Service, ServiceSettings, serve_until_signalled
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 
@@ -51,8 +69,9 @@ class WorkerSettings(ServiceSettings):
         None,
         min_length=1,
         max_length=255,
-        description="Control address of the kvstore (tcp://host:port) to publish cache "
-        "events to; none = publish nothing.",
+        description="Control address of the cluster's kvstore (tcp://host:port): the worker "
+        "registers there (so routers find it) and publishes its cache events; none = a "
+        "worker known only by static addresses.",
     )
     host_tier: bool = Field(
         True,
@@ -111,23 +130,25 @@ class Worker(Service):
             compat,
             nixl_progress_thread=s.nixl_progress_thread,
         )
-        if s.kvstore and engine.cache is not None:
-            assert self.context is not None
+        if not s.kvstore:
+            return
+        assert self.context is not None
+        self.kvstore = LinkSet(
+            self.context,
+            [s.kvstore],
+            name=self.name,
+            role=self.role,
+            generation=self.generation,
+            interval_s=s.heartbeat_interval_s,
+            peer_timeout_s=s.peer_timeout_s,
+            on_message=self._from_kvstore,
+            on_up=self._kvstore_up,
+            on_down=self._kvstore_down,
+        )
+        if engine.cache is not None:
             loop = asyncio.get_running_loop()
             if s.host_tier:
                 self.host = HostTierClient(self)
-            self.kvstore = LinkSet(
-                self.context,
-                [s.kvstore],
-                name=self.name,
-                role=self.role,
-                generation=self.generation,
-                interval_s=s.heartbeat_interval_s,
-                peer_timeout_s=s.peer_timeout_s,
-                on_message=self._from_kvstore,
-                on_up=self._kvstore_up,
-                on_down=self._kvstore_down,
-            )
             self._publisher = asyncio.create_task(self._publish())
 
             def emit(kind: str, hashes: list[int]) -> None:  # on the engine thread
@@ -135,7 +156,7 @@ class Worker(Service):
 
             self._emit = emit
             engine.cache.set_event_listener(emit)
-            self.kvstore.start()
+        self.kvstore.start()
 
     async def stop(self) -> None:
         if self.kvstore is not None:
@@ -148,6 +169,35 @@ class Worker(Service):
         self.engine.close()
         if self.agent is not None:
             self.agent.close()
+
+    # -- membership -------------------------------------------------------------------
+
+    def member(self) -> MemberInfo:
+        return MemberInfo(
+            self.name, self.role, self.advertised_address, self.generation, self.draining
+        )
+
+    def member_view(self) -> MemberView | None:
+        """Hook: the view of the roles this worker routes to (watched through the kvstore)."""
+        return None
+
+    async def _to_kvstore(self, msg: Message, timeout_ms: int = 0) -> None:
+        link = self.kvstore.links[0] if self.kvstore else None
+        if link is None or not link.up:
+            return
+        try:
+            await link.send(msg, timeout_ms=timeout_ms)
+        except TimeoutError:
+            logger.warning("%s: cannot reach the kvstore with %s", self.name, msg.TYPE_TAG)
+
+    def on_drain(self) -> None:
+        self.spawn_notice(self._to_kvstore(Register(self.member())))
+
+    async def on_drained(self) -> None:
+        await self._to_kvstore(Deregister(self.name, self.generation), timeout_ms=1000)
+        # sockets close with linger 0: give the message a moment on the wire (if it is
+        # lost anyway, the kvstore drops us when our heartbeats stop)
+        await asyncio.sleep(0.1)
 
     def describe(self) -> str:
         return f", KV transfer over {self.settings.transfer_backend}"
@@ -194,7 +244,12 @@ class Worker(Service):
                 self.counters["kv_events_dropped_total"] += 1
 
     def _kvstore_up(self, link: Link) -> None:
-        self.engine.submit(self._snapshot)
+        self.spawn_notice(self._to_kvstore(Register(self.member())))
+        view = self.member_view()
+        if view is not None:
+            self.spawn_notice(self._to_kvstore(view.watch()))
+        if self._emit is not None:
+            self.engine.submit(self._snapshot)
         if self.host is not None:
             self.host.on_up(link)
 
@@ -203,8 +258,12 @@ class Worker(Service):
             self.host.on_down(link, why)
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
-        if isinstance(msg, KVResync):
-            self.engine.submit(self._snapshot)
+        view = self.member_view()
+        if isinstance(msg, MemberList) and view is not None:
+            view.apply(msg)
+        elif isinstance(msg, KVResync):
+            if self._emit is not None:
+                self.engine.submit(self._snapshot)
         elif self.host is None or not self.host.on_message(link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
@@ -215,10 +274,26 @@ class Worker(Service):
             return 0
         return await self.host.load_prefix(request_id, prompt_ids)
 
-    def load(self) -> dict[str, int | float]:
-        """Pool pages and live requests, then the service's tasks and counters."""
-        stats: dict[str, int | float] = dict(self.engine.engine.cache_stats())
-        stats.update(super().load())
+    def load(self) -> WorkerLoad:
+        engine = self.engine.engine
+        return WorkerLoad(
+            queued_tokens=self.queued_tokens(),
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            draining=self.draining,
+        )
+
+    def queued_tokens(self) -> int:
+        """Hook: prompt tokens accepted and not computed yet (see `WorkerLoad`)."""
+        return 0
+
+    def stats(self) -> dict[str, int | float]:
+        """Pool pages, live requests and the engine's step counters, then the service's
+        tasks and counters, then the host tier's."""
+        engine = self.engine.engine
+        stats: dict[str, int | float] = dict(engine.cache_stats())
+        stats.update(engine.step_counters())
+        stats.update(super().stats())
         if self.host is not None:
             stats.update(self.host.stats())
         return stats

@@ -22,7 +22,7 @@ from radixserve.cluster import ClusterConfig, LocalCluster, free_port
 from radixserve.metrics import metric_value
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
-__all__ = ["TestCluster", "index_query", "metric_value"]
+__all__ = ["FAST_LIVENESS", "TestCluster", "holds_nothing", "index_query", "metric_value"]
 
 FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
 
@@ -80,22 +80,7 @@ class TestCluster(LocalCluster):
         def clean() -> bool:
             nonlocal last
             last = self.debug_cache()
-            return last["gateway_in_flight"] == 0 and all(
-                not w["up"]
-                or all(
-                    w.get(key, 0) == 0
-                    for key in (
-                        "live_requests",
-                        "pages_locked",
-                        "leases",
-                        "tasks",
-                        "host_loads_in_flight",
-                        "host_leases",
-                        "host_pages_leased",
-                    )  # fmt: skip
-                )
-                for w in last["workers"].values()
-            )
+            return holds_nothing(last)
 
         try:
             self.wait(clean, timeout_s, "workers to hold no request")
@@ -106,6 +91,20 @@ class TestCluster(LocalCluster):
     def stop(self) -> None:
         self.http.close()
         super().stop()
+
+
+HELD_KEYS = ("live_requests", "pages_locked", "leases", "tasks", "host_loads_in_flight",
+             "host_leases", "host_pages_leased")  # fmt: skip
+
+
+def holds_nothing(debug_cache: dict[str, Any]) -> bool:
+    """Whether a gateway's /debug/cache shows nothing held for any request: no request in
+    flight at the gateway, and on every worker that is up no live request, locked page,
+    lease, task or host-tier load."""
+    return debug_cache["gateway_in_flight"] == 0 and all(
+        not w["up"] or all(w.get(key, 0) == 0 for key in HELD_KEYS)
+        for w in debug_cache["workers"].values()
+    )
 
 
 def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> IndexReply | None:

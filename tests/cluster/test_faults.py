@@ -108,14 +108,7 @@ def test_kill_9_decode_mid_stream_fails_the_stream_then_recovers(cluster, refere
     assert events[-1]["error"]["code"] >= 500
     assert ended_after < 15.0  # heartbeat timeout (2 s here) plus slack
     # the supervisor restarts it; the gateway sees the new generation come up
-    cluster.wait(
-        lambda: (
-            cluster.workers()["decode-0"]["up"]
-            and cluster.workers()["decode-0"]["generation"] != old_generation
-        ),
-        120,
-        "decode-0 to come back",
-    )
+    cluster.wait_restarted("decode-0", old_generation)
     assert cluster.supervisor.restarts["decode-0"] >= 1
     body = {"model": "default", "messages": chat("Hi"), "max_tokens": 8, "temperature": 0}
     resp = cluster.http.post("/v1/chat/completions", json=body)
@@ -145,13 +138,6 @@ def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == reference_chat(messages, 8)
-    cluster.wait(
-        lambda: (
-            cluster.workers()["prefill-0"]["up"]
-            and cluster.workers()["prefill-0"]["generation"] != old_generation
-        ),
-        120,
-        "prefill-0 to come back",
-    )
+    cluster.wait_restarted("prefill-0", old_generation)
     state = cluster.wait_clean()
     assert state["workers"]["decode-0"]["remote_prefill_failures_total"] > failures_before

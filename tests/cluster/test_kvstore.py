@@ -84,14 +84,7 @@ def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
     # gone from the index once the kvstore notices (heartbeat timeout), and a restarted
     # decode-0 starts with an empty cache, so it never reappears for this prompt
     cluster.wait(lambda: "decode-0" not in index_of(cluster, prompt_ids), 30, "decode-0 dropped")
-    cluster.wait(
-        lambda: (
-            cluster.workers()["decode-0"]["up"]
-            and cluster.workers()["decode-0"]["generation"] != old_generation
-        ),
-        120,
-        "decode-0 restarted",
-    )
+    cluster.wait_restarted("decode-0", old_generation)
     assert "decode-0" not in index_of(cluster, prompt_ids)
     assert "prefill-0" in index_of(cluster, prompt_ids)
     ask(cluster, messages)

@@ -1,11 +1,10 @@
 """Decode routing: the worker holding the longest cached prefix wins until load makes
-another cheaper (cost = uncached pages + load_weight * in-flight requests); prefill
-routing's cost with device and host-tier hits."""
+another cheaper (cost = uncached pages + load_weight * in-flight requests)."""
 
 from __future__ import annotations
 
 from radixserve.cache.block_hash import hash_namespace
-from radixserve.services.gateway.router import DecodeRouter, PrefixView, prefill_cost
+from radixserve.services.gateway.router import DecodeRouter, PrefixView
 
 PAGE = 4
 
@@ -62,16 +61,3 @@ def test_prefix_view_is_bounded_lru_and_matches_only_from_the_start():
     view.add([9])  # evicts the least recently used (1)
     assert len(view) == 3
     assert view.match([1, 2]) == 0
-
-
-def test_prefill_cost_counts_host_hits_at_their_weight():
-    # 100 pages, nothing queued: device hits are free, host-only hits cost their weight
-    assert prefill_cost(100, 0, 0, 1.0, 1.0) == 100
-    assert prefill_cost(100, 60, 0, 1.0, 1.0) == 40
-    assert prefill_cost(100, 0, 0, 1.0, 1.0, host_pages=60, host_weight=0.1) == 46
-    # a device hit longer than the host hit: the host adds nothing
-    assert prefill_cost(100, 80, 0, 1.0, 1.0, host_pages=60, host_weight=0.1) == 20
-    # a worker holding the prefix but busy loses to an idle one that can load it
-    busy = prefill_cost(100, 60, 30, 1.0, 1.0, host_pages=60, host_weight=0.1)
-    idle = prefill_cost(100, 0, 0, 1.0, 1.0, host_pages=60, host_weight=0.1)
-    assert idle < busy

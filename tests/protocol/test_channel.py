@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -19,6 +20,7 @@ import zmq.asyncio
 from radixserve.protocol.channel import AsyncChannel, Channel
 from radixserve.protocol.codec import ProtocolError
 from radixserve.protocol.messages import (
+    PROTOCOL_VERSION,
     Abort,
     GenerateRequest,
     Heartbeat,
@@ -99,7 +101,7 @@ def test_dealer_router_between_threads_survives_a_garbage_frame(
 
 
 def test_push_pull_between_threads_and_timeouts(ctx: zmq.Context) -> None:
-    sent = [Heartbeat("prefill-0", 1, {"running": 3, "load": 0.5}), Abort("r", "client left")]
+    sent = [Heartbeat("prefill-0", 1, stats={"running": 3, "load": 0.5}), Abort("r", "client left")]
     with Channel.open(ctx, zmq.PULL, LOCAL, bind=True) as pull:
         start = time.monotonic()
         assert pull.recv(50) is None
@@ -125,7 +127,7 @@ def test_push_pull_between_threads_and_timeouts(ctx: zmq.Context) -> None:
 
 
 def msgpack_map_without_tag() -> bytes:
-    return b"\x81\xa1v\x92\x01\x00"  # {"v": [1, 0]}
+    return msgpack.packb({"v": [PROTOCOL_VERSION[0], 0]})
 
 
 def test_ipc_address_and_send_timeout_without_peer(ctx: zmq.Context, tmp_path: Path) -> None:
@@ -228,7 +230,7 @@ async def _async_exchange() -> list[Message | tuple[bytes, Message] | None]:
             ) as dealer,
         ):
             got: list[Message | tuple[bytes, Message] | None] = [await router.recv_from(20)]
-            await dealer.send(Heartbeat("w1", 0, {"pages_free": 10}), timeout_ms=WAIT_MS)
+            await dealer.send(Heartbeat("w1", 0, stats={"pages_free": 10}), timeout_ms=WAIT_MS)
             got.append(await router.recv_from(WAIT_MS))
             await dealer.socket.send_multipart([b"\x93"])  # a truncated array
             with pytest.raises(ProtocolError, match="not valid msgpack") as bad:
@@ -247,7 +249,7 @@ def test_asyncio_dealer_router() -> None:
     got = asyncio.run(asyncio.wait_for(_async_exchange(), timeout=15))
     assert got == [
         None,
-        (b"w1", Heartbeat("w1", 0, {"pages_free": 10})),
+        (b"w1", Heartbeat("w1", 0, stats={"pages_free": 10})),
         Abort("r", "shutdown"),
         None,
     ]

@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from radixserve.errors import RadixServeError
 from radixserve.protocol.codec import ProtocolError, decode, encode
 from radixserve.protocol.messages import (
+    PROTOCOL_VERSION,
     GenerateRequest,
     Heartbeat,
     Hello,
     HelloAck,
     KVReady,
+    MemberList,
     Message,
     PrefillRequest,
     SamplingSpec,
@@ -67,13 +69,13 @@ def test_unknown_keys_are_ignored_at_top_level_and_nested() -> None:
 
 
 def test_missing_optional_fields_take_defaults() -> None:
-    body = {"type": "token_chunk", "v": [1, 0], "request_id": "r"}
+    body = {"type": "token_chunk", "v": [PROTOCOL_VERSION[0], 0], "request_id": "r"}
     assert decode(pack(body)) == TokenChunk("r")
 
 
 def test_newer_minor_version_is_accepted() -> None:
     body = body_of(PREFILL)
-    body["v"] = [1, 99]
+    body["v"] = [PROTOCOL_VERSION[0], 99]
     assert decode(pack(body)) == PREFILL
 
 
@@ -173,22 +175,34 @@ def test_missing_required_field_is_rejected() -> None:
         ),
         (
             Heartbeat("w"),
-            "load",
+            "stats",
             {"running": True},
-            "heartbeat.load['running']: expected a number, got bool",
+            "heartbeat.stats['running']: expected a number, got bool",
         ),
         (
             Heartbeat("w"),
-            "load",
+            "stats",
             {"running": {"a": 1}},
-            "heartbeat.load['running']: expected a number",
+            "heartbeat.stats['running']: expected a number",
         ),
-        (Heartbeat("w"), "load", {"": 1}, "heartbeat.load key: expected a string of 1..128"),
+        (Heartbeat("w"), "stats", {"": 1}, "heartbeat.stats key: expected a string of 1..128"),
+        (
+            Heartbeat("w"),
+            "stats",
+            {f"k{i}": i for i in range(257)},
+            "heartbeat.stats: expected at most 256",
+        ),
         (
             Heartbeat("w"),
             "load",
-            {f"k{i}": i for i in range(257)},
-            "heartbeat.load: expected at most 256",
+            {"queued_tokens": 1, "draining": 1},
+            "heartbeat.load.draining: expected a bool",
+        ),
+        (
+            MemberList(1, 1),
+            "members",
+            [{"name": "d", "role": "decode", "address": "tcp://x:1"}, {"name": "p"}],
+            "member_list.members[1].role: missing required field",
         ),
         (
             TokenChunk("r"),

@@ -17,6 +17,7 @@ from radixserve.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
+    Deregister,
     FinishReason,
     GenerateRequest,
     Heartbeat,
@@ -32,14 +33,19 @@ from radixserve.protocol.messages import (
     KVEvent,
     KVReady,
     KVResync,
+    MemberInfo,
+    MemberList,
     Message,
     PrefillRequest,
+    Register,
     RequestFailed,
     SamplingSpec,
     SpillDone,
     SpillOffer,
     TokenChunk,
     TransferDone,
+    WatchMembers,
+    WorkerLoad,
 )
 
 # Strategies state what a valid message is, independently of the specs in messages.py.
@@ -117,6 +123,15 @@ load_stats = st.dictionaries(
     max_size=8,
 )
 
+members = st.builds(
+    MemberInfo,
+    name=names,
+    role=roles,
+    address=st.text(min_size=1, max_size=40),
+    generation=count,
+    draining=st.booleans(),
+)
+
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, name=names, role=roles, generation=count, protocol_version=versions),
     HelloAck: st.builds(
@@ -133,7 +148,15 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         transfer_backend=names,
         transfer_metadata=st.binary(max_size=64),
     ),
-    Heartbeat: st.builds(Heartbeat, sender=names, generation=count, load=load_stats),
+    Heartbeat: st.builds(
+        Heartbeat,
+        sender=names,
+        generation=count,
+        load=st.builds(
+            WorkerLoad, queued_tokens=count, running=count, waiting=count, draining=st.booleans()
+        ),
+        stats=load_stats,
+    ),
     GenerateRequest: st.builds(
         GenerateRequest,
         request_id=ids,
@@ -161,7 +184,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         RequestFailed,
         request_id=ids,
         error_type=st.sampled_from(
-            ["invalid_request", "capacity", "internal", "timeout", "peer_lost"]
+            ["invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"]
         ),
         message=text,
     ),
@@ -191,6 +214,12 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     HostLookup: st.builds(HostLookup, query_id=ids, page_hashes=page_hashes),
     HostLease: st.builds(HostLease, query_id=ids, lease_id=count, host_page_ids=page_ids),
     HostRelease: st.builds(HostRelease, lease_id=st.integers(1, 2**63 - 1)),
+    Register: st.builds(Register, member=members),
+    Deregister: st.builds(Deregister, name=names, generation=count),
+    WatchMembers: st.builds(WatchMembers, roles=st.lists(roles, max_size=4).map(tuple)),
+    MemberList: st.builds(
+        MemberList, epoch=count, version=count, members=st.lists(members, max_size=5).map(tuple)
+    ),
 }
 
 any_message = st.one_of(*STRATEGIES.values())
@@ -229,10 +258,13 @@ def test_lists_become_tuples_and_maps_become_read_only() -> None:
     assert msg.prompt_token_ids == (1, 2)
     assert msg.sampling.stop == ("x",)
     assert isinstance(msg.sampling.temperature, float)
-    beat = Heartbeat("w", load={"running": 3})
-    assert isinstance(beat.load, MappingProxyType)
-    assert beat.load == {"running": 3}
+    beat = Heartbeat("w", stats={"running": 3})
+    assert isinstance(beat.stats, MappingProxyType)
+    assert beat.stats == {"running": 3}
     assert codec.decode(codec.encode(beat)) == beat
+    listing = MemberList(1, 2, [MemberInfo("d", "decode", "tcp://h:1")])  # type: ignore[arg-type]
+    assert listing.members == (MemberInfo("d", "decode", "tcp://h:1"),)
+    assert codec.decode(codec.encode(listing)) == listing
 
 
 def test_defaults_fill_optional_fields() -> None:

@@ -1,0 +1,284 @@
+"""Where the autoscaler's observations come from: the gateway's /metrics, or Prometheus.
+
+Both build the same `Observation` (`policy`), from the same series:
+
+* latency: the gateway's ``radixserve_ttft_seconds`` and ``radixserve_itl_seconds``
+  histograms, p90 over the interval (bucket counts' change, linear within a bucket);
+* requests/s: ``radixserve_requests_total``;
+* per worker (``radixserve_worker_*{worker, role}``, the workers' heartbeats as the
+  gateway exports them): ``up``, ``draining``, ``uptime_s``, ``queued_tokens``,
+  ``running`` and the engine's step counters (`radixserve.engine.step_stats`) — the
+  `WorkerSample`s capacity is learned from;
+* demand: prompt tokens the workers computed per second plus the growth of the prefill
+  queue (what arrived, even when the pool could not keep up), and tokens generated per
+  second.
+
+`GatewayMetrics` scrapes the text exposition each interval and takes differences from
+the previous scrape (the first one only sets the baseline); `PrometheusMetrics` asks a
+Prometheus server's HTTP query API for rates and quantiles over ``prometheus_window_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixserve.services.autoscaler.capacity import WorkerSample
+from radixserve.services.autoscaler.policy import Observation, PoolState
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+Key = tuple[str, tuple[tuple[str, str], ...]]  # sample name, sorted labels
+
+#: counter sample -> the `WorkerSample` field its change fills
+WORKER_COUNTERS = {
+    "radixserve_worker_engine_busy_seconds_total": "busy_s",
+    "radixserve_worker_engine_prefill_tokens_total": "prefill_tokens",
+    "radixserve_worker_engine_prefill_seconds_total": "prefill_s",
+    "radixserve_worker_engine_decode_tokens_total": "decode_tokens",
+    "radixserve_worker_engine_decode_only_steps_total": "decode_only_steps",
+    "radixserve_worker_engine_decode_only_seqs_total": "decode_only_seqs",
+    "radixserve_worker_engine_decode_only_seconds_total": "decode_only_s",
+}
+WORKER_GAUGES = ("up", "draining", "uptime_s", "queued_tokens", "running")
+
+
+class MetricsError(RuntimeError):
+    """The metrics could not be read."""
+
+
+def parse_exposition(text: str) -> dict[Key, float]:
+    """Every sample of a Prometheus text exposition, keyed by name and labels."""
+    out: dict[Key, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+def histogram_quantile(buckets: Mapping[float, float], q: float) -> float | None:
+    """The ``q`` quantile of cumulative ``buckets`` (upper bound -> count), interpolated
+    linearly within its bucket as Prometheus does; None without observations."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper in bounds:
+        count = buckets[upper]
+        if count >= rank:
+            if math.isinf(upper):
+                return lower  # in the open top bucket: its lower edge is all we know
+            width = count - below
+            return lower + (upper - lower) * ((rank - below) / width if width > 0 else 1.0)
+        lower, below = upper, count
+    return lower
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    name: str
+    role: str
+    up: bool
+    draining: bool
+    age_s: float
+
+
+def pool_states(
+    workers: list[WorkerView], desired: Mapping[str, int | None]
+) -> dict[str, PoolState]:
+    """Ready/starting/draining per pool: ``starting`` is what the connector has asked
+    for that is not up yet."""
+    pools = {}
+    for role in ROLES:
+        mine = [w for w in workers if w.role == role and w.up]
+        ready = sum(1 for w in mine if not w.draining)
+        wanted = desired.get(role)
+        starting = max(0, wanted - ready) if wanted is not None else 0
+        pools[role] = PoolState(ready, starting, sum(1 for w in mine if w.draining))
+    return pools
+
+
+class GatewayMetrics:
+    """Observations from differences of successive scrapes of the gateway's /metrics."""
+
+    def __init__(self, gateway_url: str, timeout_s: float = 5.0) -> None:
+        self.url = gateway_url.rstrip("/") + "/metrics"
+        self._http = httpx.Client(timeout=timeout_s)
+        self._last: tuple[float, dict[Key, float]] | None = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def scrape(self) -> dict[Key, float]:
+        try:
+            resp = self._http.get(self.url)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise MetricsError(f"cannot scrape {self.url}: {exc}") from exc
+        return parse_exposition(resp.text)
+
+    def observe(self, desired: Mapping[str, int | None]) -> Observation | None:
+        """The interval since the last call (None the first time: a baseline)."""
+        now, samples = time.monotonic(), self.scrape()
+        last, self._last = self._last, (now, samples)
+        if last is None:
+            return None
+        return observation_between(last[1], samples, now - last[0], now, desired)
+
+
+def _delta(new: Mapping[Key, float], old: Mapping[Key, float], key: Key) -> float:
+    return max(0.0, new.get(key, 0.0) - old.get(key, 0.0))
+
+
+def _quantile_delta(new: Mapping[Key, float], old: Mapping[Key, float], name: str) -> float | None:
+    buckets: dict[float, float] = {}
+    for (sample, labels), value in new.items():
+        if sample == f"{name}_bucket":
+            le = float(dict(labels)["le"])
+            buckets[le] = value - old.get((sample, labels), 0.0)
+    return histogram_quantile(buckets, 0.9)
+
+
+def observation_between(
+    old: Mapping[Key, float],
+    new: Mapping[Key, float],
+    interval_s: float,
+    now_s: float,
+    desired: Mapping[str, int | None],
+) -> Observation:
+    """What happened between two scrapes ``old`` and ``new``, ``interval_s`` apart."""
+    dt = max(interval_s, 1e-6)
+    requests = sum(_delta(new, old, k) for k in new if k[0] == "radixserve_requests_total")
+    views, samples = [], []
+    queue_growth, prefill_queue = 0.0, 0
+    computed = generated = 0.0
+    for key in [k for k in new if k[0] == "radixserve_worker_up"]:
+        labels = dict(key[1])
+
+        def gauge(name: str, snap: Mapping[Key, float] = new, lab: Key = key) -> float:
+            return snap.get((f"radixserve_worker_{name}", lab[1]), 0.0)
+
+        role, age = labels.get("role", ""), gauge("uptime_s")
+        view = WorkerView(labels.get("worker", ""), role, gauge("up") > 0,
+                          gauge("draining") > 0, age)  # fmt: skip
+        views.append(view)
+        if not view.up or role not in ROLES:
+            continue
+        restarted = age < gauge("uptime_s", old) or (
+            "radixserve_worker_up", key[1]) not in old  # fmt: skip
+        if role == "prefill":
+            queued = int(gauge("queued_tokens"))
+            prefill_queue += queued
+            if not restarted:
+                queue_growth += queued - gauge("queued_tokens", old)
+        if restarted:
+            continue  # counters started over: no interval to difference
+        fields = {f: _delta(new, old, (c, key[1])) for c, f in WORKER_COUNTERS.items()}
+        sample = WorkerSample(
+            name=view.name, role=role, age_s=age, interval_s=dt,
+            busy_s=fields["busy_s"], prefill_tokens=int(fields["prefill_tokens"]),
+            prefill_s=fields["prefill_s"], decode_tokens=int(fields["decode_tokens"]),
+            decode_only_steps=int(fields["decode_only_steps"]),
+            decode_only_seqs=int(fields["decode_only_seqs"]),
+            decode_only_s=fields["decode_only_s"], queued_tokens=int(gauge("queued_tokens")),
+            running=int(gauge("running")),
+        )  # fmt: skip
+        samples.append(sample)
+        if role == "prefill":  # decode workers' own short prefills are not this pool's
+            computed += sample.prefill_tokens
+        generated += sample.decode_tokens
+    return Observation(
+        now_s=now_s,
+        interval_s=dt,
+        pools=pool_states(views, desired),
+        requests_per_s=requests / dt,
+        prefill_tokens_per_s=max(0.0, computed + queue_growth) / dt,
+        output_tokens_per_s=generated / dt,
+        ttft_p90_s=_quantile_delta(new, old, "radixserve_ttft_seconds"),
+        itl_p90_s=_quantile_delta(new, old, "radixserve_itl_seconds"),
+        prefill_queue_tokens=prefill_queue,
+        workers=tuple(samples),
+    )
+
+
+class PrometheusMetrics:
+    """Observations from a Prometheus server's HTTP query API (``/api/v1/query``): rates
+    and quantiles over ``window_s``, so a scrape interval of its own does not matter."""
+
+    def __init__(self, url: str, window_s: float, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/") + "/api/v1/query"
+        self.window = f"{int(max(window_s, 1))}s"
+        self._window_s = max(window_s, 1.0)
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        """An instant query's vector: (labels, value) per series."""
+        try:
+            resp = self._http.get(self.url, params={"query": promql})
+            resp.raise_for_status()
+            body = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise MetricsError(f"Prometheus query {promql!r} failed: {exc}") from exc
+        if body.get("status") != "success" or body["data"]["resultType"] != "vector":
+            raise MetricsError(f"Prometheus query {promql!r}: {body.get('error', body)}")
+        out = []
+        for series in body["data"]["result"]:
+            out.append((series["metric"], float(series["value"][1])))
+        return out
+
+    def _scalar(self, promql: str) -> float | None:
+        rows = self.query(promql)
+        return rows[0][1] if rows and not math.isnan(rows[0][1]) else None  # NaN: no data
+
+    def observe(self, desired: Mapping[str, int | None]) -> Observation:
+        w = self.window
+        per_worker: dict[tuple[str, str], dict[str, float]] = {}
+        for name in WORKER_GAUGES:
+            for labels, value in self.query(f"radixserve_worker_{name}"):
+                key = (labels.get("worker", ""), labels.get("role", ""))
+                per_worker.setdefault(key, {})[name] = value
+        for counter, field in WORKER_COUNTERS.items():
+            for labels, value in self.query(f"increase({counter}[{w}])"):
+                key = (labels.get("worker", ""), labels.get("role", ""))
+                per_worker.setdefault(key, {})[field] = value
+        views, samples = [], []
+        for (name, role), v in per_worker.items():
+            view = WorkerView(name, role, v.get("up", 0) > 0, v.get("draining", 0) > 0,
+                              v.get("uptime_s", 0.0))  # fmt: skip
+            views.append(view)
+            if view.up and role in ROLES:
+                samples.append(WorkerSample(
+                    name=name, role=role, age_s=view.age_s, interval_s=self._window_s,
+                    busy_s=v.get("busy_s", 0.0), prefill_tokens=int(v.get("prefill_tokens", 0)),
+                    prefill_s=v.get("prefill_s", 0.0), decode_tokens=int(v.get("decode_tokens", 0)),
+                    decode_only_steps=int(v.get("decode_only_steps", 0)),
+                    decode_only_seqs=int(v.get("decode_only_seqs", 0)),
+                    decode_only_s=v.get("decode_only_s", 0.0),
+                    queued_tokens=int(v.get("queued_tokens", 0)), running=int(v.get("running", 0)),
+                ))  # fmt: skip
+        growth = self._scalar(f'sum(deriv(radixserve_worker_queued_tokens{{role="prefill"}}[{w}]))')
+        computed = sum(s.prefill_tokens for s in samples if s.role == "prefill")
+        quantile = "histogram_quantile(0.9, sum by (le) (rate({}_bucket[{}])))"
+        return Observation(
+            now_s=time.monotonic(),
+            interval_s=self._window_s,
+            pools=pool_states(views, desired),
+            requests_per_s=self._scalar(f"sum(rate(radixserve_requests_total[{w}]))") or 0.0,
+            prefill_tokens_per_s=max(0.0, computed / self._window_s + (growth or 0.0)),
+            output_tokens_per_s=sum(s.decode_tokens for s in samples) / self._window_s,
+            ttft_p90_s=self._scalar(quantile.format("radixserve_ttft_seconds", w)),
+            itl_p90_s=self._scalar(quantile.format("radixserve_itl_seconds", w)),
+            prefill_queue_tokens=int(sum(s.queued_tokens for s in samples if s.role == "prefill")),
+            workers=tuple(samples),
+        )

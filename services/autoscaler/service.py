@@ -1,0 +1,168 @@
+"""The autoscaler process: observe, decide, set, every ``interval_s``.
+
+Each interval: read the pools' replica counts from the connector, build an `Observation`
+from the metrics source, let `ScalingPolicy` decide, set the pools that change, log
+every decision with its inputs and reason, and export
+
+    radixserve_autoscaler_desired_replicas{role}      what it decided
+    radixserve_autoscaler_observed_replicas{role}     ready replicas it saw
+    radixserve_autoscaler_decisions_total{role,direction,reason}
+    radixserve_autoscaler_errors_total{stage}          metrics / connector failures
+
+on its own HTTP port with ``/health`` and ``/live`` (`services.runtime.probe`). A failed
+scrape or connector call is logged and counted; the loop goes on. SIGTERM or SIGINT
+stops it (no pool is changed on the way out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from radixserve.services.autoscaler.connectors import Connector, ConnectorError, make_connector
+from radixserve.services.autoscaler.metrics_source import (
+    GatewayMetrics,
+    MetricsError,
+    PrometheusMetrics,
+)
+from radixserve.services.autoscaler.policy import ROLES, Decision, ScalingPolicy
+from radixserve.services.autoscaler.settings import AutoscalerSettings
+from radixserve.services.runtime.probe import ProbeServer
+from radixserve.services.runtime.service import wait_event
+
+logger = logging.getLogger(__name__)
+
+
+class AutoscalerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.desired = Gauge("radixserve_autoscaler_desired_replicas", "Replicas decided.",
+                             ["role"], registry=r)  # fmt: skip
+        self.observed = Gauge("radixserve_autoscaler_observed_replicas",
+                              "Ready replicas observed.", ["role"], registry=r)  # fmt: skip
+        self.decisions = Counter("radixserve_autoscaler_decisions", "Scaling decisions.",
+                                 ["role", "direction", "reason"], registry=r)  # fmt: skip
+        self.errors = Counter("radixserve_autoscaler_errors", "Failed metric reads or "
+                              "replica changes.", ["stage"], registry=r)  # fmt: skip
+        for role in ROLES:
+            self.desired.labels(role=role)
+            self.observed.labels(role=role)
+        for stage in ("metrics", "connector"):
+            self.errors.labels(stage=stage)
+
+
+class AutoscalerService:
+    """The control loop; `run` until ``stop`` is set."""
+
+    def __init__(
+        self,
+        settings: AutoscalerSettings,
+        source: GatewayMetrics | PrometheusMetrics | None = None,
+        connector: Connector | None = None,
+    ) -> None:
+        self.settings = settings
+        self.policy = ScalingPolicy(settings)
+        self.source = source or _make_source(settings)
+        self.connector = connector or make_connector(settings)
+        self.metrics = AutoscalerMetrics()
+        self.last_decisions: list[Decision] = []
+        self.last_ok_s: float | None = None
+        self.probe = ProbeServer(settings.host, settings.port, self._health, self._render)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.probe.start()
+        s = self.settings
+        print(f"radixserve autoscaler: {s.connector} connector, metrics from "
+              f"{s.metrics_source}, every {s.interval_s:g} s; targets TTFT p90 "
+              f"{s.ttft_p90_target_s:g} s, ITL p90 {s.itl_p90_target_s:g} s; "
+              f"/metrics on {self.probe.url}", flush=True)  # fmt: skip
+        try:
+            while not stop.is_set():
+                await asyncio.to_thread(self.tick)
+                await wait_event(stop, s.interval_s)
+        finally:
+            await self.probe.close()
+            self.source.close()
+            self.connector.close()
+
+    def tick(self) -> list[Decision]:
+        """One round: observe, decide, set. Returns the decisions ([] if it could not)."""
+        desired: dict[str, int | None] = {}
+        for role in ROLES:
+            try:
+                replicas = self.connector.get(role)
+            except ConnectorError as exc:
+                self._error("connector", exc)
+                return []
+            desired[role] = replicas.desired if replicas is not None else None
+        try:
+            obs = self.source.observe(desired)
+        except MetricsError as exc:
+            self._error("metrics", exc)
+            return []
+        if obs is None:  # the first scrape is a baseline
+            return []
+        decisions = self.policy.decide(obs)
+        for d in decisions:
+            self.metrics.observed.labels(role=d.role).set(obs.pools[d.role].ready)
+            self.metrics.desired.labels(role=d.role).set(d.desired)
+            self.metrics.decisions.labels(role=d.role, direction=d.direction, reason=d.kind).inc()
+            level = logging.WARNING if d.direction != "hold" else logging.INFO
+            logger.log(level, "%s: %s %d -> %d (%s) %s", d.role, d.direction, d.current,
+                       d.desired, d.reason, json.dumps(d.inputs))  # fmt: skip
+            if d.direction != "hold":
+                try:
+                    self.connector.set(d.role, d.desired)
+                except ConnectorError as exc:
+                    self._error("connector", exc)
+        self.last_decisions = decisions
+        self.last_ok_s = time.monotonic()
+        return decisions
+
+    def _error(self, stage: str, exc: Exception) -> None:
+        self.metrics.errors.labels(stage=stage).inc()
+        logger.warning("autoscaler %s: %s", stage, exc)
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        """Ready once a round has gone through, and while rounds keep going through."""
+        ok = self.last_ok_s is not None and (
+            time.monotonic() - self.last_ok_s < 3 * self.settings.interval_s + 30
+        )
+        detail = {
+            "connector": self.connector.name,
+            "decisions": [
+                {"role": d.role, "desired": d.desired, "reason": d.reason}
+                for d in self.last_decisions
+            ],
+        }
+        return ok, detail
+
+    def _render(self) -> bytes:
+        return generate_latest(self.metrics.registry)
+
+
+def _make_source(settings: AutoscalerSettings) -> GatewayMetrics | PrometheusMetrics:
+    if settings.metrics_source == "prometheus":
+        assert settings.prometheus_url is not None  # checked by the settings
+        return PrometheusMetrics(settings.prometheus_url, settings.prometheus_window_s)
+    return GatewayMetrics(settings.gateway_url)
+
+
+def serve_autoscaler(settings: AutoscalerSettings) -> int:
+    """Run the autoscaler until SIGTERM or SIGINT; the process entry."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await AutoscalerService(settings).run(stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,117 @@
+"""Autoscaler settings: one pydantic-settings class, environment prefix
+``RADIXSERVE_AUTOSCALER_``. Built once by the entry point and passed down; never mutated."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class AutoscalerSettings(BaseSettings):
+    """SLO targets, pool bounds, the control loop's timing, where metrics come from and
+    how replica counts are set."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RADIXSERVE_AUTOSCALER_", frozen=True, extra="forbid"
+    )
+
+    ttft_p90_target_s: float = Field(
+        2.0, gt=0, le=3600, description="SLO: 90th percentile time to first token."
+    )
+    itl_p90_target_s: float = Field(
+        0.1, gt=0, le=60, description="SLO: 90th percentile inter-token latency."
+    )
+    min_prefill: int = Field(0, ge=0, le=1024, description="Fewest prefill replicas.")
+    max_prefill: int = Field(8, ge=0, le=1024, description="Most prefill replicas.")
+    min_decode: int = Field(1, ge=1, le=1024, description="Fewest decode replicas.")
+    max_decode: int = Field(8, ge=1, le=1024, description="Most decode replicas.")
+    interval_s: float = Field(10.0, gt=0, le=3600, description="Period of the control loop.")
+    scale_up_cooldown_s: float = Field(
+        30.0, ge=0, le=86400, description="Least time between two scale-ups of a pool."
+    )
+    scale_down_cooldown_s: float = Field(
+        120.0, ge=0, le=86400, description="Least time from any change of a pool to a scale-down."
+    )
+    target_utilization: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Share of a replica's measured capacity the throughput model plans to "
+        "use (headroom for bursts and queueing).",
+    )
+    scale_down_utilization: float = Field(
+        0.6,
+        gt=0,
+        le=1,
+        description="Scale down only while N-1 replicas would run below this utilisation "
+        "(util * N / (N - 1)).",
+    )
+    queue_tokens_per_replica: int = Field(
+        16384,
+        ge=1,
+        description="Fast step: prompt tokens queued per prefill replica above this add one.",
+    )
+    cold_start_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="A worker this young is left out of capacity estimates (warm-up).",
+    )
+    metrics_source: Literal["gateway", "prometheus"] = Field(
+        "gateway", description="Read the gateway's /metrics, or a Prometheus query API."
+    )
+    gateway_url: str = Field(
+        "http://127.0.0.1:8000", min_length=1, max_length=1024, description="The gateway."
+    )
+    prometheus_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Prometheus, for metrics_source=prometheus.",
+    )
+    prometheus_window_s: float = Field(
+        60.0, gt=0, le=3600, description="Range of Prometheus rate() and quantile queries."
+    )
+    connector: Literal["local", "kubernetes", "dry-run"] = Field(
+        "dry-run",
+        description="How replica counts are set: radixserve up's pools, Kubernetes "
+        "Deployments' scale subresource, or only decided and logged.",
+    )
+    local_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="radixserve up's pool-size API (it prints it), for connector=local.",
+    )
+    kubernetes_namespace: str = Field(
+        "default", min_length=1, max_length=253, description="Namespace of the Deployments."
+    )
+    kubernetes_prefill_deployment: str = Field(
+        "radixserve-prefill", min_length=1, max_length=253, description="Prefill Deployment."
+    )
+    kubernetes_decode_deployment: str = Field(
+        "radixserve-decode", min_length=1, max_length=253, description="Decode Deployment."
+    )
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="HTTP listen address.")
+    port: int = Field(
+        8090, ge=0, le=65535, description="HTTP port of /health, /live and /metrics (0 = any)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalerSettings:
+        if self.min_prefill > self.max_prefill:
+            raise ValueError(f"min_prefill {self.min_prefill} > max_prefill {self.max_prefill}")
+        if self.min_decode > self.max_decode:
+            raise ValueError(f"min_decode {self.min_decode} > max_decode {self.max_decode}")
+        if self.connector == "local" and not self.local_url:
+            raise ValueError("connector=local needs local_url (radixserve up prints it)")
+        if self.metrics_source == "prometheus" and not self.prometheus_url:
+            raise ValueError("metrics_source=prometheus needs prometheus_url")
+        return self
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        if role == "prefill":
+            return self.min_prefill, self.max_prefill
+        return self.min_decode, self.max_decode

@@ -1,0 +1,96 @@
+"""A service's small HTTP side: ``/health`` (ready), ``/live`` and ``/metrics``.
+
+Kubernetes probes and Prometheus scrape every process directly, so each service serves
+these three on an HTTP port of its own, from its asyncio loop (nothing here blocks it):
+
+* ``GET /live``: 200 while the process's loop answers at all (liveness);
+* ``GET /health``: 200 with a JSON body when the service can serve, 503 otherwise
+  (readiness: e.g. not yet loaded, draining);
+* ``GET /metrics``: the Prometheus text exposition.
+
+Anything else is 404; a request line that is not HTTP gets 400. HTTP/1.0-style: one
+request per connection, closed after the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MAX_HEAD_BYTES = 16 * 1024
+_READ_TIMEOUT_S = 5.0
+
+
+class ProbeServer:
+    """Serves the three endpoints on ``host:port`` (0 = any free port; see ``port``)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        health: Callable[[], tuple[bool, dict[str, Any]]],
+        metrics: Callable[[], bytes],
+        metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
+    ) -> None:
+        self.host, self.port = host, port
+        self._health, self._metrics, self._type = health, metrics, metrics_content_type
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+            status, ctype, body = self._answer(head[:_MAX_HEAD_BYTES])
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            status, ctype, body = 400, "text/plain", b"bad request\n"
+        except Exception:
+            logger.exception("probe request failed")
+            status, ctype, body = 500, "text/plain", b"internal error\n"
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  500: "Internal Server Error", 503: "Service Unavailable"}[status]  # fmt: skip
+        header = (
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(ConnectionError):
+            writer.write(header.encode() + body)
+            await writer.drain()
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+    def _answer(self, head: bytes) -> tuple[int, str, bytes]:
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return 400, "text/plain", b"bad request\n"
+        method, path = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return 405, "text/plain", b"GET only\n"
+        if path == b"/live":
+            return 200, "application/json", b'{"status":"alive"}\n'
+        if path == b"/health":
+            ok, detail = self._health()
+            body = json.dumps({"status": "ok" if ok else "unavailable", **detail}).encode()
+            return (200 if ok else 503), "application/json", body + b"\n"
+        if path == b"/metrics":
+            return 200, self._type, self._metrics()
+        return 404, "text/plain", b"not found: /health, /live, /metrics\n"

@@ -1,0 +1,92 @@
+"""The autoscaler's control loop on real processes, with the ``local`` connector.
+
+A bounded load of long, uncached prompts (prefill-heavy) raises TTFT p90 over a low
+target; the autoscaler adds a prefill worker process through `radixserve up`'s pool API,
+the gateway routes to it; the load stops, and the autoscaler scales back down through a
+drain (the worker exits 0). No request fails. On 2 cores the added worker need not lower
+TTFT: this checks the loop and the routing; the simulator (`bench --scenario autoscale`)
+judges the policy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.metrics import metric_value
+from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing
+from tests.cluster.prompts import SYSTEM, chat
+
+
+def _env(prefix: str, values: dict[str, str]) -> dict[str, str]:
+    return {f"RADIXSERVE_{prefix}_{k}": v for k, v in values.items()}
+
+
+def test_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_after():
+    scaler_port = free_port()
+    config = ClusterConfig(
+        port=free_port(),
+        engine_env={"RADIXSERVE_DEVICE": "cpu", "RADIXSERVE_DTYPE": "float32",
+                    "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
+                    **_env("KVSTORE", {**FAST_LIVENESS, "HOST_CAPACITY_GIB": "0.1"})},
+        prefill_env=_env("PREFILL", FAST_LIVENESS),
+        decode_env=_env("DECODE", FAST_LIVENESS),
+        gateway_env=_env("GATEWAY", FAST_LIVENESS),
+        autoscale=True,
+        autoscaler_env=_env("AUTOSCALER", {
+            "TTFT_P90_TARGET_S": "0.25", "ITL_P90_TARGET_S": "5", "INTERVAL_S": "1",
+            "SCALE_UP_COOLDOWN_S": "2", "SCALE_DOWN_COOLDOWN_S": "6", "COLD_START_S": "0",
+            "MIN_PREFILL": "1", "MAX_PREFILL": "2", "MIN_DECODE": "1", "MAX_DECODE": "1",
+            "PORT": str(scaler_port),
+        }),
+        drain_timeout_s=60,
+    )  # fmt: skip
+    statuses: list[int] = []
+    stop = threading.Event()
+    with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=120) as http:
+        scaler = f"http://127.0.0.1:{scaler_port}"
+
+        def load(worker: int) -> None:  # bounded: at most 40 requests per thread
+            for i in range(40):
+                if stop.is_set():
+                    return
+                body = {"model": "default", "max_tokens": 2, "temperature": 0,
+                        "messages": chat("Hi", f"[{worker}.{i}] {SYSTEM} {SYSTEM}")}  # fmt: skip
+                resp = http.post("/v1/chat/completions", json=body)
+                statuses.append(resp.status_code)
+
+        threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            cluster.wait(lambda: cluster.worker("prefill-1")["up"], 150, "a second prefill worker")
+            cluster.wait(lambda: cluster.worker("prefill-1").get("prefill_requests_total", 0) > 0,
+                         60, "requests on the added worker")  # fmt: skip
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        ups = metric_value(httpx.get(f"{scaler}/metrics").text,
+                           "radixserve_autoscaler_decisions_total", role="prefill",
+                           direction="up")  # fmt: skip
+        assert ups >= 1
+        # the load is gone: back to one prefill worker, the added one drained and exited 0
+        cluster.wait(lambda: cluster.supervisor.retired.get("prefill-1") is not None, 90,
+                     "prefill-1 to be retired")  # fmt: skip
+        assert cluster.supervisor.retired["prefill-1"] == 0
+        cluster.wait(lambda: "prefill-1" not in cluster.workers(), 20, "prefill-1 to leave")
+        metrics = httpx.get(f"{scaler}/metrics").text
+        assert metric_value(metrics, "radixserve_autoscaler_decisions_total", role="prefill",
+                            direction="down") >= 1  # fmt: skip
+        assert metric_value(metrics, "radixserve_autoscaler_desired_replicas", role="prefill") == 1
+        assert httpx.get(f"{cluster.control_url}/v1/pools/prefill").json()["spec"]["replicas"] == 1
+        health = httpx.get(f"{scaler}/health")
+        assert health.status_code == 200 and health.json()["connector"] == "local"
+        deadline = time.monotonic() + 30
+        while not holds_nothing(cluster.debug_cache()):
+            assert time.monotonic() < deadline, cluster.debug_cache()
+            time.sleep(0.2)
+    assert statuses and all(s == 200 for s in statuses), statuses

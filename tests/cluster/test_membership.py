@@ -1,0 +1,205 @@
+"""Elastic membership with real processes, as a user runs it: `radixserve up`, then one
+more prefill and one more decode worker started by the join command it prints.
+
+One cluster, in order:
+1. the joined workers are listed at the gateway within 10 s of listening, and requests
+   reach both (remote prefill on the new prefill worker, streams on the new decode one);
+2. `kill -9` of the joined prefill worker: it leaves routing and the listing, requests
+   go on;
+3. SIGTERM of the joined decode worker while it streams a long answer: the stream
+   completes, requests sent during the drain go elsewhere, it exits 0 and leaves;
+4. `kill -9` of the kvstore (the discovery source): serving goes on with the members
+   known, and they are listed again once it is back;
+5. SIGTERM of `radixserve up` stops every process it started and exits 0.
+No request fails along the way, and no worker is left holding anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from radixserve.cluster import free_port
+from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing
+from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+from tests.cluster.test_up import _children, _gone
+
+ENV = {
+    **os.environ,
+    "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
+    "RADIXSERVE_DEVICE": "cpu",
+    "RADIXSERVE_DTYPE": "float32",
+    "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.1",
+    **{f"RADIXSERVE_{role}_{k}": v for role in ("PREFILL", "DECODE", "GATEWAY", "KVSTORE")
+       for k, v in FAST_LIVENESS.items()},
+}  # fmt: skip
+
+
+class Proc:
+    """A child process whose output lines are collected on a thread. A command line is
+    run as a shell would (``KEY=value`` words first are its environment), but without
+    one, so signals reach the process itself."""
+
+    def __init__(self, cmd: list[str] | str) -> None:
+        argv = shlex.split(cmd) if isinstance(cmd, str) else cmd
+        env = dict(ENV)
+        while argv and "=" in argv[0] and not argv[0].startswith("/"):
+            key, _, value = argv.pop(0).partition("=")
+            env[key] = value
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_line(self, text: str, timeout_s: float = 180) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if text in line:
+                    return line
+            assert self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in:\n{''.join(self.lines)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def wait(condition, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def ask(http: httpx.Client, question: str, max_tokens: int = 8, system: str = SYSTEM) -> dict:
+    body = {"model": "default", "messages": chat(question, system), "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_workers_join_leave_and_drain_in_a_running_cluster():
+    port = free_port()
+    up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)])
+    joined: list[Proc] = []
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+
+    def workers() -> dict:
+        return http.get("/debug/cache").json()["workers"]
+
+    try:
+        line = up.wait_line("add a worker: ")
+        up.wait_line("cluster up")
+        join = line.split("add a worker: ", 1)[1].split("  (or decode", 1)[0].strip()
+        assert " prefill --join tcp://127.0.0.1:" in join, join
+        children = _children(up.proc.pid)
+        assert len(children) == 4  # kvstore, prefill, decode, gateway
+
+        # 1. two workers join by the printed command
+        new_prefill = Proc(join)
+        new_decode = Proc(join.replace(" prefill --join", " decode --join"))
+        joined += [new_prefill, new_decode]
+        names = {}
+        for role, proc in (("prefill", new_prefill), ("decode", new_decode)):
+            listening = proc.wait_line(f"radixserve {role} ")
+            names[role] = listening.split()[2]
+            took = wait(lambda r=role: workers().get(names[r], {}).get("up"), 10,
+                        f"{names[role]} listed at the gateway")  # fmt: skip
+            assert took <= 10
+            assert workers()[names[role]]["discovered"]
+        wait(lambda: workers()[names["decode"]].get("prefills_up") == 2, 10,
+             "the joined decode worker's links to both prefill workers")  # fmt: skip
+        # requests reach them: concurrent prompts long enough to prefill remotely
+        for round_ in range(6):
+            systems = [f"[{round_}.{i}] {SYSTEM}" for i in range(4)]
+            threads = [threading.Thread(target=ask, args=(http, QUESTIONS[i], 4, systems[i]))
+                       for i in range(4)]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            w = workers()
+            if (w[names["prefill"]].get("prefill_requests_total", 0) > 0
+                    and w[names["decode"]].get("remote_prefills_total", 0)
+                    + w[names["decode"]].get("local_prefills_total", 0) > 0):  # fmt: skip
+                break
+        else:
+            raise AssertionError(f"requests never reached the joined workers: {workers()}")
+
+        # 2. kill -9 of the joined prefill worker: out of routing and the listing
+        new_prefill.proc.send_signal(signal.SIGKILL)
+        new_prefill.proc.wait(10)
+        wait(lambda: names["prefill"] not in workers(), 15, "the killed worker leaving")
+        for q in QUESTIONS[:2]:
+            ask(http, q, system="[after kill] " + SYSTEM)
+
+        # 3. SIGTERM of the joined decode worker while it streams
+        results: dict[str, int] = {}
+
+        def stream(tag: str) -> None:
+            body = {"model": "default", "messages": chat("Tell me about the library.",
+                    f"[{tag}] " + SYSTEM), "max_tokens": 120, "temperature": 0,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                for text in r.iter_lines():
+                    assert '"error"' not in text, text
+                    if '"usage":{' in text:
+                        results[tag] = int(text.split('"completion_tokens":')[1].split(",")[0])
+
+        streams = [threading.Thread(target=stream, args=(f"s{i}",)) for i in range(2)]
+        for t in streams:
+            t.start()
+        wait(lambda: workers()[names["decode"]].get("live_requests", 0) > 0, 60,
+             "a stream on the joined decode worker")  # fmt: skip
+        new_decode.proc.send_signal(signal.SIGTERM)
+        wait(lambda: workers()[names["decode"]].get("draining"), 5, "the gateway to see it drain")
+        ask(http, QUESTIONS[3], system="[during drain] " + SYSTEM)  # goes to decode-0
+        for t in streams:
+            t.join(120)
+        assert results == {"s0": 120, "s1": 120}
+        assert new_decode.proc.wait(60) == 0, "".join(new_decode.lines)
+        wait(lambda: names["decode"] not in workers(), 15, "the drained worker leaving")
+
+        # 4. the discovery source dies: serving goes on with the known members
+        kvstore = next(pid for pid in _children(up.proc.pid)
+                       if "services.kvstore" in Path(f"/proc/{pid}/cmdline").read_text())  # fmt: skip
+        os.kill(kvstore, signal.SIGKILL)
+        for q in QUESTIONS[4:6]:
+            ask(http, q)
+        w = workers()
+        assert w["decode-0"]["up"] and w["prefill-0"]["up"]
+        wait(lambda: workers().get("kvstore", {}).get("up") and all(
+            workers()[n]["up"] for n in ("decode-0", "prefill-0")), 60, "the kvstore back")  # fmt: skip
+        ask(http, QUESTIONS[6])
+        wait(lambda: holds_nothing(http.get("/debug/cache").json()), 30, "nothing held")
+
+        # 5. SIGTERM stops everything radixserve up started
+        children = _children(up.proc.pid)
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+        assert "cluster stopped" in "".join(up.lines)
+        assert all(_gone(pid) for pid in children)
+    finally:
+        http.close()
+        for proc in [*joined, up]:
+            proc.stop()

@@ -1,0 +1,90 @@
+"""Membership without processes: the kvstore's registry (register, replace, drop with the
+connection, watchers) and a router's view of it applied to real link sets (joins,
+draining, leaving only once down, a partial list after a kvstore restart cuts nothing,
+static addresses stay)."""
+
+from __future__ import annotations
+
+import zmq.asyncio
+
+from radixserve.protocol import MemberInfo, MemberList
+from radixserve.services.kvstore.registry import MemberRegistry
+from radixserve.services.runtime.links import LinkSet
+from radixserve.services.runtime.membership import MemberView
+
+
+def member(name: str, role: str = "decode", port: int = 1, gen: int = 1, draining: bool = False):
+    return MemberInfo(name, role, f"tcp://127.0.0.1:{port}", gen, draining)  # type: ignore[arg-type]
+
+
+def test_registry_lists_replaces_and_drops_members():
+    reg = MemberRegistry(epoch=7)
+    assert reg.register(member("d0", port=1), b"c1")
+    assert not reg.register(member("d0", port=1), b"c1")  # the same again: no change
+    assert reg.register(member("p0", "prefill", port=2), b"c2")
+    reg.watch(b"w", ("prefill",))
+    [(conn, listing)] = reg.watchers()
+    assert conn == b"w" and [m.name for m in listing.members] == ["p0"]
+    assert listing.epoch == 7
+    # a restart of d0 (new generation, new port) replaces it; a late old one does not
+    assert reg.register(member("d0", port=3, gen=2), b"c3")
+    assert not reg.register(member("d0", port=1, gen=1), b"c1")
+    assert [m.address for m in reg.listing(()).members if m.name == "d0"] == ["tcp://127.0.0.1:3"]
+    # the old connection going silent takes nothing of the new incarnation
+    assert reg.drop_connection(b"c1") == []
+    assert not reg.deregister("d0", generation=1)
+    version = reg.version
+    assert reg.deregister("d0", generation=2)
+    assert reg.version == version + 1
+    assert reg.drop_connection(b"c2") == ["p0"]
+    assert len(reg) == 0
+    assert reg.drop_connection(b"w") == [] and reg.watchers() == []
+
+
+def _links(context: zmq.asyncio.Context, static: list[str]) -> LinkSet:
+    return LinkSet(
+        context, static, name="gw", role="gateway", generation=1, interval_s=1.0,
+        peer_timeout_s=5.0, on_message=lambda link, msg: None,
+    )  # fmt: skip
+
+
+def test_view_follows_the_list_but_drops_only_links_that_are_down():
+    context = zmq.asyncio.Context()
+    decodes = _links(context, ["tcp://127.0.0.1:9"])  # one static address
+    view = MemberView({"decode": decodes})
+    try:
+        assert view.watch().roles == ("decode",)
+        view.apply(MemberList(1, 1, (member("d1", port=11), member("p", "prefill", port=12))))
+        assert {link.address for link in decodes.links} == {
+            "tcp://127.0.0.1:9", "tcp://127.0.0.1:11",
+        }  # fmt: skip
+        d1 = decodes.by_address("tcp://127.0.0.1:11")
+        assert d1 is not None and d1.discovered
+        d1.up, d1.name, d1.generation = True, "d1", 1  # as if its hello was answered
+        # listed as draining: nothing new goes there, at once
+        view.apply(MemberList(1, 2, (member("d1", port=11, draining=True),)))
+        assert d1.up and not d1.ready
+        # a stale list (older version) changes nothing
+        view.apply(MemberList(1, 1, ()))
+        assert d1 in decodes.links
+        # a new epoch (the kvstore restarted) lists nobody yet: the working link stays
+        view.apply(MemberList(2, 1, ()))
+        assert d1 in decodes.links
+        # ... until it goes down while unlisted; the static one never goes
+        d1.up = False
+        view.link_down("decode", d1)
+        assert [link.address for link in decodes.links] == ["tcp://127.0.0.1:9"]
+        assert d1.channel.closed
+        # an unlisted discovered link that is already down goes with the next list
+        view.apply(MemberList(2, 2, (member("d2", port=13),)))
+        view.apply(MemberList(2, 3, ()))
+        assert [link.address for link in decodes.links] == ["tcp://127.0.0.1:9"]
+        # a member already linked under another address (a static alias) is not doubled
+        static = decodes.links[0]
+        static.up, static.name = True, "d0"
+        view.apply(MemberList(2, 4, (member("d0", port=14),)))
+        assert len(decodes.links) == 1
+    finally:
+        for link in decodes.links:
+            link.channel.close()
+        context.term()
