@@ -24,6 +24,7 @@ from radixserve.protocol.messages import (
     KVEvent,
     KVReady,
     KVResync,
+    LogprobEntry,
     Message,
     PrefillRequest,
     RequestFailed,
@@ -32,6 +33,7 @@ from radixserve.protocol.messages import (
     SpillOffer,
     TokenChunk,
     TransferDone,
+    entries,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "KVEvent",
     "KVReady",
     "KVResync",
+    "LogprobEntry",
     "Message",
     "PrefillRequest",
     "ProtocolError",
@@ -66,4 +69,5 @@ __all__ = [
     "TransferDone",
     "decode",
     "encode",
+    "entries",
 ]

@@ -256,7 +256,7 @@ def _struct_to_wire(struct: WireStruct) -> dict[str, Any]:
         if isinstance(value, WireStruct):
             value = _struct_to_wire(value)
         elif isinstance(value, tuple):
-            value = list(value)
+            value = [_struct_to_wire(v) if isinstance(v, WireStruct) else v for v in value]
         elif isinstance(value, Mapping):
             value = dict(value)
         body[f.name] = value

@@ -28,7 +28,7 @@ and of the kvstore's host-memory tier (each worker over its link to the kvstore)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -50,10 +50,10 @@ from radixserve.protocol.wire import (
 from radixserve.protocol.wire import field_spec as _spec
 
 if TYPE_CHECKING:
-    from radixserve.engine.outputs import RequestOutput
+    from radixserve.engine.outputs import RequestOutput, TokenLogprob
     from radixserve.engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_PAGE_ID = 2**31 - 1
@@ -99,7 +99,8 @@ class SamplingSpec(WireStruct):
     """Sampling parameters as wire data; bounds here are sanity limits only.
 
     The semantic checks (min_tokens <= max_tokens, stop-string limits, ...) belong to
-    `SamplingParams`: `to_params` raises `InvalidRequestError` when they fail.
+    `SamplingParams`: `to_params` raises `InvalidRequestError` when they fail. The
+    logit biases travel as two parallel lists.
     """
 
     max_tokens: int = field(default=256, metadata=_spec(IntSpec(1, 2**31 - 1)))
@@ -113,17 +114,78 @@ class SamplingSpec(WireStruct):
     stop: tuple[str, ...] = field(default=(), metadata=_spec(ListSpec(StrSpec(4096), 64)))
     stop_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 4096)))
     ignore_eos: bool = field(default=False, metadata=_spec(BoolSpec()))
+    n: int = field(default=1, metadata=_spec(IntSpec(1, 4096)))
+    logprobs: int | None = field(default=None, metadata=_spec(OptionalSpec(IntSpec(0, 4096))))
+    prompt_logprobs: int | None = field(
+        default=None, metadata=_spec(OptionalSpec(IntSpec(0, 4096)))
+    )
+    presence_penalty: float = field(default=0.0, metadata=_spec(FloatSpec(-1e6, 1e6)))
+    frequency_penalty: float = field(default=0.0, metadata=_spec(FloatSpec(-1e6, 1e6)))
+    repetition_penalty: float = field(default=1.0, metadata=_spec(FloatSpec(0.0, 1e6)))
+    logit_bias_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 4096)))
+    logit_bias_values: tuple[float, ...] = field(
+        default=(), metadata=_spec(ListSpec(FloatSpec(-1e6, 1e6), 4096))
+    )
+    min_p: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1.0)))
+    guide_kind: str = field(default="", metadata=_spec(StrSpec(32)))
+    guide: str = field(default="", metadata=_spec(StrSpec(MAX_TEXT_CHARS)))
+
+    def invariant_error(self) -> str | None:
+        if len(self.logit_bias_ids) != len(self.logit_bias_values):
+            return "logit_bias_ids and logit_bias_values must have the same length"
+        return None
 
     def to_params(self) -> SamplingParams:
         """The engine's `SamplingParams` (validated; raises `InvalidRequestError`)."""
         from radixserve.engine.sampling_params import SamplingParams
 
-        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        ids, biases = values.pop("logit_bias_ids"), values.pop("logit_bias_values")
+        return SamplingParams(**values, logit_bias=tuple(zip(ids, biases)))
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingSpec:
         """The wire form of the engine's `SamplingParams`."""
-        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(cls)})
+        names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("logit_bias")]
+        return cls(
+            **{name: getattr(params, name) for name in names},
+            logit_bias_ids=tuple(t for t, _ in params.logit_bias),
+            logit_bias_values=tuple(b for _, b in params.logit_bias),
+        )
+
+
+@dataclass(frozen=True)
+class LogprobEntry(WireStruct):
+    """A token's log-probability and its top alternatives (`TokenLogprob` on the wire)."""
+
+    token_id: int = field(metadata=_spec(TOKEN_ID))
+    logprob: float = field(metadata=_spec(FloatSpec(-1e30, 1.0)))
+    top_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 4096)))
+    top_logprobs: tuple[float, ...] = field(
+        default=(), metadata=_spec(ListSpec(FloatSpec(-1e30, 1.0), 4096))
+    )
+
+    def invariant_error(self) -> str | None:
+        if len(self.top_ids) != len(self.top_logprobs):
+            return "top_ids and top_logprobs must have the same length"
+        return None
+
+    @classmethod
+    def from_logprob(cls, lp: TokenLogprob) -> LogprobEntry:
+        return cls(lp.token_id, lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs))
+
+    def to_logprob(self) -> TokenLogprob:
+        from radixserve.engine.outputs import TokenLogprob
+
+        return TokenLogprob(self.token_id, self.logprob, self.top_ids, self.top_logprobs)
+
+
+LOGPROB_ENTRIES = ListSpec(NestedSpec(LogprobEntry), MAX_TOKENS_PER_MESSAGE)
+
+
+def entries(lps: Sequence[TokenLogprob] | None) -> tuple[LogprobEntry, ...]:
+    """The wire form of a list of log-probabilities (None: empty)."""
+    return tuple(LogprobEntry.from_logprob(lp) for lp in lps or ())
 
 
 # --- handshake and liveness -----------------------------------------------------------
@@ -248,6 +310,10 @@ class KVReady(Message):
     prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    # a request with n > 1 choices: every choice's first token (first_token_id is choice 0's)
+    first_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
+    first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
 
 
 @dataclass(frozen=True)
@@ -262,7 +328,8 @@ class TransferDone(Message):
 
 @dataclass(frozen=True)
 class TokenChunk(Message):
-    """Decode worker -> gateway: new tokens of one request; the last has ``finished``."""
+    """Decode worker -> gateway: new tokens of one choice (``index``) of a request; a
+    choice's last chunk has ``finish_reason``, the request's last also ``finished``."""
 
     TYPE_TAG: ClassVar[str] = "token_chunk"
     request_id: str = field(metadata=_spec(REQUEST_ID))
@@ -277,6 +344,9 @@ class TokenChunk(Message):
     completion_tokens: int = field(default=0, metadata=_spec(COUNT))
     ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    index: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
+    logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> TokenChunk:
@@ -286,12 +356,15 @@ class TokenChunk(Message):
             token_ids=tuple(out.new_token_ids),
             text=out.new_text,
             finished=out.finished,
-            finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
+            finish_reason=out.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             completion_tokens=out.completion_tokens,
             ttft_ms=out.ttft_ms,
             host_cached_tokens=out.host_cached_tokens,
+            index=out.index,
+            logprobs=entries(out.logprobs),
+            prompt_logprobs=entries(out.prompt_logprobs),
         )
 
     def to_output(self) -> RequestOutput:
@@ -309,13 +382,20 @@ class TokenChunk(Message):
             completion_tokens=self.completion_tokens,
             ttft_ms=self.ttft_ms,
             host_cached_tokens=self.host_cached_tokens,
+            index=self.index,
+            logprobs=[e.to_logprob() for e in self.logprobs] if self.logprobs else None,
+            prompt_logprobs=(
+                [e.to_logprob() for e in self.prompt_logprobs] if self.prompt_logprobs else None
+            ),
         )
 
     def invariant_error(self) -> str | None:
-        if self.finished != (self.finish_reason is not None):
+        if self.finished and self.finish_reason is None:
+            return f"a finished chunk must have a finish_reason (finished={self.finished})"
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
             return (
-                f"finish_reason must be set exactly when finished "
-                f"(finished={self.finished}, finish_reason={self.finish_reason!r})"
+                f"logprobs must have one entry per token ({len(self.logprobs)} for "
+                f"{len(self.token_ids)} tokens)"
             )
         return None
 

@@ -59,7 +59,7 @@ class BytesSpec:
 class ListSpec:
     """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
 
-    item: IntSpec | StrSpec
+    item: IntSpec | StrSpec | FloatSpec | NestedSpec
     max_len: int
     min_len: int = 0
 
