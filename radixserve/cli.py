@@ -248,8 +248,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.engine.engine import Engine
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
-    keys = ("host", "port", "max_queued_requests", "served_model_name", "api_keys")
+    keys = ("host", "port", "max_queued_requests", "api_keys")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if args.served_model_name:
+        overrides["served_model_name"] = ",".join(args.served_model_name)
     gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
     client = LocalEngineClient(AsyncEngine(Engine(build_settings(args))))
     print(
@@ -285,6 +287,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode_env["RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS"] = str(
             args.local_prefill_max_tokens
         )
+    gateway_env = {}
+    if args.served_model_name:
+        gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
     config = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -295,6 +300,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port=args.port,
         engine_env=engine_env,
         decode_env=decode_env,
+        gateway_env=gateway_env,
         num_threads=args.num_threads,
     )
     print(
@@ -405,7 +411,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
-    srv.add_argument("--served-model-name", help="model name clients send (alias: default)")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
     _engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -423,6 +434,12 @@ def make_parser() -> argparse.ArgumentParser:
                     "(default 4; 0 = none)")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,

@@ -35,9 +35,11 @@ class GatewaySettings(BaseSettings):
     served_model_name: str | None = Field(
         None,
         min_length=1,
-        max_length=256,
-        description="Model name clients must send (besides the alias 'default'); "
-        "None = the engine's model name.",
+        max_length=1024,
+        pattern=r"^[^,\s]+(,[^,\s]+)*$",
+        description="Model ids clients may send, comma-separated (the first is reported in "
+        "responses; 'default' is always accepted too); None = derived from the checkpoint's "
+        "file or directory name, e.g. SmolLM2-135M-Instruct.",
     )
     decode_workers: list[str] = Field(
         default_factory=list,
