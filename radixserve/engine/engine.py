@@ -411,8 +411,7 @@ class Engine:
         req.output_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
-        if req.guide is not None:
-            advance(req.guide, token)
+        grammar_done = req.guide is not None and advance(req.guide, token)
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
@@ -422,7 +421,7 @@ class Engine:
         )
         text = "" if is_stop_token else req.detokenizer.add(token)
         reason = None
-        if is_stop_token or req.detokenizer.stopped:
+        if is_stop_token or req.detokenizer.stopped or grammar_done:
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"

@@ -184,7 +184,8 @@ def _filtered_probs(
 
     probs = torch.softmax(sorted_logits, dim=-1)  # (S, V)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # (S, V) mass of strictly better tokens
-    outside_nucleus = mass_before >= top_p.unsqueeze(1)  # (S, V); position 0 is never outside
+    outside_nucleus = mass_before >= top_p.unsqueeze(1)  # (S, V)
+    outside_nucleus[:, 0] = False  # the best token stays, even for a top_p that underflows
     probs = probs.masked_fill(outside_nucleus, 0.0)
     min_p = torch.tensor([p.min_p for p in params], device=device)  # (S,)
     if bool((min_p > 0).any()):  # sorted: position 0 holds the best token

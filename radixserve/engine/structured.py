@@ -4,8 +4,10 @@ grammar) compiled by llguidance into a matcher over the model's vocabulary.
 Per step, the masks of every guided row are computed in one parallel call
 (`LLExecutor`, which releases the GIL) on a helper thread while the model runs; the
 sampler then sets disallowed logits to -inf. A guided request's matcher consumes each
-token it samples; once the grammar is complete only EOS is allowed, so the output
-always parses (unless ``max_tokens`` cuts it short: finish_reason "length").
+token it samples; once the grammar admits nothing more the request stops (finish
+reason "stop"), and where it may end or go on only EOS or a continuing token is
+allowed, so the output always parses (unless ``max_tokens`` cuts it short: finish
+reason "length"). JSON is generated with compact separators.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from radixserve.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 _PARAM = "response_format"
+# Compact separators: with free whitespace a small model can loop on blank space forever.
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
 def _json_list(text: str) -> list[str]:
@@ -49,7 +53,9 @@ def grammar_for(kind: str, guide: str) -> str:
 
     param = _PARAM
     if kind == "json_object":
-        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_JSON_OPTIONS
+        )
     elif kind == "json_schema":
         try:
             schema = json.loads(guide)
@@ -58,7 +64,7 @@ def grammar_for(kind: str, guide: str) -> str:
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param=param)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(guide)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(guide, defaults=_JSON_OPTIONS)
         except ValueError as exc:
             raise InvalidRequestError(f"invalid JSON schema: {exc}", param=param) from None
     elif kind == "regex":
@@ -134,7 +140,13 @@ class GuideCompiler:
             self._pool = None
 
 
-def advance(matcher: Any, token_id: int) -> None:
-    """Feed a sampled token to a matcher (a refused token is logged: the mask allowed it)."""
+def advance(matcher: Any, token_id: int) -> bool:
+    """Feed a sampled token to a matcher; True when the grammar is complete and admits
+    nothing more (the request then stops). A refused token is logged (the mask allowed
+    it: only a row with no allowed token at all can get one)."""
+    if matcher.is_stopped():
+        return True
     if not matcher.consume_token(token_id):
         logger.warning("guide refused token %d: %s", token_id, matcher.get_error()[:200])
+        return True
+    return bool(matcher.is_stopped())

@@ -145,13 +145,15 @@ class _Gateway:
         self.authorize(request)
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        return await self.generate(request, completion_plan(req, self.client))
+        plan = completion_plan(req, self.client, self.settings.max_choices_per_request)
+        return await self.generate(request, plan)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        plan = chat_plan(req, self.client, self.settings.default_max_tokens)
+        s = self.settings
+        plan = chat_plan(req, self.client, s.default_max_tokens, s.max_choices_per_request)
         return await self.generate(request, plan)
 
     async def generate(self, request: Request, plan: Plan) -> Response:

@@ -33,11 +33,22 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "no worker can serve"),
     )
 }
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
-        "description": "the response, or with `stream` server-sent events",
-    },  # fmt: skip
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        "description": "the response; with `stream`, server-sent events whose `data` is one "
+        "chunk as JSON, the last `[DONE]`",
+    },
     **_ERRORS,
 }
 

@@ -111,8 +111,17 @@ def _choices(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int
     return count, best
 
 
-def completion_plan(req: CompletionRequest, client: EngineClient) -> Plan:
+def _check_choices(total: int, limit: int) -> None:
+    if total > limit:
+        raise OpenAIError(
+            400, f"the request asks for {total} choices (prompts x n or best_of); at most "
+            f"{limit} are served per request", "n",
+        )  # fmt: skip
+
+
+def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: int) -> Plan:
     n, best_of = _choices(req.n, req.best_of, bool(req.stream))
+    _check_choices(len(req.prompts()) * best_of, max_choices)
     echo = bool(req.echo)
     if req.max_tokens == 0 and not echo:
         raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
@@ -138,8 +147,11 @@ def completion_plan(req: CompletionRequest, client: EngineClient) -> Plan:
                 include_usage=req.include_usage)  # fmt: skip
 
 
-def chat_plan(req: ChatCompletionRequest, client: EngineClient, default_max_tokens: int) -> Plan:
+def chat_plan(
+    req: ChatCompletionRequest, client: EngineClient, default_max_tokens: int, max_choices: int
+) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
+    _check_choices(n, max_choices)
     ids = client.chat_prompt_ids(req.template_messages())
     room = _room(client, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

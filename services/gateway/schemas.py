@@ -15,17 +15,27 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from radixserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from radixserve.services.gateway.errors import OpenAIError
 
-TOKEN_ID = Annotated[int, Field(ge=0, le=2**31 - 1)]
-TOKEN_COUNT = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+def _integral(value: object) -> object:
+    """JSON Schema's integers include 2.0: take an integral float as that int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TOKEN_ID = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+TOKEN_COUNT = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+Text = Annotated[str, Field(min_length=1)]
 Prompt = Annotated[
-    str
+    Text
     | Annotated[list[TOKEN_ID], Field(min_length=1)]
-    | Annotated[list[str], Field(min_length=1, max_length=256)]
+    | Annotated[list[Text], Field(min_length=1, max_length=256)]
     | Annotated[list[Annotated[list[TOKEN_ID], Field(min_length=1)]], Field(min_length=1,
                                                                              max_length=256)],
     Field(description="One prompt (text or token ids) or a list of them (up to 256)."),
@@ -73,12 +83,12 @@ class GenerationRequest(_Body):
     ignore_eos: bool | None = None
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: off.")
+    top_k: Int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: off.")
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
     stop_token_ids: Annotated[list[TOKEN_ID], Field(max_length=1024)] | None = None
-    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
+    n: Int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10, description="vLLM's; 1 = off.")
@@ -89,7 +99,7 @@ class GenerationRequest(_Body):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON schema.")
     guided_regex: str | None = Field(None, max_length=4096, description="vLLM: a regex.")
-    guided_choice: Annotated[list[str], Field(min_length=1, max_length=256)] | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=256)] | None = None
     guided_grammar: str | None = Field(None, max_length=65536, description="A Lark grammar.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -133,9 +143,9 @@ class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`. max_tokens defaults to 16 (as OpenAI's)."""
 
     prompt: Prompt
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    best_of: Int | None = Field(None, ge=1, le=MAX_CHOICES)
     echo: bool | None = Field(False, description="Prepend the prompt (and its logprobs).")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
     suffix: str | None = Field(None, max_length=0, description="Not supported: must be empty.")
 
     def prompts(self) -> list[str | list[int]]:
@@ -174,7 +184,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     max_completion_tokens: TOKEN_COUNT | None = None
     logprobs: bool | None = Field(False, description="Return the tokens' log-probabilities.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
         None, description="Not supported for this model: must be empty."
     )

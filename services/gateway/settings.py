@@ -104,6 +104,13 @@ class GatewaySettings(BaseSettings):
         description="Longest wait for the kvstore index per request; past it, prefill is "
         "routed by load alone.",
     )
+    max_choices_per_request: int = Field(
+        256,
+        ge=1,
+        le=1 << 16,
+        description="Most choices one request may generate (its prompts times n, or "
+        "best_of); more get 400.",
+    )
     default_max_tokens: int = Field(
         1024,
         ge=1,
