@@ -172,6 +172,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.gateway_chat import run_gateway_bench
 
         return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "sampling":
+        from radixserve.bench.sampling import run_sampling_bench
+
+        return run_sampling_bench(build_settings(args), out_path=args.out, quick=args.quick)
     if args.scenario == "host-tier":
         from radixserve.bench.host_tier import run_host_tier_bench
 
@@ -375,10 +379,11 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", "host-tier", *SUITE_SCENARIOS],
+        choices=["engine", "gateway", "host-tier", "sampling", *SUITE_SCENARIOS],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
+        "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
         "multi-turn, rag, "
         "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
     )

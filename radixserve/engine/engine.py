@@ -266,15 +266,11 @@ class Engine:
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
     ) -> list[RequestOutput]:
-        """The reserved pages now hold the prompt's KV; continue with the first token of
-        each choice (``first_tokens``: one id, or ``n`` of them, choice order), forking
-        the choices here. Returns each choice's first output.
-
-        ``cached_tokens`` is how many prompt tokens the cluster served from a cache (the
-        prefill worker's hit); it replaces this engine's own count in the outputs.
-        ``first_logprobs`` (one per choice) and ``prompt_logprobs`` are what the prefill
-        side computed, when the request asks for them.
-        """
+        """The reserved pages now hold the prompt's KV; continue with each choice's first
+        token (one id, or n in choice order; the choices fork here) and return each
+        choice's first output. ``cached_tokens`` (the prefill worker's cache hit)
+        replaces this engine's own count; ``first_logprobs`` (one per choice) and
+        ``prompt_logprobs`` are the prefill side's, when the request asks for them."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.AWAITING_KV:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
@@ -348,8 +344,7 @@ class Engine:
         return self.scheduler.has_work
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request (every choice) wherever it is and return its pages; None if
-        unknown or finished."""
+        """Stop every choice of a request and return its pages; None if unknown/finished."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
@@ -376,25 +371,11 @@ class Engine:
         return [self._append(req, tok, now, lp) for req, tok, lp in draws]
 
     def _fork(self, parent: Request) -> list[Request]:
-        """Choices 1..n-1 of ``parent`` (which has just computed its prompt): each shares
-        the prompt's pages (its partial last page copied) and a copy of its guide."""
+        """Choices 1..n-1 of ``parent``, which has just computed its prompt (they share it)."""
         parent.forked = True
         children = []
         for i in range(1, parent.params.n):
-            child = Request(
-                request_id=f"{parent.request_id}#{i}",
-                prompt_ids=parent.prompt_ids,
-                params=parent.params,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, parent.params.stop),
-                group_id=parent.group_id,
-                index=i,
-                arrival_time=parent.arrival_time,
-                group=parent.group,
-            )
-            child.forked = child.prompt_logprobs_sent = True
-            child.num_host_cached_tokens = parent.num_host_cached_tokens
-            child.guide = parent.guide.deep_copy() if parent.guide is not None else None
-            parent.group.append(child)
+            child = parent.fork_child(i, IncrementalDetokenizer(self.tokenizer, parent.params.stop))
             self._requests[child.request_id] = child
             if not self.scheduler.fork(parent, child, self._copy_page):
                 self.scheduler.requeue(child)  # no page for its copy: it recomputes later

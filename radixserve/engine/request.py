@@ -72,6 +72,25 @@ class Request:
         if not self.group:
             self.group.append(self)
 
+    def fork_child(self, index: int, detokenizer: IncrementalDetokenizer) -> Request:
+        """Choice ``index`` of this request's group (it joins the group; it holds no pages
+        yet: `Scheduler.fork` shares this request's)."""
+        child = Request(
+            request_id=f"{self.request_id}#{index}",
+            prompt_ids=self.prompt_ids,
+            params=self.params,
+            detokenizer=detokenizer,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.arrival_time,
+            group=self.group,
+        )
+        child.forked = child.prompt_logprobs_sent = True
+        child.num_host_cached_tokens = self.num_host_cached_tokens
+        child.guide = self.guide.deep_copy() if self.guide is not None else None
+        self.group.append(child)
+        return child
+
     @property
     def scores_prompt(self) -> bool:
         """True while prompt log-probabilities are wanted and not all computed: the

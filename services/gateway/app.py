@@ -14,6 +14,7 @@ GET /debug/cache, and FastAPI's own GET /openapi.json and /docs. Contracts:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
 from radixserve.services.gateway import extra_routes
 from radixserve.services.gateway.choices import ChoiceBook, Generation
@@ -203,10 +205,10 @@ class _Gateway:
         return JSONResponse(body)
 
     @staticmethod
-    def _totals(plan: Plan, gen: Generation) -> list:
+    def _totals(plan: Plan, gen: Generation) -> list[RequestOutput]:
         totals = [gen.total(j) for j in range(len(plan.jobs))]
         if plan.drop_generated:  # the one token a max_tokens 0 echo ran was not returned
-            totals = [t.__class__(**{**t.__dict__, "completion_tokens": 0}) for t in totals]
+            totals = [dataclasses.replace(t, completion_tokens=0) for t in totals]
         return totals
 
     async def _events(

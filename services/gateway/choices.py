@@ -34,6 +34,7 @@ class Generation:
         self.timers = [RequestTimer(metrics) for _ in streams]
         self.lasts: list[RequestOutput | None] = [None] * len(streams)
         self.tokens = [0] * len(streams)  # generated tokens per stream, every choice
+        self._firsts: list[RequestOutput] = []  # each stream's first output (`first`)
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 

@@ -79,3 +79,31 @@ def test_prompt_scores_ignore_the_cache_and_equal_cache_off(tiny):
     assert on.generate([prompt], plain)[0].cached_tokens > 0
     assert_no_leaks(on)
     assert_no_leaks(off)
+
+
+def test_new_fields_give_the_same_tokens_with_the_cache_on_and_off(tiny):
+    path, _ = tiny
+    on = make_engine(str(path), page_size=4)
+    off = make_engine(str(path), page_size=4, prefix_cache=False)
+    prompt = _ids(23, on.config.vocab_size, 11)
+    variants = [
+        SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=1.5,
+                       frequency_penalty=0.5, repetition_penalty=1.3, logprobs=3),
+        SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 4.0, 9: -50.0}, n=2),
+        SamplingParams(max_tokens=8, temperature=0.9, seed=4, n=3, min_p=0.05),
+        SamplingParams(max_tokens=8, temperature=0.0, guide_kind="regex", guide="[a-z]{3,6}"),
+    ]  # fmt: skip
+    on.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))  # cache the prompt
+    for params in variants:
+        cached = on.generate([prompt], params)
+        fresh = off.generate([prompt], params)
+        assert cached[0].cached_tokens > 0
+        assert [r.token_ids for r in cached] == [r.token_ids for r in fresh]
+        for a, b in zip(cached, fresh):  # the cached prefix's KV: equal within fp32 rounding
+            if a.logprobs is not None:
+                assert [x.top_ids for x in a.logprobs] == [y.top_ids for y in b.logprobs]
+                assert [x.logprob for x in a.logprobs] == pytest.approx(
+                    [y.logprob for y in b.logprobs], abs=1e-4
+                )
+    assert_no_leaks(on)
+    assert_no_leaks(off)
