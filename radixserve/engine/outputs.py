@@ -12,8 +12,8 @@ NEG_INF_LOGPROB = -9999.0
 class TokenLogprob:
     """A token's log-probability and the most likely alternatives at its position.
 
-    ``top_ids`` / ``top_logprobs`` are sorted by descending log-probability (ties by
-    ascending id); they may or may not include ``token_id``.
+    ``top_ids`` / ``top_logprobs`` are sorted by descending log-probability (equal ones
+    in no set order); they may or may not include ``token_id``.
     """
 
     token_id: int
