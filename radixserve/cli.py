@@ -173,6 +173,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.gateway_chat import run_gateway_bench
 
         return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "sampling":
+        from radixserve.bench.sampling import run_sampling_bench
+
+        return run_sampling_bench(build_settings(args), out_path=args.out, quick=args.quick)
     if args.scenario == "host-tier":
         from radixserve.bench.host_tier import run_host_tier_bench
 
@@ -253,8 +257,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.engine.engine import Engine
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
-    keys = ("host", "port", "max_queued_requests", "served_model_name", "api_keys")
+    keys = ("host", "port", "max_queued_requests", "api_keys")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if args.served_model_name:
+        overrides["served_model_name"] = ",".join(args.served_model_name)
     gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
     client = LocalEngineClient(AsyncEngine(Engine(build_settings(args))))
     print(
@@ -289,6 +295,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode_env["RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS"] = str(
             args.local_prefill_max_tokens
         )
+    gateway_env = {}
+    if args.served_model_name:
+        gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
     config = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -299,6 +308,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port=args.port,
         engine_env=engine_env,
         decode_env=decode_env,
+        gateway_env=gateway_env,
         num_threads=args.num_threads,
         autoscale=args.autoscale,
         drain_timeout_s=args.drain_timeout_s,
@@ -400,12 +410,13 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", "host-tier", "autoscale", *SUITE_SCENARIOS],
+        choices=["engine", "gateway", "host-tier", "autoscale", "sampling", *SUITE_SCENARIOS],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
         "autoscale: the autoscaler's policy in a simulation of the pools over a load trace, "
         "against static-peak and naive-reactive pools; "
+        "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
         "multi-turn, rag, "
         "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
     )
@@ -441,7 +452,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
-    srv.add_argument("--served-model-name", help="model name clients send (alias: default)")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
     _engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -459,6 +475,12 @@ def make_parser() -> argparse.ArgumentParser:
                     "(default 4; 0 = none)")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,

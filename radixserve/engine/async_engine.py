@@ -163,12 +163,14 @@ class AsyncEngine:
             return
         if call.watch is not None and call.out is not None:
             watch = _Watch(call.loop, call.out)
-            if isinstance(value, RequestOutput) and value.request_id == call.watch:
-                # fn produced the request's first output itself (e.g. activate_remote)
-                call.loop.call_soon_threadsafe(call.out.put_nowait, value)
-                if not value.finished:
-                    self._watches[call.watch] = watch
-            else:
+            produced = value if isinstance(value, list) else [value]
+            mine = [
+                v for v in produced if isinstance(v, RequestOutput) and v.request_id == call.watch
+            ]
+            # fn produced the request's first outputs itself (e.g. activate_remote)
+            for output in mine:
+                call.loop.call_soon_threadsafe(call.out.put_nowait, output)
+            if not any(output.finished for output in mine):
                 self._watches[call.watch] = watch
         call.loop.call_soon_threadsafe(_settle, call.result, value, None)
 

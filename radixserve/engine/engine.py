@@ -1,8 +1,9 @@
 """The engine: model + KV pool + radix cache + scheduler, stepped by its caller.
 
 step():  batch = scheduler.schedule()          # decodes, then prefill chunks
+         masks = choices.start_masks(batch)    # structured output, beside the model
          logits = runner.run(batch)            # one forward over every token
-         tokens = sampler(logits)              # for requests at their newest token
+         tokens = choices.sample(logits)       # for requests at their newest token
          postprocess(tokens)                   # detokenise, stop, finish, cache
 """
 
@@ -20,15 +21,17 @@ from radixserve.cache.block_hash import hash_namespace
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache, RadixNode
+from radixserve.engine.choice_sampler import ChoiceSampler
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.outputs import GenerationResult, RequestOutput
+from radixserve.engine.outputs import GenerationResult, RequestOutput, TokenLogprob
 from radixserve.engine.request import Request, RequestStatus
-from radixserve.engine.sampler import Sampler, make_generator
+from radixserve.engine.sampler import Sampler
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.step_stats import StepStats
+from radixserve.engine.structured import GuideCompiler, advance
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.checkpoint import load_checkpoint
@@ -104,7 +107,13 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.device)
         self.sampler = Sampler()
-        self._requests: dict[str, Request] = {}
+        eos = self.config.eos_token_ids
+        self.guides = GuideCompiler(
+            self.tokenizer.to_json(), self.config.vocab_size, eos[0] if eos else None
+        )
+        self.choices = ChoiceSampler(self.sampler, self.guides, eos, self.device)
+        self._requests: dict[str, Request] = {}  # by internal id (choice i > 0: "<id>#i")
+        self._groups: dict[str, list[Request]] = {}  # by request id: every choice
         self._ids = itertools.count()
         self.leases = LeaseTable(self.allocator)
         self._host_loads: dict[str, HostLoad] = {}
@@ -154,24 +163,35 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
                 "tokens and at least one must be left to generate"
             )
-        need = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        one = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        need = one + (params.n - 1) * (one - len(prompt_ids))  # choices share the prompt
         if need > self.capacity_tokens:
             raise CapacityError(
-                f"request needs up to {need} tokens of KV (prompt {len(prompt_ids)} + max_tokens "
-                f"{params.max_tokens}) but the KV pool holds {self.capacity_tokens} tokens; "
-                "lower max_tokens or raise kv_cache_memory_gib"
+                f"request needs up to {need} tokens of KV (prompt {len(prompt_ids)} + "
+                f"{params.n} x max_tokens {params.max_tokens}) but the KV pool holds "
+                f"{self.capacity_tokens} tokens; lower max_tokens or raise kv_cache_memory_gib"
             )
+        vocab = self.config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
+        guide = self.guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._groups or request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            generator=make_generator(params.seed, self.device),
         )
+        req.guide = guide
+        req.forked = params.n == 1
         self._requests[request_id] = req
+        self._groups[request_id] = req.group
         return req
 
     def add_request(
@@ -235,6 +255,7 @@ class Engine:
         req = self._new_request(prompt, params, request_id)
         if not self.scheduler.reserve_remote(req):
             del self._requests[req.request_id]
+            del self._groups[req.request_id]
             return None
         first = req.num_computed // self.page_size
         return req.request_id, req.num_computed, list(req.page_ids[first:])
@@ -242,24 +263,37 @@ class Engine:
     def activate_remote(
         self,
         request_id: str,
-        first_token: int,
+        first_tokens: int | Sequence[int],
         cached_tokens: int | None = None,
         host_cached_tokens: int = 0,
-    ) -> RequestOutput:
-        """The reserved pages now hold the prompt's KV; continue with `first_token`.
-
-        ``cached_tokens`` is how many prompt tokens the cluster served from a cache (the
-        prefill worker's hit); it replaces this engine's own count in the outputs.
-        """
+        first_logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> list[RequestOutput]:
+        """The reserved pages now hold the prompt's KV; continue with each choice's first
+        token (one id, or n in choice order; the choices fork here) and return each
+        choice's first output. ``cached_tokens`` (the prefill worker's cache hit)
+        replaces this engine's own count; ``first_logprobs`` (one per choice) and
+        ``prompt_logprobs`` are the prefill side's, when the request asks for them."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.AWAITING_KV:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
+        tokens = [first_tokens] if isinstance(first_tokens, int) else list(first_tokens)
+        if len(tokens) != req.params.n or len(first_logprobs) not in (0, len(tokens)):
+            raise InvalidRequestError(
+                f"request {request_id!r} has {req.params.n} choices; got {len(tokens)} first "
+                f"tokens and {len(first_logprobs)} log-probabilities"
+            )
         self.scheduler.activate_remote(req)
         if cached_tokens is not None:
             req.num_cached_tokens = cached_tokens
             req.num_computed_prompt_tokens = len(req.prompt_ids) - cached_tokens
         req.num_host_cached_tokens = host_cached_tokens
-        return self._append(req, first_token, time.perf_counter())
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
+        members = [req] if req.forked else [req, *self._fork(req)]
+        now = time.perf_counter()
+        lps: list[TokenLogprob | None] = [*first_logprobs] or [None] * len(members)
+        return [self._append(m, t, now, lp) for m, t, lp in zip(members, tokens, lps)]
 
     def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a request for ``prompt_ids`` would find cached now (page-aligned,
@@ -313,12 +347,15 @@ class Engine:
         return self.scheduler.has_work
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and return its pages; None if unknown/finished."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
+        """Stop every choice of a request and return its pages; None if unknown/finished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
             return None
-        self.scheduler.finish(req, "abort")
-        return self._output(req, [], "")
+        live = [m for m in group if m.status is not RequestStatus.FINISHED]
+        for member in live:
+            self._requests.pop(member.request_id, None)
+            self.scheduler.finish(member, "abort")
+        return self._output(live[0] if live else group[0], [], "")
 
     def step(self) -> list[RequestOutput]:
         self.leases.expire(time.perf_counter())
@@ -326,25 +363,41 @@ class Engine:
         if batch is None:
             return []
         start = time.perf_counter()
-        logits, sampling = self.runner.run(batch)
+        masks = self.choices.start_masks(batch)  # computed while the model runs
+        logits, sampling, prompt_logits = self.runner.run(batch)
         self.scheduler.after_step(batch)
-        tokens: list[int] = []
-        if sampling:
-            tokens = self.sampler(
-                logits,
-                [r.params for r in sampling],
-                [r.generator for r in sampling],
-                [len(r.output_ids) for r in sampling],
-                self.config.eos_token_ids,
-            ).tolist()
+        for req, position, rows in prompt_logits:
+            self.choices.score_prompt(req, position, rows)
+        draws = self.choices.sample(logits, sampling, masks, self._fork) if sampling else []
         now = time.perf_counter()
         self.step_stats.record(batch.num_new_tokens, now - start)
-        outputs = [self._append(req, tok, now) for req, tok in zip(sampling, tokens)]
+        outputs = [self._append(req, tok, now, lp) for req, tok, lp in draws]
         self.step_stats.queued_prompt_tokens = self.scheduler.pending_prompt_tokens()
         return outputs
 
-    def _append(self, req: Request, token: int, now: float) -> RequestOutput:
+    def _fork(self, parent: Request) -> list[Request]:
+        """Choices 1..n-1 of ``parent``, which has just computed its prompt (they share it)."""
+        parent.forked = True
+        children = []
+        for i in range(1, parent.params.n):
+            child = parent.fork_child(i, IncrementalDetokenizer(self.tokenizer, parent.params.stop))
+            self._requests[child.request_id] = child
+            if not self.scheduler.fork(parent, child, self._copy_page):
+                self.scheduler.requeue(child)  # no page for its copy: it recomputes later
+            children.append(child)
+        return children
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        kv = self.kv_pool.kv  # (L, 2, P, page_size, H, D)
+        kv[:, :, dst].copy_(kv[:, :, src])
+
+    def _append(
+        self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        grammar_done = req.guide is not None and advance(req.guide, token)
         if req.first_token_time is None:
             req.first_token_time = now
         p = req.params
@@ -354,7 +407,7 @@ class Engine:
         )
         text = "" if is_stop_token else req.detokenizer.add(token)
         reason = None
-        if is_stop_token or req.detokenizer.stopped:
+        if is_stop_token or req.detokenizer.stopped or grammar_done:
             reason = "stop"
         elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
@@ -367,20 +420,35 @@ class Engine:
                 self.leases.hold(req.request_id, req.page_ids[:num_pages], now + req.lease_s)
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
-        return self._output(req, [token], text)
+            if all(m.status is RequestStatus.FINISHED for m in req.group):
+                self._groups.pop(req.group_id, None)
+        return self._output(req, [token], text, None if logprob is None else [logprob])
 
-    def _output(self, req: Request, new_ids: list[int], text: str) -> RequestOutput:
+    def _output(
+        self,
+        req: Request,
+        new_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and new_ids:
+            prompt_logprobs = list(req.prompt_logprobs)
+            req.prompt_logprobs_sent = True
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.group_id,
             new_token_ids=new_ids,
             new_text=text,
-            finished=req.status is RequestStatus.FINISHED,
+            finished=all(m.status is RequestStatus.FINISHED for m in req.group),
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.num_cached_tokens,
             completion_tokens=len(req.output_ids),
             ttft_ms=req.ttft_ms,
             host_cached_tokens=min(req.num_host_cached_tokens, req.num_cached_tokens),
+            index=req.index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def request(self, request_id: str) -> Request | None:
@@ -389,14 +457,17 @@ class Engine:
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[GenerationResult]:
-        """Run prompts to completion as one continuous batch; results in prompt order."""
-        reqs = []
+        """Run prompts to completion as one continuous batch; results in prompt order
+        (with ``params.n`` > 1, every choice of a prompt in index order)."""
+        groups = []
         for prompt in prompts:
             rid = self.add_request(prompt, params)
-            reqs.append(self._requests[rid])
-        while any(r.status is not RequestStatus.FINISHED for r in reqs):
+            groups.append(self._groups[rid])
+        while any(
+            r.status is not RequestStatus.FINISHED or not r.forked for g in groups for r in g
+        ):
             self.step()
-        return [self._result(r) for r in reqs]
+        return [self._result(r) for g in groups for r in g]
 
     def _result(self, req: Request) -> GenerationResult:
         assert req.first_token_time is not None and req.finish_time is not None
@@ -410,6 +481,11 @@ class Engine:
             finish_reason=req.finish_reason or "stop",
             ttft_ms=(req.first_token_time - req.arrival_time) * 1000.0,
             e2e_ms=(req.finish_time - req.arrival_time) * 1000.0,
+            index=req.index,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=(
+                list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+            ),
         )
 
     def step_counters(self) -> dict[str, int | float]:

@@ -19,9 +19,13 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+    def run(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int, torch.Tensor]]]:
         """Compute the batch; returns logits (N, vocab) for the N requests whose chunk
-        reached their newest token (they sample next), and those requests in order."""
+        reached their newest token (they sample next), those requests in order, and for
+        requests scoring their prompt (`Request.scores_prompt`) (req, p, logits (k, V))
+        of chunk positions p..p+k-1 whose next token is a prompt token."""
         # Multi-token chunks (prefill spans) first, then single-token decodes.
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] == 1)
         ids: list[int] = []
@@ -31,6 +35,7 @@ class ModelRunner:
         decode_reqs: list[Request] = []
         sampling: list[Request] = []
         logits_rows: list[int] = []
+        scored: list[tuple[Request, int, list[int]]] = []
         ps = self.page_size
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
@@ -47,6 +52,13 @@ class ModelRunner:
             if lo + n == req.num_tokens:
                 sampling.append(req)
                 logits_rows.append(len(ids) - 1)
+            if req.scores_prompt:
+                hi = min(lo + n, len(req.prompt_ids) - 1)
+                if hi > lo:
+                    scored.append((req, lo, list(range(start, start + hi - lo))))
+        prompt_from = len(logits_rows)
+        for _, _, rows in scored:
+            logits_rows.extend(rows)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             prefills=tuple(spans),
@@ -59,7 +71,11 @@ class ModelRunner:
             meta,
             self._tensor(logits_rows),
         )
-        return logits, sampling
+        prompt_logits = []
+        for req, lo, rows in scored:
+            prompt_logits.append((req, lo, logits[prompt_from : prompt_from + len(rows)]))
+            prompt_from += len(rows)
+        return logits[: len(sampling)], sampling, prompt_logits
 
     def _decode_batch(self, reqs: list[Request], start: int) -> DecodeBatch | None:
         if not reqs:

@@ -11,6 +11,10 @@ Lifecycle (see docs/architecture.md §1):
 
 `token_ids` = prompt + output; KV exists for `token_ids[:num_computed]`, stored in
 `page_ids` (one page id per `page_size` tokens, the last one possibly partial).
+
+A request with ``n`` choices is a group: the first member (choice 0, internal id = the
+request id) computes the prompt; when it samples its first token it forks into n
+members that share the prompt's pages (`Scheduler.fork`), each with its own output.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from radixserve.cache.radix_cache import RadixNode
 from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
 
 
@@ -39,7 +43,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
+    group_id: str = ""  # the request id clients know; "" = request_id
+    index: int = 0  # the choice within its group
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -54,6 +59,46 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     admitted_once: bool = False
     lease_s: float | None = None  # prefill-only: hold the prompt's pages this long when done
+    guide: Any = None  # structured output: the llguidance matcher, advanced per token
+    forked: bool = False  # choices 1..n-1 exist (or n == 1)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored so far
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    group: list[Request] = field(default_factory=list)  # every member, this one included
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
+        if not self.group:
+            self.group.append(self)
+
+    def fork_child(self, index: int, detokenizer: IncrementalDetokenizer) -> Request:
+        """Choice ``index`` of this request's group (it joins the group; it holds no pages
+        yet: `Scheduler.fork` shares this request's)."""
+        child = Request(
+            request_id=f"{self.request_id}#{index}",
+            prompt_ids=self.prompt_ids,
+            params=self.params,
+            detokenizer=detokenizer,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.arrival_time,
+            group=self.group,
+        )
+        child.forked = child.prompt_logprobs_sent = True
+        child.num_host_cached_tokens = self.num_host_cached_tokens
+        child.guide = self.guide.deep_copy() if self.guide is not None else None
+        self.group.append(child)
+        return child
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True while prompt log-probabilities are wanted and not all computed: the
+        request then computes its prompt without the cache."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
 
     @property
     def token_ids(self) -> list[int]:

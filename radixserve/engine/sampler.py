@@ -1,9 +1,16 @@
 """Turn one step's logits into one token per request.
 
-Order of operations per row: suppress EOS / stop ids while `min_tokens` is not reached;
-greedy rows take the argmax; other rows divide by the temperature, keep the top-k, keep
-the nucleus (top-p) of what is left, and draw from the renormalised distribution with the
-row's own generator (seeded requests) or the global RNG (everything else, batched).
+Order of operations per row: mask the tokens a structured-output grammar disallows;
+suppress EOS / stop ids while `min_tokens` is not reached; add logit biases; apply the
+repetition, frequency and presence penalties (`penalties`); greedy rows take the argmax;
+other rows divide by the temperature, keep the top-k, keep the nucleus (top-p) of what
+is left, drop tokens under min_p times the best one, and draw from the renormalised
+distribution with the row's own generator (seeded requests) or the global RNG
+(everything else, batched).
+
+A seeded row's generator is a function of (seed, choice index, tokens sampled so far)
+(`step_generator`), not of the batch it runs in, so a stream continues identically
+wherever it runs (another worker, after a preemption).
 """
 
 from __future__ import annotations
@@ -12,9 +19,33 @@ from collections.abc import Sequence
 
 import torch
 
+from radixserve.engine.penalties import apply_logit_bias, apply_penalties
 from radixserve.engine.sampling_params import SamplingParams
 
 _SEED_MASK = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit function of ``value``."""
+    value = (value + 0x9E3779B97F4A7C15) & _SEED_MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return value ^ (value >> 31)
+
+
+def step_seed(seed: int, index: int, step: int) -> int:
+    """The generator seed of choice ``index`` of a request seeded ``seed``, for the
+    token after ``step`` sampled ones."""
+    return _mix64(_mix64(_mix64(seed & _SEED_MASK) ^ index) ^ step)
+
+
+def step_generator(
+    seed: int | None, index: int, step: int, device: torch.device | str
+) -> torch.Generator | None:
+    """`make_generator` for one draw: seeded from (`seed`, `index`, `step`)."""
+    if seed is None:
+        return None
+    return make_generator(step_seed(seed, index, step), device)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -40,6 +71,10 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_generated: Sequence[int],
         eos_token_ids: Sequence[int],
+        *,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        allowed: tuple[Sequence[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sample one token per row.
 
@@ -47,6 +82,10 @@ class Sampler:
         params, generators, num_generated: one entry per row; `num_generated[i]` counts the
             tokens row i has produced before this step.
         eos_token_ids: the model's end-of-sequence ids, shared by all rows.
+        prompt_ids, output_ids: each row's prompt and generated tokens, needed by rows
+            with penalties (`SamplingParams.penalized`); may be None if none has one.
+        allowed: (rows, mask) — for each listed row, bool (len(rows), V) of the tokens
+            its grammar allows.
         Returns (B,) int64 token ids on `logits.device`. Greedy rows are exactly
         `argmax` of the masked logits (ties go to the lowest id).
         """
@@ -59,7 +98,15 @@ class Sampler:
                 f"num_generated (got {len(params)}, {len(generators)}, {len(num_generated)})"
             )
         x = logits.to(torch.float32, copy=True)  # (B, V)
+        if allowed is not None and len(allowed[0]):
+            rows = torch.tensor(list(allowed[0]), dtype=torch.int64, device=x.device)  # (G,)
+            x[rows] = x[rows].masked_fill(~allowed[1].to(x.device), float("-inf"))
         _suppress_early_stops(x, params, num_generated, eos_token_ids)
+        apply_logit_bias(x, params)
+        if any(p.penalized for p in params):
+            if prompt_ids is None or output_ids is None:
+                raise ValueError("rows with penalties need prompt_ids and output_ids")
+            apply_penalties(x, params, prompt_ids, output_ids)
         out = torch.empty(batch, dtype=torch.int64, device=x.device)  # (B,)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -116,7 +163,7 @@ def _sample_rows(
 def _filtered_probs(
     x: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k and top-p applied to logits `x` (S, V).
+    """Temperature, top-k, top-p and min-p applied to logits `x` (S, V).
 
     Returns (probs, order): probs (S, V) over tokens sorted by descending logit (ties by
     ascending id) with filtered-out entries at 0, and order (S, V) mapping sorted
@@ -137,8 +184,12 @@ def _filtered_probs(
 
     probs = torch.softmax(sorted_logits, dim=-1)  # (S, V)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # (S, V) mass of strictly better tokens
-    outside_nucleus = mass_before >= top_p.unsqueeze(1)  # (S, V); position 0 is never outside
+    outside_nucleus = mass_before >= top_p.unsqueeze(1)  # (S, V)
+    outside_nucleus[:, 0] = False  # the best token stays, even for a top_p that underflows
     probs = probs.masked_fill(outside_nucleus, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=device)  # (S,)
+    if bool((min_p > 0).any()):  # sorted: position 0 holds the best token
+        probs = probs.masked_fill(probs < (min_p * probs[:, 0]).unsqueeze(1), 0.0)
 
     # A row whose logits are all -inf (or NaN) has no distribution: pick its first token.
     broken = ~torch.isfinite(sorted_logits[:, 0])  # (S,)

@@ -17,8 +17,16 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1  # the wire's bound on token ids and counts
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+MAX_CHOICES = 128  # OpenAI's bound on `n`
+MAX_LOGPROBS = 20  # OpenAI's bound on `top_logprobs`
+MAX_LOGIT_BIAS = 1024
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
+MAX_REPETITION_PENALTY = 10.0
+MAX_GUIDE_CHARS = 1 << 18
+GUIDE_KINDS = ("", "json_object", "json_schema", "regex", "choice", "lark")
 
 
 def _is_int(value: object) -> bool:
@@ -29,6 +37,27 @@ def _is_int(value: object) -> bool:
 def _is_real(value: object) -> bool:
     """True for real numbers that are not bools."""
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_p",
+)  # fmt: skip
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if not _is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
+        raise InvalidRequestError(
+            f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name
+        )
+
+
+def _check_real(name: str, value: object, lo: float, hi: float) -> None:
+    ok = _is_real(value) and math.isfinite(value) and lo <= value <= hi  # type: ignore[arg-type,operator]
+    if not ok:
+        raise InvalidRequestError(
+            f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", param=name
+        )
 
 
 @dataclass(frozen=True)
@@ -46,6 +75,23 @@ class SamplingParams:
     stop: strings that end generation; the match is not part of the output.
     stop_token_ids: token ids that end generation (like EOS).
     ignore_eos: keep generating past EOS (the engine's concern, not the sampler's).
+    n: choices sampled from one prompt (1..128); the prompt is computed once and the
+        choices fork after it, sharing its pages. Choice i seeds its draws from
+        (`seed`, i, tokens sampled so far).
+    logprobs: with each sampled token, its log-probability and the `logprobs` most
+        likely alternatives (0..20); None = none. Log-probabilities are those of the
+        raw model distribution: before temperature, penalties, biases and grammar masks.
+    prompt_logprobs: the same for every prompt token but the first (0..20); a request
+        with it computes its whole prompt (the cached prefix has no logits).
+    presence_penalty, frequency_penalty: subtracted from the logit of every token
+        already generated, once / once per occurrence ([-2, 2], OpenAI's definition).
+    repetition_penalty: logits of tokens in the prompt or output are divided by it when
+        positive, multiplied when negative ((0, 10]; 1 = off; vLLM's definition).
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+    min_p: drop tokens whose probability is below min_p times the best one's ([0, 1]).
+    guide_kind, guide: structured output; kind "json_object" (guide empty),
+        "json_schema" (guide: the schema as JSON), "regex", "choice" (guide: a JSON list
+        of strings) or "lark" (a Lark grammar); "" = unconstrained.
     """
 
     max_tokens: int = 256
@@ -57,6 +103,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    guide_kind: str = ""
+    guide: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop string, not characters
@@ -65,7 +121,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p"):
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if _is_int(value):
                 object.__setattr__(self, name, float(value))
@@ -76,11 +136,12 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_sampling()
         self._validate_stops()
+        self._validate_extensions()
 
     def _validate_lengths(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKEN_ID:
             raise InvalidRequestError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}",
                 param="max_tokens",
             )
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -104,9 +165,10 @@ class SamplingParams:
         p = self.top_p
         if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}", param="top_p")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
             raise InvalidRequestError(
-                f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}",
+                f"top_k must be an integer in [-1, 2**31) (0 or -1 disables it), "
+                f"got {self.top_k!r}",
                 param="top_k",
             )
         seed = self.seed
@@ -148,11 +210,62 @@ class SamplingParams:
                 param="stop_token_ids",
             )
         for token_id in ids:
-            if not _is_int(token_id) or token_id < 0:
+            if not _is_int(token_id) or not 0 <= token_id <= MAX_TOKEN_ID:
                 raise InvalidRequestError(
-                    f"stop_token_ids must be non-negative integers, got {token_id!r}",
+                    f"stop_token_ids must be integers in [0, 2**31), got {token_id!r}",
                     param="stop_token_ids",
                 )
+
+    def _validate_extensions(self) -> None:
+        """n, log-probabilities, penalties, biases, min_p and the structured-output guide."""
+        _check_int("n", self.n, 1, MAX_CHOICES)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        _check_real("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_real("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        r = self.repetition_penalty
+        _check_real("repetition_penalty", r, 0.0, MAX_REPETITION_PENALTY)
+        if r == 0.0:
+            raise InvalidRequestError(
+                "repetition_penalty must be > 0 (1 = off)", param="repetition_penalty"
+            )
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases",
+                param="logit_bias",
+            )
+        for pair in bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequestError(
+                    f"logit_bias entries must be (token id, bias), got {pair!r}",
+                    param="logit_bias",
+                )
+            token_id, value = pair
+            _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID)
+            _check_real("logit_bias", value, -100.0, 100.0)
+        if self.guide_kind not in GUIDE_KINDS:
+            raise InvalidRequestError(
+                f"guide_kind must be one of {GUIDE_KINDS[1:]}, got {self.guide_kind!r}",
+                param="guide_kind",
+            )
+        if not isinstance(self.guide, str) or len(self.guide) > MAX_GUIDE_CHARS:
+            raise InvalidRequestError(
+                f"guide must be a string of at most {MAX_GUIDE_CHARS} characters",
+                param="guide",
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence, frequency or repetition penalty applies."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

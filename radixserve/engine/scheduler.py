@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
@@ -120,6 +121,39 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
+    def fork(self, parent: Request, child: Request, copy_page: Callable[[int, int], None]) -> bool:
+        """Start ``child`` running from ``parent``'s computed tokens: the parent's full
+        pages are shared (one more reference each, its cache node locked once more) and
+        its partial last page is copied (``copy_page(src, dst)``). False, with nothing
+        held, if no page can be found for the copy."""
+        num = parent.num_computed
+        full = num // self.page_size
+        tail: list[int] = []
+        if num % self.page_size:
+            if self.allocator.num_free < 1 and not (self.cache and self.cache.evict(1) >= 1):
+                return False
+            tail = self.allocator.alloc(1)
+            copy_page(parent.page_ids[full], tail[0])
+        shared = parent.page_ids[:full]
+        self.allocator.incref(shared)
+        if parent.locked_node is not None:
+            assert self.cache is not None
+            self.cache.lock(parent.locked_node)
+        child.locked_node = parent.locked_node
+        child.page_ids = shared + tail
+        child.num_computed = num
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.admitted_once = True
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return True
+
+    def requeue(self, req: Request) -> None:
+        """Queue a request that holds no pages first in line (a fork that found none)."""
+        req.status = RequestStatus.WAITING
+        req.admitted_once = True
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """End a request (any state): insert its KV into the cache, return every page."""
         cache_kv = reason != "abort"
@@ -138,8 +172,9 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         """Point a waiting request at its longest cached prefix (locked), if caching."""
-        if self.cache is not None:
-            # Never match the last token: its logits must be computed.
+        if self.cache is not None and not req.scores_prompt:
+            # Never match the last token: its logits must be computed. A request that
+            # scores its prompt computes all of it (a cached prefix has no logits).
             match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
             self.allocator.incref(match.page_ids)
             self.cache.lock(match.node)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,6 +148,20 @@ def resolve_model_path(model: str) -> Path:
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     return path
+
+
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|BF16|F16|F32|FP16|FP32)$", re.IGNORECASE)
+
+
+def served_model_id(model: str) -> str:
+    """The model id a server reports by default: the checkpoint's file name without its
+    extension and quantisation suffix, or its directory's name
+    (``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``)."""
+    path = resolve_model_path(model)
+    name = path.stem if path.is_file() else path.name
+    while (shorter := _QUANT_SUFFIX.sub("", name)) != name and shorter:
+        name = shorter
+    return name
 
 
 def _is_gguf(path: Path) -> bool:

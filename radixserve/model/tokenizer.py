@@ -8,6 +8,7 @@ the model's own Hugging Face tokenizer uses.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -81,6 +82,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+    return {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -270,6 +276,22 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE piece maps back through GPT-2's
+        byte table (so a piece holding half a UTF-8 character gives those bytes); other
+        tokens give their decoded text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _unicode_to_bytes()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face tokenizer.json text (for grammar engines)."""
+        return str(self._backend.to_str())
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any

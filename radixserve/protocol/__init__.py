@@ -25,6 +25,7 @@ from radixserve.protocol.messages import (
     KVEvent,
     KVReady,
     KVResync,
+    LogprobEntry,
     MemberInfo,
     MemberList,
     Message,
@@ -38,6 +39,7 @@ from radixserve.protocol.messages import (
     TransferDone,
     WatchMembers,
     WorkerLoad,
+    entries,
 )
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "KVResync",
     "MemberInfo",
     "MemberList",
+    "LogprobEntry",
     "Message",
     "PrefillRequest",
     "ProtocolError",
@@ -78,4 +81,5 @@ __all__ = [
     "WorkerLoad",
     "decode",
     "encode",
+    "entries",
 ]

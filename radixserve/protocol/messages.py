@@ -27,14 +27,23 @@ and of the kvstore's host-memory tier (each worker over its link to the kvstore)
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from radixserve.protocol.wire import (
+from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
+    LOGPROB_ENTRIES,
+    LogprobEntry,
+    SamplingSpec,
+    entries,
+)
+from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exported
     INT64_MAX,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_PER_MESSAGE,
+    TOKEN_ID,
     BoolSpec,
     BytesSpec,
     FloatSpec,
@@ -51,18 +60,14 @@ from radixserve.protocol.wire import field_spec as _spec
 
 if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
-    from radixserve.engine.sampling_params import SamplingParams
 
 PROTOCOL_VERSION: tuple[int, int] = (2, 0)
 
-MAX_TOKEN_ID = 2**31 - 1
 MAX_PAGE_ID = 2**31 - 1
-MAX_TOKENS_PER_MESSAGE = 1 << 21
 MAX_PAGES_PER_MESSAGE = 1 << 20
 MAX_ID_CHARS = 256
 MAX_NAME_CHARS = 128
 MAX_ERROR_CHARS = 4096
-MAX_TEXT_CHARS = 1 << 20
 MAX_LOAD_STATS = 256
 MAX_BLOB_BYTES = 1 << 20
 
@@ -77,7 +82,6 @@ FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
 
 
 COUNT = IntSpec()
-TOKEN_ID = IntSpec(0, MAX_TOKEN_ID)
 REQUEST_ID = StrSpec(MAX_ID_CHARS, min_chars=1)
 PEER_NAME = StrSpec(MAX_NAME_CHARS, min_chars=1)
 ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
@@ -89,41 +93,6 @@ ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
 LOAD_STATS = StatsSpec(
     MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
 )
-
-
-# --- sampling -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingSpec(WireStruct):
-    """Sampling parameters as wire data; bounds here are sanity limits only.
-
-    The semantic checks (min_tokens <= max_tokens, stop-string limits, ...) belong to
-    `SamplingParams`: `to_params` raises `InvalidRequestError` when they fail.
-    """
-
-    max_tokens: int = field(default=256, metadata=_spec(IntSpec(1, 2**31 - 1)))
-    min_tokens: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
-    temperature: float = field(default=1.0, metadata=_spec(FloatSpec(0.0, 1e6)))
-    top_p: float = field(default=1.0, metadata=_spec(FloatSpec(0.0, 1.0)))
-    top_k: int = field(default=0, metadata=_spec(IntSpec(-1, 2**31 - 1)))
-    seed: int | None = field(
-        default=None, metadata=_spec(OptionalSpec(IntSpec(-(2**63), 2**64 - 1)))
-    )
-    stop: tuple[str, ...] = field(default=(), metadata=_spec(ListSpec(StrSpec(4096), 64)))
-    stop_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 4096)))
-    ignore_eos: bool = field(default=False, metadata=_spec(BoolSpec()))
-
-    def to_params(self) -> SamplingParams:
-        """The engine's `SamplingParams` (validated; raises `InvalidRequestError`)."""
-        from radixserve.engine.sampling_params import SamplingParams
-
-        return SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplingSpec:
-        """The wire form of the engine's `SamplingParams`."""
-        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(cls)})
 
 
 # --- handshake and liveness -----------------------------------------------------------
@@ -267,6 +236,10 @@ class KVReady(Message):
     prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    # a request with n > 1 choices: every choice's first token (first_token_id is choice 0's)
+    first_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
+    first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
 
 
 @dataclass(frozen=True)
@@ -281,7 +254,8 @@ class TransferDone(Message):
 
 @dataclass(frozen=True)
 class TokenChunk(Message):
-    """Decode worker -> gateway: new tokens of one request; the last has ``finished``."""
+    """Decode worker -> gateway: new tokens of one choice (``index``) of a request; a
+    choice's last chunk has ``finish_reason``, the request's last also ``finished``."""
 
     TYPE_TAG: ClassVar[str] = "token_chunk"
     request_id: str = field(metadata=_spec(REQUEST_ID))
@@ -296,6 +270,9 @@ class TokenChunk(Message):
     completion_tokens: int = field(default=0, metadata=_spec(COUNT))
     ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    index: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
+    logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> TokenChunk:
@@ -305,12 +282,15 @@ class TokenChunk(Message):
             token_ids=tuple(out.new_token_ids),
             text=out.new_text,
             finished=out.finished,
-            finish_reason=out.finish_reason if out.finished else None,  # type: ignore[arg-type]
+            finish_reason=out.finish_reason,  # type: ignore[arg-type]
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             completion_tokens=out.completion_tokens,
             ttft_ms=out.ttft_ms,
             host_cached_tokens=out.host_cached_tokens,
+            index=out.index,
+            logprobs=entries(out.logprobs),
+            prompt_logprobs=entries(out.prompt_logprobs),
         )
 
     def to_output(self) -> RequestOutput:
@@ -328,13 +308,20 @@ class TokenChunk(Message):
             completion_tokens=self.completion_tokens,
             ttft_ms=self.ttft_ms,
             host_cached_tokens=self.host_cached_tokens,
+            index=self.index,
+            logprobs=[e.to_logprob() for e in self.logprobs] if self.logprobs else None,
+            prompt_logprobs=(
+                [e.to_logprob() for e in self.prompt_logprobs] if self.prompt_logprobs else None
+            ),
         )
 
     def invariant_error(self) -> str | None:
-        if self.finished != (self.finish_reason is not None):
+        if self.finished and self.finish_reason is None:
+            return f"a finished chunk must have a finish_reason (finished={self.finished})"
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
             return (
-                f"finish_reason must be set exactly when finished "
-                f"(finished={self.finished}, finish_reason={self.finish_reason!r})"
+                f"logprobs must have one entry per token ({len(self.logprobs)} for "
+                f"{len(self.token_ids)} tokens)"
             )
         return None
 

@@ -14,6 +14,9 @@ from typing import Any, ClassVar
 
 INT64_MAX = 2**63 - 1
 MAX_DURATION_MS = 1e12
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKENS_PER_MESSAGE = 1 << 21
+MAX_TEXT_CHARS = 1 << 20
 
 # --- wire specs: declarative bounds, interpreted by the codec -------------------------
 
@@ -59,7 +62,7 @@ class BytesSpec:
 class ListSpec:
     """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
 
-    item: IntSpec | StrSpec | NestedSpec
+    item: IntSpec | StrSpec | FloatSpec | NestedSpec
     max_len: int
     min_len: int = 0
 
@@ -99,6 +102,9 @@ WireSpec = (
     | NestedSpec
     | StatsSpec
 )
+
+
+TOKEN_ID = IntSpec(0, MAX_TOKEN_ID)
 
 
 def field_spec(spec: WireSpec) -> dict[str, WireSpec]:

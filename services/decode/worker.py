@@ -12,7 +12,9 @@ into its cache (`Worker.load_from_host`). Then:
   cache lacks (`Engine.reserve_remote`), a prefill worker (the gateway's pick, else the
   least loaded) computes the prompt and answers `KVReady`; this worker pulls exactly
   those pages through its transfer agent, tells the prefill worker `TransferDone` and
-  continues from the first token (`Engine.activate_remote`).
+  continues from the first token (`Engine.activate_remote`; a request with n choices
+  forks here from the n first tokens the prefill worker sampled, with their
+  log-probabilities and the prompt's when asked for).
 
 If the prefill worker fails, dies, times out (``prefill_timeout_s``) or the transfer
 fails, the reserved pages are returned uncached (never decoded from) and, with
@@ -276,9 +278,15 @@ class DecodeWorker(Worker):
             if not answered:
                 self.router.answered(link.name, len(ids))
         self.counters["remote_prefills_total"] += 1
-        first = kv.first_token_id
+        first = list(kv.first_token_ids) or [kv.first_token_id]
+        first_lps = [e.to_logprob() for e in kv.first_logprobs]
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [e.to_logprob() for e in kv.prompt_logprobs]
         _, out = await self.engine.call(
-            lambda e: e.activate_remote(rid, first, kv.cached_tokens, kv.host_cached_tokens),
+            lambda e: e.activate_remote(
+                rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps
+            ),
             watch=rid,
         )
         assert out is not None

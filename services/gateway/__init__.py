@@ -31,7 +31,7 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
     of ``settings.kvstore``, if either is set (only the tokenizer is loaded here), else an
     in-process engine built from ``engine_settings``."""
     if settings.decode_workers or settings.kvstore:
-        from radixserve.model.checkpoint import load_checkpoint
+        from radixserve.model.checkpoint import load_checkpoint, served_model_id
         from radixserve.services.gateway.cluster_client import ClusterClient
 
         checkpoint = load_checkpoint(engine_settings.model, progress=False)
@@ -39,8 +39,9 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
         limit = min(engine_settings.max_model_len or config.max_position_embeddings,
                     config.max_position_embeddings)  # fmt: skip
         return ClusterClient(
-            settings, checkpoint.tokenizer, config.name, limit, engine_settings.page_size
-        )
+            settings, checkpoint.tokenizer, config.name, limit, engine_settings.page_size,
+            served_model_id(engine_settings.model),
+        )  # fmt: skip
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import Engine
 

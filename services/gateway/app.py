@@ -1,19 +1,20 @@
 """The OpenAI-compatible HTTP gateway: `create_app(client, settings) -> FastAPI`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), GET
-/v1/models, GET /health, GET /metrics, GET /debug/cache. Contracts:
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics,
+GET /debug/cache, and FastAPI's own GET /openapi.json and /docs. Contracts:
 
 * every error is an OpenAI error object (see `errors`); bad input never crashes it;
-* at most `settings.max_queued_requests` generations are in flight; one more is refused
-  at once with 429 (nothing waits);
+* at most `settings.max_queued_requests` generations (one per prompt) are in flight;
+  more are refused at once with 429 (nothing waits);
 * a streaming client that disconnects has its request aborted in the engine: the
-  response closes the engine stream whatever way it ends.
+  response closes the engine streams whatever way it ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -27,25 +28,30 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve.engine.outputs import RequestOutput
-from radixserve.engine.sampling_params import SamplingParams
-from radixserve.metrics import CONTENT_TYPE, RequestTimer, ServingMetrics
+from radixserve.metrics import CONTENT_TYPE, ServingMetrics
+from radixserve.services.gateway import extra_routes
+from radixserve.services.gateway.choices import ChoiceBook, Generation
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError, error_body, install_error_handlers
-from radixserve.services.gateway.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from radixserve.services.gateway.logprobs import LogprobFormatter
+from radixserve.services.gateway.openapi import install_openapi
+from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
+from radixserve.services.gateway.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
     Kind,
-    full_response,
-    stream_chunk,
+    chunk,
+    envelope,
+    usage,
     usage_chunk,
 )
+from radixserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from radixserve.services.gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
 _CLIENT_CLOSED = 499  # the client closed the connection (nginx's convention); never seen
+Meta = tuple[Kind, str, int, str]
 
 
 def _sse(obj: Any) -> str:
@@ -54,7 +60,7 @@ def _sse(obj: Any) -> str:
 
 class _ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` when it is done, however it ends
-    (finished, client gone, cancelled), so the engine stream is never left open."""
+    (finished, client gone, cancelled), so the engine streams are never left open."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
         super().__init__(content, media_type="text/event-stream")
@@ -70,37 +76,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
-class _Generation:
-    """One in-flight generation: its engine stream, timer and admission slot."""
-
-    def __init__(self, gateway: _Gateway, stream: AsyncIterator[RequestOutput]) -> None:
-        self.gateway = gateway
-        self.stream = stream
-        self.timer = RequestTimer(gateway.metrics)
-        self.last: RequestOutput | None = None
-        self._closed = False
-
-    def observe(self, out: RequestOutput) -> None:
-        self.last = out
-        self.timer.tokens(len(out.new_token_ids))
-        if out.finished:
-            reason = out.finish_reason or "stop"
-            self.timer.finish(out, reason)
-
-    async def close(self) -> None:
-        """Idempotent: abort the engine request if unfinished, count it, free the slot."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self.stream.aclose()  # type: ignore[attr-defined]
-        finally:
-            last = self.last
-            if last is not None and not last.finished:
-                self.timer.finish(last, "abort")
-            self.gateway.release()
-
-
 class _Gateway:
     """State and handlers behind the routes."""
 
@@ -108,19 +83,22 @@ class _Gateway:
         self.client = client
         self.settings = settings
         self.metrics = ServingMetrics()
-        self.model_name = settings.served_model_name or client.model_name
+        aliases = settings.served_model_name
+        self.model_names = aliases.split(",") if aliases else [client.served_name]
+        self.model_name = self.model_names[0]
+        self.formatter = LogprobFormatter(client.tokenizer)
         self.in_flight = 0
 
     # -- admission, auth, body -------------------------------------------------------
 
-    def acquire(self) -> None:
-        if self.in_flight >= self.settings.max_queued_requests:
+    def acquire(self, count: int = 1) -> None:
+        if self.in_flight + count > self.settings.max_queued_requests:
             raise OpenAIError(429, f"server busy: {self.in_flight} requests in flight")
-        self.in_flight += 1
+        self.in_flight += count
         self.metrics.queue_depth.set(self.in_flight)
 
-    def release(self) -> None:
-        self.in_flight -= 1
+    def release(self, count: int = 1) -> None:
+        self.in_flight -= count
         self.metrics.queue_depth.set(self.in_flight)
 
     def authorize(self, request: Request) -> None:
@@ -142,11 +120,11 @@ class _Gateway:
         if declared.isdigit() and int(declared) > limit:
             raise OpenAIError(413, f"request body over {limit} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
+        async for part in request.stream():
+            size += len(part)
             if size > limit:
                 raise OpenAIError(413, f"request body over {limit} bytes")
-            chunks.append(chunk)
+            chunks.append(part)
         try:
             text = b"".join(chunks).decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -160,130 +138,139 @@ class _Gateway:
         return body
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, "default"):
+        if model is not None and model not in (*self.model_names, "default"):
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
 
-    # -- endpoints -------------------------------------------------------------------
+    # -- generation endpoints --------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         self.authorize(request)
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        prompt_ids = self.client.encode_prompt(req.single_prompt())
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = req.sampling_params(max_tokens)
-        return await self.generate(
-            request, "completion", prompt_ids, params, req.stream, req.include_usage
-        )
+        plan = completion_plan(req, self.client, self.settings.max_choices_per_request)
+        return await self.generate(request, plan)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        req.check_supported()
-        prompt_ids = self.client.chat_prompt_ids(req.messages)
-        max_tokens = req.requested_max_tokens
-        if max_tokens is None:
-            room = self.client.max_model_len - len(prompt_ids)
-            max_tokens = max(1, min(self.settings.default_max_tokens, room))
-        params = req.sampling_params(max_tokens)
-        return await self.generate(
-            request, "chat", prompt_ids, params, req.stream, req.include_usage
-        )
+        s = self.settings
+        plan = chat_plan(req, self.client, s.default_max_tokens, s.max_choices_per_request)
+        return await self.generate(request, plan)
 
-    async def generate(
-        self,
-        request: Request,
-        kind: Kind,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        stream: bool | None,
-        include_usage: bool,
-    ) -> Response:
+    async def generate(self, request: Request, plan: Plan) -> Response:
+        kind: Kind = "completion" if plan.kind == "completion" else "chat"
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        self.acquire()
-        gen = _Generation(self, self.client.generate(prompt_ids, params, rid))
-        try:
-            first = await self._first_output(request, gen)  # RequestError → 400, no byte sent
-        except BaseException:
-            await gen.close()
-            raise
-        if first is None:  # the client left before the first token (e.g. during prefill)
-            await gen.close()
-            return Response(status_code=_CLIENT_CLOSED)
-        meta = (kind, rid, int(time.time()), self.model_name)
-        if stream:
-            events = self._events(meta, gen, first, include_usage)
-            return _ClosingStreamingResponse(events, on_close=gen.close)
-        try:
-            text, out = [], first
-            while True:
-                gen.observe(out)
-                text.append(out.new_text)
-                if out.finished:
-                    break
-                out = await gen.stream.__anext__()
-        finally:
-            await gen.close()
-        return JSONResponse(full_response(*meta, "".join(text), out))
+        jobs = plan.jobs
+        self.acquire(len(jobs))
+        streams = [
+            self.client.generate(
+                job.prompt_ids, job.params, rid if len(jobs) == 1 else f"{rid}-{i}"
+            )
+            for i, job in enumerate(jobs)
+        ]
+        gen = Generation(streams, self.metrics)
+        released = False
 
-    async def _first_output(self, request: Request, gen: _Generation) -> RequestOutput | None:
-        """The stream's first output, or None if the client disconnects while waiting
-        (the prefill of a long prompt can take seconds; nobody should wait for it)."""
-        first = asyncio.ensure_future(gen.stream.__anext__())
+        async def close() -> None:
+            nonlocal released
+            try:
+                await gen.close()
+            finally:
+                if not released:
+                    released = True
+                    self.release(len(jobs))
+
         try:
-            while True:
-                done, _ = await asyncio.wait({first}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return first.result()
-                if await request.is_disconnected():
-                    logger.info("client left before the first token; aborting")
-                    return None
+            started = await gen.first(request.is_disconnected)  # RequestError → 400
+        except BaseException:
+            await close()
+            raise
+        if not started:  # the client left before the first token (e.g. during prefill)
+            logger.info("client left before the first token; aborting")
+            await close()
+            return Response(status_code=_CLIENT_CLOSED)
+        meta: Meta = (kind, rid, int(time.time()), self.model_name)
+        book = ChoiceBook(plan, self.formatter)
+        if plan.stream:
+            return _ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
+        try:
+            async for job, out in gen.outputs():
+                gen.observe(job, out)
+                book.add(job, out)
         finally:
-            if not first.done():
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
+            await close()
+        body = envelope(*meta, stream=False)
+        body.update(choices=book.full_choices(), usage=usage(self._totals(plan, gen)))
+        return JSONResponse(body)
+
+    @staticmethod
+    def _totals(plan: Plan, gen: Generation) -> list[RequestOutput]:
+        totals = [gen.total(j) for j in range(len(plan.jobs))]
+        if plan.drop_generated:  # the one token a max_tokens 0 echo ran was not returned
+            totals = [dataclasses.replace(t, completion_tokens=0) for t in totals]
+        return totals
 
     async def _events(
-        self,
-        meta: tuple[Kind, str, int, str],
-        gen: _Generation,
-        out: RequestOutput,
-        include_usage: bool,
+        self, meta: Meta, plan: Plan, gen: Generation, book: ChoiceBook
     ) -> AsyncIterator[str]:
-        kind = meta[0]
+        usage_field = plan.include_usage
         try:
-            if kind == "chat":
-                role = {"role": "assistant", "content": ""}
-                yield _sse(stream_chunk(*meta, role, None, include_usage))
-            while True:
-                gen.observe(out)
-                if out.new_text or out.finished:
-                    delta: Any = out.new_text
-                    if kind == "chat":
-                        delta = {"content": out.new_text} if out.new_text else {}
-                    reason = out.finish_reason if out.finished else None
-                    yield _sse(stream_chunk(*meta, delta, reason, include_usage))
-                if out.finished:
-                    break
-                out = await gen.stream.__anext__()
-            if include_usage:
-                yield _sse(usage_chunk(*meta, out))
+            async for job, out in gen.outputs():
+                gen.observe(job, out)
+                for choice in self._stream_choices(plan, book, job, out):
+                    yield _sse(chunk(meta, choice, usage_field))
+            if usage_field:
+                yield _sse(usage_chunk(meta, self._totals(plan, gen)))
         except Exception as exc:  # an engine failure mid-stream: tell the client, then end
             logger.exception("stream %s failed", meta[1])
             yield _sse(error_body(500, f"generation failed: {exc}"))
         yield "data: [DONE]\n\n"
 
-    async def models(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "radixserve",
-            "max_model_len": self.client.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    @staticmethod
+    def _stream_choices(plan: Plan, book: ChoiceBook, job: int, out: Any) -> list[dict[str, Any]]:
+        """The chunks' choice objects for one engine output: a choice's opening (chat:
+        the role; an echo: the prompt and its logprobs), then its delta if any."""
+        key = (job, out.index)
+        c = book.add(job, out)
+        index = book.index(job, out.index)
+        choices = []
+        if not c.started:
+            c.started = True
+            if plan.kind == "chat":
+                choices.append({"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None})  # fmt: skip
+            elif plan.echo:
+                choices.append({"index": index, "text": book.echo_text(job),
+                                "logprobs": book.completion_logprobs(job, key, [], [], True),
+                                "finish_reason": None})  # fmt: skip
+        dropped = plan.drop_generated
+        ids = [] if dropped else out.new_token_ids
+        lps = [] if dropped else (out.logprobs or [])
+        text = "" if dropped else out.new_text
+        reason = c.finish_reason if out.finish_reason is not None else None
+        if text or reason or (plan.top_logprobs is not None and ids):
+            if plan.kind == "chat":
+                choices.append(
+                    {
+                        "index": index,
+                        "delta": {"content": text} if text else {},
+                        "logprobs": book.chat_logprobs(lps),
+                        "finish_reason": reason,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "finish_reason": reason,
+                        "logprobs": book.completion_logprobs(job, key, ids, lps, False),
+                    }
+                )
+        return choices  # fmt: skip
+
+    # -- operations ------------------------------------------------------------------
 
     async def health(self) -> JSONResponse:
         ok, detail = self.client.health()
@@ -296,7 +283,11 @@ class _Gateway:
 
     async def debug_cache(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
-        body: dict[str, Any] = {**self.client.stats(), "gateway_in_flight": self.in_flight}
+        body: dict[str, Any] = {
+            **self.client.stats(),
+            "gateway_in_flight": self.in_flight,
+            "cache_namespace": self.client.model_name,  # the checkpoint's own name
+        }
         workers = self.client.worker_stats()
         if workers:
             body["workers"] = workers
@@ -317,17 +308,33 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
 
     app = FastAPI(
         title="radixserve gateway",
-        docs_url=None,
+        description="OpenAI-compatible API of radixserve.",
+        version=extra_routes.version(),
+        docs_url="/docs",
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_api_route("/v1/completions", gw.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", gw.models, methods=["GET"])
-    app.add_api_route("/health", gw.health, methods=["GET"])
-    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
-    app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"])
+    generation = dict(methods=["POST"], responses=extra_routes.GENERATION_RESPONSES)
+    app.add_api_route(
+        "/v1/completions",
+        gw.completions,
+        response_model=CompletionResponse,
+        openapi_extra=extra_routes.body(CompletionRequest),
+        **generation,
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        gw.chat_completions,
+        response_model=ChatCompletionResponse,
+        openapi_extra=extra_routes.body(ChatCompletionRequest),
+        **generation,
+    )
+    extra_routes.install(app, gw)
+    app.add_api_route("/health", gw.health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
+    install_openapi(app)
     app.state.gateway = gw
-    return app
+    return app  # fmt: skip

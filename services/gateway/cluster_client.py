@@ -101,6 +101,7 @@ class ClusterClient(EngineClient):
         model_name: str,
         max_model_len: int,
         page_size: int = 16,
+        served_name: str = "",
     ) -> None:
         if not settings.decode_workers and not settings.kvstore:
             raise ValueError(
@@ -109,6 +110,7 @@ class ClusterClient(EngineClient):
         self.settings = settings
         self._tokenizer = tokenizer
         self._model_name = model_name
+        self._served_name = served_name or model_name
         self._max_model_len = max_model_len
         self.name = f"gateway-{os.getpid()}"
         self.generation = time.time_ns() // 10**6
@@ -206,6 +208,10 @@ class ClusterClient(EngineClient):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def served_name(self) -> str:
+        return self._served_name
 
     async def generate(  # type: ignore[override]
         self, prompt_ids: list[int], params: SamplingParams, request_id: str

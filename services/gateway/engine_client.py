@@ -51,6 +51,11 @@ class EngineClient(abc.ABC):
     def max_model_len(self) -> int:
         """Context limit in tokens (prompt + output)."""
 
+    @property
+    def served_name(self) -> str:
+        """The model id served by default (`served_model_id` of the checkpoint)."""
+        return self.model_name
+
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Pool and request counters: pages_total/used/free, live_requests and, with a
@@ -116,6 +121,12 @@ class LocalEngineClient(EngineClient):
     @property
     def model_name(self) -> str:
         return self._async.engine.config.name
+
+    @property
+    def served_name(self) -> str:
+        from radixserve.model.checkpoint import served_model_id
+
+        return served_model_id(self._async.engine.settings.model)
 
     @property
     def max_model_len(self) -> int:

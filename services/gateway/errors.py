@@ -67,6 +67,8 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return f"unsupported field `{param}`: not part of the API or not implemented", param
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 

@@ -1,112 +1,201 @@
-"""Wire formats of the OpenAI-compatible API: request models and response builders.
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
 
-Request models validate strictly (a JSON ``true`` is not an integer, ``"1"`` is not a
-number) and ignore unknown fields, since benchmark clients send many. Range checks are
-left to `SamplingParams`, which raises `InvalidRequestError` (HTTP 400) naming the field.
-Unsupported features (n > 1, best_of > 1, echo, logprobs, several prompts) raise
-`OpenAIError(400)` rather than being silently ignored.
+The models validate strictly (a JSON ``true`` is not an integer, ``"1"`` is not a
+number), carry OpenAI's value ranges (so /openapi.json describes the real bodies) and
+forbid unknown fields: a field the API does not define, or defines but radixserve does
+not implement, is refused with a 400 naming it, never silently ignored. The only fields
+accepted and ignored are those that do not change the output (`user`, `metadata`,
+`safety_identifier`, `prompt_cache_key`, `service_tier` "auto"/"default", `store`
+false). Cross-field and engine-level checks raise `OpenAIError` or are left to
+`SamplingParams`, which raises `InvalidRequestError` (HTTP 400) naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from radixserve.engine.outputs import RequestOutput
-from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from radixserve.services.gateway.errors import OpenAIError
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+
+def _integral(value: object) -> object:
+    """JSON Schema's integers include 2.0: take an integral float as that int."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: only include_usage is honoured."""
+Int = Annotated[int, BeforeValidator(_integral)]
+TOKEN_ID = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+TOKEN_COUNT = Annotated[Int, Field(ge=0, le=2**31 - 1)]
+Text = Annotated[str, Field(min_length=1)]
+Prompt = Annotated[
+    Text
+    | Annotated[list[TOKEN_ID], Field(min_length=1)]
+    | Annotated[list[Text], Field(min_length=1, max_length=256)]
+    | Annotated[list[Annotated[list[TOKEN_ID], Field(min_length=1)]], Field(min_length=1,
+                                                                             max_length=256)],
+    Field(description="One prompt (text or token ids) or a list of them (up to 256)."),
+]  # fmt: skip
 
-    model_config = ConfigDict(strict=True, extra="ignore")
 
-    include_usage: bool | None = False
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
-class _GenerationRequest(BaseModel):
+class StreamOptions(_Body):
+    include_usage: bool | None = Field(False, description="Send a last chunk with usage.")
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _format_guide(fmt: ResponseFormat) -> tuple[str, str]:
+    if fmt.type == "json_object":
+        return "json_object", ""
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise OpenAIError(
+            400, "response_format json_schema needs json_schema.schema", "response_format"
+        )
+    return "json_schema", json.dumps(fmt.json_schema.schema_)
+
+
+class GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
+    model: str | None = Field(None, max_length=256, description="A served name or 'default'.")
+    max_tokens: TOKEN_COUNT | None = Field(
+        None, description="Most tokens to generate; more than the context leaves is a 400."
+    )
+    min_tokens: TOKEN_COUNT | None = Field(None, description="EOS is suppressed until this many.")
     ignore_eos: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = None
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: off.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TOKEN_ID], Field(max_length=1024)] | None = None
+    n: Int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10, description="vLLM's; 1 = off.")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=1024)] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit."
+    )  # fmt: skip
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON schema.")
+    guided_regex: str | None = Field(None, max_length=4096, description="vLLM: a regex.")
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=256)] | None = None
+    guided_grammar: str | None = Field(None, max_length=65536, description="A Lark grammar.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="Ignored (as by OpenAI).")
+    service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, f"only n=1 is supported, got {self.n}", "n")
+    def guide(self) -> tuple[str, str]:
+        """(guide_kind, guide) for `SamplingParams` from response_format / guided_*."""
+        fmt = self.response_format
+        candidates: list[tuple[str, tuple[str, str] | None]] = [
+            ("response_format", _format_guide(fmt) if fmt and fmt.type != "text" else None),
+            ("guided_json", None if self.guided_json is None else (
+                "json_schema", self.guided_json if isinstance(self.guided_json, str)
+                else json.dumps(self.guided_json))),
+            ("guided_regex", None if self.guided_regex is None else ("regex", self.guided_regex)),
+            ("guided_choice", None if self.guided_choice is None else (
+                "choice", json.dumps(self.guided_choice))),
+            ("guided_grammar", None if self.guided_grammar is None else (
+                "lark", self.guided_grammar)),
+        ]  # fmt: skip
+        given = [(name, guide) for name, guide in candidates if guide is not None]
+        if len(given) > 1:
+            raise OpenAIError(400, "only one structured-output constraint is allowed", given[1][0])
+        return given[0][1] if given else ("", "")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Engine parameters; `max_tokens` is the resolved limit. Raises on bad values."""
-        self._check_supported()
-        return SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=0 if self.min_tokens is None else self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
-            stop=() if self.stop is None else self.stop,  # type: ignore[arg-type]
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=bool(self.ignore_eos),
-        )
+    def bias(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                                  "logit_bias")  # fmt: skip
+            out[int(key)] = value
+        return out
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     """`POST /v1/completions`. max_tokens defaults to 16 (as OpenAI's)."""
 
     prompt: Prompt
-    best_of: int | None = None
-    echo: bool | None = False
-    logprobs: int | None = None
+    best_of: Int | None = Field(None, ge=1, le=MAX_CHOICES)
+    echo: bool | None = Field(False, description="Prepend the prompt (and its logprobs).")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top alternatives.")
+    suffix: str | None = Field(None, max_length=0, description="Not supported: must be empty.")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); a list of exactly one is unwrapped."""
-        if self.best_of not in (None, 1):
-            raise OpenAIError(400, f"only best_of=1 is supported, got {self.best_of}", "best_of")
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise OpenAIError(400, "logprobs are not supported", "logprobs")
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (text or token ids), in order."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "exactly one prompt per request is supported", "prompt")
-            prompt = prompt[0]  # type: ignore[assignment]
-        if not prompt:
-            raise OpenAIError(400, "prompt is empty", "prompt")
-        return prompt  # type: ignore[return-value]
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None
+    name: str | None = Field(None, max_length=256)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(GenerationRequest):
     """`POST /v1/chat/completions`. max_completion_tokens wins over max_tokens."""
 
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-
-    def check_supported(self) -> None:
-        if self.logprobs:
-            raise OpenAIError(400, "logprobs are not supported", "logprobs")
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: TOKEN_COUNT | None = None
+    logprobs: bool | None = Field(False, description="Return the tokens' log-probabilities.")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
+        None, description="Not supported for this model: must be empty."
+    )
+    tool_choice: Literal["none"] | None = Field(None, description="Only 'none'.")
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
+        None, description="Ignored."
+    )
+    store: Literal[False] | None = Field(None, description="Completions are never stored.")
+    safety_identifier: str | None = Field(None, max_length=256, description="Ignored.")
+    prompt_cache_key: str | None = Field(None, max_length=256, description="Ignored.")
+    modalities: list[Literal["text"]] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -114,63 +203,29 @@ class ChatCompletionRequest(_GenerationRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def num_top_logprobs(self) -> int | None:
+        """How many alternatives per token (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI `usage` from a request's last output."""
-    return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
-    }
-
-
-Kind = Literal["completion", "chat"]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
 
 
-def _envelope(kind: Kind, rid: str, created: int, model: str, stream: bool) -> dict[str, Any]:
-    if kind == "completion":
-        obj = "text_completion"
-    else:
-        obj = "chat.completion.chunk" if stream else "chat.completion"
-    return {"id": rid, "object": obj, "created": created, "model": model}
+class TokenizeRequest(_Body):
+    """`POST /tokenize` (vLLM's shape): a prompt, or messages through the chat template."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
 
 
-def full_response(
-    kind: Kind, rid: str, created: int, model: str, text: str, last: RequestOutput
-) -> dict[str, Any]:
-    """A non-streaming response holding the whole `text`."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-    if kind == "completion":
-        choice["text"] = text
-    else:
-        choice["message"] = {"role": "assistant", "content": text}
-    body = _envelope(kind, rid, created, model, stream=False)
-    body.update(choices=[choice], usage=usage(last))
-    return body
+class DetokenizeRequest(_Body):
+    """`POST /detokenize` (vLLM's shape)."""
 
-
-def stream_chunk(
-    kind: Kind,
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any] | str,
-    finish_reason: str | None,
-    with_usage_field: bool,
-) -> dict[str, Any]:
-    """One SSE chunk; `delta` is the text (completion) or the delta dict (chat)."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-    choice["text" if kind == "completion" else "delta"] = delta
-    body = _envelope(kind, rid, created, model, stream=True)
-    body["choices"] = [choice]
-    if with_usage_field:
-        body["usage"] = None
-    return body
-
-
-def usage_chunk(kind: Kind, rid: str, created: int, model: str, last: RequestOutput) -> dict:
-    """The final `stream_options.include_usage` chunk: empty choices, filled usage."""
-    body = _envelope(kind, rid, created, model, stream=True)
-    body.update(choices=[], usage=usage(last))
-    return body
+    model: str | None = Field(None, max_length=256)
+    tokens: Annotated[list[TOKEN_ID], Field(max_length=1 << 20)]

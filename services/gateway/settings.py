@@ -35,9 +35,11 @@ class GatewaySettings(BaseSettings):
     served_model_name: str | None = Field(
         None,
         min_length=1,
-        max_length=256,
-        description="Model name clients must send (besides the alias 'default'); "
-        "None = the engine's model name.",
+        max_length=1024,
+        pattern=r"^[^,\s]+(,[^,\s]+)*$",
+        description="Model ids clients may send, comma-separated (the first is reported in "
+        "responses; 'default' is always accepted too); None = derived from the checkpoint's "
+        "file or directory name, e.g. SmolLM2-135M-Instruct.",
     )
     decode_workers: list[str] = Field(
         default_factory=list,
@@ -103,6 +105,13 @@ class GatewaySettings(BaseSettings):
         le=10,
         description="Longest wait for the kvstore index per request; past it, prefill is "
         "routed by load alone.",
+    )
+    max_choices_per_request: int = Field(
+        256,
+        ge=1,
+        le=1 << 16,
+        description="Most choices one request may generate (its prompts times n, or "
+        "best_of); more get 400.",
     )
     default_max_tokens: int = Field(
         1024,

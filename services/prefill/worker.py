@@ -4,9 +4,10 @@ For each `PrefillRequest` from a decode worker:
 
 1. the engine computes the prompt past what this worker's radix cache holds, after
    loading what the kvstore's host tier adds to it (`Worker.load_from_host`,
-   `Engine.add_prefill_request`), samples the first token and keeps the prompt's
-   pages under a lease of ``lease_s`` seconds;
-2. the worker answers `KVReady` with the first token and ``src_page_ids``: its pages
+   `Engine.add_prefill_request`), samples the first token (of each of the request's
+   ``n`` choices) and keeps the prompt's pages under a lease of ``lease_s`` seconds;
+2. the worker answers `KVReady` with the first token(s), their log-probabilities and
+   the prompt's when the request asks for them, and ``src_page_ids``: its pages
    holding the prompt past the decode side's ``num_cached_tokens``, i.e. exactly the
    pages the decode worker lacks, one per ``dst_page_ids`` entry;
 3. the decode worker pulls them (`KVTransferAgent.read_pages`) and sends
@@ -28,7 +29,8 @@ import time
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
+from radixserve.engine.outputs import RequestOutput
+from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone, entries
 from radixserve.services.runtime.service import Peer
 from radixserve.services.runtime.worker import Worker, WorkerSettings
 
@@ -46,6 +48,16 @@ class PrefillSettings(WorkerSettings):
         le=3600,
         description="How long computed pages wait for the decode worker to read them.",
     )
+
+
+def _first_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each choice's output holding its first token, in choice order (a request with n
+    choices samples n first tokens from the prompt's logits; the KV is shared)."""
+    firsts: dict[int, RequestOutput] = {}
+    for output in outputs:
+        if output.new_token_ids and output.index not in firsts:
+            firsts[output.index] = output
+    return [firsts[i] for i in sorted(firsts)]
 
 
 class PrefillWorker(Worker):
@@ -127,10 +139,10 @@ class PrefillWorker(Worker):
                 lambda e: e.add_prefill_request(ids, params, rid, lease_s, host), watch=rid
             )
             assert out is not None
-            last = None
-            async for output in self.engine.outputs(rid, out):
-                last = output
-            assert last is not None and last.finished and last.new_token_ids
+            outputs = [output async for output in self.engine.outputs(rid, out)]
+            last = outputs[-1]
+            firsts = _first_outputs(outputs)  # one per choice, in index order
+            assert last.finished and firsts
             leased = True
             self._queued -= len(ids)
             counted = False
@@ -150,16 +162,20 @@ class PrefillWorker(Worker):
             self.counters["prefill_requests_total"] += 1
             self.counters["prefill_computed_tokens_total"] += computed
             self.counters["prefill_cached_tokens_total"] += last.cached_tokens
+            tokens = [o.new_token_ids[0] for o in firsts]
             await self.send_to(
                 peer,
                 KVReady(
                     request_id=rid,
-                    first_token_id=last.new_token_ids[0],
+                    first_token_id=tokens[0],
                     src_page_ids=src,
                     num_pages_transferred=len(src),
                     prefill_computed_tokens=computed,
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
+                    first_token_ids=tuple(tokens) if len(tokens) > 1 else (),
+                    first_logprobs=entries([o.logprobs[0] for o in firsts if o.logprobs]),
+                    prompt_logprobs=entries(firsts[0].prompt_logprobs),
                 ),
             )
         except asyncio.CancelledError:

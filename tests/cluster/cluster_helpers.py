@@ -111,7 +111,7 @@ def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> 
     """Ask the kvstore which workers hold how many leading pages of ``prompt_ids`` on
     device, and how many its host tier holds (None if it does not answer within 2 s)."""
     address = cluster.workers()["kvstore"]["address"]
-    model = cluster.http.get("/v1/models").json()["data"][0]["id"]
+    model = cluster.debug_cache()["cache_namespace"]  # the checkpoint's name, not the served id
     hashes = page_hashes(prompt_ids, page, hash_namespace(model))
     context = zmq.Context()
     try:

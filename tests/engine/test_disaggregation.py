@@ -66,7 +66,8 @@ def run_disaggregated(prefill, decode, agents, prompt_ids, params=GREEDY):
     assert len(src_pages) == len(dst_pages)
     pull(agents, src_pages, dst_pages)
     assert prefill.release_lease(rid)
-    tokens = list(decode.activate_remote(rid, first).new_token_ids)
+    [out] = decode.activate_remote(rid, first)
+    tokens = list(out.new_token_ids)
     while decode.has_unfinished():
         for out in decode.step():
             tokens.extend(out.new_token_ids)

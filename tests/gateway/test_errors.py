@@ -20,7 +20,8 @@ BAD_COMPLETIONS = {
     "empty prompt": {"prompt": ""},
     "empty token list": {"prompt": []},
     "empty nested prompt": {"prompt": [[]]},
-    "two prompts": {"prompt": ["a", "b"]},
+    "too many prompts": {"prompt": ["a"] * 257},
+    "one empty prompt of two": {"prompt": ["a", ""]},
     "token id outside vocab": {"prompt": [1, 10**9]},
     "negative token id": {"prompt": [-1]},
     "max_tokens string": {**OK_COMPLETION, "max_tokens": "5"},
@@ -39,10 +40,23 @@ BAD_COMPLETIONS = {
     "empty stop string": {**OK_COMPLETION, "stop": [""]},
     "too many stops": {**OK_COMPLETION, "stop": [f"s{i}" for i in range(17)]},
     "negative stop token": {**OK_COMPLETION, "stop_token_ids": [-1]},
-    "n above one": {**OK_COMPLETION, "n": 2},
-    "best_of above one": {**OK_COMPLETION, "best_of": 3},
-    "echo": {**OK_COMPLETION, "echo": True},
-    "logprobs": {**OK_COMPLETION, "logprobs": 2},
+    "n above 128": {**OK_COMPLETION, "n": 129},
+    "best_of below n": {**OK_COMPLETION, "n": 3, "best_of": 2},
+    "best_of streamed": {**OK_COMPLETION, "best_of": 2, "stream": True},
+    "suffix": {**OK_COMPLETION, "suffix": "tail"},
+    "logprobs above 20": {**OK_COMPLETION, "logprobs": 21},
+    "presence_penalty above 2": {**OK_COMPLETION, "presence_penalty": 2.5},
+    "frequency_penalty below -2": {**OK_COMPLETION, "frequency_penalty": -3},
+    "repetition_penalty zero": {**OK_COMPLETION, "repetition_penalty": 0},
+    "logit_bias not a token id": {**OK_COMPLETION, "logit_bias": {"x": 1}},
+    "logit_bias outside vocab": {**OK_COMPLETION, "logit_bias": {"100000": 1}},
+    "logit_bias above 100": {**OK_COMPLETION, "logit_bias": {"5": 101}},
+    "json_schema without schema": {
+        **OK_COMPLETION,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+    },
+    "bad regex": {**OK_COMPLETION, "guided_regex": "(("},
+    "two guides": {**OK_COMPLETION, "guided_regex": "a", "guided_choice": ["b"]},
     "stream not bool": {**OK_COMPLETION, "stream": "yes"},
     "stream_options wrong type": {**OK_COMPLETION, "stream": True, "stream_options": 1},
     "streamed bad value": {**OK_COMPLETION, "stream": True, "temperature": -1},
@@ -56,8 +70,10 @@ BAD_CHATS = {
     "message without role": {"messages": [{"content": "hi"}]},
     "bad content part": {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
     "max_completion_tokens zero": {**OK_CHAT, "max_completion_tokens": 0},
-    "logprobs": {**OK_CHAT, "logprobs": True},
-    "n above one": {**OK_CHAT, "n": 3},
+    "top_logprobs without logprobs": {**OK_CHAT, "top_logprobs": 2},
+    "top_logprobs above 20": {**OK_CHAT, "logprobs": True, "top_logprobs": 21},
+    "n above 128": {**OK_CHAT, "n": 129},
+    "tool role": {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
 }
 
 
@@ -114,11 +130,43 @@ def test_unknown_route_and_method(http):
     assert_openai_error(http.get("/v1/completions"), 405)
 
 
-def test_unknown_fields_are_ignored(http):
-    extras = {"user": "u1", "frequency_penalty": 0, "logit_bias": {}, "some_future_field": [1]}
-    for path, body in (("/v1/completions", OK_COMPLETION), ("/v1/chat/completions", OK_CHAT)):
-        r = http.post(path, json={**body, **extras})
+def test_fields_openai_ignores_are_ignored_and_unknown_ones_refused(http):
+    ignored = {"user": "u1", "service_tier": "auto"}
+    chat_ignored = {**ignored, "metadata": {"k": "v"}, "store": False, "tools": []}
+    for path, body, extra in (
+        ("/v1/completions", OK_COMPLETION, ignored),
+        ("/v1/chat/completions", OK_CHAT, chat_ignored),
+    ):
+        r = http.post(path, json={**body, **extra})
         assert r.status_code == 200, r.text
+        for name, value in (
+            ("some_future_field", [1]),
+            ("functions", [{"name": "f"}]),
+            ("audio", {"voice": "x"}),
+        ):
+            error = assert_openai_error(http.post(path, json={**body, name: value}), 400)
+            assert error["param"] == name and name in error["message"]
+    for name, value in (
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("store", True),
+        ("modalities", ["audio"]),
+    ):
+        r = http.post("/v1/chat/completions", json={**OK_CHAT, name: value})
+        assert assert_openai_error(r, 400)["param"].startswith(name)
+    r = http.post("/v1/completions", json={**OK_COMPLETION, "suffix": "tail"})
+    assert assert_openai_error(r, 400)["param"] == "suffix"
+
+
+def test_values_past_the_wire_limits_are_400(http):
+    for field, value in (("max_tokens", 2**31), ("top_k", 2**31), ("seed", 2**64)):
+        r = http.post("/v1/completions", json={**OK_COMPLETION, field: value})
+        assert assert_openai_error(r, 400)["param"] == field
+    r = http.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 9000})
+    error = assert_openai_error(r, 400)
+    assert error["param"] == "max_tokens" and "tokens are left" in error["message"]
+    r = http.post("/v1/chat/completions", json={**OK_CHAT, "stop_token_ids": [2**31]})
+    assert assert_openai_error(r, 400)["param"].startswith("stop_token_ids")
 
 
 def test_server_still_serves_after_bad_input(http):

@@ -149,11 +149,11 @@ def test_sampling_controls_are_honoured(http):
 def test_models_health_debug(http, client):
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [client.model_name]
+    assert [m["id"] for m in models["data"]] == [client.served_name]
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     r = http.post(
-        "/v1/completions", json={"model": client.model_name, "prompt": "Hi", "max_tokens": 2}
+        "/v1/completions", json={"model": client.served_name, "prompt": "Hi", "max_tokens": 2}
     )
     assert r.status_code == 200, r.text
     stats = wait_idle(http)

@@ -39,7 +39,7 @@ def test_client_completions(oai, refs):
 
 def test_client_chat(oai, refs, client):
     r = oai.chat.completions.create(
-        model=client.model_name,
+        model=client.served_name,
         messages=CHAT_MESSAGES,
         max_completion_tokens=REF_MAX_TOKENS,
         temperature=0,
@@ -66,7 +66,7 @@ def test_client_chat(oai, refs, client):
 
 
 def test_client_models_and_errors(oai, client):
-    assert [m.id for m in oai.models.list()] == [client.model_name]
+    assert [m.id for m in oai.models.list()] == [client.served_name]
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="nope", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:

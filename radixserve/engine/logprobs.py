@@ -1,0 +1,50 @@
+"""Log-probabilities of chosen tokens and their top alternatives, batched over the rows
+that ask for them (the rest of a step pays nothing).
+
+They come from the raw model distribution, ``log_softmax`` of the logits as the model
+produced them: before temperature, penalties, logit biases and grammar masks (the
+OpenAI API's and vLLM's default). A prompt token's log-probability is read from the
+logits of the position before it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.engine.outputs import NEG_INF_LOGPROB, TokenLogprob
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprob]:
+    """For each row of ``logits`` (R, V): the log-probability of ``token_ids[r]`` and the
+    ``num_top[r]`` most likely tokens. One log_softmax and one top-k for all R rows."""
+    if logits.shape[0] != len(token_ids) or len(token_ids) != len(num_top):
+        raise ValueError("logits rows, token_ids and num_top must have one entry per row")
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=lp.device)  # (R,)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()  # (R,)
+    k = min(max(num_top), lp.shape[1])
+    top_vals: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if k > 0:  # top-k, not a sort: a full sort of (R, V) costs ten times more per step
+        values, order = lp.topk(k, dim=-1)  # (R, k) each, descending
+        top_vals, top_ids = values.tolist(), order.tolist()
+    return [
+        TokenLogprob(
+            token_id=int(t),
+            logprob=_finite(c),
+            top_ids=tuple(top_ids[r][: num_top[r]]),
+            top_logprobs=tuple(_finite(v) for v in top_vals[r][: num_top[r]]),
+        )
+        for r, (t, c) in enumerate(zip(token_ids, chosen))
+    ]

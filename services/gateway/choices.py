@@ -1,0 +1,203 @@
+"""The engine streams behind one HTTP request, merged, and its choices as OpenAI shapes.
+
+`Generation` holds one engine stream per prompt of the request, started together (one
+continuous batch in the engine), and yields their outputs in arrival order, so
+streamed choices interleave by ``index`` as OpenAI's do. Closing it closes every
+stream, which aborts what is unfinished in the engine.
+
+`ChoiceBook` accumulates each choice (text, tokens, log-probabilities, finish reason)
+and builds the choice objects: choice ``index`` = prompt number x n + choice. With
+``best_of`` > n the n choices of highest total log-probability are kept per prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.engine.outputs import RequestOutput, TokenLogprob
+from radixserve.metrics import RequestTimer, ServingMetrics
+from radixserve.services.gateway.logprobs import LogprobFormatter
+from radixserve.services.gateway.plan import Plan
+
+_DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
+
+
+class Generation:
+    """The engine streams of one HTTP request (one per prompt)."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], metrics: ServingMetrics):
+        self.streams = streams
+        self.timers = [RequestTimer(metrics) for _ in streams]
+        self.lasts: list[RequestOutput | None] = [None] * len(streams)
+        self.tokens = [0] * len(streams)  # generated tokens per stream, every choice
+        self._firsts: list[RequestOutput] = []  # each stream's first output (`first`)
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    def observe(self, job: int, out: RequestOutput) -> None:
+        self.lasts[job] = out
+        self.tokens[job] += len(out.new_token_ids)
+        self.timers[job].tokens(len(out.new_token_ids))
+        if out.finished:
+            self.timers[job].finish(self.total(job), out.finish_reason or "stop")
+
+    def total(self, job: int) -> RequestOutput:
+        """The job's latest output with completion_tokens counted over every choice."""
+        last = self.lasts[job]
+        assert last is not None
+        return dataclasses.replace(last, completion_tokens=self.tokens[job])
+
+    async def first(self, disconnected: Callable[[], Awaitable[bool]]) -> bool:
+        """Wait for every stream's first output (a `RequestError` is raised here, before
+        any byte is sent); False if the client left meanwhile (a long prefill)."""
+        pending = [asyncio.ensure_future(s.__anext__()) for s in self.streams]
+        try:
+            while True:
+                done, _ = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S,
+                                             return_when=asyncio.FIRST_EXCEPTION)  # fmt: skip
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                if len(done) == len(pending):
+                    self._firsts = [t.result() for t in pending]
+                    return True
+                if await disconnected():
+                    return False
+        finally:
+            for task in pending:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(job, output) for every output, the first ones first, until all finish."""
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        live = 0
+        for job, out in enumerate(self._firsts):
+            yield job, out
+            if not out.finished:
+                live += 1
+                self._tasks.append(asyncio.ensure_future(self._pump(job, queue)))
+        while live:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[1].finished:
+                live -= 1
+
+    async def _pump(self, job: int, queue: asyncio.Queue) -> None:
+        try:
+            async for out in self.streams[job]:
+                queue.put_nowait((job, out))
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    async def close(self) -> None:
+        """Idempotent: stop the pumps, close every stream (aborting the unfinished)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job, stream in enumerate(self.streams):
+            await stream.aclose()  # type: ignore[attr-defined]
+            last = self.lasts[job]
+            if last is not None and not last.finished:
+                self.timers[job].finish(self.total(job), "abort")
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False
+
+
+class ChoiceBook:
+    """Every choice of a request, keyed by (job, choice index in the engine)."""
+
+    def __init__(self, plan: Plan, formatter: LogprobFormatter) -> None:
+        self.plan = plan
+        self.fmt = formatter
+        self.choices: dict[tuple[int, int], Choice] = {}
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
+        self.offsets: dict[tuple[int, int], int] = {}
+
+    def index(self, job: int, choice: int) -> int:
+        return job * self.plan.n + choice
+
+    def add(self, job: int, out: RequestOutput) -> Choice:
+        c = self.choices.setdefault((job, out.index), Choice())
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[job] = out.prompt_logprobs
+        if not self.plan.drop_generated:
+            c.text.append(out.new_text)
+            c.token_ids.extend(out.new_token_ids)
+            c.logprobs.extend(out.logprobs or ())
+        if out.finish_reason is not None:
+            c.finish_reason = "length" if self.plan.drop_generated else out.finish_reason
+        return c
+
+    # -- the pieces of a choice ----------------------------------------------------------
+
+    def echo_text(self, job: int) -> str:
+        return self.plan.jobs[job].prompt_text if self.plan.echo else ""
+
+    def completion_logprobs(
+        self, job: int, key: tuple[int, int], ids: list[int], lps: list[TokenLogprob],
+        echo: bool,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """The completions logprobs object for these tokens (the prompt's first if echo),
+        text offsets continuing from the choice's last."""
+        if self.plan.top_logprobs is None:
+            return None
+        entries: list[TokenLogprob | None] = list(lps)
+        if echo:
+            prompt = self.plan.jobs[job].prompt_ids
+            scored = self.prompt_logprobs.get(job, [])
+            ids = [*prompt, *ids]
+            entries = [None, *scored[: len(prompt) - 1], *entries]
+        body, self.offsets[key] = self.fmt.completion(ids, entries, self.offsets.get(key, 0))
+        return body
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.plan.top_logprobs is None:
+            return None
+        return {"content": self.fmt.chat(lps), "refusal": None}
+
+    # -- whole choices (non-streaming) --------------------------------------------------
+
+    def ranked(self) -> list[tuple[int, tuple[int, int], Choice]]:
+        """(response index, key, choice) in index order; best_of keeps the n best."""
+        out: list[tuple[int, tuple[int, int], Choice]] = []
+        for job in range(len(self.plan.jobs)):
+            keys = sorted(k for k in self.choices if k[0] == job)
+            if self.plan.best_of > self.plan.n:
+                keys.sort(key=lambda k: -sum(lp.logprob for lp in self.choices[k].logprobs))
+                keys = keys[: self.plan.n]
+            out.extend((self.index(job, rank), k, self.choices[k]) for rank, k in enumerate(keys))
+        return out
+
+    def full_choices(self) -> list[dict[str, Any]]:
+        result = []
+        for index, key, c in self.ranked():
+            text = "".join(c.text)
+            if self.plan.kind == "completion":
+                logprobs = self.completion_logprobs(key[0], key, c.token_ids, c.logprobs,
+                                                    self.plan.echo)  # fmt: skip
+                result.append({"index": index, "text": self.echo_text(key[0]) + text,
+                               "logprobs": logprobs, "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                result.append({"index": index,
+                               "message": {"role": "assistant", "content": text},
+                               "logprobs": self.chat_logprobs(c.logprobs),
+                               "finish_reason": c.finish_reason})  # fmt: skip
+        return result

@@ -1,0 +1,164 @@
+"""From a validated request body to what the engine runs: one `Job` per prompt.
+
+A request's prompts (completions accept a list) become one engine request each, all
+submitted at once so they run as one continuous batch; each asks for ``best_of``
+choices (``n`` unless best_of is larger), which the engine forks after computing the
+prompt once. The `Plan` says how to present them: echo, how many top log-probabilities,
+whether to drop the one generated token of a ``max_tokens: 0`` echo request (prompt
+scoring, as evaluation harnesses send it).
+
+max_tokens policy: an explicit ``max_tokens`` (or ``max_completion_tokens``) larger than
+the context left after the prompt is refused with a 400 saying how many tokens are
+left (as vLLM does); without one, completions generate up to 16 tokens and chat up to
+``default_max_tokens``, both capped by what is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.structured import grammar_for
+from radixserve.errors import InvalidRequestError
+from radixserve.services.gateway.engine_client import EngineClient
+from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt: its ids, the engine parameters, and (echo) the prompt text."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # "completion" | "chat"
+    jobs: list[Job]
+    n: int  # choices returned per prompt
+    best_of: int  # choices generated per prompt (>= n)
+    echo: bool = False
+    top_logprobs: int | None = None  # None: no logprobs in the response
+    drop_generated: bool = False  # max_tokens 0 with echo: score the prompt only
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _room(client: EngineClient, prompt_ids: list[int]) -> int:
+    room = client.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise InvalidRequestError(
+            f"prompt has {len(prompt_ids)} tokens; the model's context is "
+            f"{client.max_model_len} tokens and at least one must be left to generate",
+            param="prompt",
+        )
+    return room
+
+
+def _max_tokens(requested: int | None, default: int, room: int, param: str) -> int:
+    if requested is None:
+        return max(1, min(default, room))
+    if requested > room:
+        raise InvalidRequestError(
+            f"{param} is {requested}, but only {room} tokens are left in the context after "
+            "the prompt; lower it",
+            param=param,
+        )
+    return requested
+
+
+def _params(req: GenerationRequest, max_tokens: int, **extra: object) -> SamplingParams:
+    kind, guide = req.guide()
+    if kind:
+        grammar_for(kind, guide)  # refuse a malformed guide before routing
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=() if req.stop is None else req.stop,  # type: ignore[arg-type]
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=tuple(sorted(req.bias().items())),
+        guide_kind=kind,
+        guide=guide,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def _choices(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int]:
+    count = n or 1
+    best = best_of or count
+    if best < count:
+        raise OpenAIError(400, f"best_of ({best}) must be at least n ({count})", "best_of")
+    if best > count and stream:
+        raise OpenAIError(400, "best_of larger than n cannot be streamed", "stream")
+    return count, best
+
+
+def _check_choices(total: int, limit: int) -> None:
+    if total > limit:
+        raise OpenAIError(
+            400, f"the request asks for {total} choices (prompts x n or best_of); at most "
+            f"{limit} are served per request", "n",
+        )  # fmt: skip
+
+
+def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: int) -> Plan:
+    n, best_of = _choices(req.n, req.best_of, bool(req.stream))
+    _check_choices(len(req.prompts()) * best_of, max_choices)
+    echo = bool(req.echo)
+    if req.max_tokens == 0 and not echo:
+        raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    k = req.logprobs
+    jobs = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str) and not prompt:
+            raise OpenAIError(400, "prompt is empty", "prompt")
+        ids = client.encode_prompt(prompt)
+        room = _room(client, ids)
+        max_tokens = _max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, room, "max_tokens")
+        params = _params(
+            req,
+            max(max_tokens, 1),
+            n=best_of,
+            logprobs=k if k is not None else (0 if best_of > n else None),
+            prompt_logprobs=k if echo and k is not None else None,
+        )
+        text = prompt if isinstance(prompt, str) else client.tokenizer.decode(ids)
+        jobs.append(Job(ids, params, text if echo else ""))
+    return Plan("completion", jobs, n, best_of, echo=echo, top_logprobs=k,
+                drop_generated=req.max_tokens == 0, stream=bool(req.stream),
+                include_usage=req.include_usage)  # fmt: skip
+
+
+def chat_plan(
+    req: ChatCompletionRequest, client: EngineClient, default_max_tokens: int, max_choices: int
+) -> Plan:
+    n, _ = _choices(req.n, None, bool(req.stream))
+    _check_choices(n, max_choices)
+    ids = client.chat_prompt_ids(req.template_messages())
+    room = _room(client, ids)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(req.requested_max_tokens, default_max_tokens, room, param)
+    if max_tokens < 1:
+        raise InvalidRequestError(f"{param} must be >= 1", param=param)
+    k = req.num_top_logprobs()
+    params = _params(req, max_tokens, n=n, logprobs=k)
+    return Plan("chat", [Job(ids, params)], n, n, top_logprobs=k, stream=bool(req.stream),
+                include_usage=req.include_usage)  # fmt: skip

@@ -1,0 +1,172 @@
+"""Response bodies of the OpenAI-compatible API: builders, and pydantic models that
+describe them in /openapi.json (the handlers build plain dicts; the models document
+and, in the tests, check them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from radixserve.engine.outputs import RequestOutput
+
+Kind = Literal["completion", "chat"]
+
+
+def usage(lasts: Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI `usage` over a request's prompts (each job's last output, completion
+    tokens counted over every choice)."""
+    prompt = sum(o.prompt_tokens for o in lasts)
+    completion = sum(o.completion_tokens for o in lasts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)},
+    }
+
+
+def envelope(kind: Kind, rid: str, created: int, model: str, stream: bool) -> dict[str, Any]:
+    if kind == "completion":
+        obj = "text_completion"
+    else:
+        obj = "chat.completion.chunk" if stream else "chat.completion"
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def chunk(
+    meta: tuple[Kind, str, int, str],
+    choice: dict[str, Any],
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    """One SSE chunk carrying one choice's delta."""
+    body = envelope(*meta, stream=True)
+    body["choices"] = [choice]
+    if with_usage_field:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(meta: tuple[Kind, str, int, str], lasts: Sequence[RequestOutput]) -> dict:
+    """The final `stream_options.include_usage` chunk: empty choices, filled usage."""
+    body = envelope(*meta, stream=True)
+    body.update(choices=[], usage=usage(lasts))
+    return body
+
+
+# -- models for /openapi.json ---------------------------------------------------------
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Doc):
+    cached_tokens: int
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Doc):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Doc):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionResponse(_Doc):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Doc):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
+class ChatMessageOut(_Doc):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletionResponse(_Doc):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    root: str
+
+
+class ModelList(_Doc):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Doc):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Doc):
+    prompt: str
+
+
+class VersionResponse(_Doc):
+    version: str
+
+
+class ErrorDetail(_Doc):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(_Doc):
+    error: ErrorDetail

@@ -1,0 +1,91 @@
+"""Fuzzing the gateway from its own /openapi.json (schemathesis): request bodies made
+from the documented models, valid and invalid, never get a 5xx, an undocumented status
+or content type, or a response that breaks the documented schema; and nothing leaks.
+
+Bounded: a small context (48 tokens), 4 requests in flight, 4 choices per request, a
+few dozen examples per operation and about a minute in all."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
+from tests.engine.engine_helpers import make_engine
+from tests.gateway.conftest import RunningServer, wait_idle
+
+BUDGET_S = 60.0
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance]  # fmt: skip
+MODES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 10}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    engine = make_engine("default", kv_cache_memory_gib=0.05, max_model_len=48)
+    client = LocalEngineClient(AsyncEngine(engine))
+    server = RunningServer(
+        create_app(client, GatewaySettings(max_queued_requests=4, max_choices_per_request=4))
+    )
+    yield server
+    server.stop()
+    client.close()
+
+
+def _fuzz(op, mode, examples: int, deadline: float, url: str, served: dict[str, int]) -> int:
+    """Run up to ``examples`` generated cases of one operation until ``deadline``; the
+    number of calls made. 200 responses are counted in ``served``."""
+    calls = 0
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case) -> None:
+        nonlocal calls
+        if time.monotonic() > deadline:
+            return
+        calls += 1
+        response = case.call_and_validate(base_url=url, checks=CHECKS, timeout=60)
+        if response.status_code == 200:
+            served[op.label] = served.get(op.label, 0) + 1
+
+    run()
+    return calls
+
+
+@pytest.mark.slow
+def test_fuzz_gateway_from_its_openapi(fuzz_server):
+    schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
+    deadline = time.monotonic() + BUDGET_S
+    operations = [result.ok() for result in schema.get_all_operations()]
+    labels = {op.label for op in operations}
+    generating = {"POST /v1/completions", "POST /v1/chat/completions"}
+    assert generating | {"POST /tokenize", "POST /detokenize", "GET /version"} <= labels
+    shares = {op.label: 4.0 if op.label in generating else 1.0 for op in operations}
+    served: dict[str, int] = {}  # operation -> 200 responses
+    calls = 0
+    for op in operations:
+        share = BUDGET_S * shares[op.label] / sum(shares.values())
+        op_deadline = min(deadline, time.monotonic() + share)
+        for mode, examples in MODES.items():
+            if mode is GenerationMode.NEGATIVE and op.method.upper() != "POST":
+                continue  # a GET without parameters has nothing to make invalid
+            calls += _fuzz(op, mode, examples, op_deadline, fuzz_server.url, served)
+    assert calls >= 2 * len(operations)
+    assert generating <= set(served), served  # real generations ran, not only refusals
+    with httpx.Client(base_url=fuzz_server.url, timeout=30) as http:
+        stats = wait_idle(http, timeout=60)
+        assert stats["live_requests"] == 0 and stats["gateway_in_flight"] == 0, stats
+        assert stats["pages_locked"] == 0, stats

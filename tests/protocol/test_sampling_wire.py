@@ -1,0 +1,75 @@
+"""The sampling wire structs: every `SamplingParams` field survives the wire, log-
+probabilities travel in `TokenChunk` and `KVReady`, and bad values are refused where
+they arrive."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from radixserve.engine.outputs import RequestOutput, TokenLogprob
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol import (
+    GenerateRequest,
+    KVReady,
+    LogprobEntry,
+    ProtocolError,
+    SamplingSpec,
+    TokenChunk,
+    decode,
+    encode,
+    entries,
+)
+
+
+def test_every_sampling_param_round_trips():
+    params = SamplingParams(
+        max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=40, seed=-5,
+        stop=("x",), stop_token_ids=(3,), ignore_eos=True, n=3, logprobs=4,
+        prompt_logprobs=2, presence_penalty=-1.5, frequency_penalty=0.25,
+        repetition_penalty=1.2, logit_bias={7: -3.0, 2: 1.5}, min_p=0.1,
+        guide_kind="json_schema", guide='{"type": "object"}',
+    )  # fmt: skip
+    msg = GenerateRequest("r", (1, 2), sampling=SamplingSpec.from_params(params))
+    back = decode(encode(msg))
+    assert isinstance(back, GenerateRequest)
+    assert back.sampling.to_params() == params
+
+
+def test_logprobs_travel_in_token_chunks_and_kv_ready():
+    lp = TokenLogprob(5, -0.25, (5, 9), (-0.25, -1.5))
+    out = RequestOutput("r", [5], "a", False, "stop", 3, 0, 1, 1.0, index=2, logprobs=[lp],
+                        prompt_logprobs=[lp, lp])  # fmt: skip
+    chunk = decode(encode(TokenChunk.from_output(out)))
+    assert isinstance(chunk, TokenChunk)
+    assert chunk.to_output() == out  # a choice that ended before the request did
+    ready = KVReady("r", 5, first_token_ids=(5, 6), first_logprobs=entries([lp, lp]),
+                    prompt_logprobs=entries([lp]))  # fmt: skip
+    back = decode(encode(ready))
+    assert isinstance(back, KVReady)
+    assert [e.to_logprob() for e in back.first_logprobs] == [lp, lp]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"logprobs": [{"token_id": 1, "logprob": 0.0}]},  # one entry for no token
+        {"finished": True},  # finished without a reason
+        {"token_ids": [1], "logprobs": [{"token_id": 1, "logprob": "x"}]},
+        {"token_ids": [1], "logprobs": [{"token_id": 1, "logprob": -1.0, "top_ids": [2]}]},
+    ],
+)
+def test_bad_chunks_are_refused(bad):
+    body = {"type": "token_chunk", "v": [1, 3], "request_id": "r", **bad}
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(body))
+
+
+def test_logit_bias_lists_must_pair():
+    with pytest.raises(ProtocolError, match="logit_bias"):
+        encode(
+            GenerateRequest(
+                "r", (1,), sampling=SamplingSpec(logit_bias_ids=(1, 2), logit_bias_values=(1.0,))
+            )
+        )
+    assert LogprobEntry(1, -1.0).to_logprob() == TokenLogprob(1, -1.0)
