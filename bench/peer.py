@@ -44,7 +44,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,10 @@ class Target:
 
 
 class PeerClient(Client):
-    """`Client` with the server's own request fields; a failure becomes an error sample."""
+    """`Client` with the server's own request fields; a failure becomes an error sample,
+    a stream without usage (llama-cpp-python's) a sample without token counts."""
+
+    usage_required = False
 
     def __init__(self, http: httpx.AsyncClient, model: str, target: Target) -> None:
         super().__init__(http, model)
@@ -158,9 +161,10 @@ class TargetRun:
     target: Target
     model_id: str
     multi_turn: ScenarioRun
-    answers: list[list[str]]
+    answers: list[list[str]]  # [conversation][round]: the server's answers
     load: ScenarioRun
-    settings: dict[str, Any]
+    template_prompt_tokens: int | None  # round 1's messages, as the server counts them
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -170,16 +174,15 @@ class Workloads:
 
 
 async def measure(
-    url: str,
-    target: Target,
-    wl: Workloads,
-    replay: list[list[str]] | None,
-    timeout_s: float,
-    concurrency: int,
-) -> tuple[str, ScenarioRun, list[list[str]], ScenarioRun]:
-    """Warm up, then the multi-turn chat and the shared-prefix load on one deployment."""
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    url: str, target: Target, wl: Workloads, replay: list[list[str]] | None,
+    options: PeerOptions,
+) -> TargetRun:  # fmt: skip
+    """Warm up, the multi-turn chat, the shared-prefix load, then (after everything timed)
+    the prompt tokens the server counts for round 1's messages, unaltered."""
+    timeout = httpx.Timeout(options.settings.request_timeout_s, connect=30.0)
+    # A fresh connection per request: llama-server closes idle keep-alive connections
+    # after 5 s, and a request sent on one as it closes fails ("Server disconnected").
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
         models = (await http.get("/v1/models")).raise_for_status().json()["data"]
         client = PeerClient(http, models[0]["id"], target)
@@ -190,8 +193,12 @@ async def measure(
         desc = f"{target.server}, cache {target.mode}"
         with tqdm(total=total, desc=desc, unit="req", file=sys.stderr) as bar:
             mt = await run_multi_turn(client, wl.multi_turn, 1, replay, bar)
-            load, _, _ = await run_rag(client, wl.load, concurrency, bar)
-    return client.model, mt.run, mt.answers, load
+            load, _, _ = await run_rag(client, wl.load, options.preset.load.concurrency, bar)
+        body = {"model": client.model, "messages": first_messages(wl.multi_turn),
+                "max_tokens": 1, "temperature": 0}  # fmt: skip
+        resp = await http.post("/v1/chat/completions", json=body)
+        counted = resp.json().get("usage", {}).get("prompt_tokens") if resp.is_success else None
+    return TargetRun(target, client.model, mt.run, mt.answers, load, counted)
 
 
 def cluster_target(options: PeerOptions, mode: str) -> Target:
@@ -245,32 +252,32 @@ def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
     }
 
 
-def peer_target(config: ps.PeerConfig, mode: str, options: PeerOptions, log_dir: Path) -> Target:
+def peer_target(
+    config: ps.PeerConfig, mode: str, options: PeerOptions, log_dir: Path, eos_ids: Sequence[int]
+) -> Target:
+    """llama-server busts with ``cache_prompt: false``, llama-cpp-python with a unique
+    prefix. llama-cpp-python ignores ``ignore_eos``; a -100 bias on the end-of-sequence
+    tokens does the same under greedy decoding."""
+
     @contextlib.contextmanager
     def start() -> Iterator[Deployment]:
         proc = ps.ServerProcess(config, options.settings.server_start_timeout_s, log_dir)
         with proc:
-            yield Deployment(proc.url, {"argv": proc.argv, "log": str(proc.log_path)})
+            command = " ".join(Path(a).name if "/" in a else a for a in config.argv)
+            settings = {"command": command.replace("{port}", proc.url.rsplit(":", 1)[1]),
+                        "argv": proc.argv, "log": str(proc.log_path)}  # fmt: skip
+            if proc.fell_back:
+                settings["fallback"] = config.fallback_note
+            yield Deployment(proc.url, settings)
 
     busted = mode == "busted"
     if config.name == ps.LLAMA_SERVER:
         body: dict[str, Any] = {"ignore_eos": True, **({"cache_prompt": False} if busted else {})}
-        return Target(
-            config.name,
-            mode,
-            start,
-            body,
-            False,
-            "cache_prompt: false in every request" if busted else "",
-        )
-    return Target(
-        config.name,
-        mode,
-        start,
-        {"ignore_eos": True},
-        busted,
-        "a unique prefix per request ('Request N.' first in the system message)" if busted else "",
-    )
+        how = "cache_prompt: false in every request"
+        return Target(config.name, mode, start, body, busting=how if busted else "")
+    body = {"logit_bias": {str(i): -100 for i in eos_ids}}
+    how = "a unique prefix per request ('Request N.' first in the system message)"
+    return Target(config.name, mode, start, body, busted, how if busted else "")
 
 
 def install_hint(venv: Path | None) -> str:
@@ -292,7 +299,9 @@ def find_peers(
     wanted = [name for name in ps.PEERS if name in options.servers]
     if venv is None:
         return [], {name: "no --peer-venv / RADIXSERVE_BENCH_PEER_VENV given" for name in wanted}
-    ctx = options.preset.multi_turn.system_tokens + 3000  # the longest conversation fits
+    mt, load = options.preset.multi_turn, options.preset.load
+    longest = mt.system_tokens + mt.rounds * (mt.user_tokens[1] + mt.answer_tokens[1] + 16)
+    ctx = max(longest, load.doc_tokens_total + 256) + 128  # a whole conversation fits a slot
     if ps.LLAMA_SERVER in wanted:
         binary = ps.llama_server_binary(venv)
         if binary is None:
@@ -328,24 +337,16 @@ def run_targets(targets: list[Target], wl: Workloads, options: PeerOptions) -> l
         print(f"peer: starting {target.server}, cache {target.mode} ...", file=sys.stderr)
         try:
             with target.start() as deployment:
-                model_id, mt, own, load = asyncio.run(
-                    measure(
-                        deployment.url,
-                        target,
-                        wl,
-                        answers.get(target.server),
-                        options.settings.request_timeout_s,
-                        options.preset.load.concurrency,
-                    )
-                )
+                run = asyncio.run(measure(deployment.url, target, wl, answers.get(target.server),
+                                          options))  # fmt: skip
         except (ps.ServerError, BenchError, TimeoutError, OSError, httpx.HTTPError) as exc:
-            print(
-                f"peer: {target.server} (cache {target.mode}) not measured: {exc}", file=sys.stderr
-            )
+            print(f"peer: {target.server} (cache {target.mode}) not measured: {exc}",
+                  file=sys.stderr)  # fmt: skip
             continue
         if target.mode == "on":
-            answers[target.server] = own
-        runs.append(TargetRun(target, model_id, mt, own, load, deployment.settings))
+            answers[target.server] = run.answers
+        run.settings = deployment.settings
+        runs.append(run)
     return runs
 
 
@@ -370,20 +371,22 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
             print(f"peer: skipping {name}: {reason}", file=sys.stderr)
         print(f"peer: {install_hint(options.settings.peer_venv)}", file=sys.stderr)
     targets = [cluster_target(options, m) for m in MODES if RADIXSERVE in options.servers]
-    targets += [peer_target(p, m, options, logs) for p in peers for m in MODES]
+    eos = tokenizer.eos_token_ids
+    targets += [peer_target(p, m, options, logs, eos) for p in peers for m in MODES]
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `with` blocks stop servers
     try:
         runs = run_targets(targets, wl, options)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    expected_prompt = len(tokenizer.encode_chat(_first_messages(wl.multi_turn)))
+    expected_prompt = len(tokenizer.encode_chat(first_messages(wl.multi_turn)))
     doc = peer_report.build_result(options, runs, skipped, peers, model_path, expected_prompt)
     doc["logs"] = str(logs)
     peer_report.write(doc, options.out_path)
     return doc
 
 
-def _first_messages(wl: MultiTurnWorkload) -> Messages:
+def first_messages(wl: MultiTurnWorkload) -> Messages:
+    """Conversation 1's round-1 messages (system prompt and first user turn)."""
     return [
         {"role": "system", "content": wl.system},
         {"role": "user", "content": wl.conversations[0][0].user},

@@ -31,6 +31,7 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def sample_stats(samples: Sequence[Sample]) -> dict[str, Any]:
     ok = [s for s in samples if s.error is None]
+    counted = [s for s in ok if s.usage_reported]  # llama-cpp-python streams no usage
     ttft = [s.ttft_ms for s in ok]
     itl = [gap for s in ok for gap in s.itl_ms]
     return {
@@ -38,8 +39,8 @@ def sample_stats(samples: Sequence[Sample]) -> dict[str, Any]:
         "errors": len(samples) - len(ok),
         "ttft_ms": {"mean": _mean(ttft), "p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
         "itl_ms": {"mean": _mean(itl), "p50": percentile(itl, 50), "p90": percentile(itl, 90)},
-        "prompt_tokens_mean": _mean([s.prompt_tokens for s in ok]),
-        "cached_tokens_mean": _mean([s.cached_tokens for s in ok]),
+        "prompt_tokens_mean": _mean([s.prompt_tokens for s in counted]),
+        "cached_tokens_mean": _mean([s.cached_tokens for s in counted]),
         "output_tokens": sum(s.completion_tokens for s in ok),
         "error_examples": sorted({s.error for s in samples if s.error})[:3],
     }
@@ -145,11 +146,8 @@ def build_result(
     from radixserve.bench.suite import machine_info
 
     docs = [_run_doc(r) for r in runs]
-    first_prompt = {
-        f"{d['server']} ({d['mode']})": d["multi_turn"]["rounds"][0]["prompt_tokens_mean"]
-        for d in docs
-        if d["multi_turn"]["rounds"]
-    }
+    first_prompt = {f"{r.target.server} ({r.target.mode})": r.template_prompt_tokens
+                    for r in runs}  # fmt: skip
     p = options.preset
     venv = options.settings.peer_venv
     return {
@@ -266,8 +264,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *[f"- {r['server']} ({r['mode']}): {_describe(r)}" for r in doc["runs"]],
         *[f"- {name}: skipped, not measured ({why})" for name, why in doc["skipped"].items()],
-        "- round-1 prompt tokens as reported: "
-        + ", ".join(f"{k} {_f(v)}" for k, v in doc["prompt_tokens_round1"].items()),
+        "- prompt tokens of round 1's messages as each server counts them (local template "
+        "first): " + ", ".join(f"{k} {_f(v)}" for k, v in doc["prompt_tokens_round1"].items()),
         "",
         *side_by_side(doc),
         "",
@@ -287,7 +285,7 @@ def _describe(run: dict[str, Any]) -> str:
             f"GiB, pages of {st['page_size']}"
         )
     else:
-        what = " ".join(Path(a).name if "/" in a else a for a in st["argv"])
+        what = st["command"] + (f" + {st['fallback']}" if "fallback" in st else "")
     fields = json.dumps(run["request_fields"])
     busted = f"; busted by {run['busting']}" if run["busting"] else ""
     return f"{what}; request fields {fields}{busted}"

@@ -14,19 +14,22 @@ one):
 - **llama-cpp-python** (``llama-cpp-python[server]``, ``python -m llama_cpp.server``), one
   sequence at a time; requests queue instead of interrupting the one running.
 
-Each runs as a child process on 127.0.0.1, logging to a file, and is stopped (SIGTERM,
-then SIGKILL) when its ``with`` block ends, however it ends. On CPUs whose AMX path
-crashes llama.cpp at load (seen here: a general protection fault in
-``ggml_backend_amx_mul_mat`` under this VM's kernel), `ServerProcess` restarts it once
-with ``--no-repack``, which keeps the weights out of the AMX buffer type, and says so.
+Each runs as a child process on 127.0.0.1, logging to a file, and counts as started once
+it has answered a one-token completion; it is stopped (SIGTERM, then SIGKILL) when its
+``with`` block ends, however it ends. llama.cpp puts the weights in the AMX buffer type
+on CPUs that report AMX; on this machine's VM both servers then crash in
+``ggml_backend_amx_mul_mat`` (a general protection fault) on their first matrix
+multiply. `ServerProcess` then restarts the server once without the extra buffer types:
+llama-server with ``--no-repack``, llama-cpp-python (which has no option for it) with
+llama.cpp's ``use_extra_bufts`` model parameter off; the results say so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +49,6 @@ logger = logging.getLogger(__name__)
 LLAMA_SERVER = "llama-server"
 LLAMA_CPP_PYTHON = "llama-cpp-python"
 PEERS = (LLAMA_SERVER, LLAMA_CPP_PYTHON)
-NO_REPACK = "--no-repack"
 
 
 class PeerBenchSettings(BaseSettings):
@@ -119,58 +121,50 @@ def link_shared_libraries(folder: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """One peer's command line; ``argv`` holds a ``{port}`` placeholder."""
+    """One peer's command line (``{port}`` stands for its port), and the one to retry
+    with if the first is killed by a signal (a crash) on its first request."""
 
     name: str
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    fallback: tuple[str, ...] | None = None
+    fallback_note: str = ""
 
 
 def llama_server_config(
     binary: Path, model: Path, threads: int, slots: int, slot_ctx: int
 ) -> PeerConfig:
-    argv = (
-        str(binary),
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "-np",
-        str(slots),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-c",
-        str(slots * slot_ctx),
-        "--no-webui",
-    )
-    return PeerConfig(LLAMA_SERVER, argv, {"LD_LIBRARY_PATH": str(binary.parent)})
+    argv = (str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
+            "-np", str(slots), "-t", str(threads), "-tb", str(threads),
+            "-c", str(slots * slot_ctx), "--no-webui")  # fmt: skip
+    return PeerConfig(LLAMA_SERVER, argv, {"LD_LIBRARY_PATH": str(binary.parent)},
+                      (*argv, "--no-repack"), f"--no-repack: {NO_EXTRA_BUFFERS}")  # fmt: skip
+
+
+NO_EXTRA_BUFFERS = "weights kept out of the AMX / repacked buffer types (it crashed with them)"
+# `python -m llama_cpp.server` with llama.cpp's `use_extra_bufts` model parameter off
+# (what llama-server's --no-repack sets); llama-cpp-python has no option for it.
+_WITHOUT_EXTRA_BUFFERS = (
+    "import llama_cpp.llama_cpp as c\n"
+    "default = c.llama_model_default_params\n"
+    "def params():\n"
+    "    p = default()\n"
+    "    p.use_extra_bufts = False\n"
+    "    return p\n"
+    "c.llama_model_default_params = params\n"
+    "from llama_cpp.server.__main__ import main\n"
+    "main()\n"
+)
 
 
 def llama_cpp_python_config(venv: Path, model: Path, threads: int, ctx: int) -> PeerConfig:
-    argv = (
-        str(venv / "bin" / "python"),
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--n_threads",
-        str(threads),
-        "--n_threads_batch",
-        str(threads),
-        "--n_ctx",
-        str(ctx),
-        "--interrupt_requests",
-        "False",
-    )
-    return PeerConfig(LLAMA_CPP_PYTHON, argv)
+    python = str(venv / "bin" / "python")
+    args = ("--model", str(model), "--host", "127.0.0.1", "--port", "{port}",
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+            "--interrupt_requests", "False")  # fmt: skip
+    return PeerConfig(LLAMA_CPP_PYTHON, (python, "-m", "llama_cpp.server", *args), {},
+                      (python, "-c", _WITHOUT_EXTRA_BUFFERS, *args),
+                      f"use_extra_bufts=false: {NO_EXTRA_BUFFERS}")  # fmt: skip
 
 
 class ServerError(RuntimeError):
@@ -179,7 +173,7 @@ class ServerError(RuntimeError):
 
 class ServerProcess:
     """One peer as a child process on a free loopback port: ``with`` starts it and waits
-    until /v1/models answers; leaving the block stops it."""
+    until it has answered a one-token completion; leaving the block stops it."""
 
     def __init__(self, config: PeerConfig, start_timeout_s: float, log_dir: Path) -> None:
         self.config, self.start_timeout_s, self.log_dir = config, start_timeout_s, log_dir
@@ -187,26 +181,26 @@ class ServerProcess:
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = log_dir / f"{config.name}.log"
+        self.fell_back = False
 
     def __enter__(self) -> ServerProcess:
         try:
-            self._start(list(self.config.argv))
+            self._start(self.config.argv)
         except ServerError as exc:
-            crashed = self.proc is not None and self.proc.returncode == -signal.SIGSEGV
-            if not (crashed and self.config.name == LLAMA_SERVER):
+            # killed by a signal: SIGSEGV or SIGILL from the AMX path here
+            crashed = self.proc is not None and (self.proc.returncode or 0) < 0
+            if not crashed or self.config.fallback is None:
                 raise
-            print(
-                f"peer: {self.config.name} crashed at load ({exc}); retrying with "
-                f"{NO_REPACK} (no AMX/repacked weight buffers)",
-                file=sys.stderr,
-            )
-            self._start([*self.config.argv, NO_REPACK])
+            print(f"peer: {self.config.name} crashed on its first request ({exc}); "
+                  f"retrying with {self.config.fallback_note}", file=sys.stderr)  # fmt: skip
+            self.fell_back = True
+            self._start(self.config.fallback)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _start(self, argv: list[str]) -> None:
+    def _start(self, argv: tuple[str, ...]) -> None:
         port = free_port()
         self.argv = [arg.replace("{port}", str(port)) for arg in argv]
         self.url = f"http://127.0.0.1:{port}"
@@ -234,11 +228,22 @@ class ServerProcess:
                 raise ServerError(f"exited with {self.proc.returncode}; {self._log_tail()}")
             try:
                 if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
-                    return
+                    break
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise ServerError(f"not ready after {self.start_timeout_s:.0f} s; {self._log_tail()}")
+        else:
+            raise ServerError(f"not ready after {self.start_timeout_s:.0f} s; {self._log_tail()}")
+        # a prompt of a few dozen tokens: batched matrix multiplies, where a crashing CPU
+        # path shows (a one-token prompt takes the vector path)
+        probe = {"prompt": "Hello there, " * 24, "max_tokens": 1, "temperature": 0}
+        try:
+            httpx.post(f"{self.url}/v1/completions", json=probe, timeout=self.start_timeout_s)
+        except httpx.HTTPError:  # did it die?
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        if self.proc.poll() is not None:
+            raise ServerError(f"exited with {self.proc.returncode}; {self._log_tail()}")
 
     def _log_tail(self, lines: int = 5) -> str:
         text = self.log_path.read_text(errors="replace").strip().splitlines()

@@ -59,7 +59,7 @@ def server() -> Iterator[RunningServer]:
 def _targets(url: str) -> list[Target]:
     @contextlib.contextmanager
     def start() -> Iterator[Deployment]:
-        yield Deployment(url, {"argv": ["in-process"]})
+        yield Deployment(url, {"command": "radixserve serve's app, in-process"})
 
     body = {"ignore_eos": True}
     return [
@@ -183,6 +183,33 @@ def test_server_process_starts_answers_and_stops(tmp_path: Path) -> None:
     with (
         pytest.raises(ps.ServerError, match="exited with 3.*no model"),
         ps.ServerProcess(dead, 30, tmp_path),
+    ):
+        pass
+
+
+def test_a_server_that_crashes_on_its_first_request_is_restarted_with_the_fallback(
+    tmp_path: Path,
+) -> None:
+    # dies by SIGILL on its first POST (as llama.cpp's AMX path does here) unless --safe
+    script = (
+        "import http.server, os, signal, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+        "    def do_POST(self):\n"
+        "        if '--safe' not in sys.argv: os.kill(os.getpid(), signal.SIGILL)\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    argv = (sys.executable, "-c", script, "{port}")
+    config = ps.PeerConfig("crashy", argv, fallback=(*argv, "--safe"), fallback_note="safe")
+    with ps.ServerProcess(config, 30, tmp_path) as proc:
+        assert proc.fell_back and proc.argv[-1] == "--safe"
+        assert proc.proc is not None and proc.proc.poll() is None
+    no_fallback = ps.PeerConfig("crashy", argv)
+    with (
+        pytest.raises(ps.ServerError, match="exited with -4"),
+        ps.ServerProcess(no_fallback, 30, tmp_path),
     ):
         pass
 
