@@ -105,6 +105,7 @@ class PeerOptions:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     slots: int = 4  # llama-server -np
     servers: tuple[str, ...] = SERVERS
+    peer_env: dict[str, str] = field(default_factory=dict)  # extra environment of the peers
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,8 @@ def peer_target(
             command = " ".join(Path(a).name if "/" in a else a for a in config.argv)
             settings = {"command": command.replace("{port}", proc.url.rsplit(":", 1)[1]),
                         "argv": proc.argv, "log": str(proc.log_path)}  # fmt: skip
+            if config.env:
+                settings["env"] = config.env
             if proc.fell_back:
                 settings["fallback"] = config.fallback_note
             yield Deployment(proc.url, settings)
@@ -313,7 +316,7 @@ def find_peers(
             found.append(ps.llama_cpp_python_config(venv, model_path, options.threads, ctx))
         else:
             skipped[ps.LLAMA_CPP_PYTHON] = f"llama-cpp-python[server] is not installed in {venv}"
-    return found, skipped
+    return [replace(c, env={**c.env, **options.peer_env}) for c in found], skipped
 
 
 def build_workloads(options: PeerOptions, count: Callable[[str], int]) -> Workloads:

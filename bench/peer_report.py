@@ -164,6 +164,7 @@ def build_result(
             "temperature": 0.0,
             "seed": options.seed,
             "peer_venv": str(venv) if venv else None,
+            "peer_env": options.peer_env,
             "peer_commands": {c.name: list(c.argv) for c in peers},
         },
         "skipped": skipped,
@@ -286,7 +287,9 @@ def _describe(run: dict[str, Any]) -> str:
             f"GiB, pages of {st['page_size']}"
         )
     else:
-        what = st["command"] + (f" + {st['fallback']}" if "fallback" in st else "")
+        env = " ".join(f"{k}={v}" for k, v in st.get("env", {}).items() if k != "LD_LIBRARY_PATH")
+        what = (env + " " if env else "") + st["command"]
+        what += f" + {st['fallback']}" if "fallback" in st else ""
     fields = json.dumps(run["request_fields"])
     busted = f"; busted by {run['busting']}" if run["busting"] else ""
     return f"{what}; request fields {fields}{busted}"

