@@ -16,12 +16,13 @@ one):
 
 Each runs as a child process on 127.0.0.1, logging to a file, and counts as started once
 it has answered a one-token completion; it is stopped (SIGTERM, then SIGKILL) when its
-``with`` block ends, however it ends. llama.cpp puts the weights in the AMX buffer type
-on CPUs that report AMX; on this machine's VM both servers then crash in
-``ggml_backend_amx_mul_mat`` (a general protection fault) on their first matrix
-multiply. `ServerProcess` then restarts the server once without the extra buffer types:
-llama-server with ``--no-repack``, llama-cpp-python (which has no option for it) with
-llama.cpp's ``use_extra_bufts`` model parameter off; the results say so.
+``with`` block ends, however it ends. llama.cpp puts the weights in its AMX buffer type on
+CPUs that report AMX; on this machine both servers then crash in
+``ggml_backend_amx_mul_mat`` (a general protection fault, sometimes SIGILL) on their
+first batched matrix multiply, while torch's oneDNN AMX kernels run here. `ServerProcess`
+then restarts the server once without the extra buffer types: llama-server with
+``--no-repack``, llama-cpp-python (which has no option for it) with llama.cpp's
+``use_extra_bufts`` model parameter off; the results say so.
 """
 
 from __future__ import annotations
