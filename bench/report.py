@@ -53,6 +53,8 @@ class Sample:
     ttft_ms: float
     itl_ms: list[float] = field(default_factory=list)  # gaps between content events
     text: str = ""
+    error: str | None = None  # the request failed (the peer benchmark counts, not raises)
+    usage_reported: bool = True  # False: no usage in the stream, token counts unknown
 
 
 @dataclass

