@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: `create_app(client, settings) -> FastAPI`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), GET
-/v1/models, GET /health, GET /metrics, GET /debug/cache. Contracts:
+/v1/models, GET /health (ready: a decode worker, or the in-process engine, can serve),
+GET /live (the process answers), GET /metrics, GET /debug/cache. Contracts:
 
 * every error is an OpenAI error object (see `errors`); bad input never crashes it;
 * at most `settings.max_queued_requests` generations are in flight; one more is refused
@@ -290,6 +291,9 @@ class _Gateway:
         body = {"status": "ok" if ok else "unavailable", "model": self.model_name, **detail}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def live(self) -> dict[str, str]:
+        return {"status": "alive"}
+
     async def metrics_text(self) -> Response:
         body = self.metrics.render(self.client.stats(), self.client.worker_stats())
         return Response(body, media_type=CONTENT_TYPE)
@@ -327,6 +331,7 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
     app.add_api_route("/v1/chat/completions", gw.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gw.models, methods=["GET"])
     app.add_api_route("/health", gw.health, methods=["GET"])
+    app.add_api_route("/live", gw.live, methods=["GET"])
     app.add_api_route("/metrics", gw.metrics_text, methods=["GET"])
     app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"])
     app.state.gateway = gw
