@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import signal
 import socket
@@ -66,9 +65,9 @@ class ServiceSettings(BaseSettings):
         None,
         min_length=1,
         max_length=128,
-        description="Service name, unique in the cluster; default '<role>-<port>' on a "
-        "loopback address, else '<role>-<advertised host>-<port>' (replicas sharing a "
-        "port, as in compose, differ by host).",
+        description="Service name, unique in the cluster; default '<role>-<port>' on "
+        "127.0.0.1, else '<role>-<advertised host>-<port>' (replicas sharing a port, as "
+        "in compose, differ by host).",
     )
     host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
     port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
@@ -450,13 +449,11 @@ def advertise_host(listen_host: str, advertise: str | None) -> str:
 
 
 def default_name(role: str, advertised_host: str, port: int) -> str:
-    """``<role>-<port>`` on a loopback address (one machine: ports differ), else
-    ``<role>-<host>-<port>`` (replicas of one compose service share the port)."""
-    try:
-        loopback = ipaddress.ip_address(advertised_host).is_loopback
-    except ValueError:
-        loopback = advertised_host == "localhost"
-    return f"{role}-{port}" if loopback else f"{role}-{advertised_host}-{port}"
+    """``<role>-<port>`` on this machine's loopback address (one machine: ports differ),
+    else ``<role>-<host>-<port>`` (replicas of one compose service share the port)."""
+    if advertised_host in ("127.0.0.1", "::1", "localhost"):
+        return f"{role}-{port}"
+    return f"{role}-{advertised_host}-{port}"
 
 
 def transfer_network(settings: ServiceSettings) -> TransferNetwork:
