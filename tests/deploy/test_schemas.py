@@ -26,7 +26,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.deploy_files import COMPOSE, COMPOSE_FILE, OVERLAYS, render_overlay
+from tests.deploy.deploy_files import COMPOSE, COMPOSE_FILE, OVERLAYS, kubectl, render_overlay
 
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 KINDS = {
@@ -103,3 +103,11 @@ def test_compose_files_validate(name: str) -> None:
     broken = copy.deepcopy(doc)
     broken["services"]["prefill"]["restrat"] = "always"
     assert compose_errors(broken)
+
+
+def test_without_kubectl_the_tests_fail_saying_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(pytest.fail.Exception, match="kubectl is needed .* install it"):
+        kubectl()
