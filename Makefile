@@ -36,6 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/hadolint --config compose/.hadolint.yaml compose/Dockerfile compose/Dockerfile.cuda
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

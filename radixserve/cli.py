@@ -1,8 +1,9 @@
 """The `radixserve` command line.
 
 up (the local disaggregated cluster), serve (HTTP API on an in-process engine),
-prefill | decode | gateway (one service, configured by RADIXSERVE_* settings, as
-compose and Kubernetes run them), generate, chat, bench."""
+prefill | decode | gateway | kvstore | autoscaler (one service, configured by
+RADIXSERVE_* settings, as compose and Kubernetes run them), probe and stop (a
+container's health check and pre-stop hook), generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -423,6 +424,44 @@ def cmd_service(args: argparse.Namespace) -> int:
     return run_worker(DecodeWorker, DecodeSettings(**overrides))
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Exit 0 if the health URL answers 200 (a container's HEALTHCHECK), else 1."""
+    from radixserve.services.runtime.probe import ProbeSettings, probe
+
+    settings = ProbeSettings()
+    ok, account = probe(args.url or settings.url, args.timeout_s or settings.timeout_s)
+    print(account, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """SIGTERM a service (after ``--after-s``) and wait until it has exited: a pre-stop
+    hook, so the drain ends before the container runtime's own SIGTERM (which, coming
+    during a drain, would stop at once). Exit 0 once it is gone, 1 if still running."""
+    import os
+    import signal
+    import time
+
+    for flag in ("after_s", "timeout_s"):
+        if getattr(args, flag) < 0:
+            raise RequestError(f"--{flag.replace('_', '-')} must be 0 or more")
+    time.sleep(args.after_s)
+    try:
+        os.kill(args.pid, signal.SIGTERM)
+        deadline = time.monotonic() + args.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            os.kill(args.pid, 0)  # raises once the process is gone
+    except ProcessLookupError:
+        return 0
+    except PermissionError:
+        print(f"error: not allowed to signal process {args.pid}", file=sys.stderr)
+        return 1
+    print(f"error: process {args.pid} still running after {args.timeout_s:g} s",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
 _SERVICE_HELP = {
     "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
     "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
@@ -456,8 +495,15 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--scenario",
         default="engine",
-        choices=["engine", "gateway", "host-tier", "autoscale", "sampling", *SUITE_SCENARIOS,
-                 "peer"],
+        choices=[
+            "engine",
+            "gateway",
+            "host-tier",
+            "autoscale",
+            "sampling",
+            *SUITE_SCENARIOS,
+            "peer",
+        ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
@@ -558,6 +604,23 @@ def make_parser() -> argparse.ArgumentParser:
                     "SIGTERM (default 60)")  # fmt: skip
     _engine_args(up)
     up.set_defaults(func=cmd_up)
+
+    probe = sub.add_parser("probe", help="check a service's health URL: exit 0 on 200 "
+                           "(a container HEALTHCHECK; default RADIXSERVE_PROBE_URL)")  # fmt: skip
+    probe.add_argument("url", nargs="?", help="health URL (default: RADIXSERVE_PROBE_URL, "
+                       "else the gateway's http://127.0.0.1:8000/health)")  # fmt: skip
+    probe.add_argument("--timeout-s", type=float, help="longest wait (default 5)")
+    probe.set_defaults(func=cmd_probe)
+
+    stop = sub.add_parser("stop", help="SIGTERM a service and wait until it has drained "
+                          "and exited (a Kubernetes preStop hook)")  # fmt: skip
+    stop.add_argument("--pid", type=int, default=1, help="process to stop (default 1)")
+    stop.add_argument("--after-s", type=float, default=0.0,
+                      help="wait this long first (e.g. while a load balancer forgets the "
+                      "pod; default 0)")  # fmt: skip
+    stop.add_argument("--timeout-s", type=float, default=60.0,
+                      help="give up waiting after this long (default 60)")  # fmt: skip
+    stop.set_defaults(func=cmd_stop)
 
     for name, text in _SERVICE_HELP.items():
         service = sub.add_parser(name, help=text, description=text)

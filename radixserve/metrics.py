@@ -18,6 +18,12 @@ each gauge (pages_used, pages_free, pages_locked, live_requests, queued_tokens, 
 ``radixserve_worker_<key>_total`` for each counter (kv_transfer_pages_total,
 kv_transfer_bytes_total, prefill_computed_tokens_total, ...), ``radixserve_worker_up``,
 and ``radixserve_kv_transfer_seconds`` (a summary: transfer count and total seconds).
+
+Each service also serves its own numbers on its HTTP port (`service_metrics`): the same
+families with the same ``worker`` and ``role`` labels, one worker's worth. A Prometheus
+that scrapes the pods therefore drops these families from its gateway scrape (the
+compose and Kubernetes files do), so every series has one source and sums do not
+double count; without Prometheus (`radixserve up`) the gateway's copy is the view.
 """
 
 from __future__ import annotations
@@ -174,6 +180,16 @@ class _WorkerCollector(Collector):
         yield up
         yield transfer
         yield from families.values()
+
+
+def service_metrics(name: str, role: str, stats: Mapping[str, Any]) -> bytes:
+    """One service's own ``radixserve_worker_*`` families (its heartbeat numbers,
+    ``stats``), labelled ``worker=name, role=role``, as the Prometheus text exposition."""
+    registry = CollectorRegistry(auto_describe=True)
+    collector = _WorkerCollector()
+    collector.snapshot = {name: {**stats, "role": role, "up": True}}
+    registry.register(collector)
+    return generate_latest(registry)
 
 
 class RequestTimer:

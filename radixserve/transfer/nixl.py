@@ -10,6 +10,11 @@ The pattern vLLM's NixlConnector uses:
 
 Memory kind follows the tensor: "DRAM" for CPU pools, "VRAM" for CUDA pools.
 
+Network: UCX listens on network interfaces, not on an address. The agent's
+`TransferNetwork` becomes ``UCX_NET_DEVICES`` (the interface holding its bind address;
+none for every interface) and ``UCX_TCP_PORT_RANGE`` while the agent is created (UCX
+reads them then); a ``UCX_*`` variable the process already has wins.
+
 Progress: NIXL's own progress thread busy-polls a CPU core even when idle, so by default
 the agent runs without it (``progress_thread=False``). The reader progresses its read
 in `poll`; the owner must call `serve_reads` while a peer reads (UCX over TCP or
@@ -18,7 +23,10 @@ shared memory needs the target's progress; RDMA would not).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +42,7 @@ from radixserve.transfer.base import (
     region_page_indices,
 )
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.network import TransferNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,23 @@ def _as_str(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set the variables of ``values`` the process does not have, for the block only."""
+    added = [key for key in values if key not in os.environ]
+    for key in added:
+        os.environ[key] = values[key]
+    for key in values.keys() - set(added):
+        if os.environ[key] != values[key]:
+            logger.info("NIXL: %s=%s from the environment (not %s)", key, os.environ[key],
+                        values[key])  # fmt: skip
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def _descriptor_table(base: int, num_descs: int, page_bytes: int, dev_id: int) -> np.ndarray:
     """Nx3 uint64 (address, length, device) for descriptors 0..num_descs-1."""
     table = np.empty((num_descs, 3), dtype=np.uint64)
@@ -83,6 +109,7 @@ class NixlTransferAgent(KVTransferAgent):
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
         progress_thread: bool = False,
+        network: TransferNetwork | None = None,
     ) -> None:
         super().__init__(name, pool, compat, default_timeout_s)
         nixl_agent, nixl_agent_config, errors = _import_nixl()
@@ -91,9 +118,14 @@ class NixlTransferAgent(KVTransferAgent):
         self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
         self._dev_id = (self.kv.device.index or 0) if self.kv.is_cuda else 0
         try:
-            self._agent = nixl_agent(
-                name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-            )
+            ucx_env = (network or TransferNetwork()).ucx_env()
+        except ValueError as exc:
+            raise TransferError(f"NIXL agent {name!r}: {exc}") from None
+        try:
+            with _environment(ucx_env):
+                self._agent = nixl_agent(
+                    name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+                )
         except self._errors as exc:
             raise TransferError(f"cannot create NIXL agent {name!r}: {exc}") from exc
         if "UCX" not in self._agent.backends:

@@ -1,6 +1,7 @@
 """KV page transfer over ZMQ: the fallback when NIXL/UCX is unavailable.
 
-Owner side: a ROUTER socket (background thread) answers read requests with one
+Owner side: a ROUTER socket (background thread), bound where the agent's
+`TransferNetwork` says and advertised under its address, answers read requests with one
 multipart message: a msgpack header, then one frame per (region, run) — region-major —
 where a run is a stretch of pages consecutive on *both* sides. Frames are sent straight
 from pool memory (`copy=False`); a CUDA pool is staged through host memory.
@@ -36,6 +37,7 @@ from radixserve.transfer.base import (
     TransferState,
 )
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.network import TransferNetwork, url_host
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,25 @@ def page_runs(remote: list[int], local: list[int]) -> list[Run]:
         else:
             runs.append((r, loc, 1))
     return runs
+
+
+def _bind(sock: zmq.Socket, net: TransferNetwork) -> int:
+    """Bind ``sock`` to ``net.bind_host`` on the first free port of its range (any free
+    one without a range); the port. `TransferError` if none is free."""
+    address = f"tcp://{url_host(net.bind_host)}"
+    ports = range(net.port_min, net.port_max + 1) if net.port_min else [0]
+    error: zmq.ZMQError | None = None
+    for port in ports:
+        try:
+            sock.bind(f"{address}:{port}")
+        except zmq.ZMQError as exc:
+            error = exc
+            if exc.errno != zmq.EADDRINUSE:
+                break
+            continue
+        return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    raise TransferError(f"cannot bind the ZMQ KV agent to {net.bind_host} "
+                        f"(ports {net.port_range or 'any'}): {error}")  # fmt: skip
 
 
 @dataclass
@@ -77,7 +98,7 @@ class ZmqTransferAgent(KVTransferAgent):
         pool: torch.Tensor | KVPool,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
-        bind_host: str = "127.0.0.1",
+        network: TransferNetwork | None = None,
     ) -> None:
         super().__init__(name, pool, compat, default_timeout_s)
         self._pages = (
@@ -90,8 +111,13 @@ class ZmqTransferAgent(KVTransferAgent):
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.SNDHWM, 0)
-        self._server.bind(f"tcp://{bind_host}:0")
-        self._endpoint = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
+        net = network or TransferNetwork()
+        try:
+            port = _bind(self._server, net)
+        except TransferError:
+            self._ctx.destroy(linger=0)
+            raise
+        self._endpoint = f"tcp://{url_host(net.advertised)}:{port}"
         self._notifs: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._results: dict[int, tuple[TransferState, str | None]] = {}
         self._request_ids = itertools.count(1)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: `create_app(client, settings) -> FastAPI`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), GET
-/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics,
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
+(ready: a decode worker, or the in-process engine, can serve), GET /live, GET /metrics,
 GET /debug/cache, and FastAPI's own GET /openapi.json and /docs. Contracts:
 
 * every error is an OpenAI error object (see `errors`); bad input never crashes it;
@@ -277,6 +278,9 @@ class _Gateway:
         body = {"status": "ok" if ok else "unavailable", "model": self.model_name, **detail}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def live(self) -> dict[str, str]:
+        return {"status": "alive"}
+
     async def metrics_text(self) -> Response:
         body = self.metrics.render(self.client.stats(), self.client.worker_stats())
         return Response(body, media_type=CONTENT_TYPE)
@@ -333,6 +337,7 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
     )
     extra_routes.install(app, gw)
     app.add_api_route("/health", gw.health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/live", gw.live, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", gw.metrics_text, methods=["GET"], include_in_schema=False)
     app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
     install_openapi(app)

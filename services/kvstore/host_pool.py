@@ -31,7 +31,13 @@ import torch
 
 from radixserve.cache.host_index import HostPageIndex
 from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
-from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
+from radixserve.transfer import (
+    KVTransferAgent,
+    PoolCompat,
+    TransferError,
+    TransferNetwork,
+    create_agent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ class HostPool:
         lease_s: float,
         transfer_timeout_s: float,
         nixl_progress_thread: bool = False,
+        network: TransferNetwork | None = None,
     ) -> None:
         self.name = name
         self.backend = backend
@@ -59,6 +66,7 @@ class HostPool:
         self.lease_s = lease_s
         self.transfer_timeout_s = transfer_timeout_s
         self.nixl_progress_thread = nixl_progress_thread
+        self.network = network
         self.compat: PoolCompat | None = None
         self.kv: torch.Tensor | None = None
         self.agent: KVTransferAgent | None = None
@@ -137,6 +145,7 @@ class HostPool:
             compat,
             self.transfer_timeout_s,
             nixl_progress_thread=self.nixl_progress_thread,
+            network=self.network,
         )
         self.kv, self.compat = kv, compat
         self.index = HostPageIndex(num_pages)

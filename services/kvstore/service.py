@@ -53,7 +53,7 @@ from radixserve.protocol import (
 )
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
-from radixserve.services.runtime.service import Peer, Service, ServiceSettings
+from radixserve.services.runtime.service import Peer, Service, ServiceSettings, transfer_network
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class KVStoreService(Service):
             s.host_lease_s,
             s.host_transfer_timeout_s,
             s.nixl_progress_thread,
+            transfer_network(s),
         )
         self._refresher = asyncio.create_task(self._refresh_members())
 

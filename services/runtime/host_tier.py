@@ -51,6 +51,7 @@ from radixserve.protocol import (
     SpillOffer,
 )
 from radixserve.services.runtime.links import Link
+from radixserve.services.runtime.service import transfer_network
 from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class HostTierClient:
             self.buffer,
             compat,
             nixl_progress_thread=s.nixl_progress_thread,
+            network=transfer_network(s),
         )
         self.page_bytes = page_bytes
         self.page_size = engine.page_size

@@ -10,6 +10,10 @@ these three on an HTTP port of its own, from its asyncio loop (nothing here bloc
 
 Anything else is 404; a request line that is not HTTP gets 400. HTTP/1.0-style: one
 request per connection, closed after the answer.
+
+`probe` is the other side, for a container's HEALTHCHECK (``radixserve probe``): one GET,
+healthy on 200. One image runs every service, so the URL is a setting
+(``RADIXSERVE_PROBE_URL``, `ProbeSettings`) each service's container sets.
 """
 
 from __future__ import annotations
@@ -18,8 +22,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 logger = logging.getLogger(__name__)
 
@@ -94,3 +103,31 @@ class ProbeServer:
         if path == b"/metrics":
             return 200, self._type, self._metrics()
         return 404, "text/plain", b"not found: /health, /live, /metrics\n"
+
+
+class ProbeSettings(BaseSettings):
+    """What ``radixserve probe`` checks, from ``RADIXSERVE_PROBE_*`` (set per container)."""
+
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_PROBE_", frozen=True, extra="forbid")
+
+    url: str = Field(
+        "http://127.0.0.1:8000/health",
+        min_length=1,
+        max_length=1024,
+        description="The health URL of this container's service (default: the gateway's).",
+    )
+    timeout_s: float = Field(5.0, gt=0, le=300, description="Longest wait for the answer.")
+
+
+def probe(url: str, timeout_s: float) -> tuple[bool, str]:
+    """GET ``url``: whether it answered 200, and a one-line account of what happened."""
+    if not url.startswith(("http://", "https://")):
+        return False, f"{url}: not an http(s) URL"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200, f"{url}: {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"{url}: {exc.code} {exc.read(512).decode(errors='replace').strip()}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return False, f"{url}: {reason}"

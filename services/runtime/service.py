@@ -21,6 +21,7 @@ stops; the process exits 0. SIGINT, or a second SIGTERM, stops at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -33,10 +34,11 @@ from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from radixserve.errors import CapacityError, RequestError
+from radixserve.metrics import service_metrics
 from radixserve.protocol import (
     AsyncChannel,
     Heartbeat,
@@ -48,6 +50,8 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import ErrorType, Role
+from radixserve.services.runtime.probe import ProbeServer
+from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork, url_host
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,9 @@ class ServiceSettings(BaseSettings):
         None,
         min_length=1,
         max_length=128,
-        description="Service name, unique in the cluster; default '<role>-<port>'.",
+        description="Service name, unique in the cluster; default '<role>-<port>' on "
+        "127.0.0.1, else '<role>-<advertised host>-<port>' (replicas sharing a port, as "
+        "in compose, differ by host).",
     )
     host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
     port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
@@ -80,6 +86,39 @@ class ServiceSettings(BaseSettings):
     generation: int | None = Field(
         None, ge=0, description="Incarnation number; default: start time in milliseconds."
     )
+    transfer_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Listen address of the KV transfer agents (ZMQ binds it; NIXL's UCX "
+        "uses only the network interface holding it, every interface for 0.0.0.0); "
+        "default: host. Peers dial advertise_host, or this address when it is another "
+        "specific one.",
+    )
+    transfer_port_min: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Lowest port of the KV transfer agents' listeners (ZMQ's socket, UCX's "
+        "TCP listeners; a worker has two agents, and UCX waits until a port of the range "
+        "is free, so leave room); 0 with transfer_port_max 0 = any free port.",
+    )
+    transfer_port_max: int = Field(
+        0, ge=0, le=65535, description="Highest port of the KV transfer agents' listeners."
+    )
+    http_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Listen address of the HTTP /health, /live and /metrics; default: host.",
+    )
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP /health, /live and /metrics (for probes and "
+        "Prometheus); unset = no HTTP side, 0 = any free port.",
+    )
     drain_grace_s: float = Field(
         30.0,
         ge=0,
@@ -87,6 +126,11 @@ class ServiceSettings(BaseSettings):
         description="On SIGTERM, how long running requests may take to finish before they "
         "are aborted (keep Kubernetes' terminationGracePeriodSeconds above it).",
     )
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> ServiceSettings:
+        TransferNetwork(port_min=self.transfer_port_min, port_max=self.transfer_port_max)
+        return self
 
 
 @dataclass
@@ -136,6 +180,8 @@ class Service:
         self._drain: asyncio.Task | None = None
         self.context: zmq.asyncio.Context | None = None
         self._router: AsyncChannel | None = None
+        self.probe: ProbeServer | None = None  # the HTTP side, with settings.http_port
+        self.serving = False  # started and not yet stopping
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set; then end every request and close everything."""
@@ -143,21 +189,31 @@ class Service:
         self._stop = stop
         s = self.settings
         self._router = AsyncChannel.open(
-            self.context, zmq.ROUTER, f"tcp://{s.host}:{s.port}", bind=True
+            self.context, zmq.ROUTER, f"tcp://{url_host(s.host)}:{s.port}", bind=True
         )
         self.address = self._router.endpoint
-        port = self.address.rsplit(":", 1)[1]
-        self.advertised_address = f"tcp://{advertise_host(s.host, s.advertise_host)}:{port}"
-        self.name = self.name or f"{self.role}-{port}"
+        port = int(self.address.rsplit(":", 1)[1])
+        host = advertise_host(s.host, s.advertise_host)
+        self.advertised_address = f"tcp://{url_host(host)}:{port}"
+        self.name = self.name or default_name(self.role, host, port)
         background: list[asyncio.Task] = []
         try:
             await self.start()
+            if s.http_port is not None:
+                self.probe = ProbeServer(s.http_host or s.host, s.http_port, self.health,
+                                         self.metrics_text)  # fmt: skip
+                await self.probe.start()
             background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
+            self.serving = True
+            http = f", HTTP on {self.probe.url}" if self.probe else ""
             print(f"radixserve {self.role} {self.name} (generation {self.generation}) "
-                  f"listening on {self.address}{self.describe()}", flush=True)  # fmt: skip
+                  f"listening on {self.address}{http}{self.describe()}", flush=True)  # fmt: skip
             await stop.wait()
             logger.info("%s: shutting down", self.name)
         finally:
+            self.serving = False
+            if self.probe is not None:
+                await self.probe.close()
             if self._drain is not None:
                 self._drain.cancel()
                 background.append(self._drain)
@@ -199,6 +255,21 @@ class Service:
         stats["uptime_s"] = round(time.monotonic() - self.started_at, 3)
         stats.update(self.counters)
         return stats
+
+    # -- HTTP side ----------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Hook: whether this service can serve now (readiness), and why. Not while
+        starting, stopping or draining; subclasses add their own conditions."""
+        detail: dict[str, Any] = {"name": self.name, "role": self.role,
+                                  "generation": self.generation, "draining": self.draining}  # fmt: skip
+        return self.serving and not self.draining, detail
+
+    def metrics_text(self) -> bytes:
+        """This process's own numbers — its heartbeat's `stats()` and typed `load()` — as
+        the gateway exports them per worker (`radixserve.metrics.service_metrics`)."""
+        stats: dict[str, Any] = {**self.stats(), **dataclasses.asdict(self.load())}
+        return service_metrics(self.name, self.role, stats)
 
     # -- drain ------------------------------------------------------------------------
 
@@ -372,9 +443,27 @@ def advertise_host(listen_host: str, advertise: str | None) -> str:
     host name when listening on every interface."""
     if advertise:
         return advertise
-    if listen_host in ("0.0.0.0", "::", "*", ""):
+    if listen_host in WILDCARD_HOSTS:
         return socket.gethostname()
     return listen_host
+
+
+def default_name(role: str, advertised_host: str, port: int) -> str:
+    """``<role>-<port>`` on this machine's loopback address (one machine: ports differ),
+    else ``<role>-<host>-<port>`` (replicas of one compose service share the port)."""
+    if advertised_host in ("127.0.0.1", "::1", "localhost"):
+        return f"{role}-{port}"
+    return f"{role}-{advertised_host}-{port}"
+
+
+def transfer_network(settings: ServiceSettings) -> TransferNetwork:
+    """Where the service's KV transfer agents listen and what they advertise: the
+    service's own address unless ``transfer_host`` names another."""
+    s = settings
+    bind = s.transfer_host or s.host
+    own = bind == s.host or bind in WILDCARD_HOSTS
+    advertise = advertise_host(s.host, s.advertise_host) if own else bind
+    return TransferNetwork(bind, advertise, s.transfer_port_min, s.transfer_port_max)
 
 
 def serve_until_signalled(service: Service) -> int:

@@ -48,7 +48,12 @@ from radixserve.protocol import (
 from radixserve.services.runtime.host_tier import HostTierClient
 from radixserve.services.runtime.links import Link, LinkSet
 from radixserve.services.runtime.membership import MemberView
-from radixserve.services.runtime.service import Service, ServiceSettings, serve_until_signalled
+from radixserve.services.runtime.service import (
+    Service,
+    ServiceSettings,
+    serve_until_signalled,
+    transfer_network,
+)
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 
 logger = logging.getLogger(__name__)
@@ -129,6 +134,7 @@ class Worker(Service):
             engine.kv_pool,
             compat,
             nixl_progress_thread=s.nixl_progress_thread,
+            network=transfer_network(s),
         )
         if not s.kvstore:
             return
@@ -201,6 +207,17 @@ class Worker(Service):
 
     def describe(self) -> str:
         return f", KV transfer over {self.settings.transfer_backend}"
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Ready once the engine is loaded and the transfer agent made (the service
+        started), with the kvstore link up when there is a kvstore, and not draining."""
+        ok, detail = super().health()
+        ok = ok and self.agent is not None
+        if self.settings.kvstore:
+            link = self.kvstore.links[0] if self.kvstore else None
+            detail["kvstore"] = "up" if link is not None and link.up else "down"
+            ok = ok and detail["kvstore"] == "up"
+        return ok, detail
 
     def hello_ack(self) -> HelloAck:
         engine = self.engine.engine

@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from radixserve.cache.kv_pool import KVPool
-from radixserve.transfer import KVTransferAgent, PoolCompat, TransferError, create_agent
+from radixserve.transfer import (
+    KVTransferAgent,
+    PoolCompat,
+    TransferError,
+    TransferNetwork,
+    create_agent,
+)
 
 NUM_PAGES = 16
 START_TIMEOUT_S = 60.0
@@ -37,11 +43,18 @@ def fill_pattern(kv: torch.Tensor, seed: int) -> None:
     kv.copy_(values.view_as(kv).to(kv.dtype))
 
 
-def run_peer(conn: Connection, backend: str, name: str, seed: int, head_dim: int) -> None:
+def run_peer(
+    conn: Connection,
+    backend: str,
+    name: str,
+    seed: int,
+    head_dim: int,
+    network: TransferNetwork | None = None,
+) -> None:
     """Child process body: own a filled pool and serve it until "stop"."""
     pool, compat = make_pool(head_dim)
     fill_pattern(pool.kv, seed)
-    agent = create_agent(backend, name, pool, compat)
+    agent = create_agent(backend, name, pool, compat, network=network)
     conn.send(agent.metadata())
     try:
         while True:
@@ -66,11 +79,18 @@ def run_peer(conn: Connection, backend: str, name: str, seed: int, head_dim: int
 class PeerProcess:
     """A running `run_peer`; `metadata` is set once the child is ready."""
 
-    def __init__(self, backend: str, name: str, seed: int, head_dim: int = 8) -> None:
+    def __init__(
+        self,
+        backend: str,
+        name: str,
+        seed: int,
+        head_dim: int = 8,
+        network: TransferNetwork | None = None,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=run_peer, args=(child, backend, name, seed, head_dim), daemon=True
+            target=run_peer, args=(child, backend, name, seed, head_dim, network), daemon=True
         )
         self.process.start()
         child.close()

@@ -1,0 +1,207 @@
+"""Run it: docker-compose.yml's commands and environments make a working cluster.
+
+No Docker engine runs here, so each compose service's container is a local process
+with exactly that service's command and environment, on a loopback address of its own
+(`tests.deploy.compose_run` says how names and addresses map). The ``.env`` is a small
+machine's (less KV memory, one thread, a fast autoscaler loop); the real default model
+serves. One test walks what a user of the compose file sees:
+
+1. before the kvstore is there, workers whose model is loaded are live but not ready,
+   and so is the gateway (no decode worker to serve through);
+2. once the kvstore starts, every service turns ready (as the image's HEALTHCHECK,
+   ``radixserve probe`` with the container's environment, says);
+3. chat through the gateway, a long prompt prefilled remotely (KV pages over NIXL
+   between two "containers");
+4. ``--scale prefill=2``: a second prefill container joins, and both serve;
+5. every service's /metrics parses, the series Prometheus keeps (prometheus.yml's drop
+   rules applied per job) come from one job each, and the Grafana dashboard's queries
+   name only metrics those scrapes have;
+6. SIGTERM drains the decode worker: unready (/health 503) but live while a stream on it
+   completes, then it exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.cluster.cluster_helpers import holds_nothing
+from tests.deploy.compose_run import ComposeRun, Container, http_get
+from tests.deploy.deploy_files import COMPOSE, compose_services
+
+DOT_ENV = {  # what a small machine's .env says
+    "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.25",
+    "RADIXSERVE_NUM_THREADS": "1",
+    "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.25",
+    "RADIXSERVE_AUTOSCALER_INTERVAL_S": "1",
+}
+PORTS = {"kvstore": 8080, "prefill": 8080, "decode": 8080, "gateway": 8000, "autoscaler": 8090}
+START_TIMEOUT_S = 240
+
+
+def long_prompt(i: int) -> str:
+    """A prompt past the decode worker's local-prefill limit (256 tokens), distinct per i."""
+    words = " ".join(f"item{i}-{j}" for j in range(60))
+    return f"Document {i}: {words}. Summarise document {i} in one line."
+
+
+def chat(client: httpx.Client, content: str, max_tokens: int = 8) -> dict[str, Any]:
+    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": content}]}  # fmt: skip
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
+
+
+def scrape(container: Container) -> str:
+    status, body = http_get(f"http://{container.address}:{PORTS[container.service]}/metrics")
+    assert status == 200, (container.name, status)
+    return body
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics body (raises if it does not parse)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def kept_by_prometheus(job: str, scraped: dict[Any, float]) -> dict[Any, float]:
+    """The samples prometheus.yml keeps from a scrape of ``job`` (its drop rules)."""
+    config = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    [spec] = [j for j in config["scrape_configs"] if j["job_name"] == job]
+    drops = [r["regex"] for r in spec.get("metric_relabel_configs", []) if r["action"] == "drop"]
+    return {k: v for k, v in scraped.items() if not any(re.fullmatch(d, k[0]) for d in drops)}
+
+
+def dashboard_metrics() -> set[str]:
+    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "radixserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    return {name for e in exprs for name in re.findall(r"\bradixserve_[a-z0-9_]+", e)}
+
+
+def value(scraped: dict[Any, float], name: str, **labels: str) -> float:
+    return sum(v for (n, lab), v in scraped.items() if n == name
+               and labels.items() <= dict(lab).items())  # fmt: skip
+
+
+def test_compose_services_make_a_working_cluster(tmp_path: Path) -> None:
+    run = ComposeRun(compose_services(DOT_ENV), tmp_path)
+    try:
+        walk_the_cluster(run)
+    finally:
+        run.stop()
+    leftover = [c.name for c in run.containers if c.process.poll() is None]
+    assert not leftover, f"still running: {leftover}"
+
+
+def walk_the_cluster(run: ComposeRun) -> None:
+    # 1. no kvstore yet: loaded workers are live, not ready; nor is the gateway
+    prefill, decode, gateway = (run.start(n) for n in ("prefill", "decode", "gateway"))
+    run.start("autoscaler")
+    for w in (prefill, decode):
+        run.wait(lambda w=w: w.get(8080, "/live")[0] == 200, START_TIMEOUT_S, f"{w.name} live")
+        status, health = w.get(8080, "/health")
+        assert status == 503 and health["kvstore"] == "down", health
+    run.wait(lambda: gateway.get(8000, "/live")[0] == 200, START_TIMEOUT_S, "gateway live")
+    assert gateway.get(8000, "/health")[0] == 503  # no decode worker to serve through
+    # 2. with the kvstore every service turns ready, as the image's HEALTHCHECK sees it
+    run.start("kvstore")
+    for c in run.containers:
+        port = PORTS[c.service]
+        run.wait(lambda c=c, p=port: c.get(p, "/health")[0] == 200, START_TIMEOUT_S,
+                 f"{c.name} ready")  # fmt: skip
+        assert c.get(port, "/live")[0] == 200
+        probe = subprocess.run([run.program, "probe"], env=c.env, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert probe.returncode == 0, (c.name, probe.stderr)
+    client = httpx.Client(base_url=f"http://{gateway.address}:8000", timeout=120)
+
+    def workers() -> dict[str, Any]:
+        found: dict[str, Any] = client.get("/debug/cache").json()["workers"]
+        return found
+
+    # 3. chat: a short prompt (decode prefills it) and a long one (the prefill worker does);
+    # meanwhile a second prefill container starts (4. --scale prefill=2)
+    second = run.start("prefill")
+    assert chat(client, "Say hello.")["choices"][0]["message"]["content"]
+    assert chat(client, long_prompt(0))["usage"]["prompt_tokens"] > 256
+    decode_samples = samples(scrape(decode))
+    assert value(decode_samples, "radixserve_worker_remote_prefills_total") >= 1
+    assert value(decode_samples, "radixserve_worker_kv_transfer_bytes_total") > 0
+    # 4. the new replica joins, and both serve concurrent prompts
+
+    def two_prefills_up() -> bool:
+        ws = workers()
+        up = [w for w in ws.values() if w["role"] == "prefill" and w["up"]]
+        decodes = [w for w in ws.values() if w["role"] == "decode"]
+        return len(up) == 2 and all(w.get("prefills_up") == 2 for w in decodes)
+
+    run.wait(two_prefills_up, START_TIMEOUT_S, "the second prefill worker to join")
+    addresses = {w["address"] for w in workers().values() if w["role"] == "prefill"}
+    assert addresses == {f"tcp://{p.address}:7000" for p in (prefill, second)}
+    threads = [threading.Thread(target=chat, args=(client, long_prompt(i))) for i in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for p in (prefill, second):
+        served = value(samples(scrape(p)), "radixserve_worker_prefill_requests_total")
+        assert served >= 1, f"{p.name} served no prefill"
+    run.wait(lambda: holds_nothing(client.get("/debug/cache").json()), 30, "nothing held")
+    # 5. metrics: parse, one source per series, the dashboard's names all exported
+    kept: dict[Any, set[str]] = {}
+    for c in run.containers:
+        for key in kept_by_prometheus(c.service, samples(scrape(c))):
+            kept.setdefault(key, set()).add(c.name)
+    twice = {k: v for k, v in kept.items() if len(v) > 1}
+    assert not twice, f"series from two scrapes: {list(twice.items())[:5]}"
+    exported = {name for name, _ in kept}
+    missing = dashboard_metrics() - exported
+    assert not missing, f"the dashboard queries metrics no service exports: {sorted(missing)}"
+    roles = {dict(lab).get("role") for (n, lab) in kept if n == "radixserve_worker_up"}
+    assert roles == {"kvstore", "prefill", "decode"}
+    # 6. drain: SIGTERM the decode worker while a stream runs on it
+    drain_while_streaming(run, client, decode)
+
+
+def drain_while_streaming(run: ComposeRun, client: httpx.Client, decode: Container) -> None:
+    body = {"model": "default", "max_tokens": 32, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Count slowly."}]}  # fmt: skip
+    first, events = threading.Event(), []
+
+    def stream() -> None:
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60), "no first token"
+    decode.process.send_signal(signal.SIGTERM)
+    run.wait(lambda: decode.get(8080, "/health")[0] == 503, 10, "the draining decode unready")
+    status, health = decode.get(8080, "/health")
+    assert health["draining"] is True and decode.get(8080, "/live")[0] == 200
+    reader.join(120)
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["usage"]["completion_tokens"] == 32, final
+    assert all("error" not in json.loads(e) for e in events[:-1])
+    assert decode.process.wait(60) == 0
