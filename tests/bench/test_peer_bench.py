@@ -126,8 +126,8 @@ def test_a_failed_request_is_counted_not_measured(server: RunningServer, tmp_pat
 
     from radixserve.bench.peer import PeerClient
 
-    # n=2 is refused by the gateway (400): the sample is an error, not a TTFT
-    target = Target("radixserve", "on", contextlib.nullcontext, {"n": 2})
+    # a top_p above 1 is refused by the gateway (400): the sample is an error, not a TTFT
+    target = Target("radixserve", "on", contextlib.nullcontext, {"top_p": 2.0})
 
     async def one() -> list:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
