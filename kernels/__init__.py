@@ -1,5 +1,7 @@
 """Compute kernels, installed as ``radixserve.kernels``.
 
-``reference/`` holds plain-torch specifications that run anywhere; Triton versions with
-the same signatures live in ``triton/``.
+``reference/`` holds the plain-torch specification of every op (it runs anywhere);
+``triton/`` holds Triton kernels with the same signatures. ``ops`` registers both sets by
+name and picks one per process. Imports go one way: this package uses torch and triton
+only (``bench.py``, a script, is the one file that drives the engine).
 """

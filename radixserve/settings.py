@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from radixserve.kernels.ops import BACKEND_NAMES
 
 
 class EngineSettings(BaseSettings):
@@ -44,8 +46,19 @@ class EngineSettings(BaseSettings):
     max_model_len: int | None = Field(
         None, ge=16, description="Context limit; defaults to the model's own."
     )
-    attention_backend: Literal["torch"] = Field(
-        "torch", description="Paged attention implementation."
+    attention_backend: str = Field(
+        "auto",
+        description="Kernel set for attention and the model's hot ops: 'torch' (plain-torch "
+        "reference), 'triton' (paged Triton kernels, CUDA), or 'auto' (triton where CUDA is "
+        "present and triton imports, torch otherwise).",
+    )
+    cuda_graph_max_batch_size: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Replay decode steps from CUDA graphs captured for batch sizes 1, 2, 4, 8, "
+        "16, ... up to this (0: off; larger batches run eagerly). Needs CUDA and the triton "
+        "kernels; experimental.",
     )
     cache_salt: str = Field(
         "", max_length=256, description="Mixed into page hashes so tenants never share KV."
@@ -54,3 +67,11 @@ class EngineSettings(BaseSettings):
         None, ge=1, le=1024, description="CPU threads for torch; default leaves torch's choice."
     )
     load_progress: bool = Field(True, description="Show a progress bar while the model loads.")
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        known = ("auto", *BACKEND_NAMES)
+        if value not in known:
+            raise ValueError(f"unknown attention backend {value!r}; known: {', '.join(known)}")
+        return value

@@ -22,6 +22,7 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache, RadixNode
 from radixserve.engine.choice_sampler import ChoiceSampler
+from radixserve.engine.cuda_graph import make_decode_graphs
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
@@ -34,7 +35,7 @@ from radixserve.engine.step_stats import StepStats
 from radixserve.engine.structured import GuideCompiler, advance
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.attention import make_attention_backend
-from radixserve.model.checkpoint import load_checkpoint
+from radixserve.model.checkpoint import Checkpoint, load_checkpoint
 from radixserve.model.llama import LlamaModel
 from radixserve.settings import EngineSettings
 
@@ -68,23 +69,28 @@ class HostLoad:
 class Engine:
     """Synchronous engine. Not thread-safe: one thread calls add_request/step/abort."""
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, checkpoint: Checkpoint | None = None) -> None:
+        """``checkpoint``: an opened checkpoint to serve instead of ``settings.model`` (for
+        instance random weights of a given shape, `radixserve.model.random_checkpoint`)."""
         self.settings = settings
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
+        if checkpoint is None:
+            checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         limit = self.config.max_position_embeddings
         self.max_model_len = min(settings.max_model_len or limit, limit)
+        attention = make_attention_backend(settings.attention_backend, self.device)
         self.model = LlamaModel(
             self.config,
             self.dtype,
             self.device,
             max_positions=self.max_model_len,
-            attention=make_attention_backend(settings.attention_backend),
+            attention=attention,
+            ops=attention.ops,
         )
         self.model.load_weights(checkpoint.iter_weights(self.dtype))
         self.page_size = settings.page_size
@@ -105,7 +111,11 @@ class Engine:
             settings.max_num_batched_tokens,
             settings.max_num_seqs,
         )
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device)
+        graphs = make_decode_graphs(
+            self.model, self.kv_pool, attention.name, self.max_model_len,
+            settings.cuda_graph_max_batch_size, self.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, graphs)
         self.sampler = Sampler()
         eos = self.config.eos_token_ids
         self.guides = GuideCompiler(
@@ -119,8 +129,9 @@ class Engine:
         self._host_loads: dict[str, HostLoad] = {}
         self.step_stats = StepStats()
         logger.info(
-            "engine ready: %s on %s/%s, %d KV pages of %d tokens (%.2f GiB), prefix cache %s",
-            self.config.name, self.device, self.dtype, num_pages, self.page_size,
+            "engine ready: %s on %s/%s, %s kernels, %d KV pages of %d tokens (%.2f GiB), "
+            "prefix cache %s",
+            self.config.name, self.device, self.dtype, attention.name, num_pages, self.page_size,
             self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
         )  # fmt: skip
 

@@ -1,61 +1,58 @@
 """The one attention interface the model calls; backends are registered by name.
 
 A step's tokens are flattened into one (T, ...) batch. `AttentionMetadata` is built once
-per step by the model runner and says, for every layer alike, where new K/V go and which
-tokens attend to what:
+per step (`radixserve.model.forward_batch`, one host-to-device copy) and serves every
+layer alike: where new K/V go and which tokens attend to what.
 
-    tokens:  [ prefill seq 0 (n0 tokens) | prefill seq 1 (n1) | ... | decode 0 | decode 1 ... ]
-              └─ PrefillSpan(start, end, prefix_len, page_ids)   └─ DecodeBatch rows
+    tokens:  [ extend seq 0 (n0 tokens) | extend seq 1 (n1) | ... | decode 0 | decode 1 | ... ]
+    seqs:      0                          1                        E          E + 1
+               rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of the step are sequence b's
 
-A backend gets one layer's q/k/v and that layer's (K, V) page caches, writes the new
-K/V, and returns the attention output for all T tokens.
+Sequences [0, num_extends) have several new tokens and go to `extend_attention`; the rest
+have one each and go to `decode_attention`. A backend is a kernel set (`KernelOps`): it
+stores the layer's new K/V, then runs those two kernels on their parts of the batch.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from radixserve.kernels.reference import paged_attention as ref
-
-
-@dataclass(frozen=True)
-class PrefillSpan:
-    """One sequence's new tokens [start, end) in the step, after `prefix_len` cached ones."""
-
-    start: int
-    end: int
-    prefix_len: int
-    page_ids: torch.Tensor  # (ceil((prefix_len + end - start) / page_size),) int64
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """Sequences that add one token each; their tokens are [start, start + B) of the step."""
-
-    start: int
-    page_table: torch.Tensor  # (B, max_pages) int64, padded with page 0
-    context_lens: torch.Tensor  # (B,) int64, the new token included
+from radixserve.kernels.ops import KernelOps, load_ops, resolve_backend
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64 flat slot (page * page_size + offset) per token
-    prefills: tuple[PrefillSpan, ...]
-    decode: DecodeBatch | None
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int64 start of each sequence's new tokens in the step
+    prefix_lens: torch.Tensor  # (B,) int64 tokens already in the pages before them
+    seq_lens: torch.Tensor  # (B,) int64 prefix + new tokens; 0 for a padding row
+    page_table: torch.Tensor  # (B, W) int64 each sequence's pages, zero-padded
+    slot_mapping: torch.Tensor  # (T,) int64 flat slot (page * page_size + offset); -1 = none
+    num_extends: int  # sequences [0, num_extends) have more than one new token
+    num_extend_tokens: int  # their tokens: rows [0, num_extend_tokens) of the step
+    max_query_len: int  # most new tokens of one extend (sizes the extend grid)
+    max_seq_len: int  # longest seq_len (sizes decode splits; no device sync)
 
 
-class AttentionBackend(ABC):
-    """Paged attention for one layer at a time.
+class AttentionBackend:
+    """Paged attention for one layer at a time, on one kernel set.
 
     Contract: `forward` first stores k/v at `meta.slot_mapping` in the caches, then returns
     (T, H, D) where each token attends causally to its sequence's earlier tokens (from the
-    cache) and to itself. It must not touch cache slots other than those in slot_mapping.
+    cache) and to itself. It touches no cache slot outside slot_mapping.
     """
 
-    @abstractmethod
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.ops: KernelOps = load_ops(self.name)
+
+    def num_splits(self, num_decodes: int, num_kv_heads: int, max_seq_len: int) -> int | None:
+        """How many pieces the decode kernel cuts each context into (None: its default)."""
+        return None
+
     def forward(
         self,
         q: torch.Tensor,  # (T, H, D)
@@ -64,37 +61,60 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # (num_pages, page_size, H_kv, D)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        ops = self.ops
+        ops.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        e, et = meta.num_extends, meta.num_extend_tokens
+        parts = []
+        if e:
+            parts.append(
+                ops.extend_attention(
+                    q[:et],
+                    k_cache,
+                    v_cache,
+                    meta.cu_seqlens_q[: e + 1],
+                    meta.prefix_lens[:e],
+                    meta.page_table[:e],
+                    meta.max_query_len,
+                )  # fmt: skip
+            )
+        if et < q.shape[0]:
+            splits = self.num_splits(q.shape[0] - et, k_cache.shape[2], meta.max_seq_len)
+            parts.append(
+                ops.decode_attention(
+                    q[et:], k_cache, v_cache, meta.page_table[e:], meta.seq_lens[e:], splits
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class TorchAttention(AttentionBackend):
-    """The reference kernels: SDPA per prefill sequence, one padded SDPA for all decodes."""
+    """The reference kernels: SDPA per extend sequence, one padded SDPA for all decodes."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
-        ref.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
-        for span in meta.prefills:
-            s, e = span.start, span.end
-            out[s:e] = ref.prefill_attention(
-                q[s:e], k[s:e], v[s:e], k_cache, v_cache, span.page_ids, span.prefix_len
-            )
-        if meta.decode is not None:
-            d = meta.decode
-            b = d.page_table.shape[0]
-            out[d.start : d.start + b] = ref.decode_attention(
-                q[d.start : d.start + b], k_cache, v_cache, d.page_table, d.context_lens
-            )
-        return out
+    name = "torch"
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+class TritonAttention(AttentionBackend):
+    """Paged Triton kernels: flash-style extend, split-K decode."""
+
+    name = "triton"
+
+    def __init__(self, num_units: int) -> None:
+        super().__init__()
+        self.num_units = num_units  # compute units (SMs) the decode grid should fill
+
+    def num_splits(self, num_decodes: int, num_kv_heads: int, max_seq_len: int) -> int | None:
+        from radixserve.kernels.triton.decode_attention import default_num_splits
+
+        return default_num_splits(num_decodes, num_kv_heads, max_seq_len, self.num_units)
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
-    """The backend registered under `name` (the `attention_backend` setting)."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}"
-        ) from None
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend for the `attention_backend` setting on `device` ("auto" resolved here,
+    once per engine; its kernel set is imported only now)."""
+    resolved = resolve_backend(name, device.type)
+    if resolved == TritonAttention.name:
+        on_gpu = device.type == "cuda"
+        units = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
+        return TritonAttention(units)
+    return TorchAttention()

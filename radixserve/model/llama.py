@@ -3,7 +3,9 @@
 Projections are fused at load time — q/k/v into one `qkv` matrix and gate/up into one
 `gate_up` — because on CPU (and GPU) one large GEMM beats three small ones. Tokens of
 all sequences in a step are flattened into one (T, hidden) batch; only attention needs
-to know where one sequence ends (see `radixserve.model.attention`).
+to know where one sequence ends (see `radixserve.model.attention`). The hot ops (norms
+with the residual add fused in, rope, silu * up, attention) come from one kernel set
+(`radixserve.kernels`), chosen once per engine.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.errors import ModelLoadError
+from radixserve.kernels.ops import KernelOps
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.config import ModelConfig
 from radixserve.model.rope import RotaryEmbedding
@@ -26,13 +29,6 @@ from radixserve.model.rope import RotaryEmbedding
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every value is overwritten by load_weights (checked there).
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as the reference implementation does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -54,26 +50,30 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # (T, hidden)
+        x: torch.Tensor,  # (T, hidden): the previous layer's output (the embeddings first)
+        residual: torch.Tensor | None,  # (T, hidden): the stream x adds to (None first)
         positions: torch.Tensor,
+        ops: KernelOps,
         rope: RotaryEmbedding,
         attn: AttentionBackend,
         caches: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next norm adds them."""
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
+        h, residual = ops.rmsnorm(x, self.input_norm, self.eps, residual)
         qkv = F.linear(h, self.qkv, self.qkv_bias)  # (T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        ops.rope(q, k, positions, rope.cos, rope.sin)  # in place
         o = attn.forward(q, k, v, caches[0], caches[1], meta)  # (T, H, D)
-        x = x + F.linear(o.reshape(t, self.q_size), self.o_proj)
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)  # (T, I) each
-        return x + F.linear(F.silu(gate) * up, self.down)
+        h, residual = ops.rmsnorm(
+            F.linear(o.reshape(t, self.q_size), self.o_proj), self.post_norm, self.eps, residual
+        )
+        up = ops.silu_and_mul(F.linear(h, self.gate_up))  # (T, I)
+        return F.linear(up, self.down), residual
 
 
 class LlamaModel(nn.Module):
@@ -86,6 +86,7 @@ class LlamaModel(nn.Module):
         device: torch.device,
         max_positions: int,
         attention: AttentionBackend,
+        ops: KernelOps,
     ) -> None:
         super().__init__()
         self.config = config
@@ -100,6 +101,7 @@ class LlamaModel(nn.Module):
         )
         self.rope = RotaryEmbedding(config, max_positions, device)
         self.attention = attention
+        self.ops = ops
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -114,10 +116,19 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # (N,) rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, hidden)
+        residual = None
         for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, positions, self.rope, self.attention, kv_pool.layer(i), meta)
+            x, residual = layer(
+                x, residual, positions, self.ops, self.rope, self.attention, kv_pool.layer(i), meta
+            )
+        assert residual is not None
         # The LM head is the costliest matmul for a small model: apply it only where needed.
-        x = rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
+        x, _ = self.ops.rmsnorm(
+            x.index_select(0, logits_indices),
+            self.norm,
+            self.config.rms_norm_eps,
+            residual.index_select(0, logits_indices),
+        )
         head = self.embed if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()  # (N, vocab)
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings with the checkpoint's theta and scaling (HF rotate_half form)."""
+"""Rotary position embedding tables with the checkpoint's theta and scaling (HF rotate-half form)."""
 
 from __future__ import annotations
 
@@ -36,25 +36,12 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to `max_positions`, computed once at start-up."""
+    """cos/sin tables for every position up to `max_positions`, computed once at start-up;
+    the `rope` kernel (radixserve.kernels) rotates q and k in place with them."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2) float32
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (T, H, D) and k (T, H_kv, D) by their token positions (T,)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        self.cos = freqs.cos().to(device)  # (P, D/2) float32
+        self.sin = freqs.sin().to(device)

@@ -6,7 +6,7 @@ import torch
 
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from radixserve.model.forward_batch import SequenceChunk, build_forward_batch
 from radixserve.settings import EngineSettings
 
 
@@ -24,26 +24,19 @@ def chunked_logits(engine: Engine, ids: list[int], split: int | None = None) -> 
     that reads the first part's KV from the pages; with split == n - 1 the last token
     goes through the batched decode path.
     """
-    ps, n = engine.page_size, len(ids)
-    pages = engine.allocator.alloc(-(-n // ps))
+    n = len(ids)
+    pages = engine.allocator.alloc(-(-n // engine.page_size))
     try:
-        page_t = torch.tensor(pages, dtype=torch.int64)
         chunks = [(0, n)] if split is None else [(0, split), (split, n)]
         rows = []
         for lo, hi in chunks:
-            pos = torch.arange(lo, hi)
-            slots = page_t[pos // ps] * ps + pos % ps
-            if hi - lo == 1 and lo > 0:
-                meta = AttentionMetadata(
-                    slots, (), DecodeBatch(0, page_t[None, :], torch.tensor([hi]))
-                )
-            else:
-                span = PrefillSpan(0, hi - lo, lo, page_t[: -(-hi // ps)])
-                meta = AttentionMetadata(slots, (span,), None)
+            # every row's logits: a one-token chunk takes the decode path
+            fb = build_forward_batch(
+                [SequenceChunk(ids[lo:hi], lo, pages, True)], engine.page_size, engine.device
+            )
+            logits_indices = torch.arange(hi - lo)
             rows.append(
-                engine.model(
-                    torch.tensor(ids[lo:hi]), pos, engine.kv_pool, meta, torch.arange(hi - lo)
-                )
+                engine.model(fb.input_ids, fb.positions, engine.kv_pool, fb.attn, logits_indices)
             )
         return torch.cat(rows)
     finally:

@@ -1,0 +1,48 @@
+"""One new token per sequence attending to its whole context in the paged pool.
+
+Layout::
+
+    q            (B, H, D)        one query per sequence
+    page_table   (B, W) int64     b's pages in order; entries past its length are padding
+    seq_lens     (B,) int64       tokens b sees, its new one included (already stored);
+                                  0 marks a padding row, whose output is 0
+    k_cache, v_cache (num_pages, page_size, H_kv, D), one layer of the pool
+
+Grouped-query attention as in `extend_attention`. `num_splits` tells a split-K kernel how
+many pieces to cut each context into; it does not change the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """(B, H, D): softmax(q k^T / sqrt(D)) v over tokens 0..seq_lens[b] - 1 of each b."""
+    batch, width = page_table.shape
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    max_len = width * page_size
+    pos = torch.arange(max_len, device=q.device)[None, :]
+    valid = pos < seq_lens[:, None]  # (B, S)
+    # Gather token by token, reading only tokens a sequence owns: a masked position
+    # re-reads the sequence's token 0 (whatever lies elsewhere, even NaN, stays unread).
+    pos = torch.where(valid, pos, 0)
+    slots = (page_table.gather(1, pos // page_size) * page_size + pos % page_size).flatten()
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)  # (B * S, H_kv, D)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (B, H, 1, D)
+        k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2),  # (B, H_kv, S, D)
+        v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        enable_gqa=True,
+    ).squeeze(2)  # (B, H, D)
+    return torch.where((seq_lens > 0)[:, None, None], out, 0.0)
