@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     run = Run(
-        DRY if args.dry_run else Shapes(), device, dtype, Clock(device, 2 if args.dry_run else 20)
+        DRY if args.dry_run else Shapes(), device, dtype, Clock(device, 1 if args.dry_run else 20)
     )
     _guarded(run, "ceilings", lambda: measure_ceilings(run))
     bench_kernels(run, load_ops("triton"), reference.OPS)

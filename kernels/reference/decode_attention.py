@@ -38,11 +38,12 @@ def decode_attention(
     slots = (page_table.gather(1, pos // page_size) * page_size + pos % page_size).flatten()
     k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)  # (B * S, H_kv, D)
     v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    # The q heads of one kv head act as that head's query rows: no K/V copy per q head.
+    group = q.shape[1] // num_kv_heads
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (B, H, 1, D)
+        q.reshape(batch, num_kv_heads, group, head_dim),  # (B, H_kv, G, D)
         k.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2),  # (B, H_kv, S, D)
         v.view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2),
         attn_mask=valid[:, None, None, :],
-        enable_gqa=True,
-    ).squeeze(2)  # (B, H, D)
+    ).reshape(batch, num_kv_heads * group, head_dim)  # (B, H, D)
     return torch.where((seq_lens > 0)[:, None, None], out, 0.0)

@@ -36,16 +36,16 @@ def extend_attention(
     """(T, H, D) attention output; `max_query_len` (the longest b's new tokens) sizes a
     kernel's grid and does not change the result."""
     page_size = k_cache.shape[1]
-    out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
+    parts = []
     for b, prefix in enumerate(prefix_lens.tolist()):
         s, e = starts[b], starts[b + 1]
         seq_len = prefix + e - s
         pages = page_table[b, : -(-seq_len // page_size)]
         k = gather_tokens(k_cache, pages, seq_len)  # (S, H_kv, D)
         v = gather_tokens(v_cache, pages, seq_len)
-        out[s:e] = _causal_sdpa(q[s:e], k, v, prefix)
-    return out
+        parts.append(_causal_sdpa(q[s:e], k, v, prefix))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:

@@ -17,10 +17,16 @@ def rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:
     """Rotate q and k in place by their tokens' positions."""
-    c = cos.index_select(0, positions)[:, None, :]  # (T, 1, D/2)
-    s = sin.index_select(0, positions)[:, None, :]
+    c = cos.index_select(0, positions)  # (T, D/2)
+    s = sin.index_select(0, positions)
+    # As whole-row factors: x' = x * (c, c) + (x2, x1) * (-s, s)
+    cos_row = torch.cat([c, c], dim=-1)[:, None, :]  # (T, 1, D)
+    sin_row = torch.cat([-s, s], dim=-1)[:, None, :]
+    half = c.shape[-1]
     for x in (q, k):
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        x.copy_(rotated)
+        if x.dtype == torch.float32:  # in place, three ops: the CPU hot path
+            swapped = x.roll(half, dims=-1)
+            x.mul_(cos_row).addcmul_(swapped, sin_row)
+        else:
+            x32 = x.float()
+            x.copy_(x32 * cos_row + x32.roll(half, dims=-1) * sin_row)

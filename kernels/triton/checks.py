@@ -101,3 +101,9 @@ def dot_in_f32(dtype: torch.dtype) -> bool:
 def block(n: int, least: int = 1) -> int:
     """The power-of-two block covering n (at least `least`)."""
     return max(least, triton.next_power_of_2(max(n, 1)))
+
+
+def num_warps(block_elems: int) -> int:
+    """Warps for a program that holds `block_elems` values: 4 up to 2048, then more so
+    that each thread keeps a few dozen of them in registers."""
+    return 16 if block_elems >= 8192 else 8 if block_elems >= 2048 else 4

@@ -41,8 +41,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
     split_len = tl.cdiv(seq_len, num_splits)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start = (split * split_len).to(tl.int32)  # 32-bit loop bounds
+    end = tl.minimum(split * split_len + split_len, seq_len).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP

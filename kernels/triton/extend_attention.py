@@ -50,13 +50,23 @@ def _extend_kernel(
     kv_head = (h // GROUP).to(tl.int64)
     # keys this block of queries can see; a block past the sequence's end sees none
     end = tl.minimum(prefix + q_len, prefix + (m_block + 1) * BLOCK_M)
-    end = tl.where(m_block * BLOCK_M < q_len, end, 0)
+    end = tl.where(m_block * BLOCK_M < q_len, end, 0).to(tl.int32)  # a 32-bit loop bound
     query_pos = prefix + offs_m
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     table_row = table_ptr + b * stride_table
-    for start in range(0, end, BLOCK_N):
+    # keys before the block's first query position are visible to all its rows: no
+    # causal test there; the rest, up to `end`, is masked per row
+    full = tl.minimum(prefix + m_block * BLOCK_M, end.to(tl.int64)).to(tl.int32)
+    for start in range(0, full, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < full
+        m_i, l_i, acc = attend_block(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_mask,
+            n_mask[None, :], offs_d, d_mask, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+        )  # fmt: skip
+    for start in range(full, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         visible = n_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
@@ -91,7 +101,9 @@ def extend_attention(
     out = torch.empty_like(q)  # (T, H, D)
     if tokens == 0 or batch == 0 or max_query_len < 1:
         return out
-    block_m = block(min(max_query_len, 64), least=16)
+    # GPU tiles: 128 query rows with 8 warps once there are that many (FlashAttention-2's
+    # usual choice for head dim 128), else the fewest rows that cover the longest run
+    block_m = 128 if max_query_len >= 128 else block(max_query_len, least=16)
     grid = (triton.cdiv(max_query_len, block_m), batch, heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, prefix_lens, page_table,
@@ -99,6 +111,6 @@ def extend_attention(
         _LOG2E / math.sqrt(dim),
         GROUP=heads // kv_heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block(dim, least=16),
-        DOT_F32=dot_in_f32(q.dtype),
+        DOT_F32=dot_in_f32(q.dtype), num_warps=8 if block_m == 128 else 4,
     )  # fmt: skip
     return out

@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.triton.checks import block, check_index, check_same_dtype, check_tensor
+from radixserve.kernels.triton.checks import (
+    block,
+    check_index,
+    check_same_dtype,
+    check_tensor,
+    num_warps,
+)
 
 _MAX_BLOCK = 4096
 
@@ -52,7 +58,7 @@ def _launch(kv: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, to_p
     grid = (kv.shape[0] * 2, page_ids.shape[0], triton.cdiv(page_elems, bs))
     _copy_pages_kernel[grid](
         kv, packed, page_ids, kv.shape[2], page_ids.shape[0],
-        PAGE_ELEMS=page_elems, BLOCK=bs, TO_PACKED=to_packed,
+        PAGE_ELEMS=page_elems, BLOCK=bs, TO_PACKED=to_packed, num_warps=num_warps(bs),
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ def attend_block(
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
     if DOT_F32:
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
+    qk = _dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     p = tl.exp2(qk - m_new[:, None])
@@ -39,7 +39,15 @@ def attend_block(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _dot(a, b):
+    # float32 operands multiply in full precision: TF32 (the GPU default) would keep only
+    # 10 mantissa bits, far off the float32 reference
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)

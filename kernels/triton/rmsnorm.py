@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.triton.checks import block, check_same_dtype, check_tensor
+from radixserve.kernels.triton.checks import block, check_same_dtype, check_tensor, num_warps
 
 
 @triton.jit
@@ -54,5 +54,6 @@ def rmsnorm(
             x, x if residual is None else residual, weight, out, total,
             x.stride(0), x.stride(0) if residual is None else residual.stride(0), eps,
             HIDDEN=hidden, BLOCK=block(hidden), HAS_RESIDUAL=residual is not None,
+            num_warps=num_warps(block(hidden)),
         )  # fmt: skip
     return out, total

@@ -47,4 +47,8 @@ def test_graphs_are_refused_where_they_cannot_be_captured(tmp_path):
     with pytest.raises(ValueError, match="needs attention_backend 'triton'"):
         make_decode_graphs(None, None, "torch", 64, 8, torch.device("cuda"))
     with pytest.raises(ValueError, match="cuda_graph_max_batch_size=8 needs a CUDA device"):
-        make_engine(str(write_tiny_checkpoint(tmp_path)), cuda_graph_max_batch_size=8)
+        make_engine(
+            str(write_tiny_checkpoint(tmp_path)),
+            cuda_graph_max_batch_size=8,
+            kv_cache_memory_gib=0.002,
+        )

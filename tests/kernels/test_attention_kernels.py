@@ -76,3 +76,16 @@ def test_head_dim_that_is_not_a_power_of_two(device):
     args = (q, batch.k_cache, batch.v_cache, index([0, 1, 2], device), index([8, 20], device),
             batch.page_table, 1)  # fmt: skip
     assert_close(TRITON.extend_attention(*args), ref.extend_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+def test_extend_attention_over_several_query_blocks(device, dtype):
+    """Runs longer than one 128-row query block: later blocks see earlier blocks' tokens
+    unmasked and their own causally."""
+    spans = [(10, 150), (0, 131), (40, 3)]
+    batch = make_paged_batch([p + n for p, n in spans], 16, 1, HEAD_DIM, dtype, device, seed=9)
+    cu = [0, 150, 281, 284]
+    q = randn((cu[-1], 3, HEAD_DIM), dtype, device, seed=10)
+    args = (q, batch.k_cache, batch.v_cache, index(cu, device),
+            index([p for p, _ in spans], device), batch.page_table, 150)  # fmt: skip
+    assert_close(TRITON.extend_attention(*args), ref.extend_attention(*args))

@@ -63,8 +63,14 @@ def _scenario(engine: Engine) -> dict[str, object]:
 
 
 def test_greedy_outputs_identical_on_both_kernel_sets(checkpoint):
-    torch_run = _scenario(make_engine(str(checkpoint), page_size=4, attention_backend="torch"))
-    triton_engine = make_engine(str(checkpoint), page_size=4, attention_backend="triton")
+    torch_run = _scenario(
+        make_engine(
+            str(checkpoint), page_size=4, attention_backend="torch", kv_cache_memory_gib=0.01
+        )
+    )
+    triton_engine = make_engine(
+        str(checkpoint), page_size=4, attention_backend="triton", kv_cache_memory_gib=0.01
+    )
     assert triton_engine.model.ops.name == "triton"
     assert triton_engine.runner.graphs is None
     triton_run = _scenario(triton_engine)

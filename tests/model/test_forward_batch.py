@@ -55,7 +55,9 @@ def test_padding_to_a_bucket_into_a_static_buffer():
 
 
 def test_padded_decode_gives_the_same_logits_and_leaves_the_pool_alone(tmp_path):
-    engine = make_engine(str(write_tiny_checkpoint(tmp_path)), page_size=4)
+    engine = make_engine(
+        str(write_tiny_checkpoint(tmp_path)), page_size=4, kv_cache_memory_gib=0.002
+    )
     pages = engine.allocator.alloc(6)
     with torch.inference_mode():
         ids = list(range(3, 22))  # two prompts: 11 and 8 tokens
