@@ -31,6 +31,7 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -468,6 +469,7 @@ def bench_engine(run: Run) -> None:
     bench_prefill_and_ttft(run, engine, ids)
     bench_decode_rate(run, engine, ids, graphs=False)
     del engine
+    gc.collect()  # the first engine's weights and pool go before the second's arrive
     if run.device.type != "cuda":
         for batch in run.shapes.decode_batches:
             run.rows.append(Row("engine", f"decode B={batch} graphs on",

@@ -32,3 +32,8 @@ class UnavailableError(RadixServeError):
 
 class ModelLoadError(RadixServeError):
     """A model path is missing, unreadable, corrupt or of an unsupported kind."""
+
+
+class ConfigurationError(RadixServeError, ValueError):
+    """Settings that cannot work on this machine (a kernel set or CUDA graphs without the
+    device they need); the process exits with the message."""

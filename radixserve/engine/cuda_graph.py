@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.cache.kv_pool import KVPool
+from radixserve.errors import ConfigurationError
 from radixserve.model.forward_batch import SequenceChunk, buffer_len, build_forward_batch
 from radixserve.model.llama import LlamaModel
 
@@ -131,12 +132,12 @@ def make_decode_graphs(
     if max_batch_size == 0:
         return None
     if device.type != "cuda":
-        raise ValueError(
+        raise ConfigurationError(
             f"cuda_graph_max_batch_size={max_batch_size} needs a CUDA device, not {device}; "
             "set it to 0 on CPU"
         )
     if backend != "triton":
-        raise ValueError(
+        raise ConfigurationError(
             f"cuda_graph_max_batch_size needs attention_backend 'triton' (got {backend!r}): "
             "the torch reference kernels synchronise with the host"
         )

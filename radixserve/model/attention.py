@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from radixserve.errors import ConfigurationError
 from radixserve.kernels.ops import KernelOps, load_ops, resolve_backend
 
 
@@ -112,7 +113,10 @@ class TritonAttention(AttentionBackend):
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend for the `attention_backend` setting on `device` ("auto" resolved here,
     once per engine; its kernel set is imported only now)."""
-    resolved = resolve_backend(name, device.type)
+    try:
+        resolved = resolve_backend(name, device.type)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
     if resolved == TritonAttention.name:
         on_gpu = device.type == "cuda"
         units = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4

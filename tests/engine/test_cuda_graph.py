@@ -12,6 +12,7 @@ from radixserve.engine.cuda_graph import (
     make_decode_graphs,
     padded_batch_size,
 )
+from radixserve.errors import ConfigurationError
 from radixserve.model.forward_batch import SequenceChunk
 from tests.engine.engine_helpers import make_engine
 from tests.model.tiny_checkpoints import write_tiny_checkpoint
@@ -42,11 +43,11 @@ def test_only_decode_steps_that_fit_replay_a_graph():
 def test_graphs_are_refused_where_they_cannot_be_captured(tmp_path):
     cpu = torch.device("cpu")
     assert make_decode_graphs(None, None, "triton", 64, 0, cpu) is None  # off
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    with pytest.raises(ConfigurationError, match="needs a CUDA device"):
         make_decode_graphs(None, None, "triton", 64, 8, cpu)
-    with pytest.raises(ValueError, match="needs attention_backend 'triton'"):
+    with pytest.raises(ConfigurationError, match="needs attention_backend 'triton'"):
         make_decode_graphs(None, None, "torch", 64, 8, torch.device("cuda"))
-    with pytest.raises(ValueError, match="cuda_graph_max_batch_size=8 needs a CUDA device"):
+    with pytest.raises(ConfigurationError, match="cuda_graph_max_batch_size=8 needs a CUDA device"):
         make_engine(
             str(write_tiny_checkpoint(tmp_path)),
             cuda_graph_max_batch_size=8,

@@ -62,15 +62,10 @@ def _scenario(engine: Engine) -> dict[str, object]:
     }
 
 
-def test_greedy_outputs_identical_on_both_kernel_sets(checkpoint):
-    torch_run = _scenario(
-        make_engine(
-            str(checkpoint), page_size=4, attention_backend="torch", kv_cache_memory_gib=0.01
-        )
-    )
-    triton_engine = make_engine(
-        str(checkpoint), page_size=4, attention_backend="triton", kv_cache_memory_gib=0.01
-    )
+def test_greedy_outputs_identical_on_both_kernel_sets(checkpoint, device):
+    common = {"page_size": 4, "kv_cache_memory_gib": 0.01, "device": device.type}
+    torch_run = _scenario(make_engine(str(checkpoint), attention_backend="torch", **common))
+    triton_engine = make_engine(str(checkpoint), attention_backend="triton", **common)
     assert triton_engine.model.ops.name == "triton"
     assert triton_engine.runner.graphs is None
     triton_run = _scenario(triton_engine)
