@@ -154,6 +154,11 @@ class Run:
         return True
 
 
+def num(x: float) -> str:
+    """Three significant digits at least, thousands separated: 4,312 / 37.5 / 0.0123."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def measure_ceilings(run: Run) -> None:
     n = run.shapes.copy_mib * (1 << 20) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=run.device).normal_()
@@ -166,10 +171,10 @@ def measure_ceilings(run: Run) -> None:
     us = run.clock.us(lambda: a @ b)
     run.matmul_tflops = 2 * m**3 / us / 1e6
     run.rows.append(
-        Row("ceiling", f"copy {run.shapes.copy_mib} MiB", achieved=f"{run.copy_gbps:,.0f} GB/s")
+        Row("ceiling", f"copy {run.shapes.copy_mib} MiB", achieved=f"{num(run.copy_gbps)} GB/s")
     )
     run.rows.append(Row("ceiling", f"{str(run.dtype)[6:]} matmul {m}³",
-                        achieved=f"{run.matmul_tflops:,.1f} TFLOP/s"))  # fmt: skip
+                        achieved=f"{num(run.matmul_tflops)} TFLOP/s"))  # fmt: skip
 
 
 @dataclass
@@ -200,10 +205,10 @@ def measure(run: Run, case: Case) -> None:
         row.flash_us = run.clock.us(case.peers["flash"])
     if case.flops:
         tflops = case.flops / t_us / 1e6
-        row.achieved, row.of_ceiling = f"{tflops:,.1f} TFLOP/s", tflops / run.matmul_tflops
+        row.achieved, row.of_ceiling = f"{num(tflops)} TFLOP/s", tflops / run.matmul_tflops
     else:
         gbps = case.nbytes / t_us / 1e3
-        row.achieved, row.of_ceiling = f"{gbps:,.0f} GB/s", gbps / run.copy_gbps
+        row.achieved, row.of_ceiling = f"{num(gbps)} GB/s", gbps / run.copy_gbps
     run.rows.append(row)
 
 
@@ -420,7 +425,7 @@ def bench_prefill_and_ttft(run: Run, engine, ids: Prompts) -> None:
     engine.generate([ids(length) for _ in range(count)], one)
     rate = count * length / (time.perf_counter() - t0)
     run.rows.append(Row("engine", f"uncached prefill {count}x{length}",
-                        achieved=f"{rate:,.0f} tok/s", extra={"tokens_per_s": rate}))  # fmt: skip
+                        achieved=f"{num(rate)} tok/s", extra={"tokens_per_s": rate}))  # fmt: skip
     alone = min(engine.generate([ids(s.delta)], one)[0].ttft_ms for _ in range(3))
     run.rows.append(Row("engine", f"TTFT {s.delta} tokens, no prefix",
                         achieved=f"{alone:,.1f} ms", extra={"ttft_ms": alone}))  # fmt: skip
@@ -458,7 +463,7 @@ def bench_decode_rate(run: Run, engine, ids: Prompts, graphs: bool) -> None:
             engine.step()
         run.rows.append(Row(
             "engine", f"decode B={batch} graphs {'on' if graphs else 'off'}",
-            achieved=f"{rate:,.0f} tok/s", extra={"batch": batch, "graphs": graphs,
+            achieved=f"{num(rate)} tok/s", extra={"batch": batch, "graphs": graphs,
                                                    "tokens_per_s": rate},
         ))  # fmt: skip
 
