@@ -37,6 +37,8 @@ def test_only_decode_steps_that_fit_replay_a_graph():
     assert padded_batch_size(sizes, [decode] * 8) == 8
     assert padded_batch_size(sizes, [decode] * 9) is None  # too many: eager
     assert padded_batch_size(sizes, [prefill, decode]) is None  # a prefill chunk: eager
+    scoring = SequenceChunk([1], 4, [0, 1], False, scored_rows=1)  # a prompt token scored
+    assert padded_batch_size(sizes, [decode, scoring]) is None  # its row's logits: eager
     assert padded_batch_size(sizes, []) is None
 
 

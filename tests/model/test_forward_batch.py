@@ -35,6 +35,19 @@ def test_layout_of_a_mixed_step():
     assert len(storage) == 1  # every tensor is a view of the one copied buffer
 
 
+def test_scored_prompt_rows_follow_the_sampling_rows():
+    chunks = [
+        SequenceChunk([11, 12, 13], 0, [7], False, scored_rows=3),  # a prompt's first chunk
+        SequenceChunk([21, 22, 23], 4, [4, 5], True, scored_rows=2),  # its last: 2 scored
+        SequenceChunk([31], 9, [1, 2, 8], True),  # a decode
+    ]
+    fb = build_forward_batch(chunks, 4, CPU)
+    # sampling rows in chunk order, then each chunk's scored rows in chunk order
+    assert fb.logits_indices.tolist() == [5, 6, 0, 1, 2, 3, 4]
+    with pytest.raises(AssertionError, match="nothing scored"):
+        build_forward_batch([SequenceChunk([1], 3, [0], False, 1)], 4, CPU, pad_to=2)
+
+
 def test_decodes_must_follow_extends():
     chunks = [SequenceChunk([1], 3, [0], True), SequenceChunk([2, 3], 0, [1], True)]
     with pytest.raises(AssertionError, match="extends must come before decodes"):
