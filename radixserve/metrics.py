@@ -104,8 +104,16 @@ class ServingMetrics:
             key: Gauge(f"radixserve_{key}", f"Engine {key.replace('_', ' ')}.", registry=r)
             for key in _POOL_GAUGES
         }
+        self.refusals = Counter(
+            "radixserve_refused_requests",
+            "Requests refused at the front end because the cluster is full (429/503).",
+            ["reason"],
+            registry=r,
+        )
         self._workers = _WorkerCollector()
         r.register(self._workers)
+        self._front = _FrontCollector()
+        r.register(self._front)
 
     def record_finish(
         self,
@@ -134,7 +142,36 @@ class ServingMetrics:
             if key in stats:
                 gauge.set(stats[key])
         self._workers.snapshot = dict(workers or {})
+        self._front.snapshot = {k: v for k, v in stats.items() if k in _FRONT_COUNTERS}
         return generate_latest(self.registry)
+
+
+#: counters the cluster client keeps (`ClusterClient.stats`): metric name and help
+_FRONT_COUNTERS = {
+    "gateway_migrations": (
+        "radixserve_migrations",
+        "Requests moved to another decode worker because theirs was lost or drained.",
+    ),
+    "gateway_index_misses": (
+        "radixserve_index_misses",
+        "Prefill routings made without the kvstore index (it was slow or down).",
+    ),
+}
+
+
+class _FrontCollector(Collector):
+    """Exports the cluster client's own counters at scrape time."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, int] = {}
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        for key, value in sorted(self.snapshot.items()):
+            name, doc = _FRONT_COUNTERS[key]
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class _WorkerCollector(Collector):

@@ -210,6 +210,7 @@ class Engine:
         remote_over: int | None = None,
         host: HostPlan | None = None,
         lease_s: float | None = None,
+        resume: Sequence[int] = (),
     ) -> Admission:
         """Take a request in and decide how its prompt gets its KV, in one operation
         (`radixserve.engine.admission`): queued to compute here (``local``), pages
@@ -217,21 +218,27 @@ class Engine:
         tokens would be uncached), or pages allocated for the host-tier read the caller's
         ``host`` plan leased (``host``; then `finish_host_admission`). With ``lease_s``
         (a prefill worker) only the first token is sampled and the prompt's pages are
-        kept for a reader under a lease, named in the last output (``leased_page_ids``)."""
+        kept for a reader under a lease, named in the last output (``leased_page_ids``).
+        With ``resume`` (a stream migrated from a worker that died) the request continues
+        after those already-generated tokens (`_resume`); it never prefills remotely."""
         if lease_s is not None:
             params = params or SamplingParams()
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         req = self._new_request(prompt, params, request_id)
         req.lease_s = lease_s
+        if resume:
+            self._resume(req, resume)
+            remote_over = None
+        ids = req.token_ids  # the prompt, and a resumed request's tokens so far
         cached = 0
-        if self.cache is not None and len(req.prompt_ids) > 1:
-            cached = self.cache.match_prefix(req.prompt_ids[:-1]).num_tokens
+        if self.cache is not None and len(ids) > 1:
+            cached = self.cache.match_prefix(ids[:-1]).num_tokens
         size = self.page_size
         host_pages = 0
         if host is not None and host.device_pages * size == cached:  # the mirror is current
-            room = (len(req.prompt_ids) - 1) // size - host.device_pages  # never the last token
+            room = (len(ids) - 1) // size - host.device_pages  # never the last token
             host_pages = max(0, min(host.num_pages, room))
-        route = choose_route(len(req.prompt_ids), cached, host_pages * size, remote_over)
+        route = choose_route(len(ids), cached, host_pages * size, remote_over)
         if route == "remote":
             if self.scheduler.reserve_remote(req):
                 pages = tuple(req.page_ids[req.num_computed // size :])
@@ -244,6 +251,38 @@ class Engine:
         self._queue(req)
         return Admission(req.request_id, "local", cached)
 
+    def _resume(self, req: Request, tokens: Sequence[int]) -> None:
+        """Continue ``req`` after ``tokens`` it already generated elsewhere: they become
+        its output so far, fed through its detokeniser (text already sent, discarded
+        here) and grammar as if sampled here. Penalties count them and seeded draws
+        depend on (seed, choice, tokens so far), so the continuation is the one the
+        first worker would have produced."""
+        p = req.params
+        if p.n != 1:
+            self._forget(req)
+            raise InvalidRequestError("only single-choice requests can resume (n = 1)")
+        vocab = self.config.vocab_size
+        if (
+            len(tokens) >= p.max_tokens
+            or any(not 0 <= t < vocab for t in tokens)
+            or (len(req.prompt_ids) + len(tokens) >= self.max_model_len)
+        ):
+            self._forget(req)
+            raise InvalidRequestError(
+                f"cannot resume after {len(tokens)} tokens (max_tokens {p.max_tokens}, "
+                f"context {self.max_model_len}, vocabulary {vocab})"
+            )
+        for token in tokens:
+            req.output_ids.append(token)
+            if req.guide is not None:
+                advance(req.guide, token)
+            req.detokenizer.add(token)
+
+    def _forget(self, req: Request) -> None:
+        """Unregister a request that was never queued."""
+        self._requests.pop(req.request_id, None)
+        self._groups.pop(req.group_id, None)
+
     def _queue(self, req: Request) -> None:
         self.scheduler.add(req)
         self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
@@ -253,14 +292,14 @@ class Engine:
         needed) for the host-tier read; None if the pool cannot spare them."""
         assert self.cache is not None
         size = self.page_size
-        match = self.cache.match_prefix(req.prompt_ids[:cached])
+        match = self.cache.match_prefix(req.token_ids[:cached])
         self.cache.lock(match.node)
         short = num_pages - self.allocator.num_free
         if short > 0 and self.cache.evict(short) < short:
             self.cache.unlock(match.node)
             return None
         pages = self.allocator.alloc(num_pages)
-        tokens = req.prompt_ids[: cached + num_pages * size]
+        tokens = req.token_ids[: cached + num_pages * size]
         self._host_loads[req.request_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
         return list(pages)
 
@@ -424,10 +463,12 @@ class Engine:
             finished=all(m.status is RequestStatus.FINISHED for m in req.group),
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.num_cached_tokens,
+            cached_tokens=min(req.num_cached_tokens, len(req.prompt_ids)),  # resumed: past it
             completion_tokens=len(req.output_ids),
             ttft_ms=req.ttft_ms,
-            host_cached_tokens=min(req.num_host_cached_tokens, req.num_cached_tokens),
+            host_cached_tokens=min(
+                req.num_host_cached_tokens, req.num_cached_tokens, len(req.prompt_ids)
+            ),  # fmt: skip
             index=req.index,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -61,7 +61,7 @@ from radixserve.protocol.wire import field_spec as _spec
 if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (3, 0)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -181,8 +181,10 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = field(
         default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
     )
-    arrival_time: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
     prefill_worker: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
+    # a stream migrated from a worker that died: the tokens it already streamed, after
+    # which this worker continues (`Engine.admit(resume=)`)
+    resume_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
 
 
 @dataclass(frozen=True)
@@ -190,18 +192,17 @@ class PrefillRequest(Message):
     """Decode -> prefill worker: compute the prompt past the decode side's cached prefix.
 
     The decode worker already holds the first ``num_cached_tokens`` tokens (page-aligned);
-    the prefill worker writes the KV of the remaining pages into ``dst_page_ids`` on
-    ``decode_worker`` through ``transfer_backend`` and samples the first token.
+    the prefill worker computes the prompt, samples the first token and answers
+    `KVReady` naming its pages past them; the decode worker then reads those into its
+    ``dst_page_ids`` (one per page) through its transfer agent.
     """
 
     TYPE_TAG: ClassVar[str] = "prefill_request"
     request_id: str = field(metadata=_spec(REQUEST_ID))
     token_ids: tuple[int, ...] = field(metadata=_spec(PROMPT_IDS))
-    decode_worker: str = field(metadata=_spec(PEER_NAME))
     dst_page_ids: tuple[int, ...] = field(
         metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
     )
-    transfer_backend: str = field(metadata=_spec(PEER_NAME))
     sampling: SamplingSpec = field(
         default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
     )
@@ -220,9 +221,9 @@ class PrefillRequest(Message):
 class KVReady(Message):
     """Prefill -> decode worker: the prompt's KV is computed and the first token is known.
 
-    With a push transfer the pages are already in the decode worker's ``dst_page_ids``;
-    with a pull transfer ``src_page_ids`` names the prefill worker's pages holding them
-    (leased until the decode worker sends ``TransferDone``).
+    ``src_page_ids`` names the prefill worker's pages holding the prompt past the decode
+    side's ``num_cached_tokens``, leased until the decode worker, having read them,
+    sends ``TransferDone`` (or the lease ends).
     """
 
     TYPE_TAG: ClassVar[str] = "kv_ready"
@@ -231,9 +232,6 @@ class KVReady(Message):
     src_page_ids: tuple[int, ...] = field(
         default=(), metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
     )
-    num_pages_transferred: int = field(default=0, metadata=_spec(COUNT))
-    transfer_ms: float = field(default=0.0, metadata=_spec(DURATION_MS))
-    prefill_computed_tokens: int = field(default=0, metadata=_spec(COUNT))
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     # a request with n > 1 choices: every choice's first token (first_token_id is choice 0's)

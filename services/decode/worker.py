@@ -181,12 +181,20 @@ class DecodeWorker(Worker):
         rid = msg.request_id
         try:
             params = msg.sampling.to_params()
-            out = await self._begin(rid, list(msg.prompt_token_ids), params, msg.prefill_worker)
+            ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
+            if resume:  # a migrated stream: computed here, after what it already streamed
+                self.counters["resumed_requests_total"] += 1
+                _, out = await self.admit(rid, ids, params, resume=resume)
+            else:
+                out = await self._begin(rid, ids, params, msg.prefill_worker)
             async for output in self.engine.outputs(rid, out):
                 await self.send_to(peer, TokenChunk.from_output(output))
         except PrefillFailed as exc:
             await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
         except asyncio.CancelledError:
+            if self.draining:  # the drain grace is over: the gateway continues it elsewhere
+                with contextlib.suppress(Exception):
+                    await self.send_to(peer, RequestFailed(rid, "draining", "drain grace is over"))
             raise
         except Exception as exc:
             await self.fail(peer, rid, exc)
@@ -243,9 +251,7 @@ class DecodeWorker(Worker):
                 PrefillRequest(
                     request_id=rid,
                     token_ids=tuple(ids),
-                    decode_worker=self.name,
                     dst_page_ids=tuple(dst),
-                    transfer_backend=self.settings.transfer_backend,
                     sampling=SamplingSpec.from_params(params),
                     num_cached_tokens=admission.cached_tokens,
                 )

@@ -33,7 +33,12 @@ from radixserve.metrics import CONTENT_TYPE, ServingMetrics
 from radixserve.services.gateway import extra_routes
 from radixserve.services.gateway.choices import ChoiceBook, Generation
 from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.errors import OpenAIError, error_body, install_error_handlers
+from radixserve.services.gateway.errors import (
+    OpenAIError,
+    error_body,
+    install_error_handlers,
+    retry_after,
+)
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.openapi import install_openapi
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
@@ -94,7 +99,13 @@ class _Gateway:
 
     def acquire(self, count: int = 1) -> None:
         if self.in_flight + count > self.settings.max_queued_requests:
-            raise OpenAIError(429, f"server busy: {self.in_flight} requests in flight")
+            self.metrics.refusals.labels(reason="in_flight").inc()
+            raise OpenAIError(
+                429,
+                f"server busy: {self.in_flight} requests in flight (the bound is "
+                f"{self.settings.max_queued_requests}); retry shortly",
+                headers=retry_after(),
+            )
         self.in_flight += count
         self.metrics.queue_depth.set(self.in_flight)
 

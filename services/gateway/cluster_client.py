@@ -17,8 +17,16 @@ Failure contract:
   any token has streamed, so nothing is lost or repeated);
 - the worker answers `RequestFailed` → `InvalidRequestError` / `CapacityError` (HTTP
   400) for the request's own faults, `UnavailableError` otherwise;
-- the worker goes down (silent for ``peer_timeout_s``, or restarted) → every stream on
-  it ends with `UnavailableError` (an SSE error event mid-stream);
+- the worker goes down (its TCP connection closes, it is silent for ``peer_timeout_s``,
+  or it restarted) or drains past its grace → each of its streams **migrates**: it
+  continues on another decode worker (waiting up to ``migration_wait_s`` for one, e.g.
+  the lost one's restart), which is sent the prompt plus the tokens already streamed
+  (``resume_token_ids``) and carries on exactly where the first left off (greedy and
+  seeded draws included: see `Engine.admit`'s resume), so the caller sees one
+  uninterrupted stream. A request that had no token yet is simply sent again. At most
+  ``max_migrations`` moves per request; past that, or with no worker left, or for a
+  request with n > 1 choices that had streamed, `UnavailableError` (503, or an SSE
+  error event mid-stream);
 - the caller closes the stream early → `Abort` to the decode worker, which aborts the
   request there and on the prefill worker.
 """
@@ -76,7 +84,12 @@ class _Stream:
 
 
 class _Draining(UnavailableError):
-    """The decode worker refused the request because it is draining: retry elsewhere."""
+    """The decode worker refused the request because it is draining (or drained past its
+    grace while serving it): continue elsewhere."""
+
+
+class _WorkerLost(UnavailableError):
+    """The decode worker serving the request went down: continue elsewhere."""
 
 
 _MAX_DRAINING_RETRIES = 8
@@ -135,6 +148,7 @@ class ClusterClient(EngineClient):
         self.view: MemberView | None = None
         self._queries: dict[str, asyncio.Future] = {}  # kvstore query id -> its reply
         self.index_misses = 0  # prefill routings made without the index (kvstore slow/down)
+        self.migrations = 0  # requests moved off a lost or drained decode worker
         self._background: set[asyncio.Task] = set()
 
     # -- lifetime --------------------------------------------------------------------
@@ -218,26 +232,67 @@ class ClusterClient(EngineClient):
     async def generate(  # type: ignore[override]
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
+        """Serve the request, moving it to another decode worker if its worker is lost
+        or drains (module notes); the caller sees one stream under ``request_id``."""
+        sent: list[int] = []  # tokens the caller has been given
+        first: RequestOutput | None = None  # its first output: usage and TTFT stay its
         tried: set[str] = set()
-        for attempt in range(_MAX_DRAINING_RETRIES + 1):
-            streamed = False
-            outputs = self._generate_on(prompt_ids, params, request_id, tried)
+        refusals = losses = 0
+        while True:
+            attempt = request_id if not refusals + losses else f"{request_id}~{refusals + losses}"
+            resumed = params if not sent else dataclasses.replace(params, prompt_logprobs=None)
+            outputs = self._generate_on(prompt_ids, resumed, attempt, tried, tuple(sent),
+                                        wait=bool(losses))  # fmt: skip
             try:
                 async with contextlib.aclosing(outputs):  # closing us aborts the request now
                     async for output in outputs:
-                        streamed = True
-                        yield output
+                        first = first or output
+                        sent.extend(output.new_token_ids)
+                        yield self._as_first(output, request_id, first)
                 return
-            except _Draining:
-                if streamed or attempt == _MAX_DRAINING_RETRIES:
-                    raise
-                logger.info("%s: decode worker is draining; routing elsewhere", request_id)
+            except (_Draining, _WorkerLost) as exc:
+                lost = isinstance(exc, _WorkerLost) or bool(sent)
+                losses, refusals = losses + lost, refusals + (not lost)
+                if (
+                    (sent and params.n > 1)
+                    or losses > self.settings.max_migrations
+                    or (refusals > _MAX_DRAINING_RETRIES)
+                ):
+                    raise UnavailableError(str(exc)) from None
+                if lost:
+                    tried.clear()  # any worker that is up, the lost one's restart included
+                    self.migrations += 1
+                logger.warning("%s: %s; continuing on another decode worker after %d tokens",
+                               request_id, exc, len(sent))  # fmt: skip
+
+    @staticmethod
+    def _as_first(output: RequestOutput, request_id: str, first: RequestOutput) -> RequestOutput:
+        """An output of a moved request as the caller knows it: its id, and the first
+        attempt's prompt accounting and TTFT."""
+        if output is first:
+            return output
+        return dataclasses.replace(
+            output,
+            request_id=request_id,
+            cached_tokens=first.cached_tokens,
+            host_cached_tokens=first.host_cached_tokens,
+            ttft_ms=first.ttft_ms,
+        )
 
     async def _generate_on(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, tried: set[str]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tried: set[str],
+        resume: tuple[int, ...] = (),
+        wait: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Serve the request on the best decode worker not in ``tried`` (added to it)."""
-        link = self._pick_decode(prompt_ids, tried)
+        """Serve the request on the best decode worker not in ``tried`` (added to it),
+        after the ``resume`` tokens already streamed; with ``wait``, wait up to
+        ``migration_wait_s`` for one to be up."""
+        link = await self._wait_for_decode(prompt_ids, tried) if wait else None
+        link = link or self._pick_decode(prompt_ids, tried)
         tried.add(link.name)
         # counted before any await, so requests arriving together see each other's load
         self.router.started(link.name, prompt_ids)
@@ -246,7 +301,7 @@ class ClusterClient(EngineClient):
         prefill = ""
         done = False
         try:
-            prefill = await self._pick_prefill(prompt_ids)
+            prefill = "" if resume else await self._pick_prefill(prompt_ids)
             if prefill:
                 self.prefill_router.assign(prefill, len(prompt_ids))
             try:
@@ -255,14 +310,12 @@ class ClusterClient(EngineClient):
                         request_id=request_id,
                         prompt_token_ids=tuple(prompt_ids),
                         sampling=SamplingSpec.from_params(params),
-                        arrival_time=time.time(),
                         prefill_worker=prefill,
+                        resume_token_ids=resume,
                     )
                 )
             except TimeoutError:
-                raise UnavailableError(
-                    f"decode worker {link.label} does not take requests"
-                ) from None
+                raise _WorkerLost(f"decode worker {link.label} does not take requests") from None
             while True:
                 item = await stream.out.get()
                 if isinstance(item, BaseException):
@@ -290,7 +343,10 @@ class ClusterClient(EngineClient):
                 self._spawn(self._abort(link, request_id))
 
     def stats(self) -> dict[str, int]:
-        totals: dict[str, int] = {"gateway_index_misses": self.index_misses}
+        totals: dict[str, int] = {
+            "gateway_index_misses": self.index_misses,
+            "gateway_migrations": self.migrations,
+        }
         if self.decodes is None or self.prefills is None:
             return totals
         for link in self.decodes.up() + self.prefills.up():
@@ -328,6 +384,17 @@ class ClusterClient(EngineClient):
         return workers
 
     # -- routing ---------------------------------------------------------------------
+
+    async def _wait_for_decode(self, prompt_ids: list[int], exclude: set[str]) -> Link | None:
+        """The best ready decode worker not in ``exclude``, waiting up to
+        ``migration_wait_s`` for one; None if none came."""
+        deadline = time.monotonic() + self.settings.migration_wait_s
+        while True:
+            with contextlib.suppress(UnavailableError):
+                return self._pick_decode(prompt_ids, exclude)
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.05)
 
     def _pick_decode(self, prompt_ids: list[int], exclude: set[str]) -> Link:
         ready = [link for link in self.decodes.ready()] if self.decodes else []
@@ -414,7 +481,7 @@ class ClusterClient(EngineClient):
         self.router.forget(link.name)
         for stream in self._streams.values():
             if stream.link is link:
-                stream.out.put_nowait(UnavailableError(f"decode worker {link.label} {why}"))
+                stream.out.put_nowait(_WorkerLost(f"decode worker {link.label} {why}"))
         if self.view is not None:
             self.view.link_down("decode", link)
 

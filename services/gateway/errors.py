@@ -33,11 +33,18 @@ _TYPES = {
 class OpenAIError(Exception):
     """A request failure to report as an OpenAI error object with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -54,9 +61,19 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """A JSONResponse carrying `error_body`."""
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+#: seconds a refused client should wait before it tries again (429 and 503 say so)
+RETRY_AFTER_S = 1
+
+
+def retry_after() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -74,7 +91,7 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
 
 async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return error_response(exc.status, exc.message, exc.param)
+    return error_response(exc.status, exc.message, exc.param, exc.headers)
 
 
 async def _request_error(_: Request, exc: Exception) -> JSONResponse:
@@ -82,7 +99,7 @@ async def _request_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc))
+    return error_response(503, str(exc), headers=retry_after())
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -75,6 +75,21 @@ class GatewaySettings(BaseSettings):
         le=600,
         description="A worker silent this long is down: its requests end with an error.",
     )
+    max_migrations: int = Field(
+        3,
+        ge=0,
+        le=16,
+        description="Times one request may move to another decode worker when its worker "
+        "dies or drains past its grace (the stream continues there, nothing lost or "
+        "repeated); 0 = a lost worker fails its requests.",
+    )
+    migration_wait_s: float = Field(
+        15.0,
+        ge=0,
+        le=600,
+        description="How long a request whose decode worker was lost waits for another one "
+        "to be up (e.g. the lost one's restart) before it fails.",
+    )
     decode_load_weight: float = Field(
         4.0,
         ge=0,

@@ -165,8 +165,6 @@ class PrefillWorker(Worker):
                     request_id=rid,
                     first_token_id=tokens[0],
                     src_page_ids=src,
-                    num_pages_transferred=len(src),
-                    prefill_computed_tokens=computed,
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
                     first_token_ids=tuple(tokens) if len(tokens) > 1 else (),

@@ -295,18 +295,22 @@ class Worker(Service):
         *,
         remote_over: int | None = None,
         lease_s: float | None = None,
+        resume: list[int] | None = None,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: the host-tier lease past the device hit (a kvstore
         round trip, skipped when the device covers the prompt), then one engine operation
         (`Engine.admit`); on the host route the read and `finish_host_admission` follow
         without waiting for a step. The admission and the queue of the request's
-        outputs (its first one comes at the end of the next step on the local route)."""
-        planned = await self.host.plan(request_id, prompt_ids) if self.host else None
+        outputs (its first one comes at the end of the next step on the local route).
+        ``resume``: a migrated stream's tokens so far (`Engine.admit`)."""
+        resume = resume or []
+        known = prompt_ids + resume
+        planned = await self.host.plan(request_id, known) if self.host else None
         plan, lease = planned if planned is not None else (None, None)
         try:
             admission, out = await self.engine.call(
                 lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
-                                  host=plan, lease_s=lease_s),
+                                  host=plan, lease_s=lease_s, resume=resume),
                 watch=request_id,
             )  # fmt: skip
             assert out is not None

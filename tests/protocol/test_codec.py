@@ -30,9 +30,7 @@ from radixserve.protocol.messages import (
 PREFILL = PrefillRequest(
     request_id="req-1",
     token_ids=(1, 2, 3, 4, 5),
-    decode_worker="decode-0",
     dst_page_ids=(7, 8),
-    transfer_backend="tcp",
     sampling=SamplingSpec(max_tokens=8, seed=3),
     num_cached_tokens=2,
 )
@@ -240,12 +238,12 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": 3}, "frame has no string 'type' tag (got int)"),
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
-            {"v": [3, 0]},
-            "peer speaks protocol version 3.0, this side 2.0: major versions must match",
+            {"v": [4, 0]},
+            "peer speaks protocol version 4.0, this side 3.0: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
-        ({"v": [2, -1]}, "protocol version must be [major, minor]"),
+        ({"v": [3, -1]}, "protocol version must be [major, minor]"),
         ({"v": [True, 0]}, "protocol version must be [major, minor]"),
         ({"v": None}, "protocol version must be [major, minor]"),
     ],

@@ -82,9 +82,7 @@ def prefill_requests(draw: st.DrawFn) -> PrefillRequest:
     return PrefillRequest(
         request_id=draw(ids),
         token_ids=tokens,
-        decode_worker=draw(names),
         dst_page_ids=draw(page_ids),
-        transfer_backend=draw(names),
         sampling=draw(sampling),
         num_cached_tokens=draw(st.integers(0, len(tokens) - 1)),
     )
@@ -162,8 +160,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         request_id=ids,
         prompt_token_ids=prompt,
         sampling=sampling,
-        arrival_time=st.floats(0.0, 2e9),
         prefill_worker=st.just("") | names,
+        resume_token_ids=st.lists(token_id, max_size=8).map(tuple),
     ),
     PrefillRequest: prefill_requests(),
     KVReady: st.builds(
@@ -171,9 +169,6 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         request_id=ids,
         first_token_id=token_id,
         src_page_ids=page_ids,
-        num_pages_transferred=count,
-        transfer_ms=millis,
-        prefill_computed_tokens=count,
         cached_tokens=count,
         host_cached_tokens=count,
     ),
