@@ -16,6 +16,7 @@ from radixserve.transfer.base import (
     TransferError,
     TransferHandle,
     TransferState,
+    peer_compat,
 )
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork
@@ -31,6 +32,7 @@ __all__ = [
     "TransferNetwork",
     "TransferState",
     "create_agent",
+    "peer_compat",
 ]
 
 

@@ -39,6 +39,7 @@ import torch
 
 from radixserve.cache.kv_pool import KVPool
 from radixserve.errors import RadixServeError
+from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,19 @@ class PeerInfo:
     raw: bytes = field(repr=False)
 
 
+def peer_compat(metadata: bytes, keys: ClusterKeys | None = None) -> PoolCompat:
+    """The pool layout an agent's `metadata` describes, checking its signature first with
+    ``keys`` (for a side that has no agent yet); TransferError if it is malformed or
+    not signed with them."""
+    try:
+        raw = keys.open(metadata) if keys is not None else metadata
+        return PoolCompat.from_dict(msgpack.unpackb(raw, raw=False)["compat"])
+    except AuthError as exc:
+        raise TransferError(str(exc)) from None
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise TransferError(f"malformed transfer metadata: {exc}") from None
+
+
 class KVTransferAgent(ABC):
     """Moves whole KV pages between this process's pool and peers' pools."""
 
@@ -98,6 +112,7 @@ class KVTransferAgent(ABC):
         self.num_regions = int(kv.shape[0]) * 2
         self.page_bytes = int(kv[0, 0, 0].numel() * kv.element_size())
         self.default_timeout_s = default_timeout_s
+        self.keys: ClusterKeys | None = None  # set by agents given a network with keys
         self._peers: dict[str, tuple[PeerInfo, Any]] = {}
         self._active: dict[int, TransferHandle] = {}
         self._ids = itertools.count(1)
@@ -117,15 +132,22 @@ class KVTransferAgent(ABC):
             "page_bytes": self.page_bytes,
             "backend_md": self._backend_metadata(),
         }
-        return msgpack.packb(envelope, use_bin_type=True)
+        packed: bytes = msgpack.packb(envelope, use_bin_type=True)
+        return self.keys.sign(packed) if self.keys is not None else packed
 
     def add_peer(self, name: str, generation: int, metadata: bytes) -> None:
         """Know peer `name` at `generation`; replace it if its generation changed.
 
         Raises TransferError on malformed metadata, another backend, or an incompatible
-        pool. Re-adding the same generation with identical metadata is a no-op.
+        pool, and, with cluster keys, on metadata not signed with them. Re-adding the same
+        generation with identical metadata is a no-op.
         """
         self._check_open()
+        if self.keys is not None:
+            try:
+                metadata = self.keys.open(metadata)
+            except AuthError as exc:
+                raise TransferError(f"peer {name!r}: {exc}") from None
         known = self._peers.get(name)
         if known is not None and known[0].generation == generation:
             if known[0].raw != metadata:

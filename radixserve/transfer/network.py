@@ -23,7 +23,9 @@ import fcntl
 import ipaddress
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from radixserve.protocol.security import ClusterKeys
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*", ""})
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -31,12 +33,15 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 @dataclass(frozen=True)
 class TransferNetwork:
-    """Bind address, advertised address and port range of one transfer agent."""
+    """Bind address, advertised address and port range of one transfer agent, and the
+    cluster's keys when a cluster secret is set (the agent then signs its metadata and
+    checks its peers', and the ZMQ agent's sockets use CurveZMQ)."""
 
     bind_host: str = "127.0.0.1"
     advertise_host: str | None = None  # default: bind_host (this host's name if wildcard)
     port_min: int = 0  # 0 and 0: any free port
     port_max: int = 0
+    keys: ClusterKeys | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.port_min == 0) != (self.port_max == 0) or self.port_min > self.port_max:

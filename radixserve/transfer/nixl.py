@@ -112,6 +112,7 @@ class NixlTransferAgent(KVTransferAgent):
         network: TransferNetwork | None = None,
     ) -> None:
         super().__init__(name, pool, compat, default_timeout_s)
+        self.keys = network.keys if network is not None else None
         nixl_agent, nixl_agent_config, errors = _import_nixl()
         self._notifs: list[tuple[str, bytes]] = []
         self._errors: tuple[type[Exception], ...] = errors

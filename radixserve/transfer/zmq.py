@@ -112,6 +112,9 @@ class ZmqTransferAgent(KVTransferAgent):
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.SNDHWM, 0)
         net = network or TransferNetwork()
+        self.keys = net.keys
+        if net.keys is not None:
+            net.keys.secure(self._server, bind=True)
         try:
             port = _bind(self._server, net)
         except TransferError:
@@ -202,6 +205,8 @@ class ZmqTransferAgent(KVTransferAgent):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.keys is not None:
+            self.keys.secure(sock, bind=False)
         sock.connect(endpoint)
         return _Peer(sock)
 

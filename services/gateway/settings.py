@@ -6,7 +6,7 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -65,8 +65,9 @@ class GatewaySettings(BaseSettings):
     cluster_secret: SecretStr | None = Field(
         None,
         min_length=16,
-        description="The cluster's shared secret (CurveZMQ on the links to the workers and "
-        "the kvstore); the workers' own setting must hold the same one.",
+        validation_alias=AliasChoices("cluster_secret", "RADIXSERVE_CLUSTER_SECRET"),
+        description="The cluster's shared secret, RADIXSERVE_CLUSTER_SECRET as for every "
+        "service (CurveZMQ on the links to the workers and the kvstore).",
     )
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
     peer_timeout_s: float = Field(
@@ -84,7 +85,7 @@ class GatewaySettings(BaseSettings):
         "repeated); 0 = a lost worker fails its requests.",
     )
     migration_wait_s: float = Field(
-        15.0,
+        30.0,
         ge=0,
         le=600,
         description="How long a request whose decode worker was lost waits for another one "

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import time
 
-import msgpack
 import torch
 
 from radixserve.cache.host_index import HostPageIndex
@@ -37,6 +36,7 @@ from radixserve.transfer import (
     TransferError,
     TransferNetwork,
     create_agent,
+    peer_compat,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,9 @@ class HostPool:
         if not self.enabled:
             return HostAttachAck(False, reason="this kvstore has no host tier (capacity 0)")
         try:
-            compat = PoolCompat.from_dict(msgpack.unpackb(metadata, raw=False)["compat"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            return HostAttachAck(False, reason=f"malformed spill buffer metadata: {exc}")
+            compat = peer_compat(metadata, self.network.keys if self.network else None)
+        except TransferError as exc:
+            return HostAttachAck(False, reason=f"spill buffer metadata: {exc}")
         if self.agent is None:
             try:
                 self._allocate(compat)

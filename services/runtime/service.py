@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from zmq.utils.monitor import parse_monitor_message
 
@@ -57,6 +57,10 @@ from radixserve.services.runtime.probe import ProbeServer
 from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork, url_host
 
 logger = logging.getLogger(__name__)
+
+#: the cluster secret is one variable for every service, whatever its settings' prefix
+CLUSTER_SECRET_ENV = "RADIXSERVE_CLUSTER_SECRET"
+CLUSTER_SECRET_ALIAS = AliasChoices("cluster_secret", CLUSTER_SECRET_ENV)
 
 
 class ServiceSettings(BaseSettings):
@@ -125,9 +129,11 @@ class ServiceSettings(BaseSettings):
     cluster_secret: SecretStr | None = Field(
         None,
         min_length=16,
-        description="Shared secret of the cluster's internal plane: every control socket "
-        "uses CurveZMQ with keys derived from it and transfer metadata is signed, so "
-        "nothing without it gets through; unset = no authentication (loopback only).",
+        validation_alias=CLUSTER_SECRET_ALIAS,
+        description="Shared secret of the cluster's internal plane (one variable, "
+        "RADIXSERVE_CLUSTER_SECRET, for every service): every control socket uses "
+        "CurveZMQ with keys derived from it and transfer metadata is signed, so nothing "
+        "without it gets through; unset = no authentication (loopback only).",
     )
     drain_grace_s: float = Field(
         30.0,
@@ -495,7 +501,8 @@ def transfer_network(settings: ServiceSettings) -> TransferNetwork:
     bind = s.transfer_host or s.host
     own = bind == s.host or bind in WILDCARD_HOSTS
     advertise = advertise_host(s.host, s.advertise_host) if own else bind
-    return TransferNetwork(bind, advertise, s.transfer_port_min, s.transfer_port_max)
+    return TransferNetwork(bind, advertise, s.transfer_port_min, s.transfer_port_max,
+                           keys_from(s.cluster_secret))  # fmt: skip
 
 
 def serve_until_signalled(service: Service) -> int:

@@ -4,7 +4,11 @@ more prefill and one more decode worker started by the join command it prints.
 One cluster, in order:
 1. the joined workers are listed at the gateway within 10 s of listening, and requests
    reach both (remote prefill on the new prefill worker, streams on the new decode one);
-2. `kill -9` of the joined prefill worker: it leaves routing and the listing, requests
+2. `kill -9` of decode-0 while greedy and seeded streams run on both decode workers:
+   the gateway marks it down within a second (its TCP connection closes), its streams
+   continue on the joined decode worker (migration) and every text equals the
+   uninterrupted answer; the supervisor restarts it;
+2b. `kill -9` of the joined prefill worker: it leaves routing and the listing, requests
    go on;
 3. SIGTERM of the joined decode worker while it streams a long answer: the stream
    completes, requests sent during the drain go elsewhere, it exits 0 and leaves;
@@ -16,6 +20,7 @@ No request fails along the way, and no worker is left holding anything.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -28,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from radixserve.cluster import free_port
-from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing
+from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 from tests.cluster.test_up import _children, _gone
 
@@ -96,6 +101,59 @@ def ask(http: httpx.Client, question: str, max_tokens: int = 8, system: str = SY
     return resp.json()
 
 
+def stream_text(http: httpx.Client, body: dict, progress: list[int]) -> str:
+    """The streamed answer's text; ``progress[0]`` counts its content events. Fails on
+    an error event or a non-200 answer."""
+    parts = []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            assert '"error"' not in line, line
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    if choice["delta"].get("content"):
+                        parts.append(choice["delta"]["content"])
+                        progress[0] += 1
+    return "".join(parts)
+
+
+def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) -> None:
+    """Greedy and seeded streams on both decode workers; kill -9 decode-0 while they run.
+    Each stream's text equals the same request run after, uninterrupted."""
+    bodies = [
+        {"model": "default", "messages": chat(QUESTIONS[i % 3], f"[migrate {i}] " + SYSTEM),
+         "max_tokens": 48, "ignore_eos": True,
+         **({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 11 + i})}
+        for i in range(4)
+    ]  # fmt: skip
+    texts: dict[int, str] = {}
+    progress = [[0] for _ in bodies]
+
+    def run(i: int) -> None:
+        texts[i] = stream_text(http, bodies[i], progress[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    wait(lambda: all(p[0] >= 2 for p in progress) and workers()["decode-0"].get(
+        "live_requests", 0) > 0 and workers()[other].get("live_requests", 0) > 0, 120,
+        "streams running on both decode workers")  # fmt: skip
+    decode0 = next(pid for pid in _children(up.proc.pid)
+                   if "services.decode" in Path(f"/proc/{pid}/cmdline").read_text())  # fmt: skip
+    os.kill(decode0, signal.SIGKILL)
+    took = wait(lambda: not workers()["decode-0"]["up"], 5, "the gateway to mark decode-0 down")
+    assert took < 1.0, f"a dead decode worker was noticed after {took:.2f} s"
+    for t in threads:
+        t.join(180)
+    assert sorted(texts) == list(range(len(bodies)))
+    migrated = metric_value(http.get("/metrics").text, "radixserve_migrations_total")
+    assert migrated and migrated >= 1
+    wait(lambda: workers().get("decode-0", {}).get("up"), 120, "decode-0 restarted")
+    for i, body in enumerate(bodies):  # the same requests, uninterrupted
+        reference = http.post("/v1/chat/completions", json=body).json()
+        assert texts[i] == reference["choices"][0]["message"]["content"], i
+
+
 def test_workers_join_leave_and_drain_in_a_running_cluster():
     port = free_port()
     up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)])
@@ -144,7 +202,10 @@ def test_workers_join_leave_and_drain_in_a_running_cluster():
         else:
             raise AssertionError(f"requests never reached the joined workers: {workers()}")
 
-        # 2. kill -9 of the joined prefill worker: out of routing and the listing
+        # 2. kill -9 of decode-0 mid-stream: its streams move to the joined decode worker
+        kill_decode_mid_stream(http, up, workers, names["decode"])
+
+        # 2b. kill -9 of the joined prefill worker: out of routing and the listing
         new_prefill.proc.send_signal(signal.SIGKILL)
         new_prefill.proc.wait(10)
         wait(lambda: names["prefill"] not in workers(), 15, "the killed worker leaving")

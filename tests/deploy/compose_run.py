@@ -117,11 +117,12 @@ class ComposeRun:
             env[key] = value
         return env
 
-    def start(self, service: str) -> Container:
-        """One more container of ``service`` (as ``docker compose up --scale`` adds)."""
+    def start(self, service: str, env_override: dict[str, str] | None = None) -> Container:
+        """One more container of ``service`` (as ``docker compose up --scale`` adds),
+        its environment changed by ``env_override``."""
         replicas = sum(c.service == service for c in self.containers)
         address = f"{self.network}.{ADDRESS_OFFSET[service] + replicas}"
-        env = self.container_env(service, address)
+        env = {**self.container_env(service, address), **(env_override or {})}
         argv = [self.program, *self.services[service]["command"]]
         log = self.logs / f"{service}-{replicas}.log"
         with log.open("w") as out:

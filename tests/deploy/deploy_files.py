@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from radixserve.services.autoscaler.settings import AutoscalerSettings
@@ -55,10 +56,11 @@ def setting_of(variable: str) -> list[tuple[type[BaseSettings], str]]:
     """The (settings class, field) pairs that read environment variable ``variable``."""
     out = []
     for cls, prefix in _PREFIX.items():
-        if variable.startswith(prefix):
-            field = variable[len(prefix) :].lower()
-            if field in cls.model_fields:
-                out.append((cls, field))
+        for name, info in cls.model_fields.items():
+            alias = info.validation_alias
+            names = alias.choices if isinstance(alias, AliasChoices) else [prefix + name.upper()]
+            if variable in [str(n).upper() for n in names]:
+                out.append((cls, name))
     return out
 
 
@@ -68,7 +70,7 @@ def env_name(cls: type[BaseSettings], field: str) -> str:
 
 # -- compose -----------------------------------------------------------------------------
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_]\w*)")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_]\w*)")
 
 
 def interpolate(text: str, values: dict[str, str]) -> str:
@@ -84,6 +86,8 @@ def interpolate(text: str, values: dict[str, str]) -> str:
             return default
         if op == "-" and value is None:
             return default
+        if op in (":?", "?") and not value:  # compose refuses to start
+            raise ValueError(f"{name} is required: {default}")
         return value or ""
 
     return _VAR.sub(one, text)
@@ -98,11 +102,14 @@ def compose_variables() -> set[str]:
 def compose_document(
     values: dict[str, str] | None = None, path: Path = COMPOSE_FILE
 ) -> dict[str, Any]:
-    """The compose file as compose sees it: parsed, then every string interpolated."""
+    """The compose file as compose sees it: parsed, then every string interpolated with
+    ``values`` (None: a .env holding only what compose requires, the cluster secret)."""
+    if values is None:
+        values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"]}
 
     def walk(node: Any) -> Any:
         if isinstance(node, str):
-            return interpolate(node, values or {})
+            return interpolate(node, values)
         if isinstance(node, dict):
             return {key: walk(value) for key, value in node.items()}
         if isinstance(node, list):
@@ -188,6 +195,9 @@ def pod_env(objects: list[dict[str, Any]], deployment: dict[str, Any]) -> dict[s
     for item in c.get("env", []):
         if "value" in item:
             env[item["name"]] = str(item["value"])
+        elif "secretKeyRef" in item["valueFrom"]:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = f"<secret {ref['name']}/{ref['key']}>"
         else:
             env[item["name"]] = f"<{item['valueFrom']['fieldRef']['fieldPath']}>"
     return env

@@ -32,13 +32,16 @@ from typing import Any
 
 import httpx
 import yaml
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.protocol import Channel, GenerateRequest, Hello
 from tests.cluster.cluster_helpers import holds_nothing
 from tests.deploy.compose_run import ComposeRun, Container, http_get
 from tests.deploy.deploy_files import COMPOSE, compose_services
 
 DOT_ENV = {  # what a small machine's .env says
+    "RADIXSERVE_CLUSTER_SECRET": "secret-of-this-test-cluster-0123",
     "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.25",
     "RADIXSERVE_NUM_THREADS": "1",
     "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.25",
@@ -162,6 +165,9 @@ def walk_the_cluster(run: ComposeRun) -> None:
         served = value(samples(scrape(p)), "radixserve_worker_prefill_requests_total")
         assert served >= 1, f"{p.name} served no prefill"
     run.wait(lambda: holds_nothing(client.get("/debug/cache").json()), 30, "nothing held")
+    # 4b. the internal plane is keyed by the cluster secret
+    kvstore = next(c for c in run.containers if c.service == "kvstore")
+    outsiders_are_refused(run, workers, decode, kvstore)
     # 5. metrics: parse, one source per series, the dashboard's names all exported
     kept: dict[Any, set[str]] = {}
     for c in run.containers:
@@ -176,6 +182,34 @@ def walk_the_cluster(run: ComposeRun) -> None:
     assert roles == {"kvstore", "prefill", "decode"}
     # 6. drain: SIGTERM the decode worker while a stream runs on it
     drain_while_streaming(run, client, decode)
+
+
+def outsiders_are_refused(run: ComposeRun, workers, decode: Container, kvstore: Container) -> None:
+    """A client without the secret gets no answer from a worker's control port (its
+    handshake fails, which the worker counts), and a worker with another secret never
+    joins (the kvstore refuses it)."""
+    refused = lambda c: value(samples(scrape(c)), "radixserve_worker_auth_refused_total")  # noqa: E731
+    before = refused(decode)
+    context = zmq.Context()
+    try:
+        with Channel.open(context, zmq.DEALER, f"tcp://{decode.address}:7000", bind=False) as ch:
+            ch.send(Hello("outsider", "gateway"), timeout_ms=1000)
+            ch.send(GenerateRequest("outsider-1", (1, 2, 3)), timeout_ms=1000)
+            assert ch.recv(timeout_ms=1500) is None, "a worker answered a client without the secret"
+    finally:
+        context.term()
+    run.wait(lambda: refused(decode) > before, 10, "the refused handshake counted")
+    intruder = run.start(
+        "prefill", {"RADIXSERVE_CLUSTER_SECRET": "another-cluster-secret-0123456789"}
+    )
+    before = refused(kvstore)
+    run.wait(lambda: refused(kvstore) > before, START_TIMEOUT_S, "the kvstore refusing it")
+    run.wait(lambda: intruder.get(8080, "/live")[0] == 200, START_TIMEOUT_S, "the intruder live")
+    assert intruder.get(8080, "/health")[0] == 503  # its kvstore link never comes up
+    assert all(w["address"] != f"tcp://{intruder.address}:7000" for w in workers().values())
+    intruder.process.kill()
+    intruder.process.wait(30)
+    run.containers.remove(intruder)
 
 
 def drain_while_streaming(run: ComposeRun, client: httpx.Client, decode: Container) -> None:

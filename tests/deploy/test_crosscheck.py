@@ -114,7 +114,10 @@ def test_env_example_is_what_compose_interpolates_with_its_defaults() -> None:
     assert set(example) == compose_variables()
     text = (COMPOSE / "docker-compose.yml").read_text()
     for name, value in example.items():
-        assert f"${{{name}:-{value}}}" in text, f"{name}: compose's default is not {value!r}"
+        required = f"${{{name}:?" in text  # no default: compose refuses to start without it
+        assert required or f"${{{name}:-{value}}}" in text, (
+            f"{name}: compose's default is not {value!r}"
+        )
         assert setting_of(name), name
 
 
@@ -167,9 +170,22 @@ def test_compose_environments_make_a_cluster(monkeypatch: pytest.MonkeyPatch) ->
     envs = {name: services[name]["environment"] for name in RADIXSERVE_SERVICES}
     check_cluster_settings(settings, envs, "kvstore", "gateway")
     assert settings["autoscaler"][AutoscalerSettings].connector == "dry-run"
-    # .env values reach the settings
-    _, tuned = compose_settings(monkeypatch, {"RADIXSERVE_PAGE_SIZE": "32"})
+    # .env values reach the settings, and every radixserve service holds the one secret
+    secret = "a-secret-of-this-test-0123456789"
+    _, tuned = compose_settings(
+        monkeypatch, {"RADIXSERVE_PAGE_SIZE": "32", "RADIXSERVE_CLUSTER_SECRET": secret}
+    )
     assert tuned["decode"][EngineSettings].page_size == 32
+    for name in ("kvstore", "gateway", "prefill", "decode"):
+        held = [
+            s.cluster_secret
+            for s in tuned[name].values()
+            if "cluster_secret" in type(s).model_fields
+        ]
+        assert held and all(h is not None and h.get_secret_value() == secret for h in held), name
+    # without one, compose refuses to start
+    with pytest.raises(ValueError, match="RADIXSERVE_CLUSTER_SECRET is required"):
+        compose_settings(monkeypatch, {"RADIXSERVE_PAGE_SIZE": "32"})
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -183,6 +199,9 @@ def test_kubernetes_environments_make_a_cluster(
         assert envs[role][f"RADIXSERVE_{role.upper()}_NAME"] == "<metadata.name>"
         assert envs[role][f"RADIXSERVE_{role.upper()}_ADVERTISE_HOST"] == "<status.podIP>"
     assert envs["kvstore"]["RADIXSERVE_KVSTORE_ADVERTISE_HOST"] == "<status.podIP>"
+    for name in ("kvstore", "gateway", "prefill", "decode"):  # the internal plane is keyed
+        secret = envs[name]["RADIXSERVE_CLUSTER_SECRET"]
+        assert secret == "<secret radixserve-cluster-secret/secret>", name
     scaler = settings["autoscaler"][AutoscalerSettings]
     assert scaler.connector == "kubernetes"
     assert (

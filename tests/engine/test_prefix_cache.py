@@ -44,9 +44,14 @@ def test_shared_prefix_ending_mid_page(smol_on, smol_off, cut):
     shared = base + extra[:cut]
     q1 = smol_on.tokenizer.encode(" Question: can snow damage them?")
     q2 = smol_on.tokenizer.encode(" Question: how should I clean them?")
-    on = _tokens(smol_on.generate([shared + q1], GREEDY) + smol_on.generate([shared + q2], GREEDY))
+    first, second = smol_on.generate([shared + q1], GREEDY) + smol_on.generate(
+        [shared + q2], GREEDY
+    )
     off = _tokens(smol_off.generate([shared + q1, shared + q2], GREEDY))
-    assert on == off
+    assert _tokens([first, second]) == off
+    # the second hit the first's pages: at least every full page of the shared part
+    aligned = len(shared) // smol_on.page_size * smol_on.page_size
+    assert second.cached_tokens >= aligned > 0, (second.cached_tokens, aligned)
     assert_no_leaks(smol_on)
 
 
@@ -84,10 +89,12 @@ def test_batch_mixing_prefills_and_decodes(smol_on, smol_off):
     alone = _tokens(smol_off.generate([p], GREEDY)[0] for p in prompts)
     for engine in (smol_on, smol_off):
         results: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
 
-        def step(engine=engine, results=results):
+        def step(engine=engine, results=results, cached=cached):
             for out in engine.step():
                 results.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = out.cached_tokens
 
         ids = [engine.add_request(prompts[0], GREEDY)]
         for _ in range(3):
@@ -98,6 +105,8 @@ def test_batch_mixing_prefills_and_decodes(smol_on, smol_off):
         while engine.has_unfinished():
             step()
         assert [results[rid] for rid in ids] == alone
+        if engine.cache is not None:  # the later ones found the system prompt cached
+            assert all(cached[rid] >= engine.page_size for rid in ids[1:]), cached
         assert_no_leaks(engine)
 
 

@@ -68,7 +68,7 @@ def run_in_thread(fn: Callable[[], None]) -> Callable[[], None]:
 def test_dealer_router_between_threads_survives_a_garbage_frame(
     ctx: zmq.Context, caplog: pytest.LogCaptureFixture
 ) -> None:
-    request = GenerateRequest("req-1", (5, 6, 7), SamplingSpec(max_tokens=3, seed=1), 12.5)
+    request = GenerateRequest("req-1", (5, 6, 7), SamplingSpec(max_tokens=3, seed=1))
     with Channel.open(ctx, zmq.ROUTER, LOCAL, bind=True) as router:
 
         def worker() -> None:

@@ -19,7 +19,6 @@ from radixserve.protocol.messages import (
     Heartbeat,
     Hello,
     HelloAck,
-    KVReady,
     MemberList,
     Message,
     PrefillRequest,
@@ -160,16 +159,16 @@ def test_missing_required_field_is_rejected() -> None:
             "hello.protocol_version: expected a list of 2..2",
         ),
         (
-            KVReady("r", 5),
-            "transfer_ms",
+            TokenChunk("r", (5,)),
+            "ttft_ms",
             float("inf"),
-            "kv_ready.transfer_ms: expected a finite number",
+            "token_chunk.ttft_ms: expected a finite number",
         ),
         (
-            KVReady("r", 5),
-            "transfer_ms",
+            TokenChunk("r", (5,)),
+            "ttft_ms",
             -1.0,
-            "kv_ready.transfer_ms: expected a finite number in [0,",
+            "token_chunk.ttft_ms: expected a finite number in [0,",
         ),
         (
             Heartbeat("w"),
@@ -326,7 +325,7 @@ def test_deeply_nested_unknown_values_are_handled(depth: int) -> None:
 
 
 def test_encode_rejects_invalid_messages_at_the_sender() -> None:
-    bad = PrefillRequest("r", (1, 2), "d", (-1,), "tcp")
+    bad = PrefillRequest("r", (1, 2), (-1,))
     with pytest.raises(ProtocolError, match=r"prefill_request.dst_page_ids\[0\]"):
         encode(bad)
     with pytest.raises(ProtocolError, match="token_chunk.finish_reason"):
