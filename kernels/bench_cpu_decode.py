@@ -3,8 +3,9 @@
 SmolLM2-135M's attention shapes (9 q heads, 3 kv heads, head_dim 64, page size 16), batch
 1/4/16, contexts 256/1024/4096, float32 and bfloat16, with each sequence's pages laid out
 three ways: contiguous (one run), scattered (every page alone) and mixed (a contiguous
-prompt, then one page in every `batch` as concurrent decodes grow). Times whole steps (30 layers,
-one plan) and prints one table of microseconds per layer and the ratio reference / new; `--json` writes the rows.
+prompt, then one page in every `batch` as concurrent decodes grow). Times whole steps (30
+layers, one plan each) and prints one table of microseconds per layer and the ratio
+reference / new; `--json` writes the rows.
 
     .venv/bin/python kernels/bench_cpu_decode.py [--threads N] [--json out.json]
 """
