@@ -1,8 +1,9 @@
 """The op table and the choice of kernel set, made once per process.
 
-A kernel set ("torch": `reference/`, "triton": `triton/`) is a `KernelOps` whose fields
-share one signature per op across sets. Sets are registered by name and imported only when
-asked for, so a process that runs the torch set never imports triton.
+A kernel set ("torch": `reference/` with the CPU paths of `cpu/`, "triton": `triton/`) is
+a `KernelOps` whose fields share one signature per op across sets. Sets are registered by
+name and imported only when asked for, so a process that runs the torch set never imports
+triton.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # name -> the module whose `OPS` is that set's KernelOps
-_SETS = {"torch": "radixserve.kernels.reference", "triton": "radixserve.kernels.triton"}
+_SETS = {"torch": "radixserve.kernels.cpu", "triton": "radixserve.kernels.triton"}
 BACKEND_NAMES: tuple[str, ...] = tuple(_SETS)
 
 

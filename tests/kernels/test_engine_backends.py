@@ -74,3 +74,22 @@ def test_greedy_outputs_identical_on_both_kernel_sets(checkpoint, device):
     mixed = [s for s in torch_run["steps"] if any(n > 1 for n in s) and 1 in s]
     assert mixed, torch_run["steps"]  # a step held a prefill chunk and decodes
     assert all(len(tokens) == GREEDY.max_tokens for tokens in torch_run["batch"])
+
+
+def test_cpu_decode_keeps_the_reference_greedy_outputs(checkpoint, monkeypatch):
+    # The torch set's CPU decode (runs of two pages or more read in place here, so both
+    # its paths run) against the same engine with the reference decode.
+    import importlib
+
+    from radixserve.kernels import reference
+
+    cpu_decode = importlib.import_module("radixserve.kernels.cpu.decode_attention")
+    common = {"page_size": 4, "kv_cache_memory_gib": 0.01, "device": "cpu"}
+    monkeypatch.setattr(cpu_decode, "MIN_VIEW_PAGES", 2)
+    engine = make_engine(str(checkpoint), attention_backend="torch", **common)
+    assert engine.model.ops.decode_attention is cpu_decode.decode_attention
+    fast_run = _scenario(engine)
+    monkeypatch.setattr("radixserve.kernels.cpu.OPS", reference.OPS)
+    engine = make_engine(str(checkpoint), attention_backend="torch", **common)
+    assert engine.model.ops.decode_attention is reference.decode_attention
+    assert _scenario(engine) == fast_run

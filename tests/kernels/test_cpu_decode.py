@@ -1,0 +1,97 @@
+"""The CPU decode attention of the torch set against the reference, on pools poisoned
+with NaN outside what each sequence owns: pages in one run each (read in place), scattered
+(gathered), and long runs broken by lone pages (both, merged by log-sum-exp); ragged
+lengths (1, mid-page, whole pages, a padding row), GQA, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from radixserve.kernels import reference as ref
+from tests.kernels.paged import PagedBatch, assert_close, index, make_paged_batch, randn
+
+cpu = importlib.import_module("radixserve.kernels.cpu.decode_attention")
+CPU = torch.device("cpu")
+PAGE = 4
+
+
+def _relaid(batch: PagedBatch, tables: list[list[int]]) -> PagedBatch:
+    """The same tokens moved to the pages `tables[b]` of a fresh NaN pool."""
+    ps = batch.page_size
+    num_pages = max(p for t in tables for p in t) + 2
+    k = torch.full((num_pages, *batch.k_cache.shape[1:]), float("nan"), dtype=batch.k_cache.dtype)
+    v = k.clone()
+    width = max(len(t) for t in tables)
+    table = torch.zeros((len(tables), max(width, 1)), dtype=torch.int64)
+    for b, (n, pages) in enumerate(zip(batch.seq_lens, tables)):
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        for pos in range(n):
+            src = batch.slot(b, pos)
+            k[pages[pos // ps], pos % ps] = batch.k_cache.flatten(0, 1)[src]
+            v[pages[pos // ps], pos % ps] = batch.v_cache.flatten(0, 1)[src]
+    return PagedBatch(k, v, table, batch.seq_lens)
+
+
+def _tables(seq_lens: list[int], layout: str) -> list[list[int]]:
+    """Page ids per sequence: "contiguous" one run each; "broken" a run, a lone page
+    taken from a shared tail, then a run to the end, with the last page lone when there
+    are only a few pages."""
+    counts = [-(-n // PAGE) for n in seq_lens]
+    next_id, lone = 1, 1000
+    tables = []
+    for c in counts:
+        if layout == "contiguous" or c < 3:
+            pages = list(range(next_id, next_id + c))
+        else:
+            mid = c // 2
+            pages = (
+                list(range(next_id, next_id + mid))
+                + [lone]
+                + list(range(next_id + mid + 1, next_id + c))
+            )
+            lone += 2  # lone pages interleave with other sequences'
+        next_id += c + 1  # a spare page between sequences
+        tables.append(pages)
+    return tables
+
+
+SEQ_LENS = [1, PAGE + 3, 3 * PAGE, 0, 11 * PAGE + 2, 9 * PAGE, 2]  # 0: a padding row
+
+
+@pytest.mark.parametrize("layout", ["scattered", "contiguous", "broken"])
+@pytest.mark.parametrize(
+    "dtype,group", [(torch.float32, 3), (torch.bfloat16, 1), (torch.float32, 8)]
+)
+def test_cpu_decode_equals_reference(monkeypatch, layout, dtype, group):
+    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)  # short runs here: both paths, and merges
+    cpu.forget_plan()
+    batch = make_paged_batch(SEQ_LENS, PAGE, 2, 8, dtype, CPU, seed=3)
+    if layout != "scattered":
+        batch = _relaid(batch, _tables(SEQ_LENS, layout))
+    q = randn((len(SEQ_LENS), 2 * group, 8), dtype, CPU, seed=4)
+    call = (q, batch.k_cache, batch.v_cache, batch.page_table, index(SEQ_LENS, CPU))
+    out = cpu.decode_attention(*call)
+    assert_close(out, ref.decode_attention(*call))
+    assert not out[3].any()  # the padding row
+
+
+def test_plan_follows_the_page_table_and_lengths():
+    # The plan kept from one call must not serve a call whose pages or lengths differ.
+    cpu.forget_plan()
+    seq_lens = [40 * PAGE + 1, 17 * PAGE]
+    base = make_paged_batch(seq_lens, PAGE, 2, 8, torch.float32, CPU, seed=5)
+    q = randn((2, 6, 8), torch.float32, CPU, seed=6)
+    for batch in (_relaid(base, _tables(seq_lens, "contiguous")), base):
+        for lens in (seq_lens, [n - 1 for n in seq_lens]):
+            call = (q, batch.k_cache, batch.v_cache, batch.page_table, index(lens, CPU))
+            assert_close(cpu.decode_attention(*call), ref.decode_attention(*call))
+
+
+def test_torch_set_takes_the_cpu_decode():
+    from radixserve.kernels.ops import load_ops
+
+    assert load_ops("torch").decode_attention is cpu.decode_attention
+    assert load_ops("torch").extend_attention is ref.extend_attention
