@@ -25,7 +25,9 @@ class EngineSettings(BaseSettings):
         "auto", description="Where the model and KV pool live; 'auto' picks cuda when present."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute and KV dtype; 'auto' is bfloat16 on GPU, float32 on CPU."
+        "auto",
+        description="Compute and KV dtype; 'auto' is bfloat16 on GPU and on CPUs with native "
+        "bfloat16 (AVX-512 BF16, AMX), float32 on other CPUs.",
     )
     page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
     kv_cache_memory_gib: float = Field(

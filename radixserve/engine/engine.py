@@ -23,6 +23,7 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache, RadixNode
 from radixserve.engine.choice_sampler import ChoiceSampler
 from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.device import resolve_device, resolve_dtype
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.outputs import GenerationResult, RequestOutput, TokenLogprob
@@ -39,21 +40,6 @@ from radixserve.model.llama import LlamaModel
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 @dataclasses.dataclass
 class HostLoad:

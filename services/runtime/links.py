@@ -8,9 +8,12 @@ workers, each worker to the kvstore). Addresses given at start are *static*; `ad
 
 Contracts:
 - A link is *up* from the worker's accepted `HelloAck` until it is silent for
-  ``peer_timeout_s`` or a heartbeat shows another generation (the worker restarted);
-  then it is *down*, ``on_down(link, why)`` runs once, and `Hello` is resent every
-  ``interval_s`` until a new `HelloAck` brings it up again (``on_up``).
+  ``peer_timeout_s``, its TCP connection closes (a process that dies closes its sockets:
+  the socket monitor sees it within milliseconds, long before a heartbeat is missed),
+  or a heartbeat shows another generation (the worker restarted); then it is *down*,
+  ``on_down(link, why)`` runs once, and `Hello` is resent every ``interval_s`` until a
+  new `HelloAck` brings it up again (``on_up``). Heartbeats stay for peers that hang
+  without closing anything.
 - While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
   worker keeps this side as a peer) and records the worker's typed load (``load``,
   `WorkerLoad`) and counters (``stats``) from its own. A worker whose load says
@@ -24,6 +27,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -33,6 +37,7 @@ from types import MappingProxyType
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from radixserve.protocol import (
     AsyncChannel,
@@ -110,6 +115,7 @@ class LinkSet:
         self._interval, self._timeout = interval_s, peer_timeout_s
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
         self._receivers: dict[int, asyncio.Task] = {}  # id(link) -> its receive task
+        self._monitors: dict[int, asyncio.Task] = {}  # id(link) -> its socket monitor task
         self._tick_task: asyncio.Task | None = None
         self._started = False
         for address in addresses:
@@ -119,15 +125,17 @@ class LinkSet:
         """Start receiving and the hello/heartbeat loop (on the running event loop)."""
         self._started = True
         for link in self.links:
-            self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+            self._watch(link)
         self._tick_task = asyncio.create_task(self._tick())
 
     async def close(self) -> None:
-        tasks = [*self._receivers.values(), *([self._tick_task] if self._tick_task else [])]
+        tasks = [*self._receivers.values(), *self._monitors.values()]
+        tasks += [self._tick_task] if self._tick_task else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._receivers.clear()
+        self._monitors.clear()
         for link in self.links:
             link.channel.close()
 
@@ -140,8 +148,12 @@ class LinkSet:
         link = Link(address, channel, discovered=discovered)
         self.links.append(link)
         if self._started:
-            self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+            self._watch(link)
         return link
+
+    def _watch(self, link: Link) -> None:
+        self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+        self._monitors[id(link)] = asyncio.create_task(self._monitor(link))
 
     def remove(self, link: Link, why: str) -> None:
         """Drop ``link`` for good (its worker left the cluster): down first if it was up,
@@ -150,12 +162,12 @@ class LinkSet:
             return
         self.mark_down(link, why)
         self.links.remove(link)
-        task = self._receivers.pop(id(link), None)
         logger.info("forgetting worker %s (%s): %s", link.label, link.address, why)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-        elif task is not None:  # called from its own receive loop: end it after this message
-            asyncio.get_running_loop().call_soon(task.cancel)
+        for task in (self._receivers.pop(id(link), None), self._monitors.pop(id(link), None)):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+            elif task is not None:  # called from its own loop: end it after this message
+                asyncio.get_running_loop().call_soon(task.cancel)
         link.channel.close()
 
     def up(self) -> list[Link]:
@@ -178,6 +190,20 @@ class LinkSet:
         logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
         if self._on_down is not None:
             self._on_down(link, why)
+
+    async def _monitor(self, link: Link) -> None:
+        """Mark ``link`` down the moment its TCP connection closes."""
+        socket = link.channel.socket
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and link.up:
+                    self.mark_down(link, "its connection closed")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def _receive(self, link: Link) -> None:
         while link in self.links:

@@ -1,0 +1,48 @@
+"""Where an engine runs and in which dtype, decided once at start-up.
+
+``device="auto"`` is CUDA when present, else the CPU. ``dtype="auto"`` is bfloat16 on a
+GPU, and on a CPU bfloat16 only where the CPU computes it natively (AVX-512 BF16 or AMX
+on x86: oneDNN then runs bf16 matmuls at about twice the fp32 rate and every step reads
+half the bytes), float32 otherwise (emulated bf16 is slower than fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bfloat16 instructions (from the kernel's CPU flags; False
+    where they cannot be read, e.g. not Linux)."""
+    if platform.system() != "Linux":
+        return False
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return bool(_NATIVE_BF16_FLAGS & set(line.split(":", 1)[1].split()))
+    return False
