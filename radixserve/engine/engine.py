@@ -41,6 +41,7 @@ from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class HostLoad:
     """Device pages allocated for a prefix being read from the host tier (`begin_host_load`)."""

@@ -17,7 +17,9 @@ Contracts:
 - ROUTER sockets use ``recv_from`` / ``send_to``; the others ``recv`` / ``send``.
 - Sockets are created with linger 0, ``MAXMSGSIZE`` = ``max_frame_bytes`` (zmq
   disconnects a peer that sends a larger frame) and, on ROUTER, ``ROUTER_HANDOVER`` (a
-  restarted peer reusing its identity takes the route over). ``close`` never blocks
+  restarted peer reusing its identity takes the route over). With ``keys``
+  (`radixserve.protocol.security`), a socket that binds is a CURVE server and one that
+  connects a CURVE client: only peers that know the cluster secret get through. ``close`` never blocks
   and drops messages still queued: close only once the peer has confirmed delivery
   (a reply) when it matters.
 - One thread (or one task) uses a channel at a time; zmq sockets are not thread-safe.
@@ -33,6 +35,7 @@ import zmq.asyncio
 
 from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
 from radixserve.protocol.messages import Message
+from radixserve.protocol.security import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +64,14 @@ class _ChannelBase:
         bind: bool,
         identity: bytes | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        keys: ClusterKeys | None = None,
     ) -> _C:
         """A channel on a new socket bound (``bind``) or connected to ``address``; pass a
         `zmq.asyncio.Context` for an `AsyncChannel`."""
         socket = context.socket(socket_type)
         try:
+            if keys is not None:
+                keys.secure(socket, bind)
             _configure(socket, address, bind, identity, max_frame_bytes)
             return cls(socket, max_frame_bytes=max_frame_bytes)
         except BaseException:

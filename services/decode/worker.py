@@ -135,6 +135,7 @@ class DecodeWorker(Worker):
             peer_timeout_s=s.peer_timeout_s,
             on_message=self._from_prefill,
             on_down=self._prefill_down,
+            keys=self.keys,
         )
         self.view = MemberView({"prefill": self.prefills})
         await super().start()  # the kvstore link: membership starts arriving

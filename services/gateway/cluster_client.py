@@ -54,6 +54,7 @@ from radixserve.protocol import (
     SamplingSpec,
     TokenChunk,
 )
+from radixserve.protocol.security import keys_from
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.router import DecodeRouter
 from radixserve.services.gateway.settings import GatewaySettings
@@ -147,6 +148,7 @@ class ClusterClient(EngineClient):
             generation=self.generation,
             interval_s=s.heartbeat_interval_s,
             peer_timeout_s=s.peer_timeout_s,
+            keys=keys_from(s.cluster_secret),
         )
         self.decodes = LinkSet(
             self._context,

@@ -6,7 +6,7 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -61,6 +61,12 @@ class GatewaySettings(BaseSettings):
         max_length=255,
         description="Control address of the cluster's kvstore: where the gateway finds the "
         "workers (membership) and the cache index for prefill routing.",
+    )
+    cluster_secret: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="The cluster's shared secret (CurveZMQ on the links to the workers and "
+        "the kvstore); the workers' own setting must hold the same one.",
     )
     heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
     peer_timeout_s: float = Field(

@@ -49,6 +49,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import Role
+from radixserve.protocol.security import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,10 @@ class LinkSet:
         on_message: Callable[[Link, Message], None],
         on_up: Callable[[Link], None] | None = None,
         on_down: Callable[[Link, str], None] | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self._context = context
+        self._keys = keys
         self.links: list[Link] = []
         self._hello = Hello(name=name, role=role, generation=generation)
         self._name, self._generation = name, generation
@@ -144,7 +147,7 @@ class LinkSet:
         known = self.by_address(address)
         if known is not None:
             return known
-        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False)
+        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False, keys=self._keys)
         link = Link(address, channel, discovered=discovered)
         self.links.append(link)
         if self._started:

@@ -21,6 +21,7 @@ stops; the process exits 0. SIGINT, or a second SIGTERM, stops at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -34,8 +35,9 @@ from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from zmq.utils.monitor import parse_monitor_message
 
 from radixserve.errors import CapacityError, RequestError
 from radixserve.metrics import service_metrics
@@ -50,6 +52,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import ErrorType, Role
+from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
 from radixserve.services.runtime.probe import ProbeServer
 from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork, url_host
 
@@ -119,6 +122,13 @@ class ServiceSettings(BaseSettings):
         description="Port of the HTTP /health, /live and /metrics (for probes and "
         "Prometheus); unset = no HTTP side, 0 = any free port.",
     )
+    cluster_secret: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="Shared secret of the cluster's internal plane: every control socket "
+        "uses CurveZMQ with keys derived from it and transfer metadata is signed, so "
+        "nothing without it gets through; unset = no authentication (loopback only).",
+    )
     drain_grace_s: float = Field(
         30.0,
         ge=0,
@@ -167,6 +177,7 @@ class Service:
             settings.generation if settings.generation is not None else time.time_ns() // 10**6
         )
         self.name = settings.name or ""
+        self.keys = keys_from(settings.cluster_secret)  # None: no authentication
         self.address = ""  # as bound (tcp://host:port)
         self.advertised_address = ""  # as others dial it
         self.started_at = time.monotonic()
@@ -189,7 +200,11 @@ class Service:
         self._stop = stop
         s = self.settings
         self._router = AsyncChannel.open(
-            self.context, zmq.ROUTER, f"tcp://{url_host(s.host)}:{s.port}", bind=True
+            self.context,
+            zmq.ROUTER,
+            f"tcp://{url_host(s.host)}:{s.port}",
+            bind=True,
+            keys=self.keys,
         )
         self.address = self._router.endpoint
         port = int(self.address.rsplit(":", 1)[1])
@@ -204,6 +219,8 @@ class Service:
                                          self.metrics_text)  # fmt: skip
                 await self.probe.start()
             background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
+            if self.keys is not None:
+                background.append(asyncio.create_task(self._count_refusals()))
             self.serving = True
             http = f", HTTP on {self.probe.url}" if self.probe else ""
             print(f"radixserve {self.role} {self.name} (generation {self.generation}) "
@@ -403,6 +420,21 @@ class Service:
                 self.handle(peer, msg)
             except Exception:
                 logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
+
+    async def _count_refusals(self) -> None:
+        """Count the peers whose handshake failed: they lack the cluster secret, and none
+        of their frames reached us."""
+        assert self._router is not None
+        socket = self._router.socket
+        monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        try:
+            while True:
+                parse_monitor_message(await monitor.recv_multipart())
+                self.counters["auth_refused_total"] += 1
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def _beat(self) -> None:
         s = self.settings

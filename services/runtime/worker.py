@@ -150,6 +150,7 @@ class Worker(Service):
             on_message=self._from_kvstore,
             on_up=self._kvstore_up,
             on_down=self._kvstore_down,
+            keys=self.keys,
         )
         if engine.cache is not None:
             loop = asyncio.get_running_loop()
