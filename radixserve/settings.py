@@ -40,7 +40,16 @@ class EngineSettings(BaseSettings):
         2048,
         ge=16,
         le=1 << 20,
-        description="Token budget of one engine step; longer prompts prefill in chunks of this size.",
+        description="Token budget of one engine step (decodes first, then prefill chunks): "
+        "a running decode waits at most one such step between two tokens.",
+    )
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=16,
+        le=1 << 20,
+        description="Most tokens one prompt computes in a step: longer prompts prefill in "
+        "chunks this size, so a cached turn's short delta never waits behind more than one "
+        "(capped by max_num_batched_tokens).",
     )
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once.")
     max_model_len: int | None = Field(

@@ -76,9 +76,11 @@ class AsyncEngine:
                 self.abort(watch)
             raise
 
-    def submit(self, fn: Callable[[Engine], Any]) -> None:
-        """Run ``fn(engine)`` on the engine thread without waiting (errors are logged)."""
-        self._inbox.put(_Call(fn, None, None, None, None))
+    def submit(self, fn: Callable[[Engine], Any], watch: str | None = None) -> None:
+        """Run ``fn(engine)`` on the engine thread without waiting. Outputs it returns go
+        to their requests' watches (as a step's would); an error is logged and, with
+        ``watch``, ends that request's watch (so its reader does not wait forever)."""
+        self._inbox.put(_Call(fn, None, None, watch, None))
 
     def abort(self, request_id: str) -> None:
         """Abort a request and stop watching it (fire and forget)."""
@@ -156,10 +158,15 @@ class AsyncEngine:
         except Exception as exc:
             if call.loop is None:
                 logger.exception("engine call failed")
+                if call.watch is not None:
+                    self._deliver(call.watch, exc, last=True)
             else:
                 call.loop.call_soon_threadsafe(_settle, call.result, None, exc)
             return
-        if call.loop is None:
+        if call.loop is None:  # submitted: outputs go where a step's would
+            for output in value if isinstance(value, list) else [value]:
+                if isinstance(output, RequestOutput):
+                    self._deliver(output.request_id, output, output.finished)
             return
         if call.watch is not None and call.out is not None:
             watch = _Watch(call.loop, call.out)
@@ -180,8 +187,13 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item: object, last: bool) -> None:
         watch = self._watches.pop(request_id, None) if last else self._watches.get(request_id)
-        if watch is not None:
+        if watch is None:
+            return
+        try:
             watch.loop.call_soon_threadsafe(watch.out.put_nowait, item)
+        except RuntimeError:  # its loop has closed: nobody reads it any more
+            self._watches.pop(request_id, None)
+            self.engine.abort(request_id)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._watches):

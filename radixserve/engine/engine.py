@@ -20,7 +20,8 @@ import torch
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import RadixCache, RadixNode
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
 from radixserve.engine.choice_sampler import ChoiceSampler
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
@@ -40,16 +41,6 @@ from radixserve.model.llama import LlamaModel
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class HostLoad:
-    """Device pages allocated for a prefix being read from the host tier (`begin_host_load`)."""
-
-    tokens: list[int]  # the prefix that will be cached: device head + loaded pages
-    head_pages: list[int]  # the device-cached head, locked through `node`
-    page_ids: list[int]  # the pages the host-tier read fills, in order
-    node: RadixNode
 
 
 class Engine:
@@ -91,6 +82,7 @@ class Engine:
             self.page_size,
             settings.max_num_batched_tokens,
             settings.max_num_seqs,
+            settings.prefill_chunk_tokens,
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.device)
         self.sampler = Sampler()
@@ -193,59 +185,95 @@ class Engine:
         host tier (reported in its outputs)."""
         req = self._new_request(prompt, params, request_id)
         req.num_host_cached_tokens = host_cached_tokens
-        self.scheduler.add(req)
-        self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
+        self._queue(req)
         return req.request_id
 
-    # -- disaggregation: the prefill side ----------------------------------------------
+    # -- admission: local, remote (decode side of disaggregation), host tier ----------
 
-    def add_prefill_request(
+    def admit(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        lease_s: float = 30.0,
-        host_cached_tokens: int = 0,
-    ) -> str:
-        """Compute a prompt and sample its first token only; then hold the prompt's pages
-        under a lease (`leased_pages`) until `release_lease` or `lease_s` seconds pass."""
-        params = params or SamplingParams()
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        *,
+        remote_over: int | None = None,
+        host: HostPlan | None = None,
+        lease_s: float | None = None,
+    ) -> Admission:
+        """Take a request in and decide how its prompt gets its KV, in one operation
+        (`radixserve.engine.admission`): queued to compute here (``local``), pages
+        reserved for a prefill worker to fill (``remote``, when more than ``remote_over``
+        tokens would be uncached), or pages allocated for the host-tier read the caller's
+        ``host`` plan leased (``host``; then `finish_host_admission`). With ``lease_s``
+        (a prefill worker) only the first token is sampled and the prompt's pages are
+        kept for a reader under a lease, named in the last output (``leased_page_ids``)."""
+        if lease_s is not None:
+            params = params or SamplingParams()
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         req = self._new_request(prompt, params, request_id)
         req.lease_s = lease_s
-        req.num_host_cached_tokens = host_cached_tokens
-        self.scheduler.add(req)
-        return req.request_id
+        cached = 0
+        if self.cache is not None and len(req.prompt_ids) > 1:
+            cached = self.cache.match_prefix(req.prompt_ids[:-1]).num_tokens
+        size = self.page_size
+        host_pages = 0
+        if host is not None and host.device_pages * size == cached:  # the mirror is current
+            room = (len(req.prompt_ids) - 1) // size - host.device_pages  # never the last token
+            host_pages = max(0, min(host.num_pages, room))
+        route = choose_route(len(req.prompt_ids), cached, host_pages * size, remote_over)
+        if route == "remote":
+            if self.scheduler.reserve_remote(req):
+                pages = tuple(req.page_ids[req.num_computed // size :])
+                return Admission(req.request_id, "remote", req.num_computed, pages)
+            route = "host" if host_pages else "local"  # no pages to spare now: compute here
+        if route == "host":
+            loading = self._begin_host_load(req, cached, host_pages)
+            if loading is not None:
+                return Admission(req.request_id, "host", cached, tuple(loading))
+        self._queue(req)
+        return Admission(req.request_id, "local", cached)
 
-    def leased_pages(self, request_id: str) -> list[int] | None:
-        """Pages holding the prompt KV of a finished prefill-only request, in order."""
-        return self.leases.pages(request_id)
+    def _queue(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
+
+    def _begin_host_load(self, req: Request, cached: int, num_pages: int) -> list[int] | None:
+        """Lock ``req``'s device-cached head and allocate ``num_pages`` pages (evicting if
+        needed) for the host-tier read; None if the pool cannot spare them."""
+        assert self.cache is not None
+        size = self.page_size
+        match = self.cache.match_prefix(req.prompt_ids[:cached])
+        self.cache.lock(match.node)
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.cache.evict(short) < short:
+            self.cache.unlock(match.node)
+            return None
+        pages = self.allocator.alloc(num_pages)
+        tokens = req.prompt_ids[: cached + num_pages * size]
+        self._host_loads[req.request_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
+        return list(pages)
+
+    def finish_host_admission(self, request_id: str, ok: bool) -> None:
+        """The host-tier read of an admitted request ended: if ``ok`` its pages hold the
+        prefix, which goes into the cache; either way the request is queued now (it finds
+        what was cached). Unknown ids (aborted meanwhile) are ignored."""
+        load = self._host_loads.pop(request_id, None)
+        if load is None:
+            return
+        assert self.cache is not None
+        if ok:
+            self.cache.insert(load.tokens, load.head_pages + load.page_ids)
+        self.allocator.decref(load.page_ids)
+        self.cache.unlock(load.node)
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.num_host_cached_tokens = len(load.page_ids) * self.page_size if ok else 0
+            self._queue(req)
 
     def release_lease(self, request_id: str) -> bool:
         return self.leases.release(request_id)
 
     # -- disaggregation: the decode side -----------------------------------------------
-
-    def reserve_remote(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> tuple[str, int, list[int]] | None:
-        """Reserve pages for a prompt whose KV a prefill worker computes.
-
-        Returns (request_id, num_cached_tokens, page_ids): the first num_cached_tokens
-        (page-aligned) are already in this engine's cache; `page_ids` are the pages for
-        the rest of the prompt, in order, to be filled by a transfer before
-        `activate_remote`. None if the pool cannot spare the pages now (retry later).
-        """
-        req = self._new_request(prompt, params, request_id)
-        if not self.scheduler.reserve_remote(req):
-            del self._requests[req.request_id]
-            del self._groups[req.request_id]
-            return None
-        first = req.num_computed // self.page_size
-        return req.request_id, req.num_computed, list(req.page_ids[first:])
 
     def activate_remote(
         self,
@@ -282,54 +310,6 @@ class Engine:
         lps: list[TokenLogprob | None] = [*first_logprobs] or [None] * len(members)
         return [self._append(m, t, now, lp) for m, t, lp in zip(members, tokens, lps)]
 
-    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """Prompt tokens a request for ``prompt_ids`` would find cached now (page-aligned,
-        never the last token); locks nothing."""
-        if self.cache is None or len(prompt_ids) < 2:
-            return 0
-        return self.cache.match_prefix(list(prompt_ids[:-1])).num_tokens
-
-    # -- the kvstore's host tier -------------------------------------------------------
-
-    def begin_host_load(
-        self, load_id: str, prompt_ids: Sequence[int], device_pages: int, num_pages: int
-    ) -> list[int] | None:
-        """Lock the prompt's first ``device_pages`` cached pages and allocate ``num_pages``
-        more (evicting if needed) for a host-tier read; their ids, in order. None if the
-        device head is no longer cached or the pool cannot spare the pages. Always end it
-        with `finish_host_load(load_id, ok)`."""
-        if self.cache is None or load_id in self._host_loads or num_pages < 1:
-            return None
-        size = self.page_size
-        head = list(prompt_ids[: device_pages * size])
-        tokens = list(prompt_ids[: (device_pages + num_pages) * size])
-        if len(tokens) != (device_pages + num_pages) * size or len(tokens) >= len(prompt_ids):
-            return None
-        match = self.cache.match_prefix(head)
-        if match.num_tokens != len(head):
-            return None
-        self.cache.lock(match.node)
-        short = num_pages - self.allocator.num_free
-        if short > 0 and self.cache.evict(short) < short:
-            self.cache.unlock(match.node)
-            return None
-        pages = self.allocator.alloc(num_pages)
-        self._host_loads[load_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
-        return list(pages)
-
-    def finish_host_load(self, load_id: str, ok: bool) -> int:
-        """End a host-tier load: if ``ok`` the pages hold the KV read, and the prefix goes
-        into the cache. Returns the tokens added (0 if not ok or unknown)."""
-        load = self._host_loads.pop(load_id, None)
-        if load is None:
-            return 0
-        assert self.cache is not None
-        if ok:
-            self.cache.insert(load.tokens, load.head_pages + load.page_ids)
-        self.allocator.decref(load.page_ids)
-        self.cache.unlock(load.node)
-        return len(load.page_ids) * self.page_size if ok else 0
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -341,6 +321,10 @@ class Engine:
         live = [m for m in group if m.status is not RequestStatus.FINISHED]
         for member in live:
             self._requests.pop(member.request_id, None)
+            if member.request_id in self._host_loads:  # waiting for its host read: not queued
+                self.finish_host_admission(member.request_id, ok=False)
+                member.status, member.finish_reason = RequestStatus.FINISHED, "abort"
+                continue
             self.scheduler.finish(member, "abort")
         return self._output(live[0] if live else group[0], [], "")
 
@@ -436,6 +420,11 @@ class Engine:
             index=req.index,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            leased_page_ids=(
+                self.leases.pages(req.request_id)
+                if req.lease_s is not None and req.status is RequestStatus.FINISHED
+                else None
+            ),
         )
 
     def request(self, request_id: str) -> Request | None:

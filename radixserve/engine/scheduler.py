@@ -1,9 +1,23 @@
-"""Picks each step's work: decodes first, then prefill chunks, within a token budget.
+"""Picks each step's work within a token budget, first tokens first.
 
 Every running request computes the next chunk of `token_ids[num_computed:]`; a chunk of
-one token is a decode. Pages come from the allocator; when it runs short the radix cache
-evicts unlocked leaves, and if that is not enough the newest running request is
-preempted (its KV goes into the cache, its pages are released, it re-queues first).
+one token is a decode. A step takes, in this order, until ``max_num_batched_tokens``
+tokens are spent:
+
+1. every running decode, one token each — so a decode waits at most one step (of at
+   most ``max_num_batched_tokens`` tokens) between two tokens;
+2. waiting requests whose uncached delta fits in one chunk (``prefill_chunk_tokens``):
+   a cached turn of a conversation; oldest first. Admitted between two steps, such a
+   request computes its whole delta in the very next step: its first token comes at the
+   end of it, whatever else is queued;
+3. running prefills, shortest remaining first, the next chunk of each (at most
+   ``prefill_chunk_tokens``): a long prompt advances a chunk per step and so never holds
+   a short one back by more than that;
+4. waiting requests with longer uncached prompts, oldest first, their first chunk.
+
+Pages come from the allocator; when it runs short the radix cache evicts unlocked
+leaves, and if that is not enough the newest running request is preempted (its KV goes
+into the cache, its pages are released, it re-queues first).
 """
 
 from __future__ import annotations
@@ -36,12 +50,16 @@ class Scheduler:
         page_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_tokens = min(
+            prefill_chunk_tokens or max_num_batched_tokens, max_num_batched_tokens
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
@@ -61,37 +79,67 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
+        """This step's work, tier by tier (see the module notes); None if there is none."""
         chosen: dict[str, tuple[Request, int]] = {}
+        budget = [self.max_num_batched_tokens]  # tokens left in this step
+        chunk = self.prefill_chunk_tokens
         decodes = [r for r in self.running if r.num_pending == 1]
-        prefills = [r for r in self.running if r.num_pending > 1]
-        for req in decodes + prefills:
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(req.num_pending, budget)
-            if self._reserve(req, req.num_computed + n, chosen):
-                chosen[req.request_id] = (req, n)
-                budget -= n
-        budget = self.max_num_batched_tokens - sum(n for _, n in chosen.values())
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            self._admit(req)
-            n = min(req.num_pending, budget)
-            if not self._reserve(req, req.num_computed + n, None):
-                self._release(req, cache_kv=False)
-                req.num_computed = 0
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            chosen[req.request_id] = (req, n)
-            budget -= n
+        prefills = sorted(
+            (r for r in self.running if r.num_pending > 1), key=lambda r: r.num_pending
+        )  # shortest remaining first; stable, so otherwise in admission order
+        for req in decodes:
+            self._take_running(req, 1, chosen, budget)
+        self._take_waiting(chosen, budget, short=True)
+        for req in prefills:
+            self._take_running(req, min(req.num_pending, chunk), chosen, budget)
+        self._take_waiting(chosen, budget, short=False)
         if not chosen:
             return None
         items = list(chosen.values())
         return ScheduledBatch([r for r, _ in items], [n for _, n in items])
+
+    def _take_running(
+        self, req: Request, n: int, chosen: dict[str, tuple[Request, int]], budget: list[int]
+    ) -> None:
+        if budget[0] == 0 or req.status is not RequestStatus.RUNNING:
+            return  # the step is full, or it was preempted earlier in this step
+        n = min(n, budget[0])
+        if self._reserve(req, req.num_computed + n, chosen):
+            chosen[req.request_id] = (req, n)
+            budget[0] -= n
+
+    def _take_waiting(
+        self, chosen: dict[str, tuple[Request, int]], budget: list[int], short: bool
+    ) -> None:
+        """Admit waiting requests, oldest first: with ``short`` only those whose uncached
+        delta fits in one chunk (the others keep their place; the first ``max_num_seqs``
+        are looked at, which bounds the cost of a long queue), else any."""
+        queue = list(self.waiting)[: self.max_num_seqs] if short else list(self.waiting)
+        for req in queue:
+            if budget[0] == 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if short and self.uncached_tokens(req) > self.prefill_chunk_tokens:
+                continue
+            self._admit(req)
+            n = min(req.num_pending, self.prefill_chunk_tokens, budget[0])
+            if not self._reserve(req, req.num_computed + n, None):
+                self._release(req, cache_kv=False)
+                req.num_computed = 0
+                return  # no pages for it now: nor for those behind it
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen[req.request_id] = (req, n)
+            budget[0] -= n
+
+    def uncached_tokens(self, req: Request) -> int:
+        """Tokens ``req`` would compute if admitted now (its cache hit looked up, nothing
+        locked; the last token is always computed; a scored prompt skips the cache)."""
+        if self.cache is None or req.scores_prompt:
+            return req.num_tokens
+        return (
+            req.num_tokens - self.cache.match_prefix(req.token_ids[: req.num_tokens - 1]).num_tokens
+        )
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; share finished prompt chunks through the cache."""

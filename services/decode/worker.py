@@ -2,14 +2,16 @@
 
 For each `GenerateRequest` from the gateway:
 
-First, the prefix the kvstore's host tier holds past this worker's device hit is loaded
-into its cache (`Worker.load_from_host`). Then:
+The request is admitted once (`Worker.admit`, one engine operation: nothing before it
+waits for a step):
 
 * **Local prefill** when the prompt's uncached delta on this worker is at most
   ``local_prefill_max_tokens`` (turn N+1 of a chat whose turn N ran here), or when no
   prefill worker is up: the engine prefills and decodes; no KV moves.
+* **Host tier** when the uncached part is small enough to compute here once the kvstore's
+  host tier has supplied its prefix: those pages are read in first.
 * **Remote prefill** otherwise: the engine reserves pages for the part of the prompt its
-  cache lacks (`Engine.reserve_remote`), a prefill worker (the gateway's pick, else the
+  cache lacks (`Engine.admit`'s remote route), a prefill worker (the gateway's pick, else the
   least loaded) computes the prompt and answers `KVReady`; this worker pulls exactly
   those pages through its transfer agent, tells the prefill worker `TransferDone` and
   continues from the first token (`Engine.activate_remote`; a request with n choices
@@ -42,6 +44,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from radixserve.engine.admission import Admission
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.protocol import (
     Abort,
@@ -193,31 +196,24 @@ class DecodeWorker(Worker):
     async def _begin(
         self, rid: str, ids: list[int], params: SamplingParams, preferred: str
     ) -> asyncio.Queue:
-        """Start the request (locally or through a prefill worker); its output queue."""
-        host = await self.load_from_host(rid, ids)
+        """Admit the request once (`Worker.admit`: local, host tier, or remote when a
+        prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
+        uncached) and start it; its output queue."""
         tried: set[str] = set()
-        while (link := self._pick_prefill(preferred, frozenset(tried))) is not None:
-            cached, _ = await self.engine.call(lambda e: e.cached_prefix_tokens(ids))
-            if len(ids) - cached <= self.settings.local_prefill_max_tokens:
-                break
-            reserved, _ = await self.engine.call(lambda e: e.reserve_remote(ids, params, rid))
-            if reserved is None:
-                break
+        while True:
+            link = self._pick_prefill(preferred, frozenset(tried))
+            remote_over = self.settings.local_prefill_max_tokens if link is not None else None
+            admission, out = await self.admit(rid, ids, params, remote_over=remote_over)
+            if admission.route != "remote":
+                self.counters["local_prefills_total"] += 1
+                return out
+            assert link is not None
             try:
-                return await self._remote(link, rid, ids, params, reserved[1], reserved[2])
+                return await self._remote(link, rid, ids, params, admission, out)
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
                 tried.add(link.name)  # it began draining after it was picked: next one
-        return await self._local(rid, ids, params, host)
-
-    async def _local(
-        self, rid: str, ids: list[int], params: SamplingParams, host: int = 0
-    ) -> asyncio.Queue:
-        self.counters["local_prefills_total"] += 1
-        _, out = await self.engine.call(lambda e: e.add_request(ids, params, rid, host), watch=rid)
-        assert out is not None
-        return out
 
     # -- remote prefill --------------------------------------------------------------
 
@@ -232,10 +228,12 @@ class DecodeWorker(Worker):
         rid: str,
         ids: list[int],
         params: SamplingParams,
-        num_cached: int,
-        dst: list[int],
+        admission: Admission,
+        out: asyncio.Queue,
     ) -> asyncio.Queue:
-        """Prefill on ``link``, pull the pages, activate; on failure recompute or raise."""
+        """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
+        ``out``); on failure recompute here or raise."""
+        dst = list(admission.page_ids)
         pending = _Pending(link, asyncio.get_running_loop().create_future())
         self._pending[rid] = pending
         self.router.assign(link.name, len(ids))
@@ -249,7 +247,7 @@ class DecodeWorker(Worker):
                     dst_page_ids=tuple(dst),
                     transfer_backend=self.settings.transfer_backend,
                     sampling=SamplingSpec.from_params(params),
-                    num_cached_tokens=num_cached,
+                    num_cached_tokens=admission.cached_tokens,
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
@@ -273,7 +271,8 @@ class DecodeWorker(Worker):
                 raise PrefillFailed(kind, f"remote prefill on {link.label} failed: {exc}") from exc
             logger.warning("%s: remote prefill of %s on %s failed (%s); recomputing locally",
                            self.name, rid, link.label, exc)  # fmt: skip
-            return await self._local(rid, ids, params)
+            self.counters["local_prefills_total"] += 1
+            return (await self.admit(rid, ids, params))[1]
         finally:
             self._pending.pop(rid, None)
             if not answered:
@@ -284,13 +283,12 @@ class DecodeWorker(Worker):
         prompt_lps = None
         if params.prompt_logprobs is not None:
             prompt_lps = [e.to_logprob() for e in kv.prompt_logprobs]
-        _, out = await self.engine.call(
+        self.engine.submit(
             lambda e: e.activate_remote(
                 rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps
             ),
             watch=rid,
         )
-        assert out is not None
         return out
 
     async def _pull(self, link: Link, kv: KVReady, dst: list[int]) -> None:

@@ -3,8 +3,8 @@
 For each `PrefillRequest` from a decode worker:
 
 1. the engine computes the prompt past what this worker's radix cache holds, after
-   loading what the kvstore's host tier adds to it (`Worker.load_from_host`,
-   `Engine.add_prefill_request`), samples the first token (of each of the request's
+   loading what the kvstore's host tier adds to it, admitted in one engine operation
+   (`Worker.admit` with a lease), samples the first token (of each of the request's
    ``n`` choices) and keeps the prompt's pages under a lease of ``lease_s`` seconds;
 2. the worker answers `KVReady` with the first token(s), their log-probabilities and
    the prompt's when the request asks for them, and ``src_page_ids``: its pages
@@ -133,12 +133,7 @@ class PrefillWorker(Worker):
         leased = False
         try:
             params = msg.sampling.to_params()
-            lease_s = self.settings.lease_s
-            host = await self.load_from_host(rid, ids)
-            _, out = await self.engine.call(
-                lambda e: e.add_prefill_request(ids, params, rid, lease_s, host), watch=rid
-            )
-            assert out is not None
+            _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s)
             outputs = [output async for output in self.engine.outputs(rid, out)]
             last = outputs[-1]
             firsts = _first_outputs(outputs)  # one per choice, in index order
@@ -147,7 +142,8 @@ class PrefillWorker(Worker):
             self._queued -= len(ids)
             counted = False
             self.beat_now()
-            pages, _ = await self.engine.call(lambda e: e.leased_pages(rid))
+            leased_pages = (o.leased_page_ids for o in outputs if o.index == 0)
+            pages = next((p for p in leased_pages if p is not None), None)
             if pages is None:
                 raise TimeoutError(f"the lease of {rid} expired before it was handed over")
             src = pages[msg.num_cached_tokens // self.page_size :]

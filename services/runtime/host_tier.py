@@ -10,15 +10,17 @@ the buffer space reused. A full buffer drops the pages (counted), as the cache w
 have without a host tier. With ``host_write_through_uses`` N >= 1, a prefix used by N
 requests is written the same way before any eviction, so other workers can load it.
 
-**Load.** Before a prompt is computed (`load_prefix`), the worker hashes its pages, finds
-its own device hit in `Worker.device_pages` (its cache events mirrored on the loop, so
-no engine call waits for a step) and asks the kvstore to lease the longest run past it
-(`HostLookup` -> `HostLease`). The engine locks the device head and
-allocates pages (`begin_host_load`), the agent reads the host pages into them, and
-`finish_host_load` inserts the prefix into the radix cache; the request that follows
-finds it cached. A slow kvstore, a failed read or a cancelled request ends the load
-with nothing inserted, the lease released and every page returned; the prompt is then
-simply computed.
+**Load.** Before a prompt is admitted (`plan`), the worker hashes its pages, finds its
+own device hit in `Worker.device_pages` (its cache events mirrored on the loop, so no
+engine call waits for a step) and, unless that already covers the prompt, asks the
+kvstore to lease the longest run past it (`HostLookup` -> `HostLease`: a round trip to
+the kvstore, no engine step). The engine's one admission (`Engine.admit` with the
+`HostPlan`) locks the device head and allocates pages for the run; the agent reads the
+host pages into them (`read`), `Engine.finish_host_admission` inserts the prefix into
+the radix cache and queues the request, which finds it cached, and the lease is
+released. A slow kvstore, a failed read or a cancelled request ends the load with
+nothing inserted, the lease released and every page returned; the prompt is then simply
+computed.
 
 While the kvstore link is down the tier is off; on every (re)connection the worker
 attaches again (`HostAttach`), since a restarted kvstore starts with an empty tier.
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.cache.block_hash import page_hashes
+from radixserve.engine.admission import HostPlan
 from radixserve.protocol import (
     HostAttach,
     HostAttachAck,
@@ -238,11 +241,14 @@ class HostTierClient:
 
     # -- load ---------------------------------------------------------------------------
 
-    async def load_prefix(self, request_id: str, prompt_ids: list[int]) -> int:
-        """Bring the longest host-tier run past this worker's device hit into its cache;
-        the tokens loaded (0 when there is none or anything fails)."""
+    async def plan(
+        self, request_id: str, prompt_ids: list[int]
+    ) -> tuple[HostPlan, HostLease] | None:
+        """Lease the longest host-tier run past this worker's device hit of the prompt;
+        None when there is nothing to gain (no tier, the device holds every full page) or
+        nothing is there. The caller admits with the plan, `read`s and `release`s."""
         if not self.attached or len(prompt_ids) < 2:
-            return 0
+            return None
         size = self.page_size
         full = (len(prompt_ids) - 1) // size  # never the last token: its logits are needed
         hashes = page_hashes(prompt_ids[: full * size], size, self.namespace)
@@ -250,14 +256,14 @@ class HostTierClient:
         while device_pages < full and hashes[device_pages] in self.worker.device_pages:
             device_pages += 1
         if device_pages == full:
-            return 0
+            return None
         lease = await self._lookup(request_id, hashes[device_pages:])
         if lease is None or not lease.lease_id:
-            return 0
-        try:
-            return await self._load(request_id, prompt_ids, device_pages, lease)
-        finally:
-            self.worker.spawn_notice(self._send(HostRelease(lease.lease_id)))
+            return None
+        return HostPlan(device_pages, len(lease.host_page_ids)), lease
+
+    def release(self, lease: HostLease) -> None:
+        self.worker.spawn_notice(self._send(HostRelease(lease.lease_id)))
 
     async def _lookup(self, request_id: str, hashes: list[int]) -> HostLease | None:
         link = self.link
@@ -277,29 +283,19 @@ class HostTierClient:
             self._queries.pop(request_id, None)
         return lease
 
-    async def _load(
-        self, request_id: str, prompt_ids: list[int], device_pages: int, lease: HostLease
-    ) -> int:
-        engine = self.worker.engine
+    async def read(self, lease: HostLease, dst: tuple[int, ...]) -> bool:
+        """Read the lease's first ``len(dst)`` host pages into the device pages ``dst``;
+        whether it worked (a failure is logged and counted)."""
         agent = self.worker.agent
         assert agent is not None
-        src = list(lease.host_page_ids)
-        load_id = f"host:{request_id}"
-        try:
-            dst, _ = await engine.call(
-                lambda e: e.begin_host_load(load_id, prompt_ids, device_pages, len(src))
-            )
-        except asyncio.CancelledError:  # it still runs on the engine thread: undo it after
-            engine.submit(lambda e: e.finish_host_load(load_id, False))
-            raise
-        if dst is None:
-            return 0
+        src = list(lease.host_page_ids[: len(dst)])
         ok = False
         start = time.perf_counter()
         try:
             handle = agent.read_pages(
-                self.kvstore_agent, src, dst, timeout_s=self.worker.settings.host_load_timeout_s
-            )
+                self.kvstore_agent, src, list(dst),
+                timeout_s=self.worker.settings.host_load_timeout_s,
+            )  # fmt: skip
             ok = await agent.wait_async(handle) == "done"
         except TransferError as exc:
             logger.warning("%s: host-tier load failed: %s", self.worker.name, exc)
@@ -308,19 +304,15 @@ class HostTierClient:
             if self.link is not None and self.link.up:
                 self.on_up(self.link)  # attach again: re-adds the peer
             raise
-        finally:
-            if not ok:
-                engine.submit(lambda e: e.finish_host_load(load_id, False))
         if not ok:
             self._count("host_load_failures_total")
-            return 0
-        tokens, _ = await engine.call(lambda e: e.finish_host_load(load_id, True))
+            return False
         with self._lock:
             self.counters["host_loads_total"] += 1
             self.counters["host_load_pages_total"] += len(dst)
             self.counters["host_load_bytes_total"] += len(dst) * self.page_bytes
             self.load_seconds += time.perf_counter() - start
-        return int(tokens)
+        return True
 
     def _count(self, key: str) -> None:
         with self._lock:

@@ -32,8 +32,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.admission import Admission
+from radixserve.engine.async_engine import AsyncEngine, OutputQueue
 from radixserve.engine.engine import Engine
+from radixserve.engine.sampling_params import SamplingParams
 from radixserve.protocol import (
     Deregister,
     HelloAck,
@@ -285,12 +287,41 @@ class Worker(Service):
         elif self.host is None or not self.host.on_message(link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
-    async def load_from_host(self, request_id: str, prompt_ids: list[int]) -> int:
-        """Load the prompt's longest host-tier prefix past the device hit into the cache
-        (`HostTierClient.load_prefix`); the tokens loaded, 0 without a host tier."""
-        if self.host is None:
-            return 0
-        return await self.host.load_prefix(request_id, prompt_ids)
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        remote_over: int | None = None,
+        lease_s: float | None = None,
+    ) -> tuple[Admission, OutputQueue]:
+        """A request's one admission: the host-tier lease past the device hit (a kvstore
+        round trip, skipped when the device covers the prompt), then one engine operation
+        (`Engine.admit`); on the host route the read and `finish_host_admission` follow
+        without waiting for a step. The admission and the queue of the request's
+        outputs (its first one comes at the end of the next step on the local route)."""
+        planned = await self.host.plan(request_id, prompt_ids) if self.host else None
+        plan, lease = planned if planned is not None else (None, None)
+        try:
+            admission, out = await self.engine.call(
+                lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
+                                  host=plan, lease_s=lease_s),
+                watch=request_id,
+            )  # fmt: skip
+            assert out is not None
+            if admission.route == "host":
+                assert self.host is not None and lease is not None
+                try:
+                    ok = await self.host.read(lease, admission.page_ids)
+                except BaseException:  # cancelled mid-read: the read cannot land any more
+                    self.engine.abort(request_id)
+                    raise
+                self.engine.submit(lambda e: e.finish_host_admission(request_id, ok))
+        finally:
+            if lease is not None and self.host is not None:
+                self.host.release(lease)
+        return admission, out
 
     def load(self) -> WorkerLoad:
         engine = self.engine.engine

@@ -55,16 +55,19 @@ def run_disaggregated(prefill, decode, agents, prompt_ids, params=GREEDY):
     """One request through prefill → transfer → decode.
 
     Returns (tokens, tokens decode had cached, pages moved)."""
-    rid, num_cached, dst_pages = decode.reserve_remote(prompt_ids, params)
-    prefill.add_prefill_request(prompt_ids, params, request_id=rid)
-    first = None
+    admission = decode.admit(prompt_ids, params, remote_over=0)
+    assert admission.route == "remote"
+    rid, num_cached, dst_pages = admission.request_id, admission.cached_tokens, admission.page_ids
+    assert prefill.admit(prompt_ids, params, request_id=rid, lease_s=30.0).route == "local"
+    first = leased = None
     while first is None:
         for out in prefill.step():
             if out.request_id == rid and out.finished:
-                first = out.new_token_ids[0]
-    src_pages = prefill.leased_pages(rid)[num_cached // decode.page_size :]
+                first, leased = out.new_token_ids[0], out.leased_page_ids
+    assert leased is not None  # the lease's pages come with the last output
+    src_pages = leased[num_cached // decode.page_size :]
     assert len(src_pages) == len(dst_pages)
-    pull(agents, src_pages, dst_pages)
+    pull(agents, src_pages, list(dst_pages))
     assert prefill.release_lease(rid)
     [out] = decode.activate_remote(rid, first)
     tokens = list(out.new_token_ids)
@@ -113,12 +116,13 @@ def test_second_turn_moves_only_missing_pages(link, smol_off, request):
 
 def test_lease_expires_when_reader_never_comes():
     prefill = make_engine("default", kv_cache_memory_gib=0.05)
-    rid = prefill.add_prefill_request(SYSTEM * 2, GREEDY, lease_s=0.0)
+    rid = prefill.admit(SYSTEM * 2, GREEDY, lease_s=0.0).request_id
+    last = None
     while prefill.has_unfinished():
-        prefill.step()
-    assert prefill.cache_stats()["leases"] == 1 and prefill.leased_pages(rid)
+        last = next((o for o in prefill.step() if o.finished), last)
+    assert prefill.cache_stats()["leases"] == 1 and last is not None and last.leased_page_ids
     prefill.step()  # any later step expires it
-    assert prefill.cache_stats()["leases"] == 0 and prefill.leased_pages(rid) is None
+    assert prefill.cache_stats()["leases"] == 0
     assert not prefill.release_lease(rid)
     assert_no_leaks(prefill)
 
@@ -126,7 +130,9 @@ def test_lease_expires_when_reader_never_comes():
 def test_aborting_a_reserved_request_returns_pages_uncached(engines):
     _, decode = engines
     before = decode.cache_stats()
-    rid, _, pages = decode.reserve_remote(decode.tokenizer.encode(SYSTEM * 3), GREEDY)
+    admission = decode.admit(decode.tokenizer.encode(SYSTEM * 3), GREEDY, remote_over=0)
+    rid, pages = admission.request_id, admission.page_ids
+    assert admission.route == "remote"
     assert pages and decode.cache_stats()["pages_used"] > before["pages_used"]
     assert decode.abort(rid) is not None
     # the never-filled pages must not have entered the cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.cache.block_hash import page_hashes
+from radixserve.engine.admission import HostPlan
 from radixserve.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import make_engine
 
@@ -49,6 +50,17 @@ def leak_free(engine) -> None:
     engine.cache.check_integrity()
 
 
+def run(engine, rid: str) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    return outputs
+
+
+def cached(engine, ids) -> int:
+    return engine.cache.match_prefix(ids[:-1]).num_tokens
+
+
 def test_a_prefix_loaded_into_the_cache_serves_like_a_device_hit(source):
     ids = prompt_ids(source)
     expected = source.generate([ids], GREEDY)[0]
@@ -61,39 +73,61 @@ def test_a_prefix_loaded_into_the_cache_serves_like_a_device_hit(source):
         h for node in path_to(source, held.node) for h in node.page_hashes
     ]
 
-    pages = engine.begin_host_load("load-1", ids, 0, full)
-    assert pages is not None and len(pages) == full
+    admission = engine.admit(ids, GREEDY, host=HostPlan(0, full))
+    assert admission.route == "host" and len(admission.page_ids) == full
     assert engine.cache_stats()["pages_locked"] == 0  # nothing cached to lock yet
+    assert not engine.has_unfinished()  # not queued until its pages are read
+    pages = list(admission.page_ids)
     engine.kv_pool.kv[:, :, pages] = source.kv_pool.kv[:, :, held.page_ids]  # "the read"
-    assert engine.finish_host_load("load-1", ok=True) == full * size
-    assert engine.cached_prefix_tokens(ids) == full * size
-
-    rid = engine.add_request(ids, GREEDY, host_cached_tokens=full * size)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += [o for o in engine.step() if o.request_id == rid]
+    engine.finish_host_admission(admission.request_id, ok=True)
+    assert cached(engine, ids) == full * size
+    outputs = run(engine, admission.request_id)
     assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == full * size
     assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
     leak_free(engine)
 
 
-def test_a_failed_or_refused_load_returns_everything(source):
+def test_a_failed_aborted_or_refused_load_returns_everything(source):
     ids = prompt_ids(source)
+    expected = source.generate([ids], GREEDY)[0].token_ids
     engine = fresh()
     free = engine.allocator.num_free
-    pages = engine.begin_host_load("load-2", ids, 0, 3)
-    assert pages is not None and engine.allocator.num_free == free - 3
-    assert engine.finish_host_load("load-2", ok=False) == 0
+    admission = engine.admit(ids, GREEDY, host=HostPlan(0, 3))
+    assert admission.route == "host" and engine.allocator.num_free == free - 3
+    engine.finish_host_admission(admission.request_id, ok=False)  # the read failed
     assert engine.allocator.num_free == free and engine.cache.num_cached_pages == 0
-    assert engine.finish_host_load("load-2", ok=True) == 0  # unknown now: nothing happens
+    engine.finish_host_admission(admission.request_id, ok=True)  # unknown now: nothing
+    outputs = run(engine, admission.request_id)  # it computes the prompt instead
+    assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == 0
+    assert [t for o in outputs for t in o.new_token_ids] == expected
+    leak_free(engine)
 
-    # a device head that is no longer cached, a load reaching the last token, or a
-    # pool that cannot spare the pages: refused, nothing held
-    assert engine.begin_host_load("load-3", ids, 1, 2) is None
-    too_many = len(ids) // engine.page_size + 1
-    assert engine.begin_host_load("load-4", ids, 0, too_many) is None
-    huge = engine.tokenize("word " * (engine.capacity_tokens + 64))
-    assert engine.begin_host_load("load-5", huge, 0, engine.allocator.num_pages + 1) is None
+    # aborted while its pages were being read: they go back, nothing runs
+    engine = fresh()
+    admission = engine.admit(ids, GREEDY, host=HostPlan(0, 3))
+    assert engine.abort(admission.request_id) is not None
+    assert not engine.has_unfinished() and engine.allocator.num_free == free
+    leak_free(engine)
+
+    # a plan whose device head is not cached here (a stale mirror), or a pool that
+    # cannot spare the pages: computed here instead, nothing held
+    assert engine.admit(ids, GREEDY, host=HostPlan(1, 2)).route == "local"
+    run(engine, "req-1")
+    engine = fresh()
+    hold = engine.allocator.alloc(engine.allocator.num_free - 2)
+    assert engine.admit(ids[:40], SamplingParams(max_tokens=1), host=HostPlan(0, 2)).route == (
+        "host"
+    )  # two pages: fine
+    engine.abort("req-0")
+    assert engine.admit(ids, SamplingParams(max_tokens=1), host=HostPlan(0, 5)).route == "local"
+    engine.abort("req-1")
+    engine.allocator.decref(hold)
+    leak_free(engine)
+    # a plan reaching the prompt's last token is cut short of it (its logits are needed)
+    engine = fresh()
+    admission = engine.admit(ids, GREEDY, host=HostPlan(0, len(ids)))
+    assert len(admission.page_ids) == (len(ids) - 1) // engine.page_size
+    engine.abort(admission.request_id)
     leak_free(engine)
 
 
@@ -104,15 +138,18 @@ def test_a_load_extends_the_device_head_it_locked(source):
     engine = fresh()
     head = 2
     engine.generate([ids[: head * size + 1]], SamplingParams(max_tokens=1))  # caches 2 pages
-    assert engine.cached_prefix_tokens(ids) == head * size
+    assert cached(engine, ids) == head * size
     rest = (len(ids) - 1) // size - head
-    pages = engine.begin_host_load("load-6", ids, head, rest)
-    assert pages is not None
+    admission = engine.admit(ids, GREEDY, host=HostPlan(head, rest))
+    assert admission.route == "host" and admission.cached_tokens == head * size
     assert engine.cache_stats()["pages_locked"] == head  # the head cannot be evicted
-    engine.kv_pool.kv[:, :, pages] = source.kv_pool.kv[:, :, held.page_ids[head:]]
-    assert engine.finish_host_load("load-6", ok=True) == rest * size
-    assert engine.cached_prefix_tokens(ids) == (head + rest) * size
-    assert (
-        engine.generate([ids], GREEDY)[0].token_ids == source.generate([ids], GREEDY)[0].token_ids
-    )
+    engine.kv_pool.kv[:, :, list(admission.page_ids)] = source.kv_pool.kv[
+        :, :, held.page_ids[head:]
+    ]
+    engine.finish_host_admission(admission.request_id, ok=True)
+    assert cached(engine, ids) == (head + rest) * size
+    outputs = run(engine, admission.request_id)
+    assert [t for o in outputs for t in o.new_token_ids] == source.generate([ids], GREEDY)[
+        0
+    ].token_ids
     leak_free(engine)
