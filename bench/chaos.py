@@ -154,6 +154,8 @@ def run_chaos_bench(options: ChaosOptions) -> dict[str, Any]:
         "machine": {"cores": os.cpu_count(), "load_average": list(os.getloadavg())},
         **{k: round(v, 1) for k, v in timings.items()},
         "load_end_s": run["load_end_s"],
+        "reference_at_load_end": run["reference_at_load_end"],
+        "reference_engine": reference.step_counters(),
         "settle_s": run["settle_s"],
         "settled": run["settled"],
         "wall_s": round(time.monotonic() - started, 1),
@@ -193,6 +195,7 @@ async def _run(
             events = asyncio.ensure_future(injector.run(schedule, options.seconds))
             await load.run(options.seconds)
             load_end_s = round(clock(), 1)
+            progress = reference.progress()
             await events
             await injector.wait_recovered(options.recovery_timeout_s + 10)
             settle_s, settled = await _settle(monitor, options, clock)
@@ -202,7 +205,8 @@ async def _run(
             with contextlib.suppress(asyncio.CancelledError):
                 await supervise
     return {"records": load.records, "events": injector.events, "final": monitor.snapshot,
-            "load_end_s": load_end_s, "settle_s": settle_s, "settled": settled}  # fmt: skip
+            "load_end_s": load_end_s, "settle_s": settle_s, "settled": settled,
+            "reference_at_load_end": progress}  # fmt: skip
 
 
 def _to_check(reference: ReferenceAnswers, record: RequestRecord) -> None:

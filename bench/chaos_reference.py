@@ -61,6 +61,14 @@ class ReferenceAnswers:
             self._todo.put(key)
         return key
 
+    def progress(self) -> dict[str, int]:
+        """Prompts asked for and answered so far (read from the caller's thread)."""
+        return {"asked": len(self._asked), "answered": len(self._answers)}
+
+    def step_counters(self) -> dict[str, int | float]:
+        """The reference engine's `StepStats` (empty until it is built)."""
+        return self._engine.step_counters() if self._engine is not None else {}
+
     def finish(self, timeout_s: float) -> dict[Key, Answer]:
         """Wait until every submitted prompt is answered; every answer. Raises what the
         engine raised, or `TimeoutError`."""
