@@ -169,6 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("peer_venv", "peer_threads", "peer_env"):
         if getattr(args, flag) is not None and args.scenario != "peer":
             raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer only")
+    if args.seconds is not None and args.scenario != "chaos":
+        raise RequestError("--seconds applies to --scenario chaos only")
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -193,6 +195,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_suite(args)
     if args.scenario == "peer":
         return _run_peer(args)
+    if args.scenario == "chaos":
+        return _run_chaos(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
@@ -240,8 +244,8 @@ def suite_options(args: argparse.Namespace):
         out_path=Path(out),
         seed=args.seed,
         url=args.url,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
+        num_prefill=1 if args.prefill is None else args.prefill,
+        num_decode=1 if args.decode is None else args.decode,
         transport=args.transport,
         model=args.model or "default",
         engine_env=engine_env,
@@ -263,7 +267,44 @@ def _run_suite(args: argparse.Namespace) -> int:
 _NOT_FOR_PEER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
                  ("page_size", None), ("prefix_cache", None), ("concurrency", None),
                  ("conversations", None), ("rounds", None), ("users", None), ("url", None),
-                 ("prefill", 1), ("decode", 1), ("transport", "nixl"))  # fmt: skip
+                 ("prefill", None), ("decode", None), ("transport", "nixl"))  # fmt: skip
+
+
+# Flags `--scenario chaos` does not take (flag, its default): it sizes its own chats.
+_NOT_FOR_CHAOS = (("kv_cache_memory_gib", None), ("page_size", None), ("prefix_cache", None),
+                  ("concurrency", None), ("conversations", None), ("rounds", None),
+                  ("users", None), ("url", None), ("quick", False), ("model", None))  # fmt: skip
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench.chaos import ChaosOptions, run_chaos_bench
+
+    for key, default in _NOT_FOR_CHAOS:
+        if getattr(args, key) != default:
+            flag = {"prefix_cache": "--no-prefix-cache", "kv_cache_memory_gib": "--kv-cache-gib"}
+            raise RequestError(f"{flag.get(key, '--' + key.replace('_', '-'))}: --scenario chaos "
+                               "runs its own chats on the default model")  # fmt: skip
+    seconds = 300.0 if args.seconds is None else args.seconds
+    if not 30 <= seconds <= 86400:
+        raise RequestError(f"--seconds must be in [30, 86400], not {seconds:g}")
+    workers = {"prefill": 2 if args.prefill is None else args.prefill,
+               "decode": 2 if args.decode is None else args.decode}  # fmt: skip
+    for role, count in workers.items():
+        if count < 2:
+            raise RequestError(f"--{role} must be at least 2 for chaos (an event takes one "
+                               f"worker down and leaves another serving), not {count}")  # fmt: skip
+    engine_env = {f"RADIXSERVE_{key.upper()}": str(getattr(args, key))
+                  for key in ("device", "dtype", "log_level") if getattr(args, key)}  # fmt: skip
+    out = Path(args.out or f"bench/results/chaos-{seconds:g}s-seed{args.seed}.json")
+    report = run_chaos_bench(ChaosOptions(
+        seconds=seconds, seed=args.seed, out_path=out, num_prefill=workers["prefill"],
+        num_decode=workers["decode"], transport=args.transport, engine_env=engine_env,
+    ))  # fmt: skip
+    q = report["requests"]
+    bad = q["wrong_answers"] + q["unclean_failures"] + q["hangs"] + bool(report["left_held"])
+    return 1 if bad else 0
 
 
 def _run_peer(args: argparse.Namespace) -> int:
@@ -503,6 +544,7 @@ def make_parser() -> argparse.ArgumentParser:
             "sampling",
             *SUITE_SCENARIOS,
             "peer",
+            "chaos",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
@@ -512,7 +554,9 @@ def make_parser() -> argparse.ArgumentParser:
         "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
         "multi-turn, rag, "
         "all: the founding table's scenarios on the cluster, cache on vs off; peer: "
-        "radixserve up vs llama.cpp's servers on the same GGUF and cores (bench/README.md)",
+        "radixserve up vs llama.cpp's servers on the same GGUF and cores; chaos: chats "
+        "through a 2+2 cluster while workers and the kvstore are killed, drained and paused, "
+        "every answer checked (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
@@ -532,8 +576,10 @@ def make_parser() -> argparse.ArgumentParser:
     suite.add_argument("--seed", type=int, default=0, help="seed of the generated text")
     suite.add_argument("--url", help="an OpenAI-compatible server to run against instead of a "
                        "local cluster (one run: its cache cannot be switched off)")  # fmt: skip
-    suite.add_argument("--prefill", type=int, default=1, help="local prefill workers (default 1)")
-    suite.add_argument("--decode", type=int, default=1, help="local decode workers (default 1)")
+    suite.add_argument("--prefill", type=int,
+                       help="local prefill workers (default 1; chaos: 2)")  # fmt: skip
+    suite.add_argument("--decode", type=int,
+                       help="local decode workers (default 1; chaos: 2)")  # fmt: skip
     suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
                        help="KV transfer between the local workers (default nixl)")  # fmt: skip
     peer = bench.add_argument_group("peer (--scenario peer; --preset and --seed apply too)")
@@ -551,6 +597,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
                       "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
+    chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
+                                     "--transport, --device, --dtype apply too)")  # fmt: skip
+    chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -40,6 +40,7 @@ class PageAllocator:
         self._refcounts: list[int] = [0] * num_pages
         # A stack: pop() from the end hands out the lowest ids first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._num_refs = 0  # sum of the refcounts
 
     @property
     def num_pages(self) -> int:
@@ -55,6 +56,11 @@ class PageAllocator:
     def num_used(self) -> int:
         """Pages with refcount >= 1."""
         return self._num_pages - len(self._free)
+
+    @property
+    def num_refs(self) -> int:
+        """References held on all pages together (the sum of the refcounts). O(1)."""
+        return self._num_refs
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with refcount 1.
@@ -73,6 +79,7 @@ class PageAllocator:
         refcounts = self._refcounts
         for page in pages:
             refcounts[page] = 1
+        self._num_refs += n
         return pages
 
     def incref(self, page_ids: Iterable[int]) -> None:
@@ -86,6 +93,7 @@ class PageAllocator:
         refcounts = self._refcounts
         for page in pages:
             refcounts[page] += 1
+        self._num_refs += len(pages)
 
     def decref(self, page_ids: Iterable[int]) -> int:
         """Drop one reference from each page; pages reaching 0 go back to the free list.
@@ -105,6 +113,7 @@ class PageAllocator:
             if refcounts[page] == 0:
                 self._free.append(page)
                 freed += 1
+        self._num_refs -= len(pages)
         return freed
 
     def refcount(self, page_id: int) -> int:
@@ -130,6 +139,10 @@ class PageAllocator:
         num_zero = sum(1 for count in self._refcounts if count == 0)
         if num_zero != len(free):
             raise AssertionError(f"{num_zero} pages have refcount 0 but {len(free)} are free")
+        if sum(self._refcounts) != self._num_refs:
+            raise AssertionError(
+                f"refcounts sum to {sum(self._refcounts)}, counter {self._num_refs}"
+            )
 
     def _undo_decref(self, pages: Sequence[int]) -> None:
         """Revert a partial ``decref`` of ``pages``, newest first (frees are a stack)."""

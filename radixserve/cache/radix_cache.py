@@ -161,6 +161,11 @@ class RadixCache:
         return self._num_locked_pages
 
     @property
+    def num_locks(self) -> int:
+        """Outstanding ``lock`` calls (every lock counts on the root). O(1)."""
+        return self._root.lock_ref
+
+    @property
     def num_evictable_pages(self) -> int:
         """Pages ``evict`` could release now. O(1)."""
         return self._num_cached_pages - self._num_locked_pages

@@ -521,7 +521,8 @@ class Engine:
         return self.step_stats.as_dict()
 
     def cache_stats(self) -> dict[str, int]:
-        """Pool pages: used, free, and (with the cache) cached, locked and evictable."""
+        """Pool pages: used, free, references held outside the cache, and (with the cache)
+        cached, locked, evictable and the locks held."""
         stats = {
             "pages_total": self.allocator.num_pages,
             "pages_used": self.allocator.num_used,
@@ -530,8 +531,12 @@ class Engine:
             "leases": len(self.leases),
             "host_loads_in_flight": len(self._host_loads),
         }
+        cached = self.cache.num_cached_pages if self.cache is not None else 0
+        # references held by anything but the tree (requests, leases, host loads): 0 at rest
+        stats["page_refs_outside_cache"] = self.allocator.num_refs - cached
         if self.cache is not None:
-            stats["pages_cached"] = self.cache.num_cached_pages
+            stats["pages_cached"] = cached
             stats["pages_locked"] = self.cache.num_locked_pages
             stats["pages_evictable"] = self.cache.num_evictable_pages
+            stats["cache_locks"] = self.cache.num_locks
         return stats

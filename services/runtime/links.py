@@ -14,6 +14,11 @@ Contracts:
   ``on_down(link, why)`` runs once, and `Hello` is resent every ``interval_s`` until a
   new `HelloAck` brings it up again (``on_up``). Heartbeats stay for peers that hang
   without closing anything.
+- If this process itself did not run for longer than ``peer_timeout_s`` (stopped with
+  SIGSTOP, a frozen host), the workers have dropped it as a peer (and the kvstore
+  has unlisted it) while the messages they sent before wait in its sockets and look
+  fresh: every link goes down and says hello again, so each ``on_up`` rejoins
+  (a worker registers with the kvstore again, re-watches, resyncs).
 - While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
   worker keeps this side as a peer) and records the worker's typed load (``load``,
   `WorkerLoad`) and counters (``stats``) from its own. A worker whose load says
@@ -231,6 +236,14 @@ class LinkSet:
                 except Exception:
                     logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
 
+    def _stalled(self, gap_s: float) -> None:
+        """This process did not run for ``gap_s``, past the peer timeout: take every link
+        down so that it says hello again (see the module doc)."""
+        why = f"this process stalled for {gap_s:.1f} s (its peers have dropped it)"
+        for link in list(self.links):
+            self.mark_down(link, why)
+            link.hello_sent = -math.inf
+
     def _acked(self, link: Link, ack: HelloAck) -> None:
         if not ack.accepted:
             logger.error("worker at %s refused us: %s", link.address, ack.reason)
@@ -246,8 +259,12 @@ class LinkSet:
             self._on_up(link)
 
     async def _tick(self) -> None:
+        last = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last > self._timeout:
+                self._stalled(now - last)
+            last = now
             for link in list(self.links):
                 if link.up and now - link.last_seen > self._timeout:
                     self.mark_down(link, f"silent for {now - link.last_seen:.1f} s")

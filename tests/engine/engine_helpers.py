@@ -52,8 +52,10 @@ def assert_no_leaks(engine: Engine) -> None:
         engine.cache.check_integrity()
         assert stats["pages_locked"] == 0, stats
         assert stats["pages_used"] == stats["pages_cached"], stats
+        assert stats["cache_locks"] == 0, stats
     else:
         assert stats["pages_used"] == 0, stats
+    assert stats["page_refs_outside_cache"] == 0, stats
     engine.allocator.check_integrity()
 
 

@@ -92,6 +92,7 @@ def test_abort_returns_every_page(smol_on):
     smol_on.step()
     stats = smol_on.cache_stats()
     assert stats["live_requests"] == 1 and stats["pages_locked"] >= 2
+    assert stats["cache_locks"] == 1 and stats["page_refs_outside_cache"] >= 2
     out = smol_on.abort(rid)
     assert out is not None and out.finished and out.finish_reason == "abort"
     assert smol_on.abort(rid) is None

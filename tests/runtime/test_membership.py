@@ -88,3 +88,64 @@ def test_view_follows_the_list_but_drops_only_links_that_are_down():
         for link in decodes.links:
             link.channel.close()
         context.term()
+
+
+def test_a_process_that_stalled_past_the_peer_timeout_takes_its_links_down_and_rejoins():
+    """A SIGSTOP'd process finds, once resumed, only fresh-looking messages in its
+    sockets, but its peers dropped it meanwhile (the kvstore unlisted it): each link
+    goes down and says hello again, so ``on_up`` re-registers."""
+    import asyncio
+    import time
+
+    from radixserve.cluster import free_port
+    from radixserve.protocol import AsyncChannel, Heartbeat, Hello, HelloAck
+
+    async def scenario() -> tuple[list[str], int]:
+        context = zmq.asyncio.Context()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        worker = AsyncChannel.open(context, zmq.ROUTER, address, bind=True)
+        downs: list[str] = []
+        ups = 0
+
+        def up(link) -> None:
+            nonlocal ups
+            ups += 1
+
+        links = LinkSet(
+            context, [address], name="w", role="decode", generation=1, interval_s=0.05,
+            peer_timeout_s=0.4, on_message=lambda link, msg: None, on_up=up,
+            on_down=lambda link, why: downs.append(why),
+        )  # fmt: skip
+
+        async def serve() -> None:  # a worker that answers hellos and beats back
+            while True:
+                got = await worker.recv_from()
+                if got is None:
+                    continue
+                identity, msg = got
+                reply = HelloAck("kv", "kvstore", 7) if isinstance(msg, Hello) else None
+                await worker.send_to(identity, reply or Heartbeat("kv", 7))
+
+        server = asyncio.ensure_future(serve())
+        links.start()
+        try:
+            for _ in range(100):
+                if ups:
+                    break
+                await asyncio.sleep(0.05)
+            assert ups == 1 and not downs
+            time.sleep(0.8)  # the whole process stops (the loop does not run)
+            for _ in range(100):
+                if ups == 2:
+                    break
+                await asyncio.sleep(0.05)
+            return downs, ups
+        finally:
+            server.cancel()
+            await links.close()
+            worker.close()
+            context.term()
+
+    downs, ups = asyncio.run(scenario())
+    assert len(downs) == 1 and "this process stalled for" in downs[0], downs
+    assert ups == 2  # up again after a new hello
