@@ -23,9 +23,12 @@ import hmac
 from dataclasses import dataclass
 
 import zmq
+from pydantic import AliasChoices
 from zmq.utils import z85
 
 MAC_BYTES = 32
+#: the settings field's sources: one variable for every service, whatever its prefix
+CLUSTER_SECRET_ALIAS = AliasChoices("cluster_secret", "RADIXSERVE_CLUSTER_SECRET")
 _LABELS = (b"radixserve curve server", b"radixserve curve client", b"radixserve mac")
 
 

@@ -6,8 +6,10 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from radixserve.protocol.security import CLUSTER_SECRET_ALIAS
 
 
 class GatewaySettings(BaseSettings):
@@ -65,7 +67,7 @@ class GatewaySettings(BaseSettings):
     cluster_secret: SecretStr | None = Field(
         None,
         min_length=16,
-        validation_alias=AliasChoices("cluster_secret", "RADIXSERVE_CLUSTER_SECRET"),
+        validation_alias=CLUSTER_SECRET_ALIAS,
         description="The cluster's shared secret, RADIXSERVE_CLUSTER_SECRET as for every "
         "service (CurveZMQ on the links to the workers and the kvstore).",
     )

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from zmq.utils.monitor import parse_monitor_message
 
@@ -52,15 +52,11 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import ErrorType, Role
-from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
+from radixserve.protocol.security import CLUSTER_SECRET_ALIAS, HANDSHAKE_FAILURES, keys_from
 from radixserve.services.runtime.probe import ProbeServer
 from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork, url_host
 
 logger = logging.getLogger(__name__)
-
-#: the cluster secret is one variable for every service, whatever its settings' prefix
-CLUSTER_SECRET_ENV = "RADIXSERVE_CLUSTER_SECRET"
-CLUSTER_SECRET_ALIAS = AliasChoices("cluster_secret", CLUSTER_SECRET_ENV)
 
 
 class ServiceSettings(BaseSettings):
