@@ -6,7 +6,8 @@ For shared contexts of 1k, 2k and 4k tokens followed by a 16-token question:
        question is computed.
 Also, side by side: uncached prefill tokens/s of this engine vs Hugging Face
 transformers (fp32, same weights), match_prefix time for an 8k-token prompt, and the
-KV pool's bytes against its budget. Prints one table; `--out` writes JSON.
+KV pool's bytes against its budget; then weights in the compute dtype against the
+quantized path (`radixserve.bench.quant_ab`). Prints the tables; `--out` writes JSON.
 """
 
 from __future__ import annotations
@@ -195,7 +196,12 @@ def run_engine_bench(settings: EngineSettings, out_path: str | None, quick: bool
             "within_budget": on.kv_pool.size_bytes <= budget,
         },  # fmt: skip
     }
+    from radixserve.bench.quant_ab import format_quant_table, run_quant_ab
+
+    quantized = settings.quantization if settings.quantization != "none" else "auto"
+    result["quantization"] = run_quant_ab(settings, quick, ("none", quantized))
     print(format_table(result))
+    print(format_quant_table(result["quantization"]))
     if out_path:
         Path(out_path).write_text(json.dumps(result, indent=2))
         print(f"wrote {out_path}", file=sys.stderr)

@@ -69,6 +69,7 @@ from radixserve.cluster import ClusterConfig, LocalCluster, free_port
 RADIXSERVE = "radixserve"
 SERVERS = (RADIXSERVE, *ps.PEERS)
 MODES = ("on", "busted")
+WEIGHTS_NONE = "on, weights none"  # radixserve only: cache on, quantization=none
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def cluster_target(options: PeerOptions, mode: str) -> Target:
     env = {"RADIXSERVE_MODEL": options.model}
     if mode == "busted":
         env["RADIXSERVE_PREFIX_CACHE"] = "false"
+    if mode == WEIGHTS_NONE:  # the compute dtype instead of the GGUF's quantized weights
+        env["RADIXSERVE_QUANTIZATION"] = "none"
 
     @contextlib.contextmanager
     def start() -> Iterator[Deployment]:
@@ -227,6 +230,7 @@ def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
     engine = EngineSettings(
         model=config.engine_env.get("RADIXSERVE_MODEL", "default"),
         prefix_cache=config.engine_env.get("RADIXSERVE_PREFIX_CACHE") != "false",
+        quantization=config.engine_env.get("RADIXSERVE_QUANTIZATION", "auto"),
     )
     device = resolve_device(engine.device)
     return {
@@ -243,6 +247,7 @@ def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
                 "prefix_cache",
                 "max_num_batched_tokens",
                 "max_num_seqs",
+                "quantization",
             }
         ),
     }
@@ -376,7 +381,8 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
         for name, reason in skipped.items():
             print(f"peer: skipping {name}: {reason}", file=sys.stderr)
         print(f"peer: {install_hint(options.settings.peer_venv)}", file=sys.stderr)
-    targets = [cluster_target(options, m) for m in MODES if RADIXSERVE in options.servers]
+    targets = [cluster_target(options, m) for m in (*MODES, WEIGHTS_NONE)
+               if RADIXSERVE in options.servers]  # fmt: skip
     eos = tokenizer.eos_token_ids
     targets += [peer_target(p, m, options, logs, eos) for p in peers for m in MODES]
     expected_prompt = len(tokenizer.encode_chat(first_messages(wl.multi_turn)))

@@ -100,9 +100,11 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     peers = [r for name, r in on.items() if name != "radixserve"]
     rows = []
 
-    def add(what: str, key: Any, target: str, among: list[dict[str, Any]]) -> None:
+    def add(
+        what: str, key: Any, target: str, among: list[dict[str, Any]], best_of: Any = min
+    ) -> None:
         values = [(key(p), p["server"]) for p in among if key(p) is not None]
-        best = min(values) if values else (None, None)
+        best = best_of(values) if values else (None, None)
         mine = key(ours) if ours else None
         rows.append(
             {
@@ -131,7 +133,36 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     add("load: TTFT p50, ms", lambda r: r["load"]["ttft_ms"]["p50"], "< 1×", native)
     add("load: TTFT p90, ms", lambda r: r["load"]["ttft_ms"]["p90"], "< 1×", native)
     add("load: errors", lambda r: r["load"]["errors"], "0", native)
+    add("load: ITL p50, ms", lambda r: r["load"]["itl_ms"]["p50"], "≤ 1×", native)
+    add("load: requests/s", lambda r: r["load"]["requests_per_s"], "≥ 1×", native, max)
     return rows
+
+
+def weights_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """radixserve with its default (quantized) weights ÷ the same with quantization=none."""
+    mine = {r["mode"]: r for r in runs if r["server"] == "radixserve"}
+    quantized, dense = mine.get("on"), mine.get("on, weights none")
+    if quantized is None or dense is None:
+        return []
+    keys = {
+        "multi-turn: cached-turn TTFT, ms": lambda r: r["multi_turn"]["cached_turn_ttft_ms"],
+        "multi-turn: round-1 TTFT, ms": lambda r: r["multi_turn"]["round1_ttft_ms"],
+        "load: ITL p50, ms": lambda r: r["load"]["itl_ms"]["p50"],
+        "load: ITL p90, ms": lambda r: r["load"]["itl_ms"]["p90"],
+        "load: TTFT p50, ms": lambda r: r["load"]["ttft_ms"]["p50"],
+        "load: requests/s": lambda r: r["load"]["requests_per_s"],
+    }
+    return [
+        {
+            "what": what,
+            "radixserve": key(quantized),
+            "peer": "radixserve, weights none",
+            "peer_value": key(dense),
+            "ratio": _ratio(key(quantized), key(dense)),
+            "target": "cached TTFT ≤ 1×" if "cached" in what else "",
+        }
+        for what, key in keys.items()
+    ]
 
 
 def build_result(
@@ -172,6 +203,7 @@ def build_result(
         "prompt_tokens_round1": {"local_template": expected_prompt_tokens, **first_prompt},
         "runs": docs,
         "comparisons": comparisons(docs),
+        "weights": weights_rows(docs),
     }
 
 
@@ -233,14 +265,13 @@ def per_round(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def comparison_table(doc: dict[str, Any]) -> list[str]:
-    lines = [
-        "| radixserve vs the better llama.cpp (cache on) | radixserve | llama.cpp | ratio | "
-        "target |",
-        "|---|---|---|---|---|",
-    ]
-    for c in doc["comparisons"]:
-        spec = ".0f" if "errors" not in c["what"] else "d"
+def comparison_table(
+    doc: dict[str, Any], key: str = "comparisons",
+    title: str = "radixserve vs the better llama.cpp (cache on)", other: str = "llama.cpp",
+) -> list[str]:  # fmt: skip
+    lines = [f"| {title} | radixserve | {other} | ratio | target |", "|---|---|---|---|---|"]
+    for c in doc.get(key, []):
+        spec = "d" if "errors" in c["what"] else ".2f" if "/s" in c["what"] else ".0f"
         peer = "—" if c["peer"] is None else f"{_f(c['peer_value'], spec)} ({c['peer']})"
         lines.append(
             f"| {c['what']} | {_f(c['radixserve'], spec)} | {peer} | "
@@ -275,6 +306,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *comparison_table(doc),
     ]
+    if doc.get("weights"):
+        lines += ["", *comparison_table(doc, "weights", "radixserve: default weights vs "
+                                        "quantization=none (cache on)", "weights none")]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -283,7 +317,8 @@ def _describe(run: dict[str, Any]) -> str:
     if "processes" in st:  # a cluster
         what = (
             f"{st['command']}: {', '.join(st['processes'])}; {st['transport']}; threads "
-            f"{st['threads']}; {st['device']} {st['dtype']}; KV {st['kv_cache_memory_gib']} "
+            f"{st['threads']}; {st['device']} {st['dtype']}, weights "
+            f"{st.get('quantization', 'auto')}; KV {st['kv_cache_memory_gib']} "
             f"GiB, pages of {st['page_size']}"
         )
     else:

@@ -24,6 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4", "fp8"],
+                   help="weight storage: auto keeps a GGUF's quantization where this device "
+                   "has a kernel (default), none is the compute dtype")  # fmt: skip
     g.add_argument("--kv-cache-gib", type=float, dest="kv_cache_memory_gib")
     g.add_argument("--page-size", type=int)
     g.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
@@ -43,7 +46,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_settings(args: argparse.Namespace):
     from radixserve.settings import EngineSettings
 
-    keys = ("model", "device", "dtype", "kv_cache_memory_gib", "page_size", "prefix_cache")
+    keys = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib", "page_size",
+            "prefix_cache")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     return EngineSettings(**overrides)
 
@@ -229,8 +233,8 @@ def suite_options(args: argparse.Namespace):
         multi_turn = replace(multi_turn, concurrency=args.concurrency)
         rag = replace(rag, concurrency=args.concurrency)
     engine_env = {}
-    for key, env in (("device", "DEVICE"), ("dtype", "DTYPE"), ("page_size", "PAGE_SIZE"),
-                     ("log_level", "LOG_LEVEL")):  # fmt: skip
+    for key, env in (("device", "DEVICE"), ("dtype", "DTYPE"), ("quantization", "QUANTIZATION"),
+                     ("page_size", "PAGE_SIZE"), ("log_level", "LOG_LEVEL")):  # fmt: skip
         if getattr(args, key, None) is not None:
             engine_env[f"RADIXSERVE_{env}"] = str(getattr(args, key))
     if args.kv_cache_memory_gib is not None:
@@ -296,7 +300,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
             raise RequestError(f"--{role} must be at least 2 for chaos (an event takes one "
                                f"worker down and leaves another serving), not {count}")  # fmt: skip
     engine_env = {f"RADIXSERVE_{key.upper()}": str(getattr(args, key))
-                  for key in ("device", "dtype", "log_level") if getattr(args, key)}  # fmt: skip
+                  for key in ("device", "dtype", "quantization", "log_level")
+                  if getattr(args, key)}  # fmt: skip
     out = Path(args.out or f"bench/results/chaos-{seconds:g}s-seed{args.seed}.json")
     report = run_chaos_bench(ChaosOptions(
         seconds=seconds, seed=args.seed, out_path=out, num_prefill=workers["prefill"],
@@ -368,6 +373,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_env["RADIXSERVE_MODEL"] = args.model
     if args.dtype:
         engine_env["RADIXSERVE_DTYPE"] = args.dtype
+    if args.quantization:
+        engine_env["RADIXSERVE_QUANTIZATION"] = args.quantization
     if args.device:
         engine_env["RADIXSERVE_DEVICE"] = args.device
     if args.kv_cache_memory_gib is not None:

@@ -31,6 +31,13 @@ class EngineSettings(BaseSettings):
         description="Compute and KV dtype; 'auto' is bfloat16 on GPU and on CPUs with native "
         "bfloat16 (AVX-512 BF16, AMX), float32 on other CPUs.",
     )
+    quantization: Literal["auto", "none", "int8", "int4", "fp8"] = Field(
+        "auto",
+        description="How weight matrices are stored: 'auto' keeps a GGUF's quantization where "
+        "this device has a kernel (CPU: Q4_0/Q4_1/Q4_K as int4, Q5/Q6/Q8 as int8; GPU: "
+        "none), 'none' is the compute dtype, 'int8'/'int4' quantize any checkpoint at load "
+        "(CPU), 'fp8' (GPUs with FP8).",
+    )
     page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
     kv_cache_memory_gib: float = Field(
         1.0, gt=0, le=4096, description="Memory budget of the preallocated KV page pool, GiB."

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -38,10 +38,25 @@ from radixserve.engine.structured import GuideCompiler, advance
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.attention import make_attention_backend
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
-from radixserve.model.llama import LlamaModel
+from radixserve.model.llama import LlamaModel, checkpoint_schemes, quant_targets
+from radixserve.model.quant import plan_schemes
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+
+
+def _describe(plan: Mapping[str, str]) -> str:
+    """ "int4" when every matrix is int4, else e.g. "int4 (embed int8)"."""
+    counts: dict[str, int] = {}
+    for scheme in plan.values():
+        counts[scheme] = counts.get(scheme, 0) + 1
+    if not counts:
+        return "none"
+    main = max(counts, key=lambda s: counts[s])
+    others = sorted(f"{key} {s}" for key, s in plan.items() if s != main)
+    if len(others) > 3:
+        others = [f"{n} {s}" for s, n in counts.items() if s != main]
+    return main + (f" ({', '.join(others)})" if others else "")
 
 
 class Engine:
@@ -62,6 +77,9 @@ class Engine:
         limit = self.config.max_position_embeddings
         self.max_model_len = min(settings.max_model_len or limit, limit)
         attention = make_attention_backend(settings.attention_backend, self.device)
+        plan = plan_schemes(
+            settings.quantization, self.device, quant_targets(self.config), checkpoint.formats()
+        )
         self.model = LlamaModel(
             self.config,
             self.dtype,
@@ -69,8 +87,12 @@ class Engine:
             max_positions=self.max_model_len,
             attention=attention,
             ops=attention.ops,
+            plan=plan,
         )
-        self.model.load_weights(checkpoint.iter_weights(self.dtype))
+        self.model.load_weights(
+            checkpoint.iter_weights(self.dtype, checkpoint_schemes(self.config, plan))
+        )
+        self.quantization = _describe(plan)
         self.page_size = settings.page_size
         budget = int(settings.kv_cache_memory_gib * (1 << 30))
         num_pages = KVPool.num_pages_for_budget(self.config, self.page_size, self.dtype, budget)
@@ -108,9 +130,10 @@ class Engine:
         self._host_loads: dict[str, HostLoad] = {}
         self.step_stats = StepStats()
         logger.info(
-            "engine ready: %s on %s/%s, %s kernels, %d KV pages of %d tokens (%.2f GiB), "
-            "prefix cache %s",
-            self.config.name, self.device, self.dtype, attention.name, num_pages, self.page_size,
+            "engine ready: %s on %s/%s, weights %s (%.1f MiB), %s kernels, %d KV pages of %d "
+            "tokens (%.2f GiB), prefix cache %s",
+            self.config.name, self.device, self.dtype, self.quantization,
+            self.model.weight_bytes / (1 << 20), attention.name, num_pages, self.page_size,
             self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
         )  # fmt: skip
 

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,7 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
+from radixserve.model.quant import QuantizedRows, RequantError, Scheme, quantize
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,14 +94,24 @@ class Checkpoint:
                 f"{self.path} lacks {len(missing)} weight(s) the config needs, e.g. {missing[0]}"
             )
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (Hugging Face name, CPU tensor of `dtype`) for every weight, lazily.
+    def formats(self) -> dict[str, str]:
+        """Each tensor's stored format where the source says (GGUF type names), else {}."""
+        formats = getattr(self.source, "formats", None)
+        return formats() if formats is not None else {}
+
+    def iter_weights(
+        self, dtype: torch.dtype, schemes: Mapping[str, Scheme] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+        """Yield (Hugging Face name, weight) for every weight, lazily: a CPU tensor of
+        `dtype`, or QuantizedRows for a name `schemes` maps to int8/int4/fp8.
 
         Order is `expected_weights(config)`; only one tensor is materialised at a time
         (plus whatever the caller keeps). `lm_head.weight` appears only when untied.
         A shape mismatch or an unreadable tensor raises ModelLoadError naming the path.
+        Error that quantizing at load adds is logged once, at the end.
         """
         wanted = expected_weights(self.config)
+        errors = RequantError()
         bar = tqdm(
             total=len(wanted),
             desc=f"Loading {self.config.name}",
@@ -110,18 +121,35 @@ class Checkpoint:
         )
         with bar:
             for name, shape in wanted:
+                scheme = (schemes or {}).get(name, "none")
                 try:
-                    tensor = self.source.read(name)
+                    weight = self._read(name, scheme, errors)
                 except ModelLoadError:
                     raise
                 except Exception as exc:
                     raise ModelLoadError(f"{self.path}: cannot read {name}: {exc}") from exc
-                if tuple(tensor.shape) != shape:
+                if tuple(weight.shape) != shape:
                     raise ModelLoadError(
-                        f"{self.path}: {name} has shape {tuple(tensor.shape)}, expected {shape}"
+                        f"{self.path}: {name} has shape {tuple(weight.shape)}, expected {shape}"
                     )
-                yield name, tensor.to(dtype=dtype, device="cpu").contiguous()
+                if isinstance(weight, torch.Tensor):
+                    weight = weight.to(dtype=dtype, device="cpu").contiguous()
+                yield name, weight
                 bar.update(1)
+        errors.log(self.config.name)
+
+    def _read(
+        self, name: str, scheme: Scheme, errors: RequantError
+    ) -> torch.Tensor | QuantizedRows:
+        if scheme == "none":
+            return self.source.read(name)
+        reader = getattr(self.source, "read_quantized", None)
+        if reader is not None:
+            return reader(name, scheme, errors)
+        w = self.source.read(name)
+        rows = quantize(w, scheme)
+        errors.add(f"{w.dtype}→{scheme}".replace("torch.", ""), w, rows)
+        return rows
 
 
 def resolve_model_path(model: str) -> Path:

@@ -23,6 +23,8 @@ from gguf.quants import dequantize
 
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.gguf_blocks import read_direct
+from radixserve.model.quant import DIRECT_TYPES, QuantizedRows, RequantError, Scheme, quantize
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,21 +84,50 @@ class GGUFWeights:
     def names(self) -> set[str]:
         return set(self._tensors)
 
+    def formats(self) -> dict[str, str]:
+        """Each tensor's GGUF type name ("Q4_1", "F32", ...)."""
+        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+
+    def _heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp permuted in `name`, or None."""
+        cfg = self._config
+        if cfg.architecture == "llama":
+            if ".self_attn.q_proj." in name:
+                return cfg.num_heads
+            if ".self_attn.k_proj." in name:
+                return cfg.num_kv_heads
+        return None
+
     def read(self, name: str) -> torch.Tensor:
         """The float32 CPU tensor `name` in Hugging Face layout (KeyError if absent)."""
         tensor = self._tensors[name]
         shape = tuple(int(d) for d in reversed(tensor.shape))
         data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        cfg = self._config
-        if cfg.architecture == "llama":
-            if ".self_attn.q_proj." in name:
-                data = _unpermute_rows(data, cfg.num_heads)
-            elif ".self_attn.k_proj." in name:
-                data = _unpermute_rows(data, cfg.num_kv_heads)
+        if (heads := self._heads(name)) is not None:
+            data = _unpermute_rows(data, heads)
         data = np.ascontiguousarray(data, dtype=np.float32)
         if not data.flags.writeable:  # an F32 tensor is a view of the read-only memory map
             data = data.copy()
         return torch.from_numpy(data)
+
+    def read_quantized(self, name: str, scheme: Scheme, errors: RequantError) -> QuantizedRows:
+        """The 2-D tensor `name` in `scheme`: Q4_0/Q4_1 as int4 and Q8_0 as int8 from
+        their blocks; anything else dequantized and quantized (the error counted)."""
+        tensor = self._tensors[name]
+        kind = tensor.tensor_type.name
+        k = int(tensor.shape[0])
+        if DIRECT_TYPES.get(kind) == scheme:
+            rows = read_direct(tensor.data, kind, k, errors)
+        else:
+            w = self.read(name)
+            rows = quantize(w, scheme)
+            errors.add(f"{kind}→{scheme}", w, rows)
+            return rows
+        if (heads := self._heads(name)) is not None:
+            n = rows.shape[0]
+            index = torch.from_numpy(_unpermute_rows(np.arange(n), heads).copy())
+            rows = rows.take_rows(index)
+        return rows
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -14,8 +14,9 @@ Reference = Callable[[list[dict[str, str]], int], str]
 
 @pytest.fixture(scope="session")
 def reference_engine():
-    """SmolLM2 fp32 on CPU, prefix cache off: what one process would answer."""
-    return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
+    """SmolLM2 on CPU as the clusters run it (fp32 compute, the GGUF's own int4 weights),
+    prefix cache off: what one process would answer."""
+    return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False, quantization="auto")
 
 
 @pytest.fixture(scope="session")

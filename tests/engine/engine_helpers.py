@@ -11,7 +11,8 @@ from radixserve.settings import EngineSettings
 
 
 def make_engine(model: str, **overrides) -> Engine:
-    settings = {"device": "cpu", "dtype": "float32", "load_progress": False}
+    # float32 and unquantized: the engine tests compare with transformers in float32
+    settings = {"device": "cpu", "dtype": "float32", "quantization": "none", "load_progress": False}
     settings.update(overrides)
     return Engine(EngineSettings(model=model, **settings))
 

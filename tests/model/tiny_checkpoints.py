@@ -209,12 +209,14 @@ def write_tiny_gguf(
     vocab_size: int = 512,
     seed: int = 0,
     f16: bool = False,
+    quant: str | None = None,
 ) -> Path:
     """Write the `build_tiny_model` weights (same arguments) as a llama.cpp-style GGUF.
 
     `arch` is "llama" (Q/K rows permuted as llama.cpp does) or "qwen2" (not permuted).
     Linear RoPE scaling goes in metadata; llama3 scaling as a `rope_freqs` tensor. With
-    `f16` the 2-D weights are stored as F16 (norms and biases stay F32).
+    `f16` the 2-D weights are stored as F16 (norms and biases stay F32); with `quant`
+    ("Q4_0", "Q4_1", "Q8_0") they are quantized by gguf's own quantizer.
     """
     model = build_tiny_model(arch, tie, rope_scaling, vocab_size, seed)
     cfg = model.config
@@ -262,6 +264,11 @@ def write_tiny_gguf(
             data = llamacpp_permute(data, cfg.num_key_value_heads)
         if f16 and data.ndim == 2:
             data = data.astype(np.float16)
+        if quant and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quant]
+            packed = gguf.quants.quantize(np.ascontiguousarray(data), kind)
+            writer.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+            continue
         writer.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
