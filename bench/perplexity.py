@@ -186,7 +186,7 @@ def measure(
         est = estimate(nlls)
         result = {
             "name": name, "model": engine.config.name, "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
+            "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.quantization,
             "settings": settings.model_dump(mode="json"), "ppl": est.ppl,
             "uncertainty": est.uncertainty, "mean_nll": est.mean_nll, "scored": est.count,
             "cached_tokens": cached, "load_seconds": loaded - start,
@@ -313,7 +313,8 @@ def format_table(doc: dict[str, Any]) -> str:
     ]
     for r in doc["configurations"]:
         vs_peer = "—" if r["ratio_to_llama_cpp"] is None else f"{r['ratio_to_llama_cpp']:.4f}"
-        lines.append(f"| {r['name']} | {r['device']} {r['dtype']} | {r['ppl']:.4f} | "
+        lines.append(f"| {r['name']} | {r['device']} {r['dtype']}, weights {r['weights']} | "
+                     f"{r['ppl']:.4f} | "
                      f"{r['uncertainty']:.4f} | {r['ratio_to_reference']:.4f} | {vs_peer} | "
                      f"{r['seconds']:.1f} |")  # fmt: skip
     if "ppl" in peer:

