@@ -8,7 +8,9 @@
 2. Kernels at an 8B-class shape (32 q heads, 8 kv heads, head dim 128, page size 16):
    each Triton kernel against its torch reference and, for attention, PyTorch SDPA (and
    FlashAttention where installed) on dense K/V; µs and achieved GB/s or TFLOP/s as a
-   fraction of the ceiling.
+   fraction of the ceiling. FP8 projections (`quantization=fp8`) at the model's shapes
+   against the dense bf16 matmul (the "triton" column is the FP8 layer, "torch ref" the
+   dense one).
 3. The engine end to end on random weights of that shape: uncached prefill tokens/s,
    cached-prefix TTFT for a 32-token delta after 4k/16k/32k tokens against the delta
    alone, decode tokens/s at batch 1/32/128 with CUDA graphs off and on.
@@ -75,6 +77,7 @@ class Shapes:
         (1, 16384, 512),
     )  # (B, prefix, new)
     tokens: tuple[int, ...] = (256, 4096)  # elementwise ops
+    linear_rows: tuple[int, ...] = (1, 32, 256, 4096)  # fp8 vs dense projections
     pack_pages: int = 256
     reference_max_tokens: int = 1 << 20  # larger attention cases skip the torch reference
     kv_cache_gib: float = 40.0
@@ -96,6 +99,7 @@ DRY = Shapes(
     (2, 21, 5)), tokens=(8,), pack_pages=4, kv_cache_gib=0.01, max_model_len=512,
     batched_tokens=256, prefill=(2, 48), ttft_contexts=(64, 128), delta=8,
     decode_batches=(1, 4), decode_prompt=16, decode_steps=3, graph_max_batch=4, budget_s=120.0,
+    linear_rows=(1, 5),
 )  # fmt: skip
 
 
@@ -349,6 +353,28 @@ def page_cases(run: Run, ops, ref) -> list[Case]:
     ]  # fmt: skip
 
 
+def linear_cases(run: Run, rows: int) -> list[Case]:
+    """`quantization=fp8` projections (e4m3 weights with per-row scales, activations
+    quantized per row, `torch._scaled_mm`) against the dense matmul of the compute dtype,
+    at the model's qkv, gate/up and down shapes."""
+    from radixserve.model.qlinear import Fp8Linear
+    from radixserve.model.quant import quantize
+
+    s, cases = run.shapes, []
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+    for name, n, k in (("qkv", qkv, s.hidden), ("gate_up", 2 * s.intermediate, s.hidden),
+                       ("down", s.hidden, s.intermediate)):  # fmt: skip
+        w = torch.randn(n, k, device=run.device) * 0.02
+        layer = Fp8Linear(n, k, run.dtype, run.device)
+        layer.load(0, quantize(w, "fp8"))
+        dense = w.to(run.dtype)
+        x = torch.randn(rows, k, device=run.device).to(run.dtype)
+        cases.append(Case("fp8_linear", f"{name} {n}x{k}, {rows} rows", partial(layer, x),
+                          partial(torch.nn.functional.linear, x, dense),
+                          flops=2.0 * rows * n * k, extra={"rows": rows}))  # fmt: skip
+    return cases
+
+
 def _rand(run: Run) -> Callable[..., torch.Tensor]:
     return lambda *shape: torch.randn(*shape, device=run.device).to(run.dtype)
 
@@ -362,6 +388,7 @@ def bench_kernels(run: Run, ops, ref) -> None:
     jobs += [partial(extend_cases, run, ops, ref, *e) for e in s.extend]
     jobs += [partial(elementwise_cases, run, ops, ref, t) for t in s.tokens]
     jobs.append(partial(page_cases, run, ops, ref))
+    jobs += [partial(linear_cases, run, rows) for rows in s.linear_rows]
     for job in jobs:
         _guarded(run, "kernel case", partial(_measure_all, run, job))
         if run.device.type == "cuda":

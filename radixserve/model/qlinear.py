@@ -10,8 +10,10 @@ dequantized rows for an embedding lookup.
   weight once per call and dequantize in registers. They run in bfloat16 whatever the
   compute dtype. Their cost grows with the rows of x about as fast as a dense float32
   matmul's, while oneDNN's bfloat16 matmul (AMX where present) barely grows, so above
-  `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient dense matrix and
-  runs the dense matmul instead (prefill chunks); decode steps stay on the kernel.
+  `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient
+  dense matrix and runs the dense matmul instead (prefill chunks); decode steps stay on
+  the kernel. int4 dequantizes with a small C routine where a compiler is present
+  (`radixserve.model.native`), which moves its crossover from 96 rows down to 16.
 - `Fp8Linear`: e4m3 weight with per-row scales, activations quantized per row on the
   fly, ``torch._scaled_mm`` (FP8 tensor cores on GPUs that have them).
 """
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.native import native_dequant
 from radixserve.model.quant import FP8_MAX, GROUP, ROW_BLOCK, QuantizedRows, Scheme, dequantize
 
 _KERNEL_DTYPE = torch.bfloat16
@@ -137,7 +140,7 @@ class Int4Linear(_KernelLinear):
     as (K/GROUP, N, 2)."""
 
     scheme: Scheme = "int4"
-    kernel_rows = 96
+    kernel_rows = 96  # dequantizing with torch ops; 16 with the native dequantizer
     packed: torch.Tensor  # (N, K/2) uint8
     scales_zeros: torch.Tensor  # (K/group, N, 2)
 
@@ -152,6 +155,9 @@ class Int4Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         n, k = out_features, in_features
         self.group = group
+        self._native = native_dequant() if dtype in (torch.bfloat16, torch.float32) else None
+        if self._native is not None:
+            self.kernel_rows = 16
         self.register_buffer("packed", torch.empty(n, k // 2, dtype=torch.uint8))
         self.register_buffer("scales_zeros", torch.empty(k // group, n, 2, dtype=_KERNEL_DTYPE))
 
@@ -172,6 +178,13 @@ class Int4Linear(_KernelLinear):
     def dense(self) -> torch.Tensor:
         """(N, K) view of a transient (K, N) matrix: unpacking along K keeps the packed
         layout's 32-byte runs, and the scales of a group broadcast along its K rows."""
+        n, k = self.out_features, self.in_features
+        if self._native is not None:
+            return self._native(self.packed, self.scales_zeros, n, k, self.group, self.dtype).t()
+        return self.dense_torch()
+
+    def dense_torch(self) -> torch.Tensor:
+        """`dense` with torch ops only."""
         n, k = self.out_features, self.in_features
         b = self.packed.view(n // ROW_BLOCK, k, ROW_BLOCK // 2)
         wt = torch.empty(k, n // ROW_BLOCK, 2, ROW_BLOCK // 2, dtype=self.dtype)

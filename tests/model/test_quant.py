@@ -3,6 +3,8 @@ against gguf's own dequantization, the scheme plan, and a quantized engine end t
 
 from __future__ import annotations
 
+import shutil
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import ModelLoadError
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_loader import GGUFWeights
+from radixserve.model.native import native_dequant
 from radixserve.model.qlinear import Fp8Linear, Int4Linear, Int8Linear, make_linear
 from radixserve.model.quant import RequantError, Target, dequantize, plan_schemes, quantize
 from tests.engine.engine_helpers import assert_no_leaks, make_engine
@@ -46,7 +49,8 @@ def test_int4_layer_matches_dequantized_reference(n, k, group):
     layer.load(0, rows.take_rows(torch.arange(half)))
     if half < n:
         layer.load(half, rows.take_rows(torch.arange(half, n)))
-    torch.testing.assert_close(layer.dense().float(), dequantize(rows), atol=0.05, rtol=0.01)
+    for dense in (layer.dense(), layer.dense_torch()):  # native (where built) and torch ops
+        torch.testing.assert_close(dense.float(), dequantize(rows), atol=0.05, rtol=0.01)
     for t in (1, 3, 17, layer.kernel_rows, layer.kernel_rows + 5):  # both paths, ragged
         x = torch.randn(t, k, dtype=torch.bfloat16)
         _close(layer(x), _reference(x, rows), 0.02)
@@ -73,6 +77,27 @@ def test_int8_and_fp8_layers_match_dequantized_reference(n, k, dtype):
         torch.testing.assert_close(
             layer.rows(ids).float(), dequantize(rows)[ids], atol=0.05, rtol=0.01
         )
+
+
+def test_native_dequantizer_builds_where_a_compiler_is(tmp_path, monkeypatch):
+    """Built into the cache directory and equal to the torch-ops path, in both dtypes."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        assert native_dequant() is None  # documented fallback: torch ops
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native_dequant.cache_clear()
+    try:
+        dequant = native_dequant()
+        assert dequant is not None and list(tmp_path.glob("radixserve/dequant-*.so"))
+        rows = quantize(torch.randn(128, 96), "int4")
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = Int4Linear(128, 96, dtype, CPU)
+            layer.load(0, rows)
+            native = dequant(layer.packed, layer.scales_zeros, 128, 96, 32, dtype)
+            assert native.dtype == dtype
+            torch.testing.assert_close(native.t(), layer.dense_torch(), atol=0.02, rtol=0.01)
+    finally:
+        native_dequant.cache_clear()
 
 
 def test_a_layer_refuses_rows_of_another_scheme():
