@@ -85,7 +85,10 @@ def cluster_config(options: ChaosOptions) -> ClusterConfig:
         port=free_port(),
         host_tier_gib=options.kv_cache_gib,
         engine_env={
+            # answers are checked token for token, and a migrated stream recomputes its
+            # tokens as a prompt: float32 rounding end to end (not the int4 decode kernel's)
             "RADIXSERVE_DTYPE": "float32",
+            "RADIXSERVE_QUANTIZATION": "none",
             "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(options.kv_cache_gib),
             **options.engine_env,
             **env("KVSTORE"),  # every process gets it; the kvstore reads it
@@ -97,11 +100,11 @@ def cluster_config(options: ChaosOptions) -> ClusterConfig:
 
 
 def reference_engine(options: ChaosOptions) -> Engine:
-    """The single-process reference: the cluster's model, device and dtype."""
+    """The single-process reference: the cluster's model, device, dtype and weights."""
     env = {**cluster_config(options).engine_env}
     settings: dict[str, Any] = {"model": env.get("RADIXSERVE_MODEL", "default"),
-                "dtype": env["RADIXSERVE_DTYPE"], "kv_cache_memory_gib": 0.5,
-                "load_progress": False}  # fmt: skip
+                "dtype": env["RADIXSERVE_DTYPE"], "quantization": env["RADIXSERVE_QUANTIZATION"],
+                "kv_cache_memory_gib": 0.5, "load_progress": False}  # fmt: skip
     if "RADIXSERVE_DEVICE" in env:
         settings["device"] = env["RADIXSERVE_DEVICE"]
     return Engine(EngineSettings(**settings))

@@ -5,6 +5,12 @@ dequantization costs about six times the matmul it feeds (several passes over th
 weight, bfloat16 elementwise ops). This routine does it in one pass, in parallel over K,
 straight from the CPU kernel's packed layout into the (K, N) matrix the matmul reads.
 
+It writes the weight as two bfloat16 matrices, hi = bf16(w) and lo = bf16(w - hi): one
+dense matmul of [x, x] against [hi; lo] then multiplies x by w to within 2^-16 and
+accumulates in float32 like the kernel, so the two paths agree as closely as two dense
+matmuls of different shapes do (a token computed in a prefill chunk and the same token
+computed alone in a cached turn's short delta get the same logits, to float32 rounding).
+
 It is compiled with the system C compiler (``cc``, or ``$CC``) into the user's cache
 (``$XDG_CACHE_HOME/radixserve``, else ``~/.cache/radixserve``), once per source and CPU
 (``-march=native``: the file name carries a hash of both), written atomically so that
@@ -44,32 +50,30 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even */
 }
 
 /* packed: (n/64, k, 32) bytes, low nibble row j, high nibble row j + 32 of each block;
-   sz: (k/group, n, 2) bfloat16 (scale, zero); w = (q - 8) * scale + zero.
-   out: (k, n), bfloat16 when bf16_out, else float32. */
-void dequant_int4(const uint8_t *packed, const uint16_t *sz, void *out, int64_t n,
-                  int64_t k, int64_t group, int bf16_out, int threads) {
+   sz: (k/group, n, 2) bfloat16 (scale, zero); w = (q - 8) * scale + zero, in float32.
+   out: (2k, n) bfloat16: rows [0, k) hold hi = bf16(w), rows [k, 2k) lo = bf16(w - hi),
+   so that hi + lo is w to within 2^-16 of it. */
+void dequant_int4(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n,
+                  int64_t k, int64_t group, int threads) {
     int64_t blocks = n / 64;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t kk = 0; kk < k; kk++) {
         const uint16_t *g = sz + (kk / group) * n * 2;
+        uint16_t *hi_row = out + kk * n, *lo_row = out + (k + kk) * n;
         for (int64_t nb = 0; nb < blocks; nb++) {
             const uint8_t *p = packed + (nb * k + kk) * 32;
             int64_t n0 = nb * 64;
-            float lo[32], hi[32];
+            float w[64];
             for (int j = 0; j < 32; j++) {
-                lo[j] = (float)((p[j] & 15) - 8) * bf16_to_float(g[(n0 + j) * 2])
-                        + bf16_to_float(g[(n0 + j) * 2 + 1]);
-                hi[j] = (float)((p[j] >> 4) - 8) * bf16_to_float(g[(n0 + 32 + j) * 2])
-                        + bf16_to_float(g[(n0 + 32 + j) * 2 + 1]);
+                w[j] = (float)((p[j] & 15) - 8) * bf16_to_float(g[(n0 + j) * 2])
+                       + bf16_to_float(g[(n0 + j) * 2 + 1]);
+                w[32 + j] = (float)((p[j] >> 4) - 8) * bf16_to_float(g[(n0 + 32 + j) * 2])
+                            + bf16_to_float(g[(n0 + 32 + j) * 2 + 1]);
             }
-            if (bf16_out) {
-                uint16_t *row = (uint16_t *)out + kk * n + n0;
-                for (int j = 0; j < 32; j++) { row[j] = float_to_bf16(lo[j]); }
-                for (int j = 0; j < 32; j++) { row[32 + j] = float_to_bf16(hi[j]); }
-            } else {
-                float *row = (float *)out + kk * n + n0;
-                memcpy(row, lo, sizeof lo);
-                memcpy(row + 32, hi, sizeof hi);
+            for (int j = 0; j < 64; j++) {
+                uint16_t h = float_to_bf16(w[j]);
+                hi_row[n0 + j] = h;
+                lo_row[n0 + j] = float_to_bf16(w[j] - bf16_to_float(h));
             }
         }
     }
@@ -77,7 +81,7 @@ void dequant_int4(const uint8_t *packed, const uint16_t *sz, void *out, int64_t 
 """
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
-Dequant = Callable[[torch.Tensor, torch.Tensor, int, int, int, torch.dtype], torch.Tensor]
+Dequant = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
 
 
 def _cpu_flags() -> str:
@@ -135,16 +139,13 @@ def native_dequant() -> Dequant | None:
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # fmt: skip
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int]  # fmt: skip
 
-    def dequant(
-        packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """(K, N) weight in `dtype` (bfloat16 or float32) from the packed int4 layout."""
+    def dequant(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+        """The (2K, N) bfloat16 hi/lo pair of the weight (see the C source)."""
         assert packed.is_contiguous() and sz.is_contiguous() and sz.dtype == torch.bfloat16
-        out = torch.empty(k, n, dtype=dtype)
-        fn(packed.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group,
-           int(dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+        out = torch.empty(2 * k, n, dtype=torch.bfloat16)
+        fn(packed.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group, torch.get_num_threads())
         return out
 
     return dequant

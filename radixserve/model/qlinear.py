@@ -97,13 +97,28 @@ class _KernelLinear(Linear):
     kernel_rows = 32  # rows of x up to which the kernel beats dequantize + dense here
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > self.kernel_rows:
-            return F.linear(x, self.dense(), bias)
-        y = self._kernel(x.to(_KERNEL_DTYPE)).to(x.dtype)
+        xb = x.to(_KERNEL_DTYPE)
+        if x.shape[0] > self.kernel_rows:  # one matmul: [x, x] @ [hi; lo].T, float32 sums
+            y = F.linear(torch.cat((xb, xb), dim=1), self.dense_pair())
+        else:
+            y = self._kernel(xb)
+        y = y.to(x.dtype)
         return y if bias is None else y + bias
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def dense_pair(self) -> torch.Tensor:
+        """(N, 2K) bfloat16 [hi | lo] with hi + lo = W to within 2^-16: the dense path
+        multiplies by the weight the kernel dequantizes in float32, not a bfloat16-rounded
+        one, so both paths give a token the same logits to float32 rounding."""
+        return _split(self._float32())
+
+    def _float32(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self) -> torch.Tensor:
+        return self._float32().to(self.dtype)
 
 
 class Int8Linear(_KernelLinear):
@@ -130,8 +145,8 @@ class Int8Linear(_KernelLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.q).to(self.dtype) * self.scale[ids].to(self.dtype)[:, None]
 
-    def dense(self) -> torch.Tensor:
-        return self.q.to(self.dtype) * self.scale.to(self.dtype)[:, None]
+    def _float32(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
 
 
 class Int4Linear(_KernelLinear):
@@ -155,7 +170,7 @@ class Int4Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         n, k = out_features, in_features
         self.group = group
-        self._native = native_dequant() if dtype in (torch.bfloat16, torch.float32) else None
+        self._native = native_dequant()
         if self._native is not None:
             self.kernel_rows = 16
         self.register_buffer("packed", torch.empty(n, k // 2, dtype=torch.uint8))
@@ -175,25 +190,24 @@ class Int4Linear(_KernelLinear):
             x, self.packed, self.group, self.scales_zeros
         )
 
-    def dense(self) -> torch.Tensor:
-        """(N, K) view of a transient (K, N) matrix: unpacking along K keeps the packed
-        layout's 32-byte runs, and the scales of a group broadcast along its K rows."""
+    def dense_pair(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
         if self._native is not None:
-            return self._native(self.packed, self.scales_zeros, n, k, self.group, self.dtype).t()
-        return self.dense_torch()
+            return self._native(self.packed, self.scales_zeros, n, k, self.group).t()
+        return super().dense_pair()
 
-    def dense_torch(self) -> torch.Tensor:
-        """`dense` with torch ops only."""
+    def _float32(self) -> torch.Tensor:
+        """(N, K) view of a (K, N) float32 matrix, with torch ops: unpacking along K keeps
+        the packed layout's 32-byte runs, and a group's scales broadcast along its rows."""
         n, k = self.out_features, self.in_features
         b = self.packed.view(n // ROW_BLOCK, k, ROW_BLOCK // 2)
-        wt = torch.empty(k, n // ROW_BLOCK, 2, ROW_BLOCK // 2, dtype=self.dtype)
+        wt = torch.empty(k, n // ROW_BLOCK, 2, ROW_BLOCK // 2)
         wt[:, :, 0].copy_((b & 15).transpose(0, 1))  # rows j of each block
         wt[:, :, 1].copy_((b >> 4).transpose(0, 1))  # rows j + 32
-        scale = self.scales_zeros[..., 0].to(self.dtype)  # (K/G, N)
-        zero = self.scales_zeros[..., 1].to(self.dtype) - 8 * scale
+        scale = self.scales_zeros[..., 0].float()  # (K/G, N)
+        zero = self.scales_zeros[..., 1].float()
         grouped = wt.view(k // self.group, self.group, n)
-        grouped.mul_(scale[:, None]).add_(zero[:, None])
+        grouped.sub_(8).mul_(scale[:, None]).add_(zero[:, None])
         return wt.view(k, n).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -234,6 +248,12 @@ class Fp8Linear(Linear):
 
     def dense(self) -> torch.Tensor:
         return self.q.to(self.dtype) * self.scale.t().to(self.dtype)
+
+
+def _split(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 → (N, 2K) bfloat16 [hi | lo], hi = bf16(w), lo = bf16(w - hi)."""
+    hi = w.to(torch.bfloat16)
+    return torch.cat((hi, (w - hi.float()).to(torch.bfloat16)), dim=1)
 
 
 _LAYERS: dict[str, Callable[[int, int, torch.dtype, torch.device], Linear]] = {

@@ -47,6 +47,7 @@ class TestCluster(LocalCluster):
         prefill: dict[str, str] | None = None,
         kvstore: dict[str, str] | None = None,
         kv_cache_memory_gib: float = 0.1,
+        quantization: str = "auto",
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,
@@ -56,6 +57,7 @@ class TestCluster(LocalCluster):
             engine_env={
                 "RADIXSERVE_DEVICE": "cpu",
                 "RADIXSERVE_DTYPE": "float32",
+                "RADIXSERVE_QUANTIZATION": quantization,
                 "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(kv_cache_memory_gib),
                 # every process gets these; the kvstore reads them
                 **_env(

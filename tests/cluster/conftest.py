@@ -20,7 +20,25 @@ def reference_engine():
 
 
 @pytest.fixture(scope="session")
+def reference_engine_exact():
+    """The same with float32 weights (quantization=none): for the clusters whose checks
+    need float32 rounding end to end — a migrated stream recomputes its generated tokens
+    as a prompt, and seeded draws compare a cached prompt with an uncached one, where the
+    int4 decode kernel and the prefill path's dense matmul round differently."""
+    return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
+
+
+@pytest.fixture(scope="session")
 def reference_chat(reference_engine) -> Reference:
+    return _answers(reference_engine)
+
+
+@pytest.fixture(scope="session")
+def reference_chat_exact(reference_engine_exact) -> Reference:
+    return _answers(reference_engine_exact)
+
+
+def _answers(reference_engine) -> Reference:
     """Greedy answer text of the single-process engine to a chat, memoised."""
     memo: dict[tuple, str] = {}
 

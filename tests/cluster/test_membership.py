@@ -42,6 +42,7 @@ ENV = {
     "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
     "RADIXSERVE_DEVICE": "cpu",
     "RADIXSERVE_DTYPE": "float32",
+    "RADIXSERVE_QUANTIZATION": "none",  # a migrated stream must equal the unbroken one exactly
     "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.1",
     **{f"RADIXSERVE_{role}_{k}": v for role in ("PREFILL", "DECODE", "GATEWAY", "KVSTORE")
        for k, v in FAST_LIVENESS.items()},

@@ -17,12 +17,24 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_loader import GGUFWeights
 from radixserve.model.native import native_dequant
-from radixserve.model.qlinear import Fp8Linear, Int4Linear, Int8Linear, make_linear
-from radixserve.model.quant import RequantError, Target, dequantize, plan_schemes, quantize
+from radixserve.model.qlinear import Fp8Linear, Int4Linear, Int8Linear, _split, make_linear
+from radixserve.model.quant import (
+    QuantizedRows,
+    RequantError,
+    Target,
+    dequantize,
+    plan_schemes,
+    quantize,
+)
 from tests.engine.engine_helpers import assert_no_leaks, make_engine
 from tests.model.tiny_checkpoints import write_tiny_checkpoint, write_tiny_gguf
 
 CPU = torch.device("cpu")
+
+
+def _bf16(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None
+    return t.to(torch.bfloat16).float()
 
 
 def _reference(x: torch.Tensor, rows) -> torch.Tensor:
@@ -49,8 +61,10 @@ def test_int4_layer_matches_dequantized_reference(n, k, group):
     layer.load(0, rows.take_rows(torch.arange(half)))
     if half < n:
         layer.load(half, rows.take_rows(torch.arange(half, n)))
-    for dense in (layer.dense(), layer.dense_torch()):  # native (where built) and torch ops
-        torch.testing.assert_close(dense.float(), dequantize(rows), atol=0.05, rtol=0.01)
+    pair = layer.dense_pair().float()  # native where built: hi + lo is the float32 weight
+    stored = QuantizedRows("int4", rows.q, _bf16(rows.scale), _bf16(rows.zero))  # as kept
+    torch.testing.assert_close(pair[:, :k] + pair[:, k:], dequantize(stored), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(layer.dense().float(), dequantize(rows), atol=0.05, rtol=0.01)
     for t in (1, 3, 17, layer.kernel_rows, layer.kernel_rows + 5):  # both paths, ragged
         x = torch.randn(t, k, dtype=torch.bfloat16)
         _close(layer(x), _reference(x, rows), 0.02)
@@ -90,14 +104,31 @@ def test_native_dequantizer_builds_where_a_compiler_is(tmp_path, monkeypatch):
         dequant = native_dequant()
         assert dequant is not None and list(tmp_path.glob("radixserve/dequant-*.so"))
         rows = quantize(torch.randn(128, 96), "int4")
-        for dtype in (torch.bfloat16, torch.float32):
-            layer = Int4Linear(128, 96, dtype, CPU)
-            layer.load(0, rows)
-            native = dequant(layer.packed, layer.scales_zeros, 128, 96, 32, dtype)
-            assert native.dtype == dtype
-            torch.testing.assert_close(native.t(), layer.dense_torch(), atol=0.02, rtol=0.01)
+        layer = Int4Linear(128, 96, torch.bfloat16, CPU)
+        layer.load(0, rows)
+        native = dequant(layer.packed, layer.scales_zeros, 128, 96, 32).t()  # (N, 2K)
+        torch_ops = _split(layer._float32())
+        assert native.dtype == torch.bfloat16 and native.shape == (128, 192)
+        torch.testing.assert_close(native.float(), torch_ops.float(), atol=1e-6, rtol=0)
     finally:
         native_dequant.cache_clear()
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_and_dense_paths_agree(scheme, dtype):
+    """A row computed in a prefill-sized batch (dense path) and alone (the kernel) gets
+    the same output up to one bfloat16 rounding: a cached turn's delta and a full prompt
+    give a token the same logits."""
+    torch.manual_seed(1)
+    rows = quantize(torch.randn(576, 1536) * 0.05, scheme)
+    layer = make_linear(scheme, 576, 1536, dtype, CPU)
+    layer.load(0, rows)
+    x = torch.randn(200, 1536).to(dtype)
+    big, small = layer(x), layer(x[:3])
+    assert x.shape[0] > layer.kernel_rows >= 3
+    diff = (big[:3].float() - small.float()).abs()
+    assert (diff <= small.float().abs() * 2**-7 + 1e-6).all(), diff.max()
 
 
 def test_a_layer_refuses_rows_of_another_scheme():
