@@ -47,7 +47,7 @@ class TestCluster(LocalCluster):
         prefill: dict[str, str] | None = None,
         kvstore: dict[str, str] | None = None,
         kv_cache_memory_gib: float = 0.1,
-        quantization: str = "auto",
+        quantization: str = "none",  # float32 weights: see tests/cluster/conftest.py
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,

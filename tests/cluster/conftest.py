@@ -14,31 +14,17 @@ Reference = Callable[[list[dict[str, str]], int], str]
 
 @pytest.fixture(scope="session")
 def reference_engine():
-    """SmolLM2 on CPU as the clusters run it (fp32 compute, the GGUF's own int4 weights),
-    prefix cache off: what one process would answer."""
-    return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False, quantization="auto")
-
-
-@pytest.fixture(scope="session")
-def reference_engine_exact():
-    """The same with float32 weights (quantization=none): for the clusters whose checks
-    need float32 rounding end to end — a migrated stream recomputes its generated tokens
-    as a prompt, and seeded draws compare a cached prompt with an uncached one, where the
-    int4 decode kernel and the prefill path's dense matmul round differently."""
+    """SmolLM2 fp32 on CPU with float32 weights (quantization=none), prefix cache off: what
+    one process would answer. The clusters run the same: their checks compare many
+    prompts token for token, across cached and uncached prompts, migrations and seeded
+    draws, which holds at float32 rounding; the int4 path rounds to bfloat16, and its
+    kernel and its prefill path round differently (tests/model/test_quant.py checks the
+    quantized engine on its own)."""
     return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
 
 
 @pytest.fixture(scope="session")
 def reference_chat(reference_engine) -> Reference:
-    return _answers(reference_engine)
-
-
-@pytest.fixture(scope="session")
-def reference_chat_exact(reference_engine_exact) -> Reference:
-    return _answers(reference_engine_exact)
-
-
-def _answers(reference_engine) -> Reference:
     """Greedy answer text of the single-process engine to a chat, memoised."""
     memo: dict[tuple, str] = {}
 

@@ -29,7 +29,6 @@ def cluster():
         transport="nixl",
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
         gateway={"MIGRATION_WAIT_S": "90"},  # a restart on a busy machine
-        quantization="none",  # migration recomputes tokens: exact only at float32 rounding
     )
     yield cluster
     cluster.stop()
@@ -124,7 +123,7 @@ def test_kill_9_of_the_only_decode_worker_mid_stream_continues_after_its_restart
     cluster.wait_clean()
 
 
-def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat_exact):
+def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat):
     cluster.wait_clean()
     old_generation = cluster.workers()["prefill-0"]["generation"]
     failures_before = cluster.workers()["decode-0"].get("remote_prefill_failures_total", 0)
@@ -144,7 +143,7 @@ def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat
         thread.join(timeout=180)
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["message"]["content"] == reference_chat_exact(messages, 8)
+    assert resp.json()["choices"][0]["message"]["content"] == reference_chat(messages, 8)
     cluster.wait_restarted("prefill-0", old_generation)
     state = cluster.wait_clean()
     assert state["workers"]["decode-0"]["remote_prefill_failures_total"] > failures_before

@@ -22,7 +22,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = TestCluster(transport="nixl", quantization="none")  # seeded draws: float32 rounding
+    c = TestCluster(transport="nixl")
     yield c
     c.stop()
 
@@ -41,11 +41,9 @@ def _messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-def test_n_choices_compute_the_prompt_once_with_remote_logprobs(
-    cluster, oai, reference_engine_exact
-):
+def test_n_choices_compute_the_prompt_once_with_remote_logprobs(cluster, oai, reference_engine):
     messages = _messages("What are the opening hours on Monday?")
-    prompt_ids = reference_engine_exact.chat_prompt_ids(messages)
+    prompt_ids = reference_engine.chat_prompt_ids(messages)
     assert len(prompt_ids) > 256  # the decode worker sends it to the prefill worker
     cluster.wait_clean()
     computed = _counter(cluster, "prefill-0", "prefill_computed_tokens_total")
@@ -82,8 +80,8 @@ def test_n_choices_compute_the_prompt_once_with_remote_logprobs(
         logprobs=True,
         top_logprobs=3,
     )
-    ref = reference_engine_exact.generate(
-        [reference_engine_exact.chat_prompt_ids(_messages("Is Wi-Fi free?"))],
+    ref = reference_engine.generate(
+        [reference_engine.chat_prompt_ids(_messages("Is Wi-Fi free?"))],
         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
     )[0]
     assert g.choices[0].message.content == ref.text
@@ -92,11 +90,11 @@ def test_n_choices_compute_the_prompt_once_with_remote_logprobs(
     assert all(e.top_logprobs[0].token == e.token for e in g.choices[0].logprobs.content)
 
 
-def test_echo_prompt_logprobs_batches_and_streams(cluster, oai, reference_engine_exact):
+def test_echo_prompt_logprobs_batches_and_streams(cluster, oai, reference_engine):
     prompt = SYSTEM + "Question: can I renew a DVD online?\nAnswer:"
     scored = oai.completions.create(model="default", prompt=prompt, echo=True, max_tokens=0,
                                     logprobs=1, temperature=0)  # fmt: skip
-    ref = reference_engine_exact.generate(
+    ref = reference_engine.generate(
         [prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     )[0]
     lp = scored.choices[0].logprobs
