@@ -192,9 +192,16 @@ class Channel(_ChannelBase):
         return identity, msg
 
     def _send(self, frames: list[bytes], timeout_ms: int | None) -> None:
-        if timeout_ms is not None and not self._socket.poll(timeout_ms, zmq.POLLOUT):
-            raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
-        self._socket.send_multipart(frames)
+        if timeout_ms is None:
+            self._socket.send_multipart(frames)
+            return
+        if self._socket.poll(timeout_ms, zmq.POLLOUT):
+            try:  # the peer that made it writable can go before the send (a refused
+                self._socket.send_multipart(frames, flags=zmq.NOBLOCK)  # handshake)
+                return
+            except zmq.Again:
+                pass
+        raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
 
     def _recv_frames(self, timeout_ms: int | None) -> list[bytes] | None:
         if timeout_ms is not None and not self._socket.poll(timeout_ms, zmq.POLLIN):
@@ -254,9 +261,16 @@ class AsyncChannel(_ChannelBase):
         return bool(events)
 
     async def _send(self, frames: list[bytes], timeout_ms: int | None) -> None:
-        if timeout_ms is not None and not await self._poll(timeout_ms, zmq.POLLOUT):
-            raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
-        await self._asocket.send_multipart(frames)
+        if timeout_ms is None:
+            await self._asocket.send_multipart(frames)
+            return
+        if await self._poll(timeout_ms, zmq.POLLOUT):
+            try:  # as in Channel._send: the peer can go between the poll and the send
+                await self._asocket.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        raise TimeoutError(f"{self._name} socket could not send within {timeout_ms} ms")
 
     async def _recv_frames(self, timeout_ms: int | None) -> list[bytes] | None:
         if timeout_ms is not None and not await self._poll(timeout_ms, zmq.POLLIN):
