@@ -50,10 +50,6 @@ class Linear(nn.Module):
         """Rows `ids` of the weight in the compute dtype (embedding lookup)."""
         raise NotImplementedError
 
-    def dense(self) -> torch.Tensor:
-        """The whole weight in the compute dtype (transient)."""
-        raise NotImplementedError
-
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.parameters(), *self.buffers()))
@@ -87,9 +83,6 @@ class DenseLinear(Linear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
-    def dense(self) -> torch.Tensor:
-        return self.weight
-
 
 class _KernelLinear(Linear):
     """Shared dispatch: the packed kernel for few rows, dequantize + dense for many."""
@@ -115,10 +108,8 @@ class _KernelLinear(Linear):
         return _split(self._float32())
 
     def _float32(self) -> torch.Tensor:
+        """The whole (N, K) weight in float32, with torch ops (transient)."""
         raise NotImplementedError
-
-    def dense(self) -> torch.Tensor:
-        return self._float32().to(self.dtype)
 
 
 class Int8Linear(_KernelLinear):
@@ -245,9 +236,6 @@ class Fp8Linear(Linear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.q[ids].to(self.dtype) * self.scale[0, ids].to(self.dtype)[:, None]
-
-    def dense(self) -> torch.Tensor:
-        return self.q.to(self.dtype) * self.scale.t().to(self.dtype)
 
 
 def _split(w: torch.Tensor) -> torch.Tensor:
