@@ -5,8 +5,8 @@ Servers, each started fresh per mode and stopped when its run ends (`peer_server
 for the peers):
 
 - **radixserve**: `radixserve up` as `make serve` starts it (`LocalCluster` with the
-  default `ClusterConfig`: kvstore, 1 prefill + 1 decode worker, NIXL, the cores split
-  between the workers; default engine settings). Busted: ``RADIXSERVE_PREFIX_CACHE=false``.
+  default `ClusterConfig`: kvstore, 1 prefill + 1 decode worker, NIXL, the cores shared
+  between the workers by who computes; default engine settings). Busted: ``RADIXSERVE_PREFIX_CACHE=false``.
 - **llama-server** (``-np 4`` slots with continuous batching, ``-t``/``-tb`` = the
   machine's cores). Busted: ``cache_prompt: false`` in every request.
 - **llama-cpp-python** (one sequence at a time, the same threads). It reuses the
@@ -221,12 +221,11 @@ def cluster_target(options: PeerOptions, mode: str) -> Target:
 def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
     """The processes `config` starts, their threads, and the engine settings every worker
     resolves from the environment (the defaults unless RADIXSERVE_* says otherwise)."""
-    from radixserve.cluster import cluster_specs
+    from radixserve.cluster import cluster_specs, threads_described
     from radixserve.engine.engine import resolve_device, resolve_dtype
     from radixserve.settings import EngineSettings
 
     specs = cluster_specs(config)
-    threads = {s.name: s.env.get("RADIXSERVE_NUM_THREADS", "torch's default") for s in specs}
     engine = EngineSettings(
         model=config.engine_env.get("RADIXSERVE_MODEL", "default"),
         prefix_cache=config.engine_env.get("RADIXSERVE_PREFIX_CACHE") != "false",
@@ -237,7 +236,7 @@ def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
         "command": "radixserve up (the make serve defaults)",
         "processes": [s.name for s in specs],
         "transport": config.transport,
-        "threads": threads,
+        "threads": threads_described(config),
         "device": str(device),
         "dtype": str(resolve_dtype(engine.dtype, device)).removeprefix("torch."),
         **engine.model_dump(

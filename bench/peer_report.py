@@ -316,7 +316,7 @@ def _describe(run: dict[str, Any]) -> str:
     st = run["settings"]
     if "processes" in st:  # a cluster
         what = (
-            f"{st['command']}: {', '.join(st['processes'])}; {st['transport']}; threads "
+            f"{st['command']}: {', '.join(st['processes'])}; {st['transport']}; "
             f"{st['threads']}; {st['device']} {st['dtype']}, weights "
             f"{st.get('quantization', 'auto')}; KV {st['kv_cache_memory_gib']} "
             f"GiB, pages of {st['page_size']}"

@@ -84,7 +84,7 @@ from radixserve.bench.workload import (
     build_multi_turn,
     build_rag,
 )
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.cluster import ClusterConfig, LocalCluster, free_port, threads_described
 from radixserve.errors import RadixServeError
 
 SCENARIOS = ("multi-turn", "rag")
@@ -354,8 +354,7 @@ def machine_info() -> dict[str, Any]:
 def _header(name: str, options: SuiteOptions, model: dict[str, Any]) -> dict[str, Any]:
     p = options.preset
     size = p.multi_turn if name == "multi-turn" else p.rag
-    workers = options.num_prefill + options.num_decode
-    threads = max(1, (os.cpu_count() or 1) // workers)  # as `cluster_specs` splits the cores
+    threads = threads_described(cluster_config(options, True))
     if name == "multi-turn":
         conc = p.multi_turn.concurrency or p.multi_turn.conversations
         what = (f"{p.multi_turn.conversations} conversations × {p.multi_turn.rounds} rounds, "
@@ -367,13 +366,13 @@ def _header(name: str, options: SuiteOptions, model: dict[str, Any]) -> dict[str
     where = f"{options.url} (its cache as it is; no cache-off run)"
     if not options.url:
         where = (f"local cluster, {options.num_prefill} prefill + {options.num_decode} decode "
-                 f"({options.transport}), {threads} thread(s) each")  # fmt: skip
+                 f"({options.transport}), {threads}")  # fmt: skip
     settings = {
         "description": f"{what}; {where}",
         "target": options.url or "local",
         "prefill_workers": None if options.url else options.num_prefill,
         "decode_workers": None if options.url else options.num_decode,
-        "threads_per_worker": None if options.url else threads,
+        "threads": None if options.url else threads,
         "kv_cache_gib": None if options.url else p.kv_cache_gib,
         "cache_off_run": options.url is None,
         "seed": options.seed,

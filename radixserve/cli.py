@@ -419,7 +419,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
     gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
-    client = LocalEngineClient(AsyncEngine(Engine(build_settings(args))))
+    engine_settings = build_settings(args)
+    client = LocalEngineClient(AsyncEngine(lambda: Engine(engine_settings)))  # on its thread
     print(
         f"radixserve: serving {client.model_name} on "
         f"http://{gateway_settings.host}:{gateway_settings.port}/v1",
@@ -731,7 +732,8 @@ def make_parser() -> argparse.ArgumentParser:
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,
-                    help="CPU threads per worker (default: the cores split between workers)")  # fmt: skip
+                    help="CPU threads per worker, fixed (default: the workers share the cores, "
+                         "each step on the cores divided by the workers computing)")  # fmt: skip
     up.add_argument("--autoscale", action="store_true",
                     help="run the SLO autoscaler, sizing the pools (RADIXSERVE_AUTOSCALER_* "
                     "settings: targets, bounds, interval)")  # fmt: skip

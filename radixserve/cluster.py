@@ -15,18 +15,24 @@ runs (`LocalPools`, `join_command`). Without it, the addresses are static lists.
 (`gateway_healthy`), prints the URL, restarts whatever crashes and stops everything on
 Ctrl-C or SIGTERM.
 
-CPU threads: unless ``num_threads`` is given, the machine's cores are split evenly
-between the workers, so their compute threads do not fight over the same cores.
+CPU threads: unless ``num_threads`` is given, the workers share the machine's cores
+through a core board (`radixserve.engine.cores`): each step of a worker runs on the
+cores divided by the workers computing at that moment, so a worker alone gets them all
+and two busy ones do not oversubscribe them. ``num_threads=N`` gives every worker N
+threads, fixed (N=1 on two workers and two cores: the cores split evenly).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shlex
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.engine.cores import board_path
 from radixserve.local_pools import LocalPools, PoolControl
 from radixserve.supervisor import ProcessSpec, Supervisor
 
@@ -57,7 +64,8 @@ class ClusterConfig:
     prefill_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_PREFILL_*
     decode_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_DECODE_*
     gateway_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_GATEWAY_*
-    num_threads: int | None = None
+    num_threads: int | None = None  # fixed threads per worker (None: share the cores)
+    core_board: str | None = None  # the board file (`build_cluster` makes one)
     autoscale: bool = False  # run the autoscaler (needs the kvstore: pools are resizable)
     autoscaler_env: dict[str, str] = field(default_factory=dict)  # RADIXSERVE_AUTOSCALER_*
     drain_timeout_s: float = 60.0  # a retired worker still running after this is killed
@@ -87,15 +95,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def base_env(config: ClusterConfig) -> dict[str, str]:
-    """What every process of the cluster gets: the engine settings and a thread count."""
-    workers = config.num_prefill + config.num_decode
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // workers)
+    """What every process of the cluster gets: the engine settings and a thread count
+    (with a core board, the most a worker takes when the others are idle)."""
+    if config.num_threads:
+        threads = config.num_threads
+    elif config.core_board:
+        threads = os.cpu_count() or 1
+    else:
+        threads = max(1, (os.cpu_count() or 1) // (config.num_prefill + config.num_decode))
     return {
         "RADIXSERVE_LOAD_PROGRESS": "false",
         "RADIXSERVE_NUM_THREADS": str(threads),
         "OMP_NUM_THREADS": str(threads),
+        **({"RADIXSERVE_CORE_BOARD": config.core_board} if config.core_board else {}),
         **config.engine_env,
     }
+
+
+def threads_described(config: ClusterConfig) -> str:
+    """How the workers of ``config`` get their CPU threads, in words (for reports)."""
+    if config.num_threads:
+        return f"{config.num_threads} thread(s) each, fixed"
+    return f"the {os.cpu_count() or 1} cores shared: each step on cores ÷ workers busy"
 
 
 def worker_spec(
@@ -199,23 +220,33 @@ class ClusterProcesses:
         if self.pools is not None:
             self.pools.reconcile()
 
+    core_board: str | None = None  # removed at stop
+
     def stop(self) -> None:
         self.supervisor.stop()
         if self.control is not None:
             self.control.close()
+        if self.core_board is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.core_board)
 
 
 def build_cluster(
     config: ClusterConfig, restart_backoff_s: float = 1.0, control_port: int = 0
 ) -> ClusterProcesses:
     """The supervisor of ``config``'s processes (not started) with its pools and control
-    API (started) when the cluster has a kvstore."""
+    API (started) when the cluster has a kvstore. Without ``num_threads`` the workers
+    share the cores through a core board in the temporary directory."""
+    board = None
+    if config.num_threads is None and config.core_board is None:
+        board = board_path(tempfile.gettempdir(), f"{os.getpid()}-{config.port}")
+        config = dataclasses.replace(config, core_board=board)
     kvstore_port = free_port() if config.kvstore else None
     supervisor = Supervisor(
         cluster_specs(config, kvstore_port), restart_backoff_s=restart_backoff_s
     )
     if kvstore_port is None:
-        return ClusterProcesses(supervisor, None, None, None)
+        return ClusterProcesses(supervisor, None, None, None, board)
     kvstore = f"tcp://127.0.0.1:{kvstore_port}"
 
     def spawn(role: str, index: int) -> ProcessSpec:
@@ -227,7 +258,7 @@ def build_cluster(
     control.start()
     if config.autoscale:
         supervisor.add(autoscaler_spec(config, control.url))
-    return ClusterProcesses(supervisor, kvstore, pools, control)
+    return ClusterProcesses(supervisor, kvstore, pools, control, board)
 
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:

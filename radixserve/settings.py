@@ -82,7 +82,17 @@ class EngineSettings(BaseSettings):
         "", max_length=256, description="Mixed into page hashes so tenants never share KV."
     )
     num_threads: int | None = Field(
-        None, ge=1, le=1024, description="CPU threads for torch; default leaves torch's choice."
+        None,
+        ge=1,
+        le=1024,
+        description="CPU threads for torch; default leaves torch's choice (with core_board: "
+        "the machine's cores).",
+    )
+    core_board: str | None = Field(
+        None,
+        description="A host-local file through which workers on the same cores share them: "
+        "each step runs on num_threads divided by the workers computing at that moment "
+        "(CPU only; `radixserve up` sets it, and --num-threads turns it off).",
     )
     load_progress: bool = Field(True, description="Show a progress bar while the model loads.")
 

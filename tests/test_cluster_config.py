@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 
-from radixserve.cluster import ClusterConfig, cluster_specs, join_command
+from radixserve.cluster import ClusterConfig, build_cluster, cluster_specs, free_port, join_command
 from radixserve.services.decode import DecodeSettings
 from radixserve.services.gateway import GatewaySettings
 from radixserve.services.kvstore import KVStoreSettings
 from radixserve.services.prefill import PrefillSettings
+from radixserve.settings import EngineSettings
 
 
 def _settings_of(env: dict[str, str], cls, monkeypatch):
@@ -98,3 +101,31 @@ def test_no_kvstore_means_no_kvstore_settings_anywhere():
     specs = cluster_specs(ClusterConfig(kvstore=False))
     assert [s.name for s in specs] == ["prefill-0", "decode-0", "gateway"]
     assert not any(key.endswith("_KVSTORE") for s in specs for key in s.env)
+
+
+def test_workers_share_the_cores_through_one_board_unless_threads_are_fixed(monkeypatch, tmp_path):
+    """By default every worker may take all the cores and they share them through one
+    core board (made by `build_cluster`, removed when the cluster stops); --num-threads N
+    fixes N and no board."""
+    cores = str(os.cpu_count() or 1)
+    board = str(tmp_path / "cores")
+    specs = cluster_specs(ClusterConfig(num_prefill=1, num_decode=2, core_board=board))
+    workers = [s for s in specs if s.name.split("-")[0] in ("prefill", "decode")]
+    assert len(workers) == 3
+    for spec in workers:
+        assert spec.env["RADIXSERVE_NUM_THREADS"] == spec.env["OMP_NUM_THREADS"] == cores
+        engine = _settings_of(dict(spec.env), EngineSettings, monkeypatch)
+        assert engine.core_board == board and engine.num_threads == int(cores)
+    fixed = cluster_specs(ClusterConfig(num_threads=1))
+    assert not any("RADIXSERVE_CORE_BOARD" in s.env for s in fixed)
+    assert all(s.env["RADIXSERVE_NUM_THREADS"] == "1" for s in fixed)
+
+    cluster = build_cluster(ClusterConfig(port=free_port()))
+    try:
+        assert cluster.core_board and os.path.dirname(cluster.core_board) == tempfile.gettempdir()
+        with open(cluster.core_board, "wb"):  # as the first worker's engine would make it
+            pass
+    finally:
+        cluster.stop()
+    assert not os.path.exists(cluster.core_board)
+    assert build_cluster(ClusterConfig(kvstore=False, num_threads=2)).core_board is None

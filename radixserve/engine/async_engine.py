@@ -48,14 +48,41 @@ class _Call:
 class AsyncEngine:
     """Thread-safe front of an Engine. `close()` stops the thread."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
+        """``engine``: the engine, or a function that builds it on the engine thread
+        (returns once it is built, raises what building raised). Build it there on a
+        CPU: OpenMP keeps a thread team per thread that starts parallel work, and once a
+        process holds more of these threads than there are cores libgomp stops them
+        spinning between parallel regions, so an engine loaded on one thread and stepped
+        on another computes on several threads no faster than on one."""
         self._inbox: queue.Queue[_Call | None] = queue.Queue()
         self._watches: dict[str, _Watch] = {}
         self._ids = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        self.engine: Engine
+        failed: list[BaseException] = []
+        ready = threading.Event()
+        if isinstance(engine, Engine):
+            self.engine = engine
+            ready.set()
+
+        def run() -> None:
+            if not ready.is_set():
+                try:
+                    self.engine = engine()  # type: ignore[operator]
+                except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                    failed.append(exc)
+                    return
+                finally:
+                    ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="radixserve-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            self._thread.join()
+            raise failed[0]
 
     async def call(
         self, fn: Callable[[Engine], T], watch: str | None = None
@@ -142,7 +169,12 @@ class AsyncEngine:
             self._handle(msg)
 
     def _loop(self) -> None:
-        while self._drain_inbox(block=not self.engine.has_unfinished()):
+        while True:
+            idle = not self.engine.has_unfinished()
+            if idle:
+                self.engine.idle()
+            if not self._drain_inbox(block=idle):
+                break
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step: fail every live stream, keep serving

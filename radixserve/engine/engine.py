@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -23,6 +24,7 @@ from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
 from radixserve.engine.choice_sampler import ChoiceSampler
+from radixserve.engine.cores import CoreBoard
 from radixserve.engine.cuda_graph import make_decode_graphs
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
@@ -69,6 +71,10 @@ class Engine:
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.device = resolve_device(settings.device)
+        self.cores: CoreBoard | None = None  # the host's cores, shared with other workers
+        if settings.core_board and self.device.type == "cpu":
+            self.cores = CoreBoard(settings.core_board, settings.num_threads or os.cpu_count() or 1)
+        self._last_step_s = 0.0
         self.dtype = resolve_dtype(settings.dtype, self.device)
         if checkpoint is None:
             checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
@@ -383,6 +389,11 @@ class Engine:
         lps: list[TokenLogprob | None] = [*first_logprobs] or [None] * len(members)
         return [self._append(m, t, now, lp) for m, t, lp in zip(members, tokens, lps)]
 
+    def idle(self) -> None:
+        """Nothing left to compute: other workers on the core board may take its cores."""
+        if self.cores is not None:
+            self.cores.release()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -405,7 +416,13 @@ class Engine:
         self.leases.expire(time.perf_counter())
         batch = self.scheduler.schedule()
         if batch is None:
+            self.idle()
             return []
+        if self.cores is not None:
+            share = self.cores.acquire(self._last_step_s)
+            if share != self.step_stats.cpu_threads:
+                torch.set_num_threads(share)
+                self.step_stats.cpu_threads = share
         start = time.perf_counter()
         masks = self.choices.start_masks(batch)  # computed while the model runs
         logits, sampling, prompt_logits = self.runner.run(batch)
@@ -415,7 +432,10 @@ class Engine:
         draws = self.choices.sample(logits, sampling, masks, self._fork) if sampling else []
         now = time.perf_counter()
         self.step_stats.record(batch.num_new_tokens, now - start)
+        self._last_step_s = now - start
         outputs = [self._append(req, tok, now, lp) for req, tok, lp in draws]
+        if not self.scheduler.has_work:
+            self.idle()
         self.step_stats.queued_prompt_tokens = self.scheduler.pending_prompt_tokens()
         return outputs
 

@@ -27,6 +27,7 @@ class StepStats:
     engine_decode_only_seqs_total: int = 0  # sum of batch sizes of decode-only steps
     engine_decode_only_seconds_total: float = 0.0
     queued_prompt_tokens: int = 0  # prompt tokens of unfinished prefills, after the step
+    cpu_threads: int = 0  # torch's threads in the last step (0: not set by the engine)
 
     def record(self, num_new_tokens: list[int], seconds: float) -> None:
         """Count one step whose requests computed ``num_new_tokens`` in ``seconds``."""

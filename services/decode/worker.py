@@ -38,8 +38,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -64,6 +65,9 @@ from radixserve.services.runtime.prefill_router import PrefillRouter
 from radixserve.services.runtime.service import Peer
 from radixserve.services.runtime.worker import Worker, WorkerSettings
 from radixserve.transfer import TransferError
+
+if TYPE_CHECKING:
+    from radixserve.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +121,7 @@ class DecodeWorker(Worker):
     refused_while_draining = (GenerateRequest,)
     settings: DecodeSettings
 
-    def __init__(self, settings: DecodeSettings, engine) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings: DecodeSettings, engine: Engine | Callable[[], Engine]) -> None:
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
         self.view: MemberView | None = None

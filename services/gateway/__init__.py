@@ -45,7 +45,7 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.engine.engine import Engine
 
-    return LocalEngineClient(AsyncEngine(Engine(engine_settings)))
+    return LocalEngineClient(AsyncEngine(lambda: Engine(engine_settings)))  # on its thread
 
 
 def serve(client: EngineClient, settings: GatewaySettings) -> None:

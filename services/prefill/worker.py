@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -33,6 +35,9 @@ from radixserve.engine.outputs import RequestOutput
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone, entries
 from radixserve.services.runtime.service import Peer
 from radixserve.services.runtime.worker import Worker, WorkerSettings
+
+if TYPE_CHECKING:
+    from radixserve.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ class PrefillWorker(Worker):
     refused_while_draining = (PrefillRequest,)
     settings: PrefillSettings
 
-    def __init__(self, settings: PrefillSettings, engine) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings: PrefillSettings, engine: Engine | Callable[[], Engine]) -> None:
         super().__init__(settings, engine)
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker

@@ -112,10 +112,11 @@ class Worker(Service):
 
     settings: WorkerSettings
 
-    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+    def __init__(self, settings: WorkerSettings, engine: Engine | Callable[[], Engine]) -> None:
+        """``engine``, or what builds it on the engine thread (`AsyncEngine`)."""
         super().__init__(settings)
         self.engine = AsyncEngine(engine)
-        self.page_size = engine.page_size
+        self.page_size = self.engine.engine.page_size
         self.agent: KVTransferAgent | None = None
         self.kvstore: LinkSet | None = None
         self.host: HostTierClient | None = None
@@ -357,4 +358,5 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
     from radixserve.settings import EngineSettings
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
-    return serve_until_signalled(worker_cls(settings, Engine(EngineSettings(**from_env))))
+    # built on the engine thread, where it steps (`AsyncEngine`)
+    return serve_until_signalled(worker_cls(settings, lambda: Engine(EngineSettings(**from_env))))
