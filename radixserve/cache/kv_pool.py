@@ -47,6 +47,10 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+        # what the model's forward reads and writes: per layer, views of `kv`
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)
+        ]
 
     @classmethod
     def from_config(
@@ -94,4 +98,4 @@ class KVPool:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V caches of one layer, each (num_pages, page_size, H_kv, D) views."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+        return self.layers[layer]

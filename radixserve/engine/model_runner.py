@@ -53,7 +53,7 @@ class ModelRunner:
         if logits is None:
             fb = build_forward_batch(chunks, self.page_size, self.device)
             logits = self.model(
-                fb.input_ids, fb.positions, self.kv_pool, fb.attn, fb.logits_indices
+                fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
             )
         # rows: the sampling requests' in order, then each scored chunk's prompt rows
         prompt_logits, at = [], len(sampling)

@@ -12,14 +12,13 @@ with the residual add fused in, rope, silu * up, attention) come from one kernel
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
-from radixserve.cache.kv_pool import KVPool
 from radixserve.errors import ModelLoadError
 from radixserve.kernels.ops import KernelOps
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
@@ -128,7 +127,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_pool: KVPool,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer: K, V pages
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # (N,) rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
@@ -136,7 +135,7 @@ class LlamaModel(nn.Module):
         residual = None
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer(
-                x, residual, positions, self.ops, self.rope, self.attention, kv_pool.layer(i), meta
+                x, residual, positions, self.ops, self.rope, self.attention, kv_caches[i], meta
             )
         assert residual is not None
         # The LM head is the costliest matmul for a small model: apply it only where needed.

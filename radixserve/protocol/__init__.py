@@ -39,7 +39,6 @@ from radixserve.protocol.messages import (
     TransferDone,
     WatchMembers,
     WorkerLoad,
-    entries,
 )
 
 __all__ = [
@@ -81,5 +80,4 @@ __all__ = [
     "WorkerLoad",
     "decode",
     "encode",
-    "entries",
 ]

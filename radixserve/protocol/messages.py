@@ -30,13 +30,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LOGPROB_ENTRIES,
     LogprobEntry,
     SamplingSpec,
-    entries,
 )
 from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exported
     INT64_MAX,
@@ -57,9 +56,6 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
     WireStruct,
 )
 from radixserve.protocol.wire import field_spec as _spec
-
-if TYPE_CHECKING:
-    from radixserve.engine.outputs import RequestOutput
 
 PROTOCOL_VERSION: tuple[int, int] = (3, 0)
 
@@ -271,47 +267,6 @@ class TokenChunk(Message):
     index: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
     logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
-
-    @classmethod
-    def from_output(cls, out: RequestOutput) -> TokenChunk:
-        """The wire form of one engine step's output for a request."""
-        return cls(
-            request_id=out.request_id,
-            token_ids=tuple(out.new_token_ids),
-            text=out.new_text,
-            finished=out.finished,
-            finish_reason=out.finish_reason,  # type: ignore[arg-type]
-            prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens,
-            completion_tokens=out.completion_tokens,
-            ttft_ms=out.ttft_ms,
-            host_cached_tokens=out.host_cached_tokens,
-            index=out.index,
-            logprobs=entries(out.logprobs),
-            prompt_logprobs=entries(out.prompt_logprobs),
-        )
-
-    def to_output(self) -> RequestOutput:
-        """The engine's `RequestOutput` this chunk carries (inverse of `from_output`)."""
-        from radixserve.engine.outputs import RequestOutput
-
-        return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=list(self.token_ids),
-            new_text=self.text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
-            completion_tokens=self.completion_tokens,
-            ttft_ms=self.ttft_ms,
-            host_cached_tokens=self.host_cached_tokens,
-            index=self.index,
-            logprobs=[e.to_logprob() for e in self.logprobs] if self.logprobs else None,
-            prompt_logprobs=(
-                [e.to_logprob() for e in self.prompt_logprobs] if self.prompt_logprobs else None
-            ),
-        )
 
     def invariant_error(self) -> str | None:
         if self.finished and self.finish_reason is None:

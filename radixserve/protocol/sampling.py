@@ -4,10 +4,7 @@ messages of `radixserve.protocol.messages` (whose `PROTOCOL_VERSION` covers them
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from radixserve.protocol.wire import (
     MAX_TEXT_CHARS,
@@ -24,17 +21,14 @@ from radixserve.protocol.wire import (
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-if TYPE_CHECKING:
-    from radixserve.engine.outputs import TokenLogprob
-    from radixserve.engine.sampling_params import SamplingParams
-
 
 @dataclass(frozen=True)
 class SamplingSpec(WireStruct):
     """Sampling parameters as wire data; bounds here are sanity limits only.
 
     The semantic checks (min_tokens <= max_tokens, stop-string limits, ...) belong to
-    `SamplingParams`: `to_params` raises `InvalidRequestError` when they fail. The
+    `SamplingParams`: `radixserve.engine.wire.to_params` raises `InvalidRequestError`
+    when they fail. The
     logit biases travel as two parallel lists.
     """
 
@@ -70,24 +64,6 @@ class SamplingSpec(WireStruct):
             return "logit_bias_ids and logit_bias_values must have the same length"
         return None
 
-    def to_params(self) -> SamplingParams:
-        """The engine's `SamplingParams` (validated; raises `InvalidRequestError`)."""
-        from radixserve.engine.sampling_params import SamplingParams
-
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        ids, biases = values.pop("logit_bias_ids"), values.pop("logit_bias_values")
-        return SamplingParams(**values, logit_bias=tuple(zip(ids, biases)))
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplingSpec:
-        """The wire form of the engine's `SamplingParams`."""
-        names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("logit_bias")]
-        return cls(
-            **{name: getattr(params, name) for name in names},
-            logit_bias_ids=tuple(t for t, _ in params.logit_bias),
-            logit_bias_values=tuple(b for _, b in params.logit_bias),
-        )
-
 
 @dataclass(frozen=True)
 class LogprobEntry(WireStruct):
@@ -105,19 +81,5 @@ class LogprobEntry(WireStruct):
             return "top_ids and top_logprobs must have the same length"
         return None
 
-    @classmethod
-    def from_logprob(cls, lp: TokenLogprob) -> LogprobEntry:
-        return cls(lp.token_id, lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs))
-
-    def to_logprob(self) -> TokenLogprob:
-        from radixserve.engine.outputs import TokenLogprob
-
-        return TokenLogprob(self.token_id, self.logprob, self.top_ids, self.top_logprobs)
-
 
 LOGPROB_ENTRIES = ListSpec(NestedSpec(LogprobEntry), MAX_TOKENS_PER_MESSAGE)
-
-
-def entries(lps: Sequence[TokenLogprob] | None) -> tuple[LogprobEntry, ...]:
-    """The wire form of a list of log-probabilities (None: empty)."""
-    return tuple(LogprobEntry.from_logprob(lp) for lp in lps or ())

@@ -47,6 +47,7 @@ from pydantic_settings import SettingsConfigDict
 
 from radixserve.engine.admission import Admission
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.wire import to_chunk, to_logprob, to_params, to_spec
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
@@ -54,8 +55,6 @@ from radixserve.protocol import (
     Message,
     PrefillRequest,
     RequestFailed,
-    SamplingSpec,
-    TokenChunk,
     TransferDone,
 )
 from radixserve.protocol.messages import ErrorType
@@ -184,7 +183,7 @@ class DecodeWorker(Worker):
     async def _serve(self, peer: Peer, msg: GenerateRequest) -> None:
         rid = msg.request_id
         try:
-            params = msg.sampling.to_params()
+            params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
@@ -192,7 +191,7 @@ class DecodeWorker(Worker):
             else:
                 out = await self._begin(rid, ids, params, msg.prefill_worker)
             async for output in self.engine.outputs(rid, out):
-                await self.send_to(peer, TokenChunk.from_output(output))
+                await self.send_to(peer, to_chunk(output))
         except PrefillFailed as exc:
             await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
         except asyncio.CancelledError:
@@ -256,7 +255,7 @@ class DecodeWorker(Worker):
                     request_id=rid,
                     token_ids=tuple(ids),
                     dst_page_ids=tuple(dst),
-                    sampling=SamplingSpec.from_params(params),
+                    sampling=to_spec(params),
                     num_cached_tokens=admission.cached_tokens,
                 )
             )
@@ -289,10 +288,10 @@ class DecodeWorker(Worker):
                 self.router.answered(link.name, len(ids))
         self.counters["remote_prefills_total"] += 1
         first = list(kv.first_token_ids) or [kv.first_token_id]
-        first_lps = [e.to_logprob() for e in kv.first_logprobs]
+        first_lps = [to_logprob(e) for e in kv.first_logprobs]
         prompt_lps = None
         if params.prompt_logprobs is not None:
-            prompt_lps = [e.to_logprob() for e in kv.prompt_logprobs]
+            prompt_lps = [to_logprob(e) for e in kv.prompt_logprobs]
         self.engine.submit(
             lambda e: e.activate_remote(
                 rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps

@@ -49,6 +49,7 @@ import zmq.asyncio
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.wire import to_output, to_spec
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
@@ -59,7 +60,6 @@ from radixserve.protocol import (
     MemberList,
     Message,
     RequestFailed,
-    SamplingSpec,
     TokenChunk,
 )
 from radixserve.protocol.security import keys_from
@@ -309,7 +309,7 @@ class ClusterClient(EngineClient):
                     GenerateRequest(
                         request_id=request_id,
                         prompt_token_ids=tuple(prompt_ids),
-                        sampling=SamplingSpec.from_params(params),
+                        sampling=to_spec(params),
                         prefill_worker=prefill,
                         resume_token_ids=resume,
                     )
@@ -325,7 +325,7 @@ class ClusterClient(EngineClient):
                     self.prefill_router.answered(prefill, len(prompt_ids))
                     prefill = ""
                 stream.output_ids.extend(item.token_ids)
-                output = item.to_output()
+                output = to_output(item)
                 if item.finished:
                     done = True
                 yield output

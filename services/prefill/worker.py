@@ -32,7 +32,8 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.engine.outputs import RequestOutput
-from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone, entries
+from radixserve.engine.wire import to_entries, to_params
+from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
 from radixserve.services.runtime.service import Peer
 from radixserve.services.runtime.worker import Worker, WorkerSettings
 
@@ -137,7 +138,7 @@ class PrefillWorker(Worker):
         counted = True
         leased = False
         try:
-            params = msg.sampling.to_params()
+            params = to_params(msg.sampling)
             _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s)
             outputs = [output async for output in self.engine.outputs(rid, out)]
             last = outputs[-1]
@@ -173,8 +174,8 @@ class PrefillWorker(Worker):
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
                     first_token_ids=tuple(tokens) if len(tokens) > 1 else (),
-                    first_logprobs=entries([o.logprobs[0] for o in firsts if o.logprobs]),
-                    prompt_logprobs=entries(firsts[0].prompt_logprobs),
+                    first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
+                    prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                 ),
             )
         except asyncio.CancelledError:

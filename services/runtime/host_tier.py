@@ -11,7 +11,7 @@ have without a host tier. With ``host_write_through_uses`` N >= 1, a prefix used
 requests is written the same way before any eviction, so other workers can load it.
 
 **Load.** Before a prompt is admitted (`plan`), the worker hashes its pages, finds its
-own device hit in `Worker.device_pages` (its cache events mirrored on the loop, so no
+own device hit in `Worker.cached_hashes` (its cache events mirrored on the loop, so no
 engine call waits for a step) and, unless that already covers the prompt, asks the
 kvstore to lease the longest run past it (`HostLookup` -> `HostLease`: a round trip to
 the kvstore, no engine step). The engine's one admission (`Engine.admit` with the
@@ -253,7 +253,7 @@ class HostTierClient:
         full = (len(prompt_ids) - 1) // size  # never the last token: its logits are needed
         hashes = page_hashes(prompt_ids[: full * size], size, self.namespace)
         device_pages = 0  # the device hit, from the worker's view of its cache (no step wait)
-        while device_pages < full and hashes[device_pages] in self.worker.device_pages:
+        while device_pages < full and hashes[device_pages] in self.worker.cached_hashes:
             device_pages += 1
         if device_pages == full:
             return None

@@ -125,7 +125,7 @@ class Worker(Service):
         self._publisher: asyncio.Task | None = None
         self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
         # hashes of the pages in the engine's radix cache, as of the last event published
-        self.device_pages: set[int] = set()
+        self.cached_hashes: set[int] = set()
 
     async def start(self) -> None:
         s = self.settings
@@ -245,15 +245,15 @@ class Worker(Service):
 
     async def _publish(self) -> None:
         """Send queued cache events to the kvstore, numbered; a lost one shows as a gap.
-        They also keep `device_pages`, this loop's view of the device cache."""
+        They also keep `cached_hashes`, this loop's view of the device cache."""
         while True:
             kind, hashes = await self._events.get()
             if kind == "stored":
-                self.device_pages.update(hashes)
+                self.cached_hashes.update(hashes)
             elif kind == "removed":
-                self.device_pages.difference_update(hashes)
+                self.cached_hashes.difference_update(hashes)
             else:
-                self.device_pages.clear()
+                self.cached_hashes.clear()
             self._seq += 1
             link = self.kvstore.links[0] if self.kvstore else None
             if link is None or not link.up:

@@ -77,7 +77,7 @@ def test_padded_decode_gives_the_same_logits_and_leaves_the_pool_alone(tmp_path)
         prefill = [SequenceChunk(ids[:11], 0, pages[:3], True),
                    SequenceChunk(ids[11:], 0, pages[3:], True)]  # fmt: skip
         fb = build_forward_batch(prefill, 4, engine.device)
-        engine.model(fb.input_ids, fb.positions, engine.kv_pool, fb.attn, fb.logits_indices)
+        engine.model(fb.input_ids, fb.positions, engine.kv_pool.layers, fb.attn, fb.logits_indices)
         decodes = [
             SequenceChunk([40], 11, pages[:3], True),
             SequenceChunk([41], 8, pages[3:], True),
@@ -87,7 +87,7 @@ def test_padded_decode_gives_the_same_logits_and_leaves_the_pool_alone(tmp_path)
             before = engine.kv_pool.kv.clone()
             fb = build_forward_batch(decodes, 4, engine.device, pad_to=pad_to, table_width=7)
             out = engine.model(
-                fb.input_ids, fb.positions, engine.kv_pool, fb.attn, fb.logits_indices
+                fb.input_ids, fb.positions, engine.kv_pool.layers, fb.attn, fb.logits_indices
             )
             changed = (engine.kv_pool.kv != before).flatten(4).any(-1)  # (L, 2, P, slot)
             assert changed.nonzero()[:, 2:].unique(dim=0).tolist() == [[pages[2], 3], [pages[5], 0]]

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.wire import to_chunk, to_output, to_params, to_spec
 from radixserve.errors import InvalidRequestError
 from radixserve.protocol import codec
 from radixserve.protocol.messages import (
@@ -291,17 +292,17 @@ sampling_params = st.builds(
 @settings(max_examples=100, deadline=None)
 @given(sampling_params)
 def test_sampling_spec_round_trips_sampling_params_over_the_wire(params: SamplingParams) -> None:
-    request = GenerateRequest("r", (1,), sampling=SamplingSpec.from_params(params))
+    request = GenerateRequest("r", (1,), sampling=to_spec(params))
     decoded = codec.decode(codec.encode(request))
     assert isinstance(decoded, GenerateRequest)
-    assert decoded.sampling.to_params() == params
+    assert to_params(decoded.sampling) == params
 
 
 def test_sampling_spec_to_params_applies_semantic_checks() -> None:
     spec = SamplingSpec(max_tokens=4, min_tokens=5)
     assert codec.decode(codec.encode(GenerateRequest("r", (1,), sampling=spec)))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
-        spec.to_params()
+        to_params(spec)
 
 
 def test_token_chunk_carries_a_request_output_both_ways() -> None:
@@ -309,8 +310,8 @@ def test_token_chunk_carries_a_request_output_both_ways() -> None:
     from radixserve.protocol.codec import decode, encode
 
     out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 8, 3, 41.5)
-    chunk = TokenChunk.from_output(out)
+    chunk = to_chunk(out)
     assert decode(encode(chunk)) == chunk
-    assert chunk.to_output() == out
+    assert to_output(chunk) == out
     running = RequestOutput("r", [5], "h", False, None, 12, 8, 1, 41.5)
-    assert TokenChunk.from_output(running).to_output() == running
+    assert to_output(to_chunk(running)) == running

@@ -4,11 +4,15 @@ they arrive."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgpack
 import pytest
 
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.wire import to_chunk, to_entries, to_logprob, to_output, to_params, to_spec
 from radixserve.protocol import (
     GenerateRequest,
     KVReady,
@@ -18,7 +22,6 @@ from radixserve.protocol import (
     TokenChunk,
     decode,
     encode,
-    entries,
 )
 
 
@@ -30,24 +33,24 @@ def test_every_sampling_param_round_trips():
         repetition_penalty=1.2, logit_bias={7: -3.0, 2: 1.5}, min_p=0.1,
         guide_kind="json_schema", guide='{"type": "object"}',
     )  # fmt: skip
-    msg = GenerateRequest("r", (1, 2), sampling=SamplingSpec.from_params(params))
+    msg = GenerateRequest("r", (1, 2), sampling=to_spec(params))
     back = decode(encode(msg))
     assert isinstance(back, GenerateRequest)
-    assert back.sampling.to_params() == params
+    assert to_params(back.sampling) == params
 
 
 def test_logprobs_travel_in_token_chunks_and_kv_ready():
     lp = TokenLogprob(5, -0.25, (5, 9), (-0.25, -1.5))
     out = RequestOutput("r", [5], "a", False, "stop", 3, 0, 1, 1.0, index=2, logprobs=[lp],
                         prompt_logprobs=[lp, lp])  # fmt: skip
-    chunk = decode(encode(TokenChunk.from_output(out)))
+    chunk = decode(encode(to_chunk(out)))
     assert isinstance(chunk, TokenChunk)
-    assert chunk.to_output() == out  # a choice that ended before the request did
-    ready = KVReady("r", 5, first_token_ids=(5, 6), first_logprobs=entries([lp, lp]),
-                    prompt_logprobs=entries([lp]))  # fmt: skip
+    assert to_output(chunk) == out  # a choice that ended before the request did
+    ready = KVReady("r", 5, first_token_ids=(5, 6), first_logprobs=to_entries([lp, lp]),
+                    prompt_logprobs=to_entries([lp]))  # fmt: skip
     back = decode(encode(ready))
     assert isinstance(back, KVReady)
-    assert [e.to_logprob() for e in back.first_logprobs] == [lp, lp]
+    assert [to_logprob(e) for e in back.first_logprobs] == [lp, lp]
 
 
 @pytest.mark.parametrize(
@@ -72,4 +75,17 @@ def test_logit_bias_lists_must_pair():
                 "r", (1,), sampling=SamplingSpec(logit_bias_ids=(1, 2), logit_bias_values=(1.0,))
             )
         )
-    assert LogprobEntry(1, -1.0).to_logprob() == TokenLogprob(1, -1.0)
+    assert to_logprob(LogprobEntry(1, -1.0)) == TokenLogprob(1, -1.0)
+
+
+def test_the_protocol_package_imports_nothing_of_the_engine():
+    """`radixserve.protocol` is a leaf: the gateway, kvstore and clients load it without
+    torch, the model or the engine (the conversions are `radixserve.engine.wire`)."""
+    code = (
+        "import sys, radixserve.protocol, radixserve.protocol.channel;"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(("
+        "'radixserve.engine', 'radixserve.model', 'radixserve.cache', 'radixserve.services')));"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,90 @@
+"""The engine's types to and from the wire structs of `radixserve.protocol`.
+
+The protocol package knows nothing of the engine (it is a leaf: codec, messages, wire
+specs); the conversions live here, on the engine's side, and the services call them at
+the edge: `to_spec`/`to_params` for a request's sampling, `to_chunk`/`to_output` for an
+output on its way to the gateway, `to_entries`/`to_logprob` for log-probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from radixserve.engine.outputs import RequestOutput, TokenLogprob
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol.messages import TokenChunk
+from radixserve.protocol.sampling import LogprobEntry, SamplingSpec
+
+_SPEC_FIELDS = [f.name for f in dataclasses.fields(SamplingSpec)]
+
+
+def to_spec(params: SamplingParams) -> SamplingSpec:
+    """The wire form of ``params`` (the logit biases as two parallel lists)."""
+    names = [name for name in _SPEC_FIELDS if not name.startswith("logit_bias")]
+    return SamplingSpec(
+        **{name: getattr(params, name) for name in names},
+        logit_bias_ids=tuple(t for t, _ in params.logit_bias),
+        logit_bias_values=tuple(b for _, b in params.logit_bias),
+    )
+
+
+def to_params(spec: SamplingSpec) -> SamplingParams:
+    """The engine's `SamplingParams` for ``spec``; its semantic checks run here (raises
+    `InvalidRequestError`), the spec's own bounds are sanity limits only."""
+    values = {name: getattr(spec, name) for name in _SPEC_FIELDS}
+    ids, biases = values.pop("logit_bias_ids"), values.pop("logit_bias_values")
+    return SamplingParams(**values, logit_bias=tuple(zip(ids, biases)))
+
+
+def to_entry(lp: TokenLogprob) -> LogprobEntry:
+    return LogprobEntry(lp.token_id, lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs))
+
+
+def to_entries(lps: Sequence[TokenLogprob] | None) -> tuple[LogprobEntry, ...]:
+    """The wire form of a list of log-probabilities (None: empty)."""
+    return tuple(to_entry(lp) for lp in lps or ())
+
+
+def to_logprob(entry: LogprobEntry) -> TokenLogprob:
+    return TokenLogprob(entry.token_id, entry.logprob, entry.top_ids, entry.top_logprobs)
+
+
+def to_chunk(out: RequestOutput) -> TokenChunk:
+    """The wire form of one engine step's output for a request."""
+    return TokenChunk(
+        request_id=out.request_id,
+        token_ids=tuple(out.new_token_ids),
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,  # type: ignore[arg-type]
+        prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens,
+        ttft_ms=out.ttft_ms,
+        host_cached_tokens=out.host_cached_tokens,
+        index=out.index,
+        logprobs=to_entries(out.logprobs),
+        prompt_logprobs=to_entries(out.prompt_logprobs),
+    )
+
+
+def to_output(chunk: TokenChunk) -> RequestOutput:
+    """The `RequestOutput` ``chunk`` carries (the inverse of `to_chunk`)."""
+    return RequestOutput(
+        request_id=chunk.request_id,
+        new_token_ids=list(chunk.token_ids),
+        new_text=chunk.text,
+        finished=chunk.finished,
+        finish_reason=chunk.finish_reason,
+        prompt_tokens=chunk.prompt_tokens,
+        cached_tokens=chunk.cached_tokens,
+        completion_tokens=chunk.completion_tokens,
+        ttft_ms=chunk.ttft_ms,
+        host_cached_tokens=chunk.host_cached_tokens,
+        index=chunk.index,
+        logprobs=[to_logprob(e) for e in chunk.logprobs] if chunk.logprobs else None,
+        prompt_logprobs=(
+            [to_logprob(e) for e in chunk.prompt_logprobs] if chunk.prompt_logprobs else None
+        ),
+    )
