@@ -82,7 +82,9 @@ class DecodeGraphs:
         )
 
         def step() -> torch.Tensor:
-            return self.model(fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices)
+            return self.model(
+                fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
+            )
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -37,7 +37,9 @@ def chunked_logits(engine: Engine, ids: list[int], split: int | None = None) -> 
             )
             logits_indices = torch.arange(hi - lo)
             rows.append(
-                engine.model(fb.input_ids, fb.positions, engine.kv_pool.layers, fb.attn, logits_indices)
+                engine.model(
+                    fb.input_ids, fb.positions, engine.kv_pool.layers, fb.attn, logits_indices
+                )
             )
         return torch.cat(rows)
     finally:
