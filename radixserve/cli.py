@@ -8,6 +8,7 @@ container's health check and pre-stop hook), generate, chat, bench."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -488,7 +489,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         if cluster.control is not None and cluster.kvstore is not None:
-            print(f"radixserve: add a worker: {join_command(config, cluster.kvstore)}  "
+            shared = dataclasses.replace(config, core_board=cluster.core_board)
+            print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore)}  "
                   "(or decode instead of prefill)", flush=True)  # fmt: skip
             print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
                   f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip

@@ -181,14 +181,19 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
 
 def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> str:
     """The one-line command that starts one more worker of ``role`` and joins it to the
-    cluster whose kvstore is at ``kvstore`` (the engine settings it must share first)."""
+    cluster whose kvstore is at ``kvstore`` (the engine settings it must share first;
+    with a core board, the board too, so a worker started on this host shares its cores)."""
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "radixserve" else None
     argv = [program] if program else [sys.executable, "-m", "radixserve.cli"]
     argv += [role, "--join", kvstore]
     if config.transport != "nixl":
         argv += ["--transport", config.transport]
     extra = config.prefill_env if role == "prefill" else config.decode_env
-    env = [f"{k}={shlex.quote(v)}" for k, v in {**config.engine_env, **extra}.items()]
+    board = {}
+    if config.core_board and not config.num_threads:
+        board = {"RADIXSERVE_CORE_BOARD": config.core_board,
+                 "RADIXSERVE_NUM_THREADS": str(os.cpu_count() or 1)}  # fmt: skip
+    env = [f"{k}={shlex.quote(v)}" for k, v in {**config.engine_env, **extra, **board}.items()]
     return " ".join([*env, shlex.join(argv)])
 
 

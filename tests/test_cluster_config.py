@@ -81,6 +81,9 @@ def test_join_command_carries_what_a_worker_must_share():
     assert line.startswith("RADIXSERVE_PAGE_SIZE=32 RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS=64 ")
     assert line.endswith("decode --join tcp://127.0.0.1:5000 --transport zmq")
     assert "DECODE" not in join_command(config, "tcp://127.0.0.1:5000", "prefill")
+    shared = ClusterConfig(core_board="/tmp/board")  # a worker joined on this host shares
+    line = join_command(shared, "tcp://127.0.0.1:5000")
+    assert f"RADIXSERVE_CORE_BOARD=/tmp/board RADIXSERVE_NUM_THREADS={os.cpu_count()} " in line
 
 
 @pytest.mark.parametrize(
