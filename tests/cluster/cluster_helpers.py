@@ -53,6 +53,10 @@ class TestCluster(LocalCluster):
             num_prefill=num_prefill,
             num_decode=num_decode,
             transport=transport,
+            # one thread per worker, fixed, as these tests were sized for on 2 cores: under
+            # their load (a tiny pool spilling to the host tier) the shared cores lost to it
+            # (tests/engine/test_cores.py and test_up.py run the default, the core board)
+            num_threads=1,
             port=free_port(),
             engine_env={
                 "RADIXSERVE_DEVICE": "cpu",

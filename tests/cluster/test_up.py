@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from radixserve.cluster import free_port
+from radixserve.engine.cores import board_path
 
 
 def _children(pid: int) -> list[int]:
@@ -68,11 +70,15 @@ def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 4
+        # the workers share the cores through the cluster's core board
+        board = board_path(tempfile.gettempdir(), f"{proc.pid}-{port}")
+        assert os.path.getsize(board) > 0
         proc.send_signal(stop_signal)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, rest
         assert "cluster stopped" in rest
         assert all(_gone(pid) for pid in children)
+        assert not os.path.exists(board)  # removed at stop
     finally:
         if proc.poll() is None:
             proc.kill()
