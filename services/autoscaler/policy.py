@@ -15,8 +15,10 @@ alike — and returns one `Decision` per pool. For each pool:
    target for prefill, ITL p90 over target for decode — asks for at least one more
    replica than is provisioned (ready + starting), unless one is still starting.
 3. **Scale down** one replica at a time, only while no SLO is broken, after
-   ``scale_down_cooldown_s`` since the pool last changed, and only if N-1 replicas would
-   run below ``scale_down_utilization`` (``util * N / (N - 1)``): no 2<->1 flapping.
+   ``scale_down_cooldown_s`` since the pool last changed (a replica coming up is a
+   change: one that just arrived serves a full cooldown first), and only if N-1 replicas
+   would run below ``scale_down_utilization`` (``util * N / (N - 1)``): no 2<->1
+   flapping. An interval with prompts queued but no first token is not a good one.
 4. Scale-ups are ``scale_up_cooldown_s`` apart; everything stays within the bounds.
 
 Every decision carries its inputs and a reason, for the log and the metrics.
@@ -128,7 +130,10 @@ class ScalingPolicy:
         slow = obs.ttft_p90_s is not None and obs.ttft_p90_s > s.ttft_p90_target_s
         queued = pool.ready > 0 and queue > s.queue_tokens_per_replica
         breach = "ttft" if slow else "queue" if queued else ""
-        good = obs.ttft_p90_s is None or obs.ttft_p90_s < 0.5 * s.ttft_p90_target_s
+        if obs.ttft_p90_s is None:  # no first token: idle only if nothing waits either
+            good = obs.prefill_queue_tokens == 0
+        else:
+            good = obs.ttft_p90_s < 0.5 * s.ttft_p90_target_s
         inputs = {
             "ttft_p90_s": obs.ttft_p90_s,
             "queue_tokens_per_replica": round(queue),
@@ -165,6 +170,8 @@ class ScalingPolicy:
         s, mem, now = self.settings, self._memory[role], obs.now_s
         lo, hi = s.bounds(role)
         current = pool.provisioned
+        if pool.starting:  # the pool is still changing: its cooldown starts once it settles
+            mem.last_change_s = now
         # the correction grows while the SLO is broken, decays once latency is well under
         if breach:
             mem.correction = min(mem.correction * 1.15, 4.0)

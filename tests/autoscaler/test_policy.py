@@ -179,3 +179,37 @@ def test_cold_start_samples_are_left_out_of_capacity():
     fresh = DecodeCapacity(cold_start_s=30.0)
     fresh.add(decode_sample(50, age_s=1.0))
     assert fresh.fit() is None
+
+
+def test_a_replica_that_just_came_up_serves_a_cooldown_before_the_pool_shrinks():
+    policy = ScalingPolicy(settings(scale_down_cooldown_s=60.0, cold_start_s=0.0))
+    workers = [prefill_sample(7900)]
+    d = by_role(policy.decide(observe(0, {"prefill": 1, "decode": 1}, prefill_tps=12000,
+                                      ttft=3.0, workers=workers)))  # fmt: skip
+    assert d["prefill"].direction == "up"
+    # the new replica takes 90 s to start (longer than the cooldown); meanwhile demand falls
+    for t in range(10, 100, 10):
+        d = by_role(policy.decide(observe(t, {"prefill": 1, "decode": 1}, prefill_tps=200,
+                                          ttft=0.1, starting={"prefill": 1})))  # fmt: skip
+        assert d["prefill"].direction == "hold", (t, d["prefill"])
+    # it is up by t=100 (last seen starting at 90): a whole cooldown before the pool shrinks
+    for t in range(100, 150, 10):
+        d = by_role(policy.decide(observe(t, {"prefill": 2, "decode": 1}, prefill_tps=200,
+                                          ttft=0.1, workers=[prefill_sample(100)])))  # fmt: skip
+        assert d["prefill"].direction == "hold", (t, d["prefill"])
+    d = by_role(policy.decide(observe(150, {"prefill": 2, "decode": 1}, prefill_tps=200,
+                                      ttft=0.1, workers=[prefill_sample(100)])))  # fmt: skip
+    assert d["prefill"].direction == "down"
+
+
+def test_queued_prompts_without_a_first_token_are_not_idle():
+    policy = ScalingPolicy(settings(scale_down_cooldown_s=0.0))
+    pools = {"prefill": 2, "decode": 1}
+    # no request got its first token this interval, but prompts wait: hold
+    d = by_role(policy.decide(observe(0, pools, prefill_tps=100, ttft=None, queue=800,
+                                      workers=[prefill_sample(100)])))  # fmt: skip
+    assert d["prefill"].direction == "hold", d["prefill"]
+    # nothing waits either: idle, so it shrinks
+    d = by_role(policy.decide(observe(10, pools, prefill_tps=100, ttft=None, queue=0,
+                                      workers=[prefill_sample(100)])))  # fmt: skip
+    assert d["prefill"].direction == "down", d["prefill"]

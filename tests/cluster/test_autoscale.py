@@ -61,10 +61,19 @@ def test_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_after():
         threads = [threading.Thread(target=load, args=(w,)) for w in range(3)]
         for t in threads:
             t.start()
+
+        def added_with_requests() -> str | None:  # an added prefill worker that served
+            for name, w in cluster.workers().items():
+                if name.startswith("prefill-") and name != "prefill-0" and w.get("up") \
+                        and w.get("prefill_requests_total", 0) > 0:  # fmt: skip
+                    return name
+            return None
+
         try:
-            cluster.wait(lambda: cluster.worker("prefill-1")["up"], 150, "a second prefill worker")
-            cluster.wait(lambda: cluster.worker("prefill-1").get("prefill_requests_total", 0) > 0,
-                         60, "requests on the added worker")  # fmt: skip
+            cluster.wait(lambda: added_with_requests() is not None, 180,
+                         "an added prefill worker serving requests")  # fmt: skip
+            added = added_with_requests()
+            assert added is not None
         finally:
             stop.set()
             for t in threads:
@@ -74,10 +83,10 @@ def test_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_after():
                            direction="up")  # fmt: skip
         assert ups >= 1
         # the load is gone: back to one prefill worker, the added one drained and exited 0
-        cluster.wait(lambda: cluster.supervisor.retired.get("prefill-1") is not None, 90,
-                     "prefill-1 to be retired")  # fmt: skip
-        assert cluster.supervisor.retired["prefill-1"] == 0
-        cluster.wait(lambda: "prefill-1" not in cluster.workers(), 20, "prefill-1 to leave")
+        cluster.wait(lambda: cluster.supervisor.retired.get(added) is not None, 90,
+                     f"{added} to be retired")  # fmt: skip
+        assert cluster.supervisor.retired[added] == 0
+        cluster.wait(lambda: added not in cluster.workers(), 20, f"{added} to leave")
         metrics = httpx.get(f"{scaler}/metrics").text
         assert metric_value(metrics, "radixserve_autoscaler_decisions_total", role="prefill",
                             direction="down") >= 1  # fmt: skip
