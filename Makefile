@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve chat test lint format bench clean
+.PHONY: setup serve chat test bench-test lint format bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The end-to-end runs too long for make test (marked benchmark), e.g. 60 s of chaos.
+bench-test: $(STAMP)
+	$(BIN)/python -m pytest -m benchmark $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

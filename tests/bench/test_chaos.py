@@ -1,7 +1,8 @@
 """`radixserve bench --scenario chaos`: 60 s of chats through a real 2 + 2 cluster while
 every kind of fault happens at least once, then the verdicts the benchmark reports.
 
-The end-to-end test asserts what must hold on any machine: no wrong answer, no hang,
+The end-to-end test (marked ``benchmark``: `make bench-test` runs it, `make test` does
+not, as it takes 95–160 s on 2 cores) asserts what must hold on any machine: no wrong answer, no hang,
 no unclean failure (every failed request is a clean HTTP error or SSE error event), and
 nothing held on any worker once the cluster has settled; and, with two decode workers,
 no request failed by a decode worker's death, drain or pause (its streams migrate).
@@ -31,6 +32,7 @@ from radixserve.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.benchmark  # ~95 s on 2 cores: `make bench-test`, not `make test`
 def test_sixty_seconds_of_chaos(tmp_path: Path, capsys) -> None:
     out = tmp_path / "chaos.json"
     code = main(["bench", "--scenario", "chaos", "--seconds", "60", "--out", str(out)])
