@@ -14,7 +14,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -44,6 +45,7 @@ from radixserve.model.llama import LlamaModel, checkpoint_schemes, quant_targets
 from radixserve.model.quant import plan_schemes
 from radixserve.settings import EngineSettings
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -75,6 +77,7 @@ class Engine:
         if settings.core_board and self.device.type == "cpu":
             self.cores = CoreBoard(settings.core_board, settings.num_threads or os.cpu_count() or 1)
         self._last_step_s = 0.0
+        self.step_stats = StepStats()
         self.dtype = resolve_dtype(settings.dtype, self.device)
         if checkpoint is None:
             checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
@@ -95,9 +98,9 @@ class Engine:
             ops=attention.ops,
             plan=plan,
         )
-        self.model.load_weights(
-            checkpoint.iter_weights(self.dtype, checkpoint_schemes(self.config, plan))
-        )
+        weights = checkpoint.iter_weights(self.dtype, checkpoint_schemes(self.config, plan))
+        self.model.load_weights(self._sharing_cores(weights))
+        self.idle()
         self.quantization = _describe(plan)
         self.page_size = settings.page_size
         budget = int(settings.kv_cache_memory_gib * (1 << 30))
@@ -134,7 +137,6 @@ class Engine:
         self._ids = itertools.count()
         self.leases = LeaseTable(self.allocator)
         self._host_loads: dict[str, HostLoad] = {}
-        self.step_stats = StepStats()
         logger.info(
             "engine ready: %s on %s/%s, weights %s (%.1f MiB), %s kernels, %d KV pages of %d "
             "tokens (%.2f GiB), prefix cache %s",
@@ -389,6 +391,22 @@ class Engine:
         lps: list[TokenLogprob | None] = [*first_logprobs] or [None] * len(members)
         return [self._append(m, t, now, lp) for m, t, lp in zip(members, tokens, lps)]
 
+    def _take_cores(self) -> None:
+        """Mark this worker busy on the core board and compute on its share of them."""
+        if self.cores is not None:
+            share = self.cores.acquire(self._last_step_s)
+            if share != self.step_stats.cpu_threads:
+                torch.set_num_threads(share)
+                self.step_stats.cpu_threads = share
+
+    def _sharing_cores(self, items: Iterator[T]) -> Iterator[T]:
+        """``items``, taking this worker's share of the cores before each: workers loading
+        together (``radixserve up`` starts two) split the cores instead of oversubscribing
+        them, which with OpenMP's spinning threads made each load several times slower."""
+        for item in items:
+            self._take_cores()
+            yield item
+
     def idle(self) -> None:
         """Nothing left to compute: other workers on the core board may take its cores."""
         if self.cores is not None:
@@ -418,11 +436,7 @@ class Engine:
         if batch is None:
             self.idle()
             return []
-        if self.cores is not None:
-            share = self.cores.acquire(self._last_step_s)
-            if share != self.step_stats.cpu_threads:
-                torch.set_num_threads(share)
-                self.step_stats.cpu_threads = share
+        self._take_cores()
         start = time.perf_counter()
         masks = self.choices.start_masks(batch)  # computed while the model runs
         logits, sampling, prompt_logits = self.runner.run(batch)

@@ -1,6 +1,6 @@
 """Reading a llama.cpp GGUF file: config, tokenizer and dequantised weights.
 
-Weights are memory-mapped by `gguf.GGUFReader` and dequantised one tensor at a time
+Weights are memory-mapped by `GGUFFile` and dequantised one tensor at a time
 (`gguf.quants.dequantize`) under Hugging Face Llama names. llama.cpp's converter
 permutes the rows of Q and K (and their biases) for llama-arch models from Hugging
 Face's rotate-half layout to interleaved pairs; `_unpermute_rows` undoes that, so the
@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig, RopeScaling
 from radixserve.model.gguf_blocks import read_direct
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.quant import DIRECT_TYPES, QuantizedRows, RequantError, Scheme, quantize
 from radixserve.model.tokenizer import Tokenizer
 
@@ -72,7 +72,7 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFWeights:
     """Lazy access to the tensors of an open GGUF file under Hugging Face names."""
 
-    def __init__(self, path: Path, reader: GGUFReader, config: ModelConfig) -> None:
+    def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
         self._config = config
         self._tensors = {}
@@ -130,11 +130,6 @@ class GGUFWeights:
         return rows
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every metadata field as a plain Python value."""
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
 def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> RopeScaling | None:
     """Recognise llama.cpp's precomputed `rope_freqs` as Llama 3 scaling (None if unknown)."""
     factor = float(freqs.max())
@@ -158,7 +153,7 @@ def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> R
 
 
 def _rope_scaling(
-    meta: Mapping[str, Any], arch: str, reader: GGUFReader, head_dim: int, theta: float
+    meta: Mapping[str, Any], arch: str, reader: GGUFFile, head_dim: int, theta: float
 ) -> RopeScaling | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind == "linear":
@@ -175,7 +170,7 @@ def _rope_scaling(
     return None
 
 
-def _config(meta: Mapping[str, Any], reader: GGUFReader, path: Path, tokenizer: Tokenizer):
+def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: Tokenizer):
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -223,9 +218,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, GGUFWeights]:
     Raises ModelLoadError (naming `path`) for an unreadable, truncated or unsupported file.
     """
     try:
-        reader = GGUFReader(path)
-        meta = read_metadata(reader)
-    except Exception as exc:  # gguf raises ValueError, IndexError, struct errors...
+        reader = GGUFFile(path)
+        meta = reader.fields
+    except Exception as exc:  # ValueError, struct.error, OSError...
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
         ) from exc

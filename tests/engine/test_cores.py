@@ -125,3 +125,24 @@ def test_an_engine_steps_on_its_share_of_the_cores(tmp_path):
         other.kill()
         engine.cores.close()
         torch.set_num_threads(before)
+
+
+def test_an_engine_loads_its_weights_on_its_share_of_the_cores(tmp_path):
+    """Loading is computing too: beside a busy worker an engine loads on its share (two
+    workers loading at once on all the cores each were several times slower), and once
+    loaded it is not marked busy."""
+    path = tmp_path / "cores"
+    model = str(write_tiny_checkpoint(tmp_path, arch="llama"))
+    before = torch.get_num_threads()
+    other = Other(path, hold_s=60.0)
+    engine = None
+    try:
+        other.say("busy")
+        engine = make_engine(model, core_board=str(path), num_threads=2)
+        assert engine.step_counters()["cpu_threads"] == 1  # its share while it loaded
+        assert engine.cores is not None and engine.cores.busy_workers() == 1  # the other only
+    finally:
+        other.kill()
+        if engine is not None and engine.cores is not None:
+            engine.cores.close()
+        torch.set_num_threads(before)

@@ -9,12 +9,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import ModelLoadError
 from radixserve.model.gguf_blocks import read_direct
+from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.gguf_loader import GGUFWeights
 from radixserve.model.native import native_dequant
 from radixserve.model.qlinear import Fp8Linear, Int4Linear, Int8Linear, _split, make_linear
@@ -156,14 +157,14 @@ def test_gguf_blocks_decode_like_gguf(kind):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def _write_one_tensor(path, name, raw, kind) -> GGUFReader:
+def _write_one_tensor(path, name, raw, kind) -> GGUFFile:
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return GGUFReader(path)
+    return GGUFFile(path)
 
 
 @pytest.mark.parametrize("kind,scheme,step", [("Q4_K", "int4", 1 / 15), ("Q6_K", "int8", 1 / 127)])
