@@ -19,6 +19,12 @@ Progress: NIXL's own progress thread busy-polls a CPU core even when idle, so by
 the agent runs without it (``progress_thread=False``). The reader progresses its read
 in `poll`; the owner must call `serve_reads` while a peer reads (UCX over TCP or
 shared memory needs the target's progress; RDMA would not).
+
+Failed reads: a read towards a peer that died can leave a UCX request queued on its
+endpoint after NIXL reported the failure and its handle was released; destroying the
+agent with it still queued aborts the process (UCX asserts `ucs_arbiter_group_is_empty`;
+about 1 in 10 runs of the stale-peer test did). So once a read has failed, closing first
+progresses UCX for `SETTLE_S`, which lets it fail and return that request.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +52,8 @@ from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork
 
 logger = logging.getLogger(__name__)
+
+SETTLE_S = 0.25  # UCX progress before the agent goes, once a read has failed
 
 
 def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
@@ -133,6 +142,7 @@ class NixlTransferAgent(KVTransferAgent):
             raise TransferError("NIXL has no UCX backend plugin on this machine")
         self._reg = self._agent.register_memory(self.kv)
         self._xfers: dict[int, Any] = {}
+        self._had_failures = False  # a read failed: settle UCX before closing
         try:
             table = _descriptor_table(
                 self.kv.data_ptr(), self.num_regions * self.num_pages, self.page_bytes, self._dev_id
@@ -222,6 +232,8 @@ class NixlTransferAgent(KVTransferAgent):
         return "failed", "NIXL reported a transfer error"
 
     def _release(self, handle: TransferHandle) -> None:
+        if handle.state == "failed":
+            self._had_failures = True
         xfer = self._xfers.pop(handle.id, None)
         if xfer is None:
             return
@@ -244,6 +256,12 @@ class NixlTransferAgent(KVTransferAgent):
         return [(_as_str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
 
     def _shutdown(self) -> None:
+        if self._had_failures:  # see the module's docstring: failed reads
+            end = time.monotonic() + SETTLE_S
+            while time.monotonic() < end:
+                with contextlib.suppress(*self._errors):
+                    self._agent.get_new_notifs()  # progresses the UCX worker
+                time.sleep(0.002)
         try:
             self._agent.release_dlist_handle(self._local_dlist)
             self._agent.deregister_memory(self._reg)
