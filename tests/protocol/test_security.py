@@ -47,17 +47,17 @@ def test_only_holders_of_the_secret_get_frames_through(client):
         dealer = Channel.open(context, zmq.DEALER, server.endpoint, bind=False,
                               keys=client_keys[client])  # fmt: skip
         dealer.send(Abort("r", "hello?"), timeout_ms=1000)
-        got = server.recv_from(timeout_ms=1500)
+        # (generous waits: they end at the frame or the event, and the cores are shared)
+        got = server.recv_from(timeout_ms=5000 if client == "secret" else 1500)
         if client == "secret":
             assert got is not None and got[1] == Abort("r", "hello?")
             assert not monitor.poll(200)
         else:
             assert got is None  # nothing reached the application
-            assert monitor.poll(2000)  # the failed handshake is seen where it binds
+            assert monitor.poll(10_000)  # the failed handshake is seen where it binds
             event = parse_monitor_message(monitor.recv_multipart())
             assert event["event"] & HANDSHAKE_FAILURES
-        monitor.close(linger=0)
-        dealer.close()
-        server.close()
     finally:
-        context.term()
+        # every socket closed at once, also after a failed assertion (term alone then
+        # waited for the open ones forever)
+        context.destroy(linger=0)
