@@ -41,9 +41,9 @@ def test_only_holders_of_the_secret_get_frames_through(client):
     keys = ClusterKeys.from_secret(SECRET)
     client_keys = {"secret": keys, "none": None, "wrong": ClusterKeys.from_secret("x" * 20)}
     context = zmq.Context()
+    server = Channel.open(context, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True, keys=keys)
+    monitor = server.socket.get_monitor_socket(HANDSHAKE_FAILURES)
     try:
-        server = Channel.open(context, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True, keys=keys)
-        monitor = server.socket.get_monitor_socket(HANDSHAKE_FAILURES)
         dealer = Channel.open(context, zmq.DEALER, server.endpoint, bind=False,
                               keys=client_keys[client])  # fmt: skip
         dealer.send(Abort("r", "hello?"), timeout_ms=1000)
@@ -58,6 +58,8 @@ def test_only_holders_of_the_secret_get_frames_through(client):
             event = parse_monitor_message(monitor.recv_multipart())
             assert event["event"] & HANDSHAKE_FAILURES
     finally:
-        # every socket closed at once, also after a failed assertion (term alone then
-        # waited for the open ones forever)
+        # the monitor stopped before any socket closes (else libzmq can block sending it
+        # an event and context.term() waits forever: the suite hung here once), then
+        # every socket closed at once, also after a failed assertion
+        server.socket.disable_monitor()
         context.destroy(linger=0)
