@@ -1,4 +1,4 @@
-"""A small C routine that unpacks int4 weights for prefill, built on first use.
+"""A small C routine that unpacks int4 weights for prefill: prebuilt, or built on first use.
 
 `Int4Linear` runs prefill chunks as dequantize + dense matmul; done with torch ops the
 dequantization costs about six times the matmul it feeds (several passes over the
@@ -15,26 +15,46 @@ accumulates in float32 like the kernel, so the two paths agree as closely as two
 matmuls of different shapes do (a token computed in a prefill chunk and the same token
 computed alone in a cached turn's short delta get the same logits, to float32 rounding).
 
-It is compiled with the system C compiler (``cc``, or ``$CC``) into the user's cache
-(``$XDG_CACHE_HOME/radixserve``, else ``~/.cache/radixserve``), once per source and CPU
-(``-march=native``: the file name carries a hash of both), written atomically so that
-workers starting together do not race. Without a compiler, or if the build fails, the
-torch-ops path is used (slower prefill, same results up to rounding) and this is logged
-once. ``RADIXSERVE_NATIVE_KERNELS=0`` turns it off.
+Where the routine comes from, first found wins (logged once, at INFO):
+
+1. ``$RADIXSERVE_NATIVE_DIR``: a directory of prebuilt variants, written by
+   ``python -m radixserve.model.native DIR`` where a compiler is (an image's build
+   stage: its runtime stage has none). The best variant whose CPU flags
+   ``/proc/cpuinfo`` lists is loaded: on x86-64, AVX-512 with bfloat16 (x86-64-v4 +
+   avx512bf16), AVX2 (x86-64-v3) or the x86-64 baseline; elsewhere one baseline. They
+   are built with portable flags only, never ``-march=native`` (an image runs on other
+   CPUs than the one that built it), and named by variant and a hash of the source and
+   flags, so a file built from another version of the source is never loaded.
+2. Built on first use with the system C compiler (``cc``, or ``$CC``) into the user's
+   cache (``$XDG_CACHE_HOME/radixserve``, else ``~/.cache/radixserve``), once per source
+   and CPU (``-march=native``: the file name carries a hash of both), written atomically
+   so that workers starting together do not race.
+3. Torch ops (`Int4Linear`'s own dequantization): slower prefill.
+
+All of them give the same hi/lo pair bit for bit (the product (q - 8) * scale is exact
+in float32, so only the add rounds, fused or not; every conversion to bfloat16 rounds to
+nearest even, and AVX-512's, which flushes subnormals, has them redone in plain C), and
+`Int4Linear` takes the same path with or without the routine, so which one runs changes
+prefill speed, never a token (tests/model/test_native.py, tests/engine/test_native_fallback.py).
+``RADIXSERVE_NATIVE_KERNELS=0`` turns the routine off (torch ops).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,43 +75,19 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even */
 }
 
 /* packed: (n/64, k, 32) bytes, low nibble row j, high nibble row j + 32 of each block;
-   sz: (k/group, n, 2) bfloat16 (scale, zero); w = (q - 8) * scale + zero, in float32.
+   sz: (k/group, n, 2) bfloat16 (scale, zero); w = (q - 8) * scale + zero, in float32
+   ((q - 8) * scale is exact: fused or not, only the add rounds).
    out: (2k, n) bfloat16: rows [0, k) hold hi = bf16(w), rows [k, 2k) lo = bf16(w - hi),
-   so that hi + lo is w to within 2^-16 of it. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-/* 16 rows of one k: codes (low or high nibbles of 16 bytes) -> hi and lo bfloat16 */
-static inline void rows16(const uint8_t *p, int high, const uint16_t *g, uint16_t *hi,
-                          uint16_t *lo) {
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
-    __m512 qf = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(8.0f));
-    __m512i sz = _mm512_loadu_si512((const void *)g);  /* 16 (scale, zero) pairs */
-    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32((int)0xFFFF0000)));
-    __m512 w = _mm512_fmadd_ps(qf, s, z);
-    __m256bh h = _mm512_cvtneps_pbh(w);
-    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-    _mm256_storeu_si256((__m256i *)hi, (__m256i)h);
-    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(w, hf)));
-}
-#endif
-
-void dequant_int4(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n,
-                  int64_t k, int64_t group, int64_t k_begin, int64_t k_end) {
-    int64_t blocks = n / 64;
-    for (int64_t kk = k_begin; kk < k_end; kk++) {  /* rows [k_begin, k_end) of K */
+   so that hi + lo is w to within 2^-16 of it. Rows [k_begin, k_end) of K. */
+static void dequant_plain(const uint8_t *packed, const uint16_t *sz, uint16_t *out,
+                          int64_t n, int64_t k, int64_t group, int64_t k_begin,
+                          int64_t k_end) {
+    for (int64_t kk = k_begin; kk < k_end; kk++) {
         const uint16_t *g = sz + (kk / group) * n * 2;
         uint16_t *hi_row = out + kk * n, *lo_row = out + (k + kk) * n;
-        for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t nb = 0; nb < n / 64; nb++) {
             const uint8_t *p = packed + (nb * k + kk) * 32;
             int64_t n0 = nb * 64;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-            for (int r = 0; r < 64; r += 16) {  /* rows n0 + r .. n0 + r + 15 */
-                rows16(p + (r & 31), r >= 32, g + (n0 + r) * 2, hi_row + n0 + r, lo_row + n0 + r);
-            }
-            continue;
-#endif
             float w[64];
             for (int j = 0; j < 32; j++) {
                 w[j] = (float)((p[j] & 15) - 8) * bf16_to_float(g[(n0 + j) * 2])
@@ -107,10 +103,103 @@ void dequant_int4(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int6
         }
     }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* 16 rows of one k: codes (low or high nibbles of 16 bytes) -> hi and lo bfloat16; the
+   lanes where w or w - hi is subnormal, which the conversion flushes to zero */
+static inline __mmask16 rows16(const uint8_t *p, int high, const uint16_t *g,
+                               uint16_t *hi, uint16_t *lo) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    q = high ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    __m512 qf = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(8.0f));
+    __m512i sz = _mm512_loadu_si512((const void *)g);  /* 16 (scale, zero) pairs */
+    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32((int)0xFFFF0000)));
+    __m512 w = _mm512_fmadd_ps(qf, s, z);
+    __m256bh h = _mm512_cvtneps_pbh(w);
+    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    __m512 l = _mm512_sub_ps(w, hf);
+    _mm256_storeu_si256((__m256i *)hi, (__m256i)h);
+    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(l));
+    return _mm512_fpclass_ps_mask(w, 0x20) | _mm512_fpclass_ps_mask(l, 0x20);
+}
+
+/* as dequant_plain; nonzero if a weight was subnormal (then the range is to be redone) */
+static __mmask16 dequant_avx512(const uint8_t *packed, const uint16_t *sz, uint16_t *out,
+                                int64_t n, int64_t k, int64_t group, int64_t k_begin,
+                                int64_t k_end) {
+    __mmask16 subnormal = 0;
+    for (int64_t kk = k_begin; kk < k_end; kk++) {
+        const uint16_t *g = sz + (kk / group) * n * 2;
+        uint16_t *hi_row = out + kk * n, *lo_row = out + (k + kk) * n;
+        for (int64_t nb = 0; nb < n / 64; nb++) {
+            const uint8_t *p = packed + (nb * k + kk) * 32;
+            int64_t n0 = nb * 64;
+            for (int r = 0; r < 64; r += 16) {  /* rows n0 + r .. n0 + r + 15 */
+                subnormal |= rows16(p + (r & 31), r >= 32, g + (n0 + r) * 2, hi_row + n0 + r,
+                                    lo_row + n0 + r);
+            }
+        }
+    }
+    return subnormal;
+}
+#endif
+
+void dequant_int4(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n,
+                  int64_t k, int64_t group, int64_t k_begin, int64_t k_end) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+    /* no real checkpoint has weights below ~1e-35: plain C keeps them as torch does */
+    if (!dequant_avx512(packed, sz, out, n, k, group, k_begin, k_end)) return;
+#endif
+    dequant_plain(packed, sz, out, n, k, group, k_begin, k_end);
+}
 """
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+_COMMON_FLAGS = ("-O3", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")  # built on first use, for this CPU
 
 Dequant = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A portable build of the routine: its compiler flags and the CPU flags (as
+    /proc/cpuinfo names them) that the code those flags allow needs."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str] = frozenset()
+
+    @property
+    def file_name(self) -> str:
+        return f"dequant-{self.name}-{_digest(self.flags)}.so"
+
+
+# the x86-64 micro-architecture levels' features, as /proc/cpuinfo names them
+_X86_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+_X86_V3 = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_X86_VARIANTS = (  # best first; one thread, a 1536 x 576 weight (Zen 4): 0.20, 0.35, 0.71 ms
+    Variant(
+        "x86-64-v4-bf16",
+        (*_COMMON_FLAGS, "-march=x86-64-v4", "-mavx512bf16"),
+        _X86_V4 | {"avx512_bf16"},
+    ),
+    Variant("x86-64-v3", (*_COMMON_FLAGS, "-march=x86-64-v3"), _X86_V3),
+    Variant("x86-64", (*_COMMON_FLAGS, "-march=x86-64", "-mtune=generic")),
+)
+
+
+def variants(machine: str | None = None) -> tuple[Variant, ...]:
+    """The prebuilt variants for an architecture (this one by default), best first."""
+    machine = machine or platform.machine()
+    if machine.lower() in ("x86_64", "amd64"):
+        return _X86_VARIANTS
+    return (Variant("baseline", _COMMON_FLAGS),)
+
+
+def _digest(flags: Sequence[str], extra: str = "") -> str:
+    return hashlib.sha256((_SOURCE + " ".join(flags) + extra).encode()).hexdigest()[:16]
 
 
 def _cpu_flags() -> str:
@@ -128,43 +217,92 @@ def _cache_dir() -> Path:
     return Path(base) / "radixserve"
 
 
-def _build() -> Path | None:
-    """The compiled library's path (building it if needed), or None when it cannot be."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _compile(cc: str, flags: Sequence[str], target: Path) -> None:
+    """Compile the source into ``target``, atomically (raises on failure)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "dequant.c", Path(tmp) / "dequant.so"
+        src.write_text(_SOURCE)
+        subprocess.run([cc, *flags, str(src), "-o", str(lib)], check=True,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+        os.replace(lib, target)
+
+
+def build_variants(folder: Path, cc: str | None = None) -> list[Path]:
+    """Compile every variant of this architecture into ``folder`` (those already there
+    are kept: the name says what they were built from); raises if one fails."""
+    cc = cc or _compiler()
     if cc is None:
-        logger.info("no C compiler: int4 prefill dequantizes with torch ops (slower)")
-        return None
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_flags()).encode()).hexdigest()
-    target = _cache_dir() / f"dequant-{digest[:16]}.so"
-    if target.exists():
-        return target
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC)")
+    built = []
+    for variant in variants():
+        target = folder / variant.file_name
+        if not target.exists():
+            _compile(cc, variant.flags, target)
+        built.append(target)
+    return built
+
+
+def _load(path: Path) -> ctypes._NamedFuncPointer | None:
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, lib = Path(tmp) / "dequant.c", Path(tmp) / "dequant.so"
-            src.write_text(_SOURCE)
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(lib)], check=True,
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
-            os.replace(lib, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.info("building the int4 dequantizer failed (%s): torch ops instead", detail)
+        return ctypes.CDLL(str(path)).dequant_int4
+    except OSError as exc:
+        logger.info("loading %s failed (%s)", path, exc)
         return None
-    return target
+
+
+def _prebuilt() -> ctypes._NamedFuncPointer | None:
+    """The best prebuilt variant in $RADIXSERVE_NATIVE_DIR this CPU runs, if any."""
+    folder = os.environ.get("RADIXSERVE_NATIVE_DIR")
+    if not folder:
+        return None
+    have = set(_cpu_flags().partition(":")[2].split())
+    for variant in variants():
+        path = Path(folder) / variant.file_name
+        if variant.cpu_flags <= have and path.exists() and (fn := _load(path)) is not None:
+            logger.info("int4 dequantizer: prebuilt, %s (%s)", variant.name, path)
+            return fn
+    logger.warning("RADIXSERVE_NATIVE_DIR=%s holds no int4 dequantizer built from this "
+                   "source that this CPU runs (python -m radixserve.model.native DIR)",
+                   folder)  # fmt: skip
+    return None
+
+
+def _built() -> ctypes._NamedFuncPointer | None:
+    """The routine built for this CPU in the user's cache (building it if needed)."""
+    cc = _compiler()
+    if cc is None:
+        logger.debug("no C compiler to build the int4 dequantizer")
+        return None
+    target = _cache_dir() / f"dequant-{_digest(_FLAGS, _cpu_flags())}.so"
+    if not target.exists():
+        try:
+            _compile(cc, _FLAGS, target)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.info("building the int4 dequantizer failed (%s)", detail)
+            return None
+    fn = _load(target)
+    if fn is not None:
+        logger.info("int4 dequantizer: built for this CPU (%s)", target)
+    return fn
 
 
 @functools.lru_cache(maxsize=1)
 def native_dequant() -> Dequant | None:
     """The C int4 dequantizer as a function, or None (see the module docstring)."""
     if os.environ.get("RADIXSERVE_NATIVE_KERNELS", "1") == "0":
+        logger.info("int4 dequantizer: torch ops (RADIXSERVE_NATIVE_KERNELS=0)")
         return None
-    path = _build()
-    if path is None:
-        return None
-    try:
-        fn = ctypes.CDLL(str(path)).dequant_int4
-    except OSError as exc:
-        logger.info("loading %s failed (%s): torch ops instead", path, exc)
+    fn = _prebuilt()
+    if fn is None:
+        fn = _built()
+    if fn is None:
+        logger.info("int4 dequantizer: torch ops, none prebuilt or built (slower prefill)")
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -190,3 +328,30 @@ def native_dequant() -> Dequant | None:
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
                               thread_name_prefix="dequant")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build the portable variants into a directory (for RADIXSERVE_NATIVE_DIR)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m radixserve.model.native",
+        description="Prebuild the int4 dequantizer's portable variants into DIR, for "
+        "machines without a C compiler (RADIXSERVE_NATIVE_DIR=DIR).",
+    )
+    parser.add_argument("dir", type=Path, help="directory to write them to (created)")
+    args = parser.parse_args(argv)
+    try:
+        paths = build_variants(args.dir)
+    except subprocess.CalledProcessError as exc:
+        print(f"building failed: {' '.join(exc.cmd)}\n{exc.stderr}", file=sys.stderr)
+        return 1
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"building failed: {exc}", file=sys.stderr)
+        return 1
+    for variant, path in zip(variants(), paths):
+        needs = " ".join(sorted(variant.cpu_flags)) or "any CPU of this architecture"
+        print(f"{variant.name}: {path} (needs {needs})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

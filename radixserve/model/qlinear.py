@@ -12,8 +12,11 @@ dequantized rows for an embedding lookup.
   matmul's, while oneDNN's bfloat16 matmul (AMX where present) barely grows, so above
   `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient
   dense matrix and runs the dense matmul instead (prefill chunks); decode steps stay on
-  the kernel. int4 dequantizes with a small C routine where a compiler is present
-  (`radixserve.model.native`), which moves its crossover from 96 rows down to 16.
+  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`),
+  which moves its crossover from 96 rows (dequantizing with torch ops) down to 16. Without
+  the routine (no compiler, no prebuilt one) the same crossover and the same [hi; lo]
+  pair, bit for bit, are kept, so greedy outputs do not depend on where the server runs:
+  only prefill chunks of 17-96 rows are slower.
 - `Fp8Linear`: e4m3 weight with per-row scales, activations quantized per row on the
   fly, ``torch._scaled_mm`` (FP8 tensor cores on GPUs that have them).
 """
@@ -146,7 +149,9 @@ class Int4Linear(_KernelLinear):
     as (K/GROUP, N, 2)."""
 
     scheme: Scheme = "int4"
-    kernel_rows = 96  # dequantizing with torch ops; 16 with the native dequantizer
+    # the native dequantizer's crossover (torch ops alone would have it at 96), kept
+    # without it too: which path a prefill takes must not depend on the machine
+    kernel_rows = 16
     packed: torch.Tensor  # (N, K/2) uint8
     scales_zeros: torch.Tensor  # (K/group, N, 2)
 
@@ -162,8 +167,6 @@ class Int4Linear(_KernelLinear):
         n, k = out_features, in_features
         self.group = group
         self._native = native_dequant()
-        if self._native is not None:
-            self.kernel_rows = 16
         self.register_buffer("packed", torch.empty(n, k // 2, dtype=torch.uint8))
         self.register_buffer("scales_zeros", torch.empty(k // group, n, 2, dtype=_KERNEL_DTYPE))
 
@@ -182,10 +185,12 @@ class Int4Linear(_KernelLinear):
         )
 
     def dense_pair(self) -> torch.Tensor:
+        """As the base's, in the native routine's layout: a (N, 2K) view of (2K, N), so
+        that the dense matmul is the same call, and sums the same, with or without it."""
         n, k = self.out_features, self.in_features
         if self._native is not None:
             return self._native(self.packed, self.scales_zeros, n, k, self.group).t()
-        return super().dense_pair()
+        return _split(self._float32().t(), dim=0).t()  # (N, 2K) view of (2K, N)
 
     def _float32(self) -> torch.Tensor:
         """(N, K) view of a (K, N) float32 matrix, with torch ops: unpacking along K keeps
@@ -238,10 +243,12 @@ class Fp8Linear(Linear):
         return self.q[ids].to(self.dtype) * self.scale[0, ids].to(self.dtype)[:, None]
 
 
-def _split(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) float32 → (N, 2K) bfloat16 [hi | lo], hi = bf16(w), lo = bf16(w - hi)."""
+def _split(w: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """float32 w → bfloat16 [hi, lo] joined along ``dim`` ((N, K) → (N, 2K) by default),
+    hi = bf16(w), lo = bf16(w - hi): the native routine's numbers, bit for bit (both round
+    to nearest even, and w - hi is exact)."""
     hi = w.to(torch.bfloat16)
-    return torch.cat((hi, (w - hi.float()).to(torch.bfloat16)), dim=1)
+    return torch.cat((hi, (w - hi.float()).to(torch.bfloat16)), dim=dim)
 
 
 _LAYERS: dict[str, Callable[[int, int, torch.dtype, torch.device], Linear]] = {
