@@ -14,14 +14,29 @@ from pathlib import Path
 
 import torch
 
+from radixserve.errors import ConfigurationError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU. A device asked for by name that this
+    process cannot see is refused at start, naming what is missing (no silent CPU
+    fallback: ``RADIXSERVE_DEVICE=cpu`` or ``auto`` is the way to run on the CPU)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA (torch " + torch.__version__ + ")"
+               if torch.version.cuda is None
+               else "no CUDA device is visible (torch.cuda.device_count() == 0)")  # fmt: skip
+        raise ConfigurationError(
+            f"device {name!r} asked for (RADIXSERVE_DEVICE / --device) but {why}: pass a GPU "
+            "to this process (the NVIDIA container toolkit, --gpus) or set "
+            "RADIXSERVE_DEVICE=cpu (or auto) to run on the CPU"
+        )
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
