@@ -509,6 +509,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
+    if args.check_config:
+        return _check_config(args)
     if args.command == "gateway":
         from radixserve.services.gateway.__main__ import main as gateway_main
 
@@ -520,12 +522,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     from radixserve.services.runtime.service import serve_until_signalled
     from radixserve.services.runtime.worker import run_worker
 
-    overrides: dict[str, Any] = {}
-    for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
-                      ("host", "host"), ("advertise_host", "advertise_host"),
-                      ("transport", "transfer_backend")):  # fmt: skip
-        if getattr(args, flag, None) is not None:
-            overrides[key] = getattr(args, flag)
+    overrides = _service_overrides(args)
     if args.command == "kvstore":
         from radixserve.services.kvstore import KVStoreService, KVStoreSettings
 
@@ -537,6 +534,29 @@ def cmd_service(args: argparse.Namespace) -> int:
     from radixserve.services.decode import DecodeSettings, DecodeWorker
 
     return run_worker(DecodeWorker, DecodeSettings(**overrides))
+
+
+def _service_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """A service command's flags as settings fields (over the environment's)."""
+    overrides: dict[str, Any] = {}
+    for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
+                      ("host", "host"), ("advertise_host", "advertise_host"),
+                      ("transport", "transfer_backend")):  # fmt: skip
+        if getattr(args, flag, None) is not None:
+            overrides[key] = getattr(args, flag)
+    return overrides
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Print the service's settings as JSON (exit 0), or say what is wrong (exit 1 for
+    an unknown RADIXSERVE_* name, 2 for a refused value); start nothing."""
+    import json
+
+    from radixserve.services.runtime.settings_check import check_config
+
+    settings = check_config(args.command, _service_overrides(args))
+    print(json.dumps(settings, indent=2, sort_keys=True))
+    return 0
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -767,6 +787,10 @@ def make_parser() -> argparse.ArgumentParser:
     for name, text in _SERVICE_HELP.items():
         service = sub.add_parser(name, help=text, description=text)
         service.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
+        service.add_argument("--check-config", action="store_true",
+                             help="print the settings this service would start with (from "
+                             "RADIXSERVE_* and these flags) and exit; refuses unknown "
+                             "RADIXSERVE_* names")  # fmt: skip
         if name in ("prefill", "decode"):
             service.add_argument("--join", metavar="KVSTORE",
                                  help="join the cluster whose kvstore is at this address "
