@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve chat test bench-test lint format bench clean
+.PHONY: setup serve chat test test-docker bench-test lint format bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ chat: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The images, the compose file (with Prometheus) and the Kubernetes commands run for real
+# in Docker (tests/deploy/test_docker.py; needs a running Docker engine and, where Docker
+# Hub is out of reach, root for debootstrap). .ci/run starts one when it can.
+test-docker: $(STAMP)
+	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_docker.py $(PYTEST_ARGS)
+
 # The end-to-end runs too long for make test (marked benchmark), e.g. 60 s of chaos.
 bench-test: $(STAMP)
 	$(BIN)/python -m pytest -m benchmark $(PYTEST_ARGS)
@@ -40,7 +46,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/hadolint --config compose/.hadolint.yaml compose/Dockerfile compose/Dockerfile.cuda
+	$(BIN)/hadolint --config compose/.hadolint.yaml compose/Dockerfile compose/Dockerfile.cuda \
+		compose/base/Dockerfile.build compose/prometheus/Dockerfile
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
