@@ -95,7 +95,3 @@ class KVPool:
     def page_bytes(self) -> int:
         """Bytes of one page of one layer's K (or V): the unit a transfer moves."""
         return self.page_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V caches of one layer, each (num_pages, page_size, H_kv, D) views."""
-        return self.layers[layer]

@@ -63,7 +63,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
-        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -256,7 +255,6 @@ class Scheduler:
         """Preempt the newest running request; False if that was `req` itself."""
         victim = self.running[-1]
         logger.info("preempting %s to free KV pages", victim.request_id)
-        self.num_preemptions += 1
         chosen.pop(victim.request_id, None)
         self.running.remove(victim)
         self._release(victim, cache_kv=True)

@@ -57,7 +57,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (3, 0)
+PROTOCOL_VERSION: tuple[int, int] = (4, 0)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -84,7 +84,6 @@ ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
 DURATION_MS = FloatSpec()
 TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
 PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
-VERSION = ListSpec(IntSpec(0, 2**31 - 1), max_len=2, min_len=2)
 ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
 LOAD_STATS = StatsSpec(
     MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
@@ -102,30 +101,28 @@ class Hello(Message):
     name: str = field(metadata=_spec(PEER_NAME))
     role: Role = field(metadata=_spec(ROLE))
     generation: int = field(default=0, metadata=_spec(COUNT))
-    protocol_version: tuple[int, int] = field(default=PROTOCOL_VERSION, metadata=_spec(VERSION))
 
 
 @dataclass(frozen=True)
 class HelloAck(Message):
     """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer.
 
-    A worker also says what it serves (``model_name``, ``max_model_len``, ``page_size``)
-    and, if it owns KV pages peers may read, how to reach them: ``transfer_backend`` and
-    the agent's opaque ``transfer_metadata`` (`KVTransferAgent.metadata`), which the
-    reader checks for a compatible pool before its first transfer.
+    A worker also says what it serves (``model_name``, ``max_model_len``, ``page_size``:
+    a link whose peer pages differ from its own is refused, as page hashes would not
+    match) and, if it owns KV pages peers may read, the agent's opaque
+    ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a
+    compatible pool before its first transfer.
     """
 
     TYPE_TAG: ClassVar[str] = "hello_ack"
     name: str = field(metadata=_spec(PEER_NAME))
     role: Role = field(metadata=_spec(ROLE))
     generation: int = field(default=0, metadata=_spec(COUNT))
-    protocol_version: tuple[int, int] = field(default=PROTOCOL_VERSION, metadata=_spec(VERSION))
     accepted: bool = field(default=True, metadata=_spec(BoolSpec()))
     reason: str = field(default="", metadata=_spec(ERROR_TEXT))
     model_name: str = field(default="", metadata=_spec(StrSpec(MAX_ID_CHARS)))
     max_model_len: int = field(default=0, metadata=_spec(COUNT))
     page_size: int = field(default=0, metadata=_spec(COUNT))
-    transfer_backend: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
     transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
 
 
@@ -217,6 +214,7 @@ class PrefillRequest(Message):
 class KVReady(Message):
     """Prefill -> decode worker: the prompt's KV is computed and the first token is known.
 
+    ``first_token_ids`` holds every choice's first token, in choice order (one for n = 1).
     ``src_page_ids`` names the prefill worker's pages holding the prompt past the decode
     side's ``num_cached_tokens``, leased until the decode worker, having read them,
     sends ``TransferDone`` (or the lease ends).
@@ -224,14 +222,14 @@ class KVReady(Message):
 
     TYPE_TAG: ClassVar[str] = "kv_ready"
     request_id: str = field(metadata=_spec(REQUEST_ID))
-    first_token_id: int = field(metadata=_spec(TOKEN_ID))
+    first_token_ids: tuple[int, ...] = field(
+        metadata=_spec(ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1))
+    )
     src_page_ids: tuple[int, ...] = field(
         default=(), metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
     )
     cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
-    # a request with n > 1 choices: every choice's first token (first_token_id is choice 0's)
-    first_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
     first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
 
@@ -243,7 +241,6 @@ class TransferDone(Message):
     TYPE_TAG: ClassVar[str] = "transfer_done"
     request_id: str = field(metadata=_spec(REQUEST_ID))
     ok: bool = field(default=True, metadata=_spec(BoolSpec()))
-    error: str | None = field(default=None, metadata=_spec(OptionalSpec(ERROR_TEXT)))
 
 
 @dataclass(frozen=True)
@@ -285,7 +282,6 @@ class Abort(Message):
 
     TYPE_TAG: ClassVar[str] = "abort"
     request_id: str = field(metadata=_spec(REQUEST_ID))
-    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
 
 
 @dataclass(frozen=True)

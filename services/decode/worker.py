@@ -142,6 +142,7 @@ class DecodeWorker(Worker):
             on_message=self._from_prefill,
             on_down=self._prefill_down,
             keys=self.keys,
+            page_size=self.page_size,
         )
         self.view = MemberView({"prefill": self.prefills})
         await super().start()  # the kvstore link: membership starts arriving
@@ -287,7 +288,7 @@ class DecodeWorker(Worker):
             if not answered:
                 self.router.answered(link.name, len(ids))
         self.counters["remote_prefills_total"] += 1
-        first = list(kv.first_token_ids) or [kv.first_token_id]
+        first = list(kv.first_token_ids)
         first_lps = [to_logprob(e) for e in kv.first_logprobs]
         prompt_lps = None
         if params.prompt_logprobs is not None:
@@ -324,7 +325,7 @@ class DecodeWorker(Worker):
     async def _give_back(self, link: Link, rid: str, consumed: bool) -> None:
         """Free our reservation (uncached) and the prefill worker's lease or work."""
         await self.engine.call(lambda e: e.abort(rid))
-        await self._tell(link, TransferDone(rid) if consumed else Abort(rid, "decode gave up"))
+        await self._tell(link, TransferDone(rid) if consumed else Abort(rid))
 
     @staticmethod
     async def _tell(link: Link, msg: Message) -> None:

@@ -170,6 +170,7 @@ class ClusterClient(EngineClient):
             on_message=self._from_decode,
             on_up=self._decode_up,
             on_down=self._decode_down,
+            page_size=self.router.page_size,
             **common,
         )
         self.prefills = LinkSet(
@@ -177,6 +178,7 @@ class ClusterClient(EngineClient):
             list(s.prefill_workers),
             on_message=self._unexpected,
             on_down=self._prefill_down,
+            page_size=self.router.page_size,
             **common,
         )
         self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
@@ -494,7 +496,7 @@ class ClusterClient(EngineClient):
         logger.warning("unexpected %s from %s", msg.TYPE_TAG, link.label)
 
     async def _abort(self, link: Link, request_id: str) -> None:
-        await self._send_quietly(link, Abort(request_id, "client gone"), timeout_ms=500)
+        await self._send_quietly(link, Abort(request_id), timeout_ms=500)
 
     @staticmethod
     async def _send_quietly(link: Link, msg: Message, timeout_ms: int = 0) -> None:

@@ -105,8 +105,7 @@ class PrefillWorker(Worker):
             self.spawn(msg.request_id, self._prefill(peer, msg))
         elif isinstance(msg, TransferDone):
             if not msg.ok:
-                logger.warning("%s: transfer of %s failed on the reader: %s", self.name,
-                               msg.request_id, msg.error)  # fmt: skip
+                logger.warning("%s: transfer of %s failed on the reader", self.name, msg.request_id)
             self._release(msg.request_id)
         elif isinstance(msg, Abort):
             if not self.cancel(msg.request_id):
@@ -169,11 +168,10 @@ class PrefillWorker(Worker):
                 peer,
                 KVReady(
                     request_id=rid,
-                    first_token_id=tokens[0],
+                    first_token_ids=tuple(tokens),
                     src_page_ids=src,
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
-                    first_token_ids=tuple(tokens) if len(tokens) > 1 else (),
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                 ),

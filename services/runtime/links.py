@@ -14,6 +14,10 @@ Contracts:
   ``on_down(link, why)`` runs once, and `Hello` is resent every ``interval_s`` until a
   new `HelloAck` brings it up again (``on_up``). Heartbeats stay for peers that hang
   without closing anything.
+- A set given a ``page_size`` (links to workers whose KV pages this side routes by, or
+  reads) refuses a worker whose `HelloAck` names another page size: page hashes would
+  not match, so prefix routing and KV transfers would silently go wrong. The link stays
+  down; the error is logged once, not at every hello.
 - If this process itself did not run for longer than ``peer_timeout_s`` (stopped with
   SIGSTOP, a frozen host), the workers have dropped it as a peer (and the kvstore
   has unlisted it) while the messages they sent before wait in its sockets and look
@@ -75,6 +79,7 @@ class Link:
     stats: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
     ack: HelloAck | None = None
     discovered: bool = False  # added from the membership (not a static address)
+    refused: str = ""  # why the last HelloAck was refused (logged once per reason)
 
     @property
     def label(self) -> str:
@@ -114,9 +119,11 @@ class LinkSet:
         on_up: Callable[[Link], None] | None = None,
         on_down: Callable[[Link, str], None] | None = None,
         keys: ClusterKeys | None = None,
+        page_size: int | None = None,
     ) -> None:
         self._context = context
         self._keys = keys
+        self._page_size = page_size  # None: the peers' page size is not checked
         self.links: list[Link] = []
         self._hello = Hello(name=name, role=role, generation=generation)
         self._name, self._generation = name, generation
@@ -185,9 +192,6 @@ class LinkSet:
         """Links up and taking new requests."""
         return [link for link in self.links if link.ready]
 
-    def by_name(self, name: str) -> Link | None:
-        return next((link for link in self.links if link.up and link.name == name), None)
-
     def by_address(self, address: str) -> Link | None:
         return next((link for link in self.links if link.address == address), None)
 
@@ -246,10 +250,21 @@ class LinkSet:
 
     def _acked(self, link: Link, ack: HelloAck) -> None:
         if not ack.accepted:
-            logger.error("worker at %s refused us: %s", link.address, ack.reason)
+            self._refuse(link, f"worker at {link.address} refused us: {ack.reason}")
             return
         if link.up and ack.generation == link.generation:
             return  # an answer to a repeated hello
+        if self._page_size is not None and ack.page_size != self._page_size:
+            self._refuse(
+                link,
+                f"refusing worker {ack.name} ({ack.role}) at {link.address}: its KV pages "
+                f"hold {ack.page_size} tokens, those of {self._name} {self._page_size}, so "
+                "page hashes would not match; give every process the same page_size",
+            )
+            if link.up:  # restarted with another page size
+                self.mark_down(link, f"restarted with {ack.page_size}-token pages")
+            return
+        link.refused = ""
         if link.up:
             self.mark_down(link, f"restarted (generation {ack.generation})")
         link.name, link.role, link.generation, link.ack = ack.name, ack.role, ack.generation, ack
@@ -257,6 +272,14 @@ class LinkSet:
         logger.info("worker %s (%s) at %s is up", ack.name, ack.role, link.address)
         if self._on_up is not None:
             self._on_up(link)
+
+    @staticmethod
+    def _refuse(link: Link, why: str) -> None:
+        """Leave ``link`` down; log ``why`` unless it is the same as last time (hellos are
+        resent every interval, and each gets the same answer)."""
+        if why != link.refused:
+            logger.error("%s", why)
+        link.refused = why
 
     async def _tick(self) -> None:
         last = time.monotonic()

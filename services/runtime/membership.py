@@ -66,9 +66,6 @@ class MemberView:
         if links is not None and link.discovered and link.address not in self._listed[role]:
             links.remove(link, "left the cluster")
 
-    def listed(self, role: str) -> list[MemberInfo]:
-        return list(self._listed.get(role, {}).values())
-
     @staticmethod
     def _add(links: LinkSet, member: MemberInfo) -> None:
         link = links.by_address(member.address)

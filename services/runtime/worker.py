@@ -233,7 +233,6 @@ class Worker(Service):
             model_name=engine.config.name,
             max_model_len=engine.max_model_len,
             page_size=engine.page_size,
-            transfer_backend=self.agent.backend_name,
             transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
         )
 

@@ -101,7 +101,7 @@ def test_dealer_router_between_threads_survives_a_garbage_frame(
 
 
 def test_push_pull_between_threads_and_timeouts(ctx: zmq.Context) -> None:
-    sent = [Heartbeat("prefill-0", 1, stats={"running": 3, "load": 0.5}), Abort("r", "client left")]
+    sent = [Heartbeat("prefill-0", 1, stats={"running": 3, "load": 0.5}), Abort("r")]
     with Channel.open(ctx, zmq.PULL, LOCAL, bind=True) as pull:
         start = time.monotonic()
         assert pull.recv(50) is None
@@ -236,7 +236,7 @@ async def _async_exchange() -> list[Message | tuple[bytes, Message] | None]:
             with pytest.raises(ProtocolError, match="not valid msgpack") as bad:
                 await router.recv_from(WAIT_MS)
             assert bad.value.identity == b"w1"
-            await router.send_to(b"w1", Abort("r", "shutdown"), timeout_ms=WAIT_MS)
+            await router.send_to(b"w1", Abort("r"), timeout_ms=WAIT_MS)
             got.append(await dealer.recv(WAIT_MS))
             got.append(await dealer.recv(0))
         assert router.closed and dealer.closed
@@ -250,6 +250,6 @@ def test_asyncio_dealer_router() -> None:
     assert got == [
         None,
         (b"w1", Heartbeat("w1", 0, stats={"pages_free": 10})),
-        Abort("r", "shutdown"),
+        Abort("r"),
         None,
     ]

@@ -19,6 +19,7 @@ from radixserve.protocol.messages import (
     Heartbeat,
     Hello,
     HelloAck,
+    KVReady,
     MemberList,
     Message,
     PrefillRequest,
@@ -153,10 +154,10 @@ def test_missing_required_field_is_rejected() -> None:
         ),
         (Hello("a", "decode"), "generation", -1, "hello.generation: expected an int in [0,"),
         (
-            Hello("a", "decode"),
-            "protocol_version",
-            [1],
-            "hello.protocol_version: expected a list of 2..2",
+            KVReady("r", (5,)),
+            "first_token_ids",
+            [],
+            "kv_ready.first_token_ids: expected a list of 1..",
         ),
         (
             TokenChunk("r", (5,)),
@@ -237,8 +238,8 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": 3}, "frame has no string 'type' tag (got int)"),
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
-            {"v": [4, 0]},
-            "peer speaks protocol version 4.0, this side 3.0: major versions must match",
+            {"v": [5, 0]},
+            "peer speaks protocol version 5.0, this side 4.0: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
@@ -384,9 +385,7 @@ def test_any_value_in_any_field_decodes_or_raises_protocol_error(field: str, val
 
 
 def test_bytes_fields_round_trip_and_reject_other_types() -> None:
-    ack = HelloAck(
-        "prefill-0", "prefill", transfer_backend="nixl", transfer_metadata=b"\x00\xff" * 9
-    )
+    ack = HelloAck("prefill-0", "prefill", transfer_metadata=b"\x00\xff" * 9)
     assert decode(encode(ack)) == ack
     body = body_of(ack)
     body["transfer_metadata"] = "not bytes"

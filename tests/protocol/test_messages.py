@@ -61,7 +61,6 @@ page_hashes = st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple)
 count = st.integers(0, 2**63 - 1)
 millis = st.floats(0.0, 1e9, allow_nan=False)
 roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
-versions = st.tuples(st.just(PROTOCOL_VERSION[0]), st.integers(0, 1000))
 
 sampling = st.builds(
     SamplingSpec,
@@ -132,19 +131,17 @@ members = st.builds(
 )
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
-    Hello: st.builds(Hello, name=names, role=roles, generation=count, protocol_version=versions),
+    Hello: st.builds(Hello, name=names, role=roles, generation=count),
     HelloAck: st.builds(
         HelloAck,
         name=names,
         role=roles,
         generation=count,
-        protocol_version=versions,
         accepted=st.booleans(),
         reason=text,
         model_name=text.map(lambda t: t[:256]),
         max_model_len=count,
         page_size=count,
-        transfer_backend=names,
         transfer_metadata=st.binary(max_size=64),
     ),
     Heartbeat: st.builds(
@@ -168,14 +165,14 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     KVReady: st.builds(
         KVReady,
         request_id=ids,
-        first_token_id=token_id,
+        first_token_ids=prompt,
         src_page_ids=page_ids,
         cached_tokens=count,
         host_cached_tokens=count,
     ),
-    TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans(), error=st.none() | text),
+    TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans()),
     TokenChunk: token_chunks(),
-    Abort: st.builds(Abort, request_id=ids, reason=text),
+    Abort: st.builds(Abort, request_id=ids),
     RequestFailed: st.builds(
         RequestFailed,
         request_id=ids,
@@ -271,7 +268,7 @@ def test_defaults_fill_optional_fields() -> None:
         False,
         None,
     )
-    assert Hello("a", "decode").protocol_version == PROTOCOL_VERSION
+    assert Hello("a", "decode").generation == 0
     assert GenerateRequest("r", (1,)).sampling == SamplingSpec()
 
 

@@ -46,7 +46,7 @@ def test_logprobs_travel_in_token_chunks_and_kv_ready():
     chunk = decode(encode(to_chunk(out)))
     assert isinstance(chunk, TokenChunk)
     assert to_output(chunk) == out  # a choice that ended before the request did
-    ready = KVReady("r", 5, first_token_ids=(5, 6), first_logprobs=to_entries([lp, lp]),
+    ready = KVReady("r", (5, 6), first_logprobs=to_entries([lp, lp]),
                     prompt_logprobs=to_entries([lp]))  # fmt: skip
     back = decode(encode(ready))
     assert isinstance(back, KVReady)
