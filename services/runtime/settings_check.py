@@ -63,17 +63,22 @@ def settings_classes(service: str) -> list[type[BaseSettings]]:
     raise ValueError(f"no such service: {service}")
 
 
-def variable_names(cls: type[BaseSettings]) -> set[str]:
-    """The environment variables ``cls`` reads (its prefix + field names, or aliases)."""
+def field_variables(cls: type[BaseSettings]) -> dict[str, set[str]]:
+    """Field -> the environment variables that set it (prefix + name, or its aliases)."""
     prefix = str(cls.model_config.get("env_prefix", ""))
-    names: set[str] = set()
+    out: dict[str, set[str]] = {}
     for field, info in cls.model_fields.items():
         alias = info.validation_alias
         if isinstance(alias, AliasChoices):
-            names.update(str(c).upper() for c in alias.choices if str(c).isupper())
+            out[field] = {str(c).upper() for c in alias.choices if str(c).isupper()}
         else:
-            names.add(f"{prefix}{field}".upper())
-    return names
+            out[field] = {f"{prefix}{field}".upper()}
+    return out
+
+
+def variable_names(cls: type[BaseSettings]) -> set[str]:
+    """The environment variables ``cls`` reads."""
+    return set().union(*field_variables(cls).values())
 
 
 def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from radixserve.services.autoscaler.settings import AutoscalerSettings
@@ -31,6 +30,7 @@ from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.kvstore import KVStoreSettings
 from radixserve.services.prefill import PrefillSettings
 from radixserve.services.runtime.probe import ProbeSettings
+from radixserve.services.runtime.settings_check import field_variables
 from radixserve.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,14 +54,8 @@ _PREFIX = {cls: str(cls.model_config.get("env_prefix", "")).upper() for cls in S
 
 def setting_of(variable: str) -> list[tuple[type[BaseSettings], str]]:
     """The (settings class, field) pairs that read environment variable ``variable``."""
-    out = []
-    for cls, prefix in _PREFIX.items():
-        for name, info in cls.model_fields.items():
-            alias = info.validation_alias
-            names = alias.choices if isinstance(alias, AliasChoices) else [prefix + name.upper()]
-            if variable in [str(n).upper() for n in names]:
-                out.append((cls, name))
-    return out
+    return [(cls, name) for cls in SETTINGS
+            for name, names in field_variables(cls).items() if variable in names]  # fmt: skip
 
 
 def env_name(cls: type[BaseSettings], field: str) -> str:
@@ -204,6 +198,17 @@ def pod_env(objects: list[dict[str, Any]], deployment: dict[str, Any]) -> dict[s
 
 
 # -- Dockerfiles -------------------------------------------------------------------------
+
+
+def dashboard_exprs() -> list[str]:
+    """Every PromQL expression of the Grafana dashboard's panels."""
+    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "radixserve.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def metric_names(exprs: list[str]) -> set[str]:
+    """The radixserve metric names ``exprs`` use."""
+    return {name for e in exprs for name in re.findall(r"\bradixserve_[a-z0-9_]+", e)}
 
 
 def dockerfile_commands(path: Path) -> dict[str, list[str]]:

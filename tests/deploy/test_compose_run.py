@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixserve.protocol import Channel, GenerateRequest, Hello
 from tests.cluster.cluster_helpers import holds_nothing
 from tests.deploy.compose_run import ComposeRun, Container, http_get
-from tests.deploy.deploy_files import COMPOSE, compose_services
+from tests.deploy.deploy_files import COMPOSE, compose_services, dashboard_exprs, metric_names
 
 DOT_ENV = {  # what a small machine's .env says
     "RADIXSERVE_CLUSTER_SECRET": "secret-of-this-test-cluster-0123",
@@ -91,10 +91,9 @@ def kept_by_prometheus(job: str, scraped: dict[Any, float]) -> dict[Any, float]:
 
 
 def dashboard_metrics() -> set[str]:
-    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "radixserve.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs = dashboard_exprs()
     assert len(exprs) >= 15
-    return {name for e in exprs for name in re.findall(r"\bradixserve_[a-z0-9_]+", e)}
+    return metric_names(exprs)
 
 
 def value(scraped: dict[Any, float], name: str, **labels: str) -> float:

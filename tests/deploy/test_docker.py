@@ -44,6 +44,8 @@ from tests.deploy.deploy_files import (
     RADIXSERVE_SERVICES,
     component,
     container,
+    dashboard_exprs,
+    metric_names,
     objects_of,
     pod_env,
     render_overlay,
@@ -324,9 +326,8 @@ def check_prometheus(compose: Compose) -> None:
     wait_for("Prometheus scraping every radixserve service", all_up, 180, every_s=2)
     report("compose: Prometheus targets up",
            sorted(f"{t['labels']['job']} {t['scrapeUrl']}" for t in targets() if t["health"] == "up"))  # fmt: skip
-    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "radixserve.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    names = sorted({n for e in exprs for n in re.findall(r"\bradixserve_[a-z0-9_]+", e)})
+    exprs = dashboard_exprs()
+    names = sorted(metric_names(exprs))
     for expr in exprs:
         prom(expr.replace("$__rate_interval", "1m"))  # a 400 names the expression
     missing = [n for n in names if not prom(f"count({n})")]
