@@ -59,6 +59,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.model.quant import int4_pack_block
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -74,28 +76,30 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
 
-/* packed: (n/64, k, 32) bytes, low nibble row j, high nibble row j + 32 of each block;
+/* packed: (n/block, k, block/2) bytes, low nibble row j, high nibble row j + block/2 of
+   each block (block: 64 where PyTorch packs for AVX-512, 32 for AVX2);
    sz: (k/group, n, 2) bfloat16 (scale, zero); w = (q - 8) * scale + zero, in float32
    ((q - 8) * scale is exact: fused or not, only the add rounds).
    out: (2k, n) bfloat16: rows [0, k) hold hi = bf16(w), rows [k, 2k) lo = bf16(w - hi),
    so that hi + lo is w to within 2^-16 of it. Rows [k_begin, k_end) of K. */
 static void dequant_plain(const uint8_t *packed, const uint16_t *sz, uint16_t *out,
-                          int64_t n, int64_t k, int64_t group, int64_t k_begin,
+                          int64_t n, int64_t k, int64_t group, int64_t block, int64_t k_begin,
                           int64_t k_end) {
+    const int64_t half = block / 2;
     for (int64_t kk = k_begin; kk < k_end; kk++) {
         const uint16_t *g = sz + (kk / group) * n * 2;
         uint16_t *hi_row = out + kk * n, *lo_row = out + (k + kk) * n;
-        for (int64_t nb = 0; nb < n / 64; nb++) {
-            const uint8_t *p = packed + (nb * k + kk) * 32;
-            int64_t n0 = nb * 64;
+        for (int64_t nb = 0; nb < n / block; nb++) {
+            const uint8_t *p = packed + (nb * k + kk) * half;
+            int64_t n0 = nb * block;
             float w[64];
-            for (int j = 0; j < 32; j++) {
+            for (int j = 0; j < half; j++) {
                 w[j] = (float)((p[j] & 15) - 8) * bf16_to_float(g[(n0 + j) * 2])
                        + bf16_to_float(g[(n0 + j) * 2 + 1]);
-                w[32 + j] = (float)((p[j] >> 4) - 8) * bf16_to_float(g[(n0 + 32 + j) * 2])
-                            + bf16_to_float(g[(n0 + 32 + j) * 2 + 1]);
+                w[half + j] = (float)((p[j] >> 4) - 8) * bf16_to_float(g[(n0 + half + j) * 2])
+                              + bf16_to_float(g[(n0 + half + j) * 2 + 1]);
             }
-            for (int j = 0; j < 64; j++) {
+            for (int j = 0; j < block; j++) {
                 uint16_t h = float_to_bf16(w[j]);
                 hi_row[n0 + j] = h;
                 lo_row[n0 + j] = float_to_bf16(w[j] - bf16_to_float(h));
@@ -127,18 +131,19 @@ static inline __mmask16 rows16(const uint8_t *p, int high, const uint16_t *g,
 
 /* as dequant_plain; nonzero if a weight was subnormal (then the range is to be redone) */
 static __mmask16 dequant_avx512(const uint8_t *packed, const uint16_t *sz, uint16_t *out,
-                                int64_t n, int64_t k, int64_t group, int64_t k_begin,
-                                int64_t k_end) {
+                                int64_t n, int64_t k, int64_t group, int64_t block,
+                                int64_t k_begin, int64_t k_end) {
+    const int64_t half = block / 2;
     __mmask16 subnormal = 0;
     for (int64_t kk = k_begin; kk < k_end; kk++) {
         const uint16_t *g = sz + (kk / group) * n * 2;
         uint16_t *hi_row = out + kk * n, *lo_row = out + (k + kk) * n;
-        for (int64_t nb = 0; nb < n / 64; nb++) {
-            const uint8_t *p = packed + (nb * k + kk) * 32;
-            int64_t n0 = nb * 64;
-            for (int r = 0; r < 64; r += 16) {  /* rows n0 + r .. n0 + r + 15 */
-                subnormal |= rows16(p + (r & 31), r >= 32, g + (n0 + r) * 2, hi_row + n0 + r,
-                                    lo_row + n0 + r);
+        for (int64_t nb = 0; nb < n / block; nb++) {
+            const uint8_t *p = packed + (nb * k + kk) * half;
+            int64_t n0 = nb * block;
+            for (int r = 0; r < block; r += 16) {  /* rows n0 + r .. n0 + r + 15 */
+                subnormal |= rows16(p + (r % half), r >= half, g + (n0 + r) * 2,
+                                    hi_row + n0 + r, lo_row + n0 + r);
             }
         }
     }
@@ -147,12 +152,12 @@ static __mmask16 dequant_avx512(const uint8_t *packed, const uint16_t *sz, uint1
 #endif
 
 void dequant_int4(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n,
-                  int64_t k, int64_t group, int64_t k_begin, int64_t k_end) {
+                  int64_t k, int64_t group, int64_t block, int64_t k_begin, int64_t k_end) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
     /* no real checkpoint has weights below ~1e-35: plain C keeps them as torch does */
-    if (!dequant_avx512(packed, sz, out, n, k, group, k_begin, k_end)) return;
+    if (!dequant_avx512(packed, sz, out, n, k, group, block, k_begin, k_end)) return;
 #endif
-    dequant_plain(packed, sz, out, n, k, group, k_begin, k_end);
+    dequant_plain(packed, sz, out, n, k, group, block, k_begin, k_end);
 }
 """
 _COMMON_FLAGS = ("-O3", "-shared", "-fPIC")
@@ -306,13 +311,15 @@ def native_dequant() -> Dequant | None:
         return None
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # fmt: skip
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64]  # fmt: skip
+    block = int4_pack_block()  # the layout PyTorch packs in on this machine
 
     def dequant(packed: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
         """The (2K, N) bfloat16 hi/lo pair of the weight (see the C source)."""
         assert packed.is_contiguous() and sz.is_contiguous() and sz.dtype == torch.bfloat16
         out = torch.empty(2 * k, n, dtype=torch.bfloat16)
-        args = (packed.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group)
+        args = (packed.data_ptr(), sz.data_ptr(), out.data_ptr(), n, k, group, block)
         parts = min(torch.get_num_threads(), max(1, k // 64))
         bounds = [k * i // parts for i in range(parts + 1)]
         if parts == 1:

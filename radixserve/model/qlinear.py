@@ -23,6 +23,7 @@ dequantized rows for an embedding lookup.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,9 +31,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.native import native_dequant
-from radixserve.model.quant import FP8_MAX, GROUP, ROW_BLOCK, QuantizedRows, Scheme, dequantize
+from radixserve.model.quant import (
+    FP8_MAX,
+    GROUP,
+    ROW_BLOCK,
+    QuantizedRows,
+    Scheme,
+    dequantize,
+    int4_pack_block,
+)
 
 _KERNEL_DTYPE = torch.bfloat16
+
+
+@functools.cache
+def _bf16_gemm() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16, AMX). Without it a
+    bfloat16 matmul is emulated: ~100x slower than float32 here, and not exact either."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 class Linear(nn.Module):
@@ -94,8 +111,10 @@ class _KernelLinear(Linear):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xb = x.to(_KERNEL_DTYPE)
-        if x.shape[0] > self.kernel_rows:  # one matmul: [x, x] @ [hi; lo].T, float32 sums
+        if x.shape[0] > self.kernel_rows and _bf16_gemm():  # [x, x] @ [hi; lo].T
             y = F.linear(torch.cat((xb, xb), dim=1), self.dense_pair())
+        elif x.shape[0] > self.kernel_rows:  # the same products in float32
+            y = F.linear(xb.float(), self._float32())
         else:
             y = self._kernel(xb)
         y = y.to(x.dtype)
@@ -144,9 +163,10 @@ class Int8Linear(_KernelLinear):
 
 
 class Int4Linear(_KernelLinear):
-    """Packed as the CPU kernel wants: (N, K/2) bytes, each 64-row block stored as
-    (K, 32) bytes whose low nibble is row j and high nibble row j + 32; scales and zeros
-    as (K/GROUP, N, 2)."""
+    """Packed as the CPU kernel wants: (N, K/2) bytes, each block of B rows (64 where
+    PyTorch packs for AVX-512, 32 for AVX2: `int4_pack_block`) stored as (K, B/2) bytes
+    whose low nibble is row j and high nibble row j + B/2; scales and zeros as
+    (K/GROUP, N, 2)."""
 
     scheme: Scheme = "int4"
     # the native dequantizer's crossover (torch ops alone would have it at 96), kept
@@ -166,6 +186,7 @@ class Int4Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         n, k = out_features, in_features
         self.group = group
+        self._block = int4_pack_block()  # the packed layout's rows per block, this machine's
         self._native = native_dequant()
         self.register_buffer("packed", torch.empty(n, k // 2, dtype=torch.uint8))
         self.register_buffer("scales_zeros", torch.empty(k // group, n, 2, dtype=_KERNEL_DTYPE))
@@ -196,10 +217,11 @@ class Int4Linear(_KernelLinear):
         """(N, K) view of a (K, N) float32 matrix, with torch ops: unpacking along K keeps
         the packed layout's 32-byte runs, and a group's scales broadcast along its rows."""
         n, k = self.out_features, self.in_features
-        b = self.packed.view(n // ROW_BLOCK, k, ROW_BLOCK // 2)
-        wt = torch.empty(k, n // ROW_BLOCK, 2, ROW_BLOCK // 2)
+        block = self._block
+        b = self.packed.view(n // block, k, block // 2)
+        wt = torch.empty(k, n // block, 2, block // 2)
         wt[:, :, 0].copy_((b & 15).transpose(0, 1))  # rows j of each block
-        wt[:, :, 1].copy_((b >> 4).transpose(0, 1))  # rows j + 32
+        wt[:, :, 1].copy_((b >> 4).transpose(0, 1))  # rows j + block / 2
         scale = self.scales_zeros[..., 0].float()  # (K/G, N)
         zero = self.scales_zeros[..., 1].float()
         grouped = wt.view(k // self.group, self.group, n)

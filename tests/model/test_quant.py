@@ -257,3 +257,23 @@ def test_hf_checkpoint_quantized_at_load(tmp_path):
         assert isinstance(engine.model.embed, Int8Linear)
         out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))
         assert len(out[0].token_ids) == 4
+
+
+def test_int4_dense_path_reads_the_layout_the_kernel_packed() -> None:
+    """PyTorch's CPU int4 packing depends on the machine (row blocks of 64 with AVX-512,
+    32 with AVX2); the dequantizing path (prefills past `kernel_rows`) must read the
+    layout the kernel wrote, or every long prompt computes with scrambled weights (as it
+    did on AVX2 machines). Both paths must give the weight's products."""
+    from radixserve.model.qlinear import make_linear
+    from radixserve.model.quant import int4_pack_block
+
+    assert int4_pack_block() in (16, 32, 64)
+    torch.manual_seed(0)
+    rows = quantize(torch.randn(256, 512), "int4")
+    layer = make_linear("int4", 256, 512, torch.float32, torch.device("cpu"))
+    layer.load(0, rows)
+    weight = dequantize(rows)
+    for num_rows in (4, 40):  # the kernel, then dequantize + dense
+        x = torch.randn(num_rows, 512)
+        error = (layer(x) - x @ weight.t()).abs().max().item()
+        assert error < 1.0, (num_rows, error)  # scrambled rows are off by ~100
