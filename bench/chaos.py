@@ -38,9 +38,10 @@ from radixserve.bench.chaos_load import ChatLoad, Messages
 from radixserve.bench.chaos_reference import ReferenceAnswers
 from radixserve.bench.chaos_report import build_report, format_table, held
 from radixserve.bench.chaos_schedule import build_schedule
+from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.workload import MultiTurnSize, MultiTurnWorkload, build_multi_turn
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
 from radixserve.engine.engine import Engine
+from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)

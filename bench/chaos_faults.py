@@ -32,7 +32,7 @@ import httpx
 
 from radixserve.bench.chaos_load import ChatLoad
 from radixserve.bench.chaos_schedule import PlannedEvent
-from radixserve.cluster import ClusterProcesses
+from radixserve.launch.cluster import ClusterProcesses
 
 logger = logging.getLogger(__name__)
 

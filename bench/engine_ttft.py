@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import random
 import statistics
 import sys
 import time
@@ -23,74 +22,12 @@ from pathlib import Path
 
 import torch
 
+from radixserve.bench.synthetic import synthetic_tokens
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
-
-_WORDS = [
-    "the",
-    "system",
-    "cache",
-    "prompt",
-    "model",
-    "token",
-    "request",
-    "server",
-    "memory",
-    "page",
-    "tree",
-    "prefix",
-    "shared",
-    "context",
-    "answer",
-    "question",
-    "user",
-    "document",
-    "search",
-    "result",
-    "value",
-    "compute",
-    "layer",
-    "batch",
-    "time",
-    "first",
-    "latency",
-    "decode",
-    "prefill",
-    "worker",
-    "transfer",
-    "store",
-    "index",
-    "route",
-    "load",
-    "scale",
-    "policy",
-    "data",
-    "river",
-    "mountain",
-    "city",
-    "garden",
-    "library",
-    "music",
-    "history",
-    "science",
-    "market",
-    "energy",
-    "network",
-    "design",
-]
-
-
-def synthetic_tokens(engine: Engine, num_tokens: int, seed: int) -> list[int]:
-    """Exactly `num_tokens` token ids of deterministic English-like text."""
-    rng = random.Random(seed)
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        sentence = " ".join(rng.choice(_WORDS) for _ in range(12)).capitalize() + ". "
-        ids.extend(engine.tokenizer.encode(sentence, add_special_tokens=False))
-    return ids[:num_tokens]
 
 
 def _ttft_ms(engine: Engine, prompt: list[int]) -> tuple[float, int]:
@@ -147,7 +84,7 @@ def hf_prefill_tok_s(model_path: Path, prompt: list[int], repeats: int) -> float
 
 def run_engine_bench(settings: EngineSettings, out_path: str | None, quick: bool = False) -> int:
     from radixserve.bench.radix_match import time_match_prefix
-    from radixserve.model.checkpoint import resolve_model_path
+    from radixserve.model.model_files import resolve_model_path
 
     contexts = (256, 512) if quick else (1024, 2048, 4096)
     question_len, repeats = 16, (1 if quick else 3)

@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.bench.local_cluster import LocalCluster
+from radixserve.launch.cluster import ClusterConfig, free_port
 
 SYSTEM = (
     "You are the support assistant of Northwind Telecom. Be brief and friendly; answer in "

@@ -30,10 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from radixserve.bench.gateway_chat import stream_turn, system_prompt
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.bench.local_cluster import LocalCluster
+from radixserve.cache.kv_pool import KVPool
+from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.metrics import metric_value
+from radixserve.model.model_files import open_model
 
 QUESTIONS = ("Which store is open the longest?", "Can I pay by direct debit?",
              "What does a replacement SIM cost?")  # fmt: skip
@@ -73,7 +77,8 @@ def _turn(client: httpx.Client, doc: str, question: str) -> dict[str, Any]:
 
 def run_host_tier_bench(quick: bool = False, out_path: str | None = None) -> int:
     prefix, rounds = (1024, 1) if quick else (4096, 3)
-    page_bytes = 16 * 46080  # SmolLM2-135M, fp32, 16-token pages
+    config = open_model("default").config
+    page_bytes = KVPool.page_bytes_all_layers(config, 16, torch.float32)  # fp32, 16-token pages
     pool_gib = (prefix * 1.7 / 16) * page_bytes / (1 << 30)  # one document, not three
     env = {
         "RADIXSERVE_DEVICE": "cpu",
@@ -118,6 +123,10 @@ def run_host_tier_bench(quick: bool = False, out_path: str | None = None) -> int
                 "host_load_bytes": int(
                     _delta(before, after, "radixserve_worker_host_load_bytes_total")
                 ),
+                # the decode worker's page, as its engine states it (`EngineInfo.geometry`)
+                "page_bytes": int(
+                    metric_value(after, "radixserve_worker_page_bytes", worker="decode-0")
+                ),  # fmt: skip
                 "host_load_ms": 1000.0
                 * _delta(before, after, "radixserve_worker_host_load_seconds_total"),
             }

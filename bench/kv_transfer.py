@@ -38,7 +38,7 @@ def _pool(shape: dict[str, int], num_pages: int) -> tuple[KVPool, PoolCompat]:
         shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], shape["page_size"],
         num_pages, torch.float32, torch.device("cpu"),
     )  # fmt: skip
-    return pool, PoolCompat.from_pool(pool, "bench")
+    return pool, PoolCompat.of(pool.kv, "bench")
 
 
 def _pattern(num_regions: int, num_pages: int, page_elems: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _owner_main(conn: Connection, backend: str, shape: dict[str, int], num_pages
     pool, compat = _pool(shape, num_pages)
     regions, elems = pool.num_layers * 2, pool.kv[0, 0, 0].numel()
     pool.kv.view(regions, num_pages, elems).copy_(_pattern(regions, num_pages, elems))
-    agent = create_agent(backend, "bench-owner", pool, compat)
+    agent = create_agent(backend, "bench-owner", pool.kv, compat)
     conn.send(agent.metadata())
     try:
         while not conn.poll(0.0002):  # serve until told to stop
@@ -101,7 +101,7 @@ def measure_transfer(
     owner = ctx.Process(target=_owner_main, args=(child, backend, shape, pool_pages))
     owner.start()
     pool, compat = _pool(shape, pool_pages)
-    agent = create_agent(backend, "bench-reader", pool, compat, default_timeout_s=60.0)
+    agent = create_agent(backend, "bench-reader", pool.kv, compat, default_timeout_s=60.0)
     try:
         if not parent.poll(120):
             raise TransferError("benchmark owner process did not start")
@@ -123,7 +123,7 @@ def measure_transfer(
         owner.join(30)
         if owner.is_alive():
             owner.kill()
-    num_bytes = num_pages * pool.page_bytes * pool.num_layers * 2
+    num_bytes = num_pages * PoolCompat.of(pool.kv, "bench").page_bytes
     memcpy = _memcpy_seconds(num_bytes, repeats)
     gbps = num_bytes / min(times) / 1e9
     memcpy_gbps = num_bytes / min(memcpy) / 1e9

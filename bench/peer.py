@@ -41,11 +41,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,78 +52,28 @@ import httpx
 from tqdm import tqdm
 
 from radixserve.bench import peer_servers as ps
-from radixserve.bench.report import Sample, ScenarioRun
+from radixserve.bench.local_cluster import LocalCluster
+from radixserve.bench.peer_options import (  # noqa: F401 - the bench CLI reads them here
+    MODES,
+    PEER_PRESETS,
+    RADIXSERVE,
+    SERVERS,
+    WEIGHTS_NONE,
+    Deployment,
+    PeerOptions,
+    PeerPreset,
+    Target,
+    TargetRun,
+)
+from radixserve.bench.report import Sample
 from radixserve.bench.suite import BenchError, Client, Messages, run_multi_turn, run_rag
 from radixserve.bench.workload import (
-    PRESETS,
-    MultiTurnSize,
     MultiTurnWorkload,
-    RagSize,
     RagWorkload,
     build_multi_turn,
     build_rag,
 )
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
-
-RADIXSERVE = "radixserve"
-SERVERS = (RADIXSERVE, *ps.PEERS)
-MODES = ("on", "busted")
-WEIGHTS_NONE = "on, weights none"  # radixserve only: cache on, quantization=none
-
-
-@dataclass(frozen=True)
-class PeerPreset:
-    multi_turn: MultiTurnSize  # run one conversation at a time
-    load: RagSize  # the shared-prefix load: one document set, one question per request
-
-
-def _load(requests: int) -> RagSize:
-    # 4 documents ≈ 1,470 tokens + ~30 of instructions: the 1,500-token shared prefix
-    return RagSize(4, 1470, requests, (60, 60), (24, 24), concurrency=4)
-
-
-_SEED = PRESETS["seed"].multi_turn  # the suite's: 1,500-token system prompt, 12 rounds
-PEER_PRESETS: dict[str, PeerPreset] = {
-    # The suite's seed conversations (answers 130-150 tokens), 2 of them; 32 load requests.
-    "seed": PeerPreset(replace(_SEED, conversations=2, concurrency=1), _load(32)),
-    # 1 conversation of 6 rounds with answers of 16 tokens; 8 load requests.
-    "quick": PeerPreset(
-        replace(_SEED, rounds=6, conversations=1, answer_tokens=(16, 16), concurrency=1),
-        _load(8),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class PeerOptions:
-    preset_name: str
-    preset: PeerPreset
-    out_path: Path
-    settings: ps.PeerBenchSettings = field(default_factory=ps.PeerBenchSettings)
-    model: str = "default"
-    seed: int = 0
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
-    slots: int = 4  # llama-server -np
-    servers: tuple[str, ...] = SERVERS
-    peer_env: dict[str, str] = field(default_factory=dict)  # extra environment of the peers
-
-
-@dataclass(frozen=True)
-class Deployment:
-    url: str
-    settings: dict[str, Any]  # what runs, as it ran (command line, threads, dtype ...)
-
-
-@dataclass(frozen=True)
-class Target:
-    """One server in one mode: how to start it and what every request carries."""
-
-    server: str
-    mode: str
-    start: Callable[[], contextlib.AbstractContextManager[Deployment]]
-    extra_body: dict[str, Any]
-    unique_prefix: bool = False
-    busting: str = ""  # how the cache is busted, for the table
+from radixserve.launch.cluster import ClusterConfig, free_port
 
 
 class PeerClient(Client):
@@ -151,17 +100,6 @@ class PeerClient(Client):
         except (BenchError, httpx.HTTPError, ValueError, KeyError) as exc:
             reason = f"{type(exc).__name__}: {exc}"[:300]
             return Sample(round_, 0, 0, 0, math.nan, text="", error=reason)
-
-
-@dataclass
-class TargetRun:
-    target: Target
-    model_id: str
-    multi_turn: ScenarioRun
-    answers: list[list[str]]  # [conversation][round]: the server's answers
-    load: ScenarioRun
-    template_prompt_tokens: int | None  # round 1's messages, as the server counts them
-    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -221,8 +159,8 @@ def cluster_target(options: PeerOptions, mode: str) -> Target:
 def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
     """The processes `config` starts, their threads, and the engine settings every worker
     resolves from the environment (the defaults unless RADIXSERVE_* says otherwise)."""
-    from radixserve.cluster import cluster_specs, threads_described
     from radixserve.engine.engine import resolve_device, resolve_dtype
+    from radixserve.launch.cluster import cluster_specs, threads_described
     from radixserve.settings import EngineSettings
 
     specs = cluster_specs(config)
@@ -363,7 +301,8 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
     """Run every server found, write the JSON (after each deployment, so a stopped run
     leaves what it measured), print the tables; the JSON document."""
     from radixserve.bench import peer_report
-    from radixserve.model.checkpoint import load_checkpoint, resolve_model_path
+    from radixserve.model.checkpoint import load_checkpoint
+    from radixserve.model.model_files import resolve_model_path
 
     model_path = resolve_model_path(options.model)
     if model_path.suffix != ".gguf":

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve.bench.report import Sample, ScenarioRun, percentile
 
 if TYPE_CHECKING:
-    from radixserve.bench.peer import PeerOptions, TargetRun
+    from radixserve.bench.peer_options import PeerOptions, TargetRun
     from radixserve.bench.peer_servers import PeerConfig
 
 

@@ -42,8 +42,8 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from radixserve.cluster import free_port
-from radixserve.supervisor import _pdeathsig_preexec  # SIGTERM to the child if we die
+from radixserve.launch.cluster import free_port
+from radixserve.launch.supervisor import _pdeathsig_preexec  # SIGTERM to the child if we die
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from radixserve.bench.perplexity_chunks import scored_text as read_as_llama_cpp
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import RequestError
-from radixserve.model.checkpoint import resolve_model_path
+from radixserve.model.model_files import resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.settings import EngineSettings
 

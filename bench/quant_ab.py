@@ -40,10 +40,10 @@ def _gguf_tensor_bytes(path: Path) -> int | None:
 
 def probe(settings: EngineSettings, quick: bool) -> dict:
     """Load one engine in this process and measure it (see the module docstring)."""
-    from radixserve.bench.engine_ttft import synthetic_tokens
+    from radixserve.bench.synthetic import synthetic_tokens
     from radixserve.engine.engine import Engine
     from radixserve.engine.sampling_params import SamplingParams
-    from radixserve.model.checkpoint import resolve_model_path
+    from radixserve.model.model_files import resolve_model_path
 
     before = _rss_bytes()
     t0 = time.perf_counter()

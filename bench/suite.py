@@ -68,6 +68,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.report import (
     FLOPS_FORMULA,
     ModelShape,
@@ -84,8 +85,8 @@ from radixserve.bench.workload import (
     build_multi_turn,
     build_rag,
 )
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port, threads_described
 from radixserve.errors import RadixServeError
+from radixserve.launch.cluster import ClusterConfig, free_port, threads_described
 
 SCENARIOS = ("multi-turn", "rag")
 FLOOR_REQUESTS = 8  # at most this many delta-alone requests make the floor

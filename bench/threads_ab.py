@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.bench import peer
+from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.peer_report import multi_turn_stats, run_stats
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.launch.cluster import ClusterConfig, free_port
 
 POLICIES = ("shared", "split", "all")
 MODES = ("on", "busted")

@@ -1,7 +1,8 @@
-"""GPU benchmark of the kernels and of the engine on them, in one run.
+"""GPU benchmark of the kernels (`python -m radixserve.bench.gpu` adds the engine on
+them, end to end, in the same run).
 
     python -m radixserve.kernels.bench [--out kernels-bench.json]   # a CUDA machine
-    python kernels/bench.py --dry-run                               # tiny shapes, CPU
+    python -m radixserve.kernels.bench --dry-run                    # tiny shapes, CPU
 
 1. Ceilings, measured here: device copy bandwidth (bytes read + written) and the matmul
    rate of the compute dtype (bf16 on GPU).
@@ -11,38 +12,26 @@
    fraction of the ceiling. FP8 projections (`quantization=fp8`) at the model's shapes
    against the dense bf16 matmul (the "triton" column is the FP8 layer, "torch ref" the
    dense one).
-3. The engine end to end on random weights of that shape: uncached prefill tokens/s,
-   cached-prefix TTFT for a 32-token delta after 4k/16k/32k tokens against the delta
-   alone, decode tokens/s at batch 1/32/128 with CUDA graphs off and on.
 
 Prints one table and the targets; writes JSON. `--dry-run` runs the same code at tiny
 shapes on CPU (torch kernels and the Triton interpreter) so that it cannot rot; its
-figures measure nothing. This is a script: unlike the rest of `kernels/` it drives the
-engine.
+figures measure nothing.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from functools import partial
 
-if __name__ == "__main__":
-    # `python kernels/bench.py` puts kernels/ first on sys.path, where the triton/
-    # subpackage would shadow the real triton package.
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-from functools import partial  # noqa: E402
-
-import torch  # noqa: E402
+import torch
 
 logger = logging.getLogger("radixserve.kernels.bench")
 
@@ -390,7 +379,7 @@ def bench_kernels(run: Run, ops, ref) -> None:
     jobs.append(partial(page_cases, run, ops, ref))
     jobs += [partial(linear_cases, run, rows) for rows in s.linear_rows]
     for job in jobs:
-        _guarded(run, "kernel case", partial(_measure_all, run, job))
+        guarded(run, "kernel case", partial(_measure_all, run, job))
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -398,120 +387,6 @@ def bench_kernels(run: Run, ops, ref) -> None:
 def _measure_all(run: Run, job: Callable[[], list[Case]]) -> None:
     for case in job():
         measure(run, case)
-
-
-# -- the engine end to end, on random weights of the shape ------------------------------
-
-
-def bench_config(s: Shapes):
-    from radixserve.model.config import ModelConfig
-
-    return ModelConfig(
-        architecture="llama", vocab_size=s.vocab, hidden_size=s.hidden,
-        intermediate_size=s.intermediate, num_layers=s.layers, num_heads=s.heads,
-        num_kv_heads=s.kv_heads, head_dim=s.head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=s.max_model_len, tie_word_embeddings=False,
-        name=f"random-llama-{s.layers}x{s.hidden}",
-    )  # fmt: skip
-
-
-def make_engine(run: Run, graphs: bool):
-    from radixserve.engine.engine import Engine
-    from radixserve.model.random_checkpoint import random_checkpoint
-    from radixserve.settings import EngineSettings
-
-    s = run.shapes
-    settings = EngineSettings.model_validate({
-        "device": run.device.type, "dtype": str(run.dtype).removeprefix("torch."),
-        "page_size": s.page_size, "kv_cache_memory_gib": s.kv_cache_gib,
-        "max_model_len": s.max_model_len, "max_num_batched_tokens": s.batched_tokens,
-        "max_num_seqs": max(s.decode_batches), "load_progress": False,
-        "cuda_graph_max_batch_size": s.graph_max_batch if graphs else 0,
-    })  # fmt: skip
-    return Engine(settings, random_checkpoint(bench_config(s), device=run.device))
-
-
-class Prompts:
-    """Random token ids, never the same twice (so nothing is cached unless reused)."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab, self.gen = vocab, torch.Generator().manual_seed(0)
-
-    def __call__(self, n: int) -> list[int]:
-        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
-
-
-def bench_prefill_and_ttft(run: Run, engine, ids: Prompts) -> None:
-    from radixserve.engine.sampling_params import SamplingParams
-
-    s = run.shapes
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    # compiles the kernels for long prefill chunks and decodes before anything is timed
-    engine.generate([ids(256)], SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
-    count, length = s.prefill
-    t0 = time.perf_counter()
-    engine.generate([ids(length) for _ in range(count)], one)
-    rate = count * length / (time.perf_counter() - t0)
-    run.rows.append(Row("engine", f"uncached prefill {count}x{length}",
-                        achieved=f"{num(rate)} tok/s", extra={"tokens_per_s": rate}))  # fmt: skip
-    alone = min(engine.generate([ids(s.delta)], one)[0].ttft_ms for _ in range(3))
-    run.rows.append(Row("engine", f"TTFT {s.delta} tokens, no prefix",
-                        achieved=f"{alone:,.1f} ms", extra={"ttft_ms": alone}))  # fmt: skip
-    for ctx in s.ttft_contexts:
-        if run.over_budget(f"cached TTFT after {ctx}"):
-            return
-        context = ids(ctx)
-        engine.generate([context + ids(s.delta)], one)  # computes and caches the context
-        r = engine.generate([context + ids(s.delta)], one)[0]
-        run.rows.append(Row(
-            "engine", f"TTFT {s.delta}-token delta after {ctx} cached",
-            achieved=f"{r.ttft_ms:,.1f} ms ({r.ttft_ms / alone:.2f}x alone)",
-            extra={"context": ctx, "ttft_ms": r.ttft_ms, "cached_tokens": r.cached_tokens,
-                   "vs_alone": r.ttft_ms / alone},
-        ))  # fmt: skip
-
-
-def bench_decode_rate(run: Run, engine, ids: Prompts, graphs: bool) -> None:
-    from radixserve.engine.sampling_params import SamplingParams
-
-    s = run.shapes
-    # long enough that nobody finishes inside the timed steps; the rest is aborted after
-    n = s.decode_steps + 64
-    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
-    for batch in s.decode_batches:
-        if run.over_budget(f"decode batch {batch}"):
-            return
-        rids = [engine.add_request(ids(s.decode_prompt), params) for _ in range(batch)]
-        while any(len(engine.request(r).output_ids) < 3 for r in rids):
-            engine.step()  # prefill, and two untimed decode steps (kernel compiles)
-        t0 = time.perf_counter()
-        for _ in range(s.decode_steps):
-            engine.step()  # samples on the host: each step ends synchronised
-        rate = batch * s.decode_steps / (time.perf_counter() - t0)
-        for r in rids:
-            engine.abort(r)
-        run.rows.append(Row(
-            "engine", f"decode B={batch} graphs {'on' if graphs else 'off'}",
-            achieved=f"{num(rate)} tok/s", extra={"batch": batch, "graphs": graphs,
-                                                   "tokens_per_s": rate},
-        ))  # fmt: skip
-
-
-def bench_engine(run: Run) -> None:
-    ids = Prompts(run.shapes.vocab)
-    engine = make_engine(run, graphs=False)
-    bench_prefill_and_ttft(run, engine, ids)
-    bench_decode_rate(run, engine, ids, graphs=False)
-    del engine
-    gc.collect()  # the first engine's weights and pool go before the second's arrive
-    if run.device.type != "cuda":
-        for batch in run.shapes.decode_batches:
-            run.rows.append(Row("engine", f"decode B={batch} graphs on",
-                                achieved="n/a: CUDA graphs need a GPU"))  # fmt: skip
-        return
-    torch.cuda.empty_cache()
-    if not run.over_budget("decode with CUDA graphs"):
-        bench_decode_rate(run, make_engine(run, graphs=True), ids, graphs=True)
 
 
 # -- targets, output ---------------------------------------------------------------------
@@ -522,19 +397,15 @@ def targets(run: Run) -> list[Row]:
     longest = max(ctx for _, ctx in s.decode)
     for r in run.rows:
         if r.section == "decode_attention" and r.extra.get("context") == longest:
-            out.append(_target(f"decode attention, {r.case}: >= 70% of copy bandwidth",
+            out.append(target(f"decode attention, {r.case}: >= 70% of copy bandwidth",
                                r.of_ceiling, 0.70))  # fmt: skip
         if r.section == "extend_attention" and r.extra.get("prefix") == 0 and r.extra["batch"] == 1:
-            out.append(_target(f"extend attention, {r.case}: >= 50% of the matmul rate",
+            out.append(target(f"extend attention, {r.case}: >= 50% of the matmul rate",
                                r.of_ceiling, 0.50))  # fmt: skip
-        if r.section == "engine" and r.extra.get("context") == max(s.ttft_contexts):
-            vs = r.extra["vs_alone"]
-            out.append(_target(f"cached TTFT after {r.extra['context']}: <= 2x the delta alone",
-                               2.0 / vs, 1.0, shown=f"{vs:.2f}x"))  # fmt: skip
     return out
 
 
-def _target(what: str, value: float | None, need: float, shown: str | None = None) -> Row:
+def target(what: str, value: float | None, need: float, shown: str | None = None) -> Row:
     if value is None:
         return Row("target", what, achieved="not measured")
     text = shown or f"{value:.0%}"
@@ -555,7 +426,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _guarded(run: Run, name: str, fn: Callable[[], None]) -> None:
+def guarded(run: Run, name: str, fn: Callable[[], None]) -> None:
     """A failing section is recorded in the table; the others still run."""
     try:
         fn()
@@ -564,17 +435,22 @@ def _guarded(run: Run, name: str, fn: Callable[[], None]) -> None:
         run.rows.append(Row("error", name, achieved=f"{type(exc).__name__}: {exc}"[:200]))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    more: Callable[[Run], None] | None = None,
+    more_targets: Callable[[Run], list[Row]] | None = None,
+) -> int:
+    """The kernels' benchmark; ``more`` runs further sections in the same run (and
+    ``more_targets`` their targets), as `radixserve.bench.gpu` does with the engine."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpreted Triton)")
     p.add_argument("--out", default="kernels-bench.json", help="JSON results path")
-    p.add_argument("--no-engine", action="store_true", help="kernels only")
+    if more is not None:
+        p.add_argument("--no-engine", action="store_true", help="kernels only")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not args.dry_run and not torch.cuda.is_available():
-        print(
-            "kernels/bench.py needs a CUDA GPU; --dry-run runs tiny shapes on CPU", file=sys.stderr
-        )
+        print("this benchmark needs a CUDA GPU; --dry-run runs tiny shapes on CPU", file=sys.stderr)
         return 2
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are first imported
@@ -586,11 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(
         DRY if args.dry_run else Shapes(), device, dtype, Clock(device, 1 if args.dry_run else 20)
     )
-    _guarded(run, "ceilings", lambda: measure_ceilings(run))
+    guarded(run, "ceilings", lambda: measure_ceilings(run))
     bench_kernels(run, load_ops("triton"), reference.OPS)
-    if not args.no_engine:
-        _guarded(run, "engine", lambda: bench_engine(run))
-    run.rows += targets(run)
+    if more is not None and not args.no_engine:
+        guarded(run, "engine", lambda: more(run))
+    run.rows += targets(run) + (more_targets(run) if more_targets is not None else [])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = f"kernels benchmark — {name}, {str(dtype)[6:]}" + (
         " (dry run: tiny shapes, figures mean nothing)" if args.dry_run else ""

@@ -37,3 +37,7 @@ class ModelLoadError(RadixServeError):
 class ConfigurationError(RadixServeError, ValueError):
     """Settings that cannot work on this machine (a kernel set or CUDA graphs without the
     device they need); the process exits with the message."""
+
+
+class UsageError(RadixServeError):
+    """A command-line flag or combination of flags a command does not take."""

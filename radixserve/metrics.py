@@ -152,9 +152,9 @@ _FRONT_COUNTERS = {
         "radixserve_migrations",
         "Requests moved to another decode worker because theirs was lost or drained.",
     ),
-    "gateway_index_misses": (
-        "radixserve_index_misses",
-        "Prefill routings made without the kvstore index (it was slow or down).",
+    "gateway_prompt_hashes": (
+        "radixserve_gateway_prompt_hashes",
+        "Prompts whose pages the gateway hashed to route them (one per request and move).",
     ),
 }
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.cluster import free_port
+from radixserve.launch.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> the package it installs as (pyproject.toml's package-dir)

@@ -9,7 +9,7 @@ Layout (row-major, one tensor, so a transfer backend registers it once)::
     page p of region r starts at element offset (r * num_pages + p) * page_elems
     page_elems = page_size * num_kv_heads * head_dim
 
-So one page of one layer's K (or V) is a contiguous run of `page_bytes` bytes, and a
+So one page of one layer's K (or V) is a contiguous run of `PoolCompat.region_bytes` bytes, and a
 descriptor id `r * num_pages + p` names it — the form NIXL descriptor lists want.
 The pool owns storage only; `PageAllocator` decides which page ids are in use.
 """
@@ -90,8 +90,3 @@ class KVPool:
     @property
     def size_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V): the unit a transfer moves."""
-        return self.page_size * self.num_kv_heads * self.head_dim * self.kv.element_size()

@@ -137,6 +137,10 @@ class RadixCache:
         self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
         self._num_cached_pages = 0
         self._num_locked_pages = 0
+        # bumped whenever a node is added or removed: a match taken at version v is still
+        # the longest (and its pages still cached) while the version is v
+        self.version = 0
+        self.num_matches = 0  # `match_prefix` walks, counted (each admission makes one)
 
     @property
     def page_size(self) -> int:
@@ -180,6 +184,7 @@ class RadixCache:
         """
         tokens = token_ids if type(token_ids) is list else list(token_ids)
         limit = len(tokens) - len(tokens) % self._page_size
+        self.num_matches += 1
         node, num_tokens, pages = self._descend(tokens, limit, self._tick())
         return MatchResult(pages, node, num_tokens, node.last_hash)
 
@@ -192,18 +197,31 @@ class RadixCache:
         which frees those duplicates. Raises ``ValueError`` if
         ``len(token_ids) != len(page_ids) * page_size``.
         """
-        page_size = self._page_size
-        if len(token_ids) != len(page_ids) * page_size:
+        return self._insert(list(token_ids), page_ids)[1]
+
+    def insert_path(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> MatchResult:
+        """`insert`, returning the cached path of ``token_ids`` afterwards: its canonical
+        pages and the node ending there (what a running request re-points at), from the
+        same walk."""
+        node, _, pages = self._insert(list(token_ids), page_ids)
+        return MatchResult(pages, node, len(token_ids), node.last_hash)
+
+    def _insert(
+        self, tokens: list[int], page_ids: Sequence[int]
+    ) -> tuple[RadixNode, int, list[int]]:
+        """Insert; (the node ending at ``tokens``' end, tokens already cached, the path's
+        pages)."""
+        if len(tokens) != len(page_ids) * self._page_size:
             raise ValueError(
-                f"{len(token_ids)} tokens do not fill {len(page_ids)} pages of {page_size}"
+                f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self._page_size}"
             )
-        tokens = list(token_ids)
         tick = self._tick()
-        node, num_cached, _ = self._descend(tokens, len(tokens), tick)
+        node, num_cached, pages = self._descend(tokens, len(tokens), tick)
         if num_cached < len(tokens):
-            new_pages = list(page_ids[num_cached // page_size :])
-            self._add_leaf(node, tokens[num_cached:], new_pages, tick)
-        return num_cached
+            new_pages = list(page_ids[num_cached // self._page_size :])
+            node = self._add_leaf(node, tokens[num_cached:], new_pages, tick)
+            pages = pages + new_pages
+        return node, num_cached, pages
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and all its ancestors from eviction until ``unlock(node)``."""
@@ -274,6 +292,7 @@ class RadixCache:
             node.parent = None
         self._allocator.decref(pages)
         self._root = self._new_node([], [], [], None, self._clock)
+        self.version += 1
         self._evictable.clear()
         self._num_cached_pages = 0
         self._num_locked_pages = 0
@@ -483,7 +502,9 @@ class RadixCache:
         upper.children[tuple(node.key[:page_size])] = node
         return upper
 
-    def _add_leaf(self, parent: RadixNode, key: list[int], pages: list[int], tick: int) -> None:
+    def _add_leaf(
+        self, parent: RadixNode, key: list[int], pages: list[int], tick: int
+    ) -> RadixNode:
         """Attach a new unlocked leaf, taking one reference on each of its pages."""
         if len(set(pages)) != len(pages):
             raise ValueError("the same page id is given for two pages")
@@ -494,12 +515,14 @@ class RadixCache:
         self._evictable.discard(parent)
         self._evictable.add(leaf)
         self._num_cached_pages += len(pages)
+        self.version += 1
         if self._on_event is not None:
             self._on_event("stored", list(hashes))
         if self._write_through_uses:
             leaf.uses = 1
             if self._write_through_uses == 1:
                 self._write_path(leaf)
+        return leaf
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Detach an unlocked leaf and drop the tree's references; return its page count."""
@@ -509,6 +532,7 @@ class RadixCache:
         node.parent = None
         self._evictable.discard(node)
         self._num_cached_pages -= len(node.page_ids)
+        self.version += 1
         self._allocator.decref(node.page_ids)
         if parent is not self._root and not parent.children and parent.lock_ref == 0:
             self._evictable.add(parent)

@@ -6,6 +6,11 @@ exception) on the caller's loop; `call(fn, watch=request_id)` also routes every 
 output of that request to a queue. `stream` is the plain case built on it. Outputs go
 back to the caller's loop with `call_soon_threadsafe`. Leaving the `stream()` iterator
 early (a client disconnect) aborts the request in the engine.
+
+This is the engine's boundary: services use the named operations below (`admit`,
+`activate_remote`, `finish_host_admission`, `release_lease`, `abort`, the cache
+listeners), `info` (what the engine serves, fixed) and `stats` (counters taken on the
+engine thread after every step and call), never the engine's own objects.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from radixserve.engine.admission import Admission, HostPlan
 from radixserve.engine.engine import Engine
-from radixserve.engine.outputs import RequestOutput
+from radixserve.engine.info import EngineInfo, EngineStats
+from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +57,9 @@ class _Call:
 class AsyncEngine:
     """Thread-safe front of an Engine. `close()` stops the thread."""
 
-    def __init__(self, engine: Engine | Callable[[], Engine]) -> None:
-        """``engine``: the engine, or a function that builds it on the engine thread
-        (returns once it is built, raises what building raised). Build it there on a
+    def __init__(self, engine: Engine | Callable[[], Engine] | EngineSettings) -> None:
+        """``engine``: the engine, its settings or a function that builds it, on the
+        engine thread (returns once it is built, raises what building raised). Build it there on a
         CPU: OpenMP keeps a thread team per thread that starts parallel work, and once a
         process holds more of these threads than there are cores libgomp stops them
         spinning between parallel regions, so an engine loaded on one thread and stepped
@@ -65,11 +74,12 @@ class AsyncEngine:
         if isinstance(engine, Engine):
             self.engine = engine
             ready.set()
+        build = (lambda: Engine(engine)) if isinstance(engine, EngineSettings) else engine
 
         def run() -> None:
             if not ready.is_set():
                 try:
-                    self.engine = engine()  # type: ignore[operator]
+                    self.engine = build()  # type: ignore[operator]
                 except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
                     failed.append(exc)
                     return
@@ -83,6 +93,97 @@ class AsyncEngine:
         if failed:
             self._thread.join()
             raise failed[0]
+        self.info = EngineInfo.of(self.engine)
+        self._stats = EngineStats.of(self.engine)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters after its latest step or call (safe from any thread)."""
+        return self._stats
+
+    # -- the operations services use ---------------------------------------------------
+
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        remote_over: int | None = None,
+        host: HostPlan | None = None,
+        lease_s: float | None = None,
+        resume: Sequence[int] = (),
+    ) -> tuple[Admission, OutputQueue]:
+        """`Engine.admit` between two steps; the admission and the queue of the request's
+        outputs from now on."""
+        admission, out = await self.call(
+            lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
+                              host=host, lease_s=lease_s, resume=resume),
+            watch=request_id,
+        )  # fmt: skip
+        assert out is not None
+        return admission, out
+
+    def finish_host_admission(self, request_id: str, ok: bool) -> None:
+        """The host-tier read of an admitted request ended (`Engine.finish_host_admission`)."""
+        self.submit(lambda e: e.finish_host_admission(request_id, ok))
+
+    def activate_remote(
+        self,
+        request_id: str,
+        first_tokens: Sequence[int],
+        cached_tokens: int,
+        host_cached_tokens: int,
+        first_logprobs: Sequence[TokenLogprob] = (),
+        prompt_logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> None:
+        """The reserved pages hold the prompt's KV now (`Engine.activate_remote`); the
+        first outputs go to the request's watch."""
+        self.submit(
+            lambda e: e.activate_remote(request_id, list(first_tokens), cached_tokens,
+                                        host_cached_tokens, first_logprobs, prompt_logprobs),
+            watch=request_id,
+        )  # fmt: skip
+
+    def release_lease(self, request_id: str) -> None:
+        """The reader is done with a prefill's pages (or gave up): release its lease."""
+        self.submit(lambda e: e.release_lease(request_id))
+
+    async def abort_now(self, request_id: str) -> None:
+        """`abort`, returning once the engine has released what the request held."""
+        await self.call(lambda e: self._abort(e, request_id))
+
+    def listen_cache(self, on_event: Callable[[str, list[int]], None] | None) -> None:
+        """Report the radix cache's "stored"/"removed" page hashes to ``on_event`` (on the
+        engine thread; None stops)."""
+        self.submit(lambda e: e.cache.set_event_listener(on_event) if e.cache else None)
+
+    def resync_cache(self, emit: Callable[[str, list[int]], None]) -> None:
+        """``emit("cleared", [])`` then ``emit("stored", every cached page hash)``, on the
+        engine thread, in order with the events (a snapshot never overtakes one)."""
+
+        def snapshot(e: Engine) -> None:
+            emit("cleared", [])
+            emit("stored", e.cache.all_page_hashes() if e.cache else [])
+
+        self.submit(snapshot)
+
+    def listen_spills(
+        self,
+        on_spill: Callable[[list[int], list[int]], None] | None,
+        write_through_uses: int = 0,
+    ) -> None:
+        """Hand pages the cache evicts (and, with ``write_through_uses``, prefixes used
+        that often) to ``on_spill(hashes, page_ids)`` on the engine thread; None stops.
+        Starting forgets what was handed over before (the tier it went to is new)."""
+
+        def listen(e: Engine) -> None:
+            if e.cache is None:
+                return
+            if on_spill is not None:
+                e.cache.clear_written()
+            e.cache.set_spill_listener(on_spill, write_through_uses)
+
+        self.submit(listen)
 
     async def call(
         self, fn: Callable[[Engine], T], watch: str | None = None
@@ -156,10 +257,15 @@ class AsyncEngine:
     # -- the engine thread -----------------------------------------------------------
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Handle every queued call (waiting for one if `block`); False on close."""
+        """Handle every queued call (waiting for one if `block`, at most until the next
+        page lease expires, which the next step releases); False on close."""
         while True:
+            timeout = None
+            deadline = self.engine.leases.next_deadline() if block else None
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.perf_counter()) + 0.001
             try:
-                msg = self._inbox.get(block=block)
+                msg = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False
@@ -181,6 +287,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            self._stats = EngineStats.of(self.engine)
             for output in outputs:
                 self._deliver(output.request_id, output, output.finished)
 

@@ -22,7 +22,7 @@ import torch
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
 from radixserve.engine.choice_sampler import ChoiceSampler
 from radixserve.engine.cores import CoreBoard
@@ -68,7 +68,7 @@ class Engine:
 
     def __init__(self, settings: EngineSettings, checkpoint: Checkpoint | None = None) -> None:
         """``checkpoint``: an opened checkpoint to serve instead of ``settings.model`` (for
-        instance random weights of a given shape, `radixserve.model.random_checkpoint`)."""
+        instance random weights of a given shape, `radixserve.bench.random_checkpoint`)."""
         self.settings = settings
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
@@ -83,8 +83,7 @@ class Engine:
             checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        limit = self.config.max_position_embeddings
-        self.max_model_len = min(settings.max_model_len or limit, limit)
+        self.max_model_len = self.config.max_model_len(settings.max_model_len)
         attention = make_attention_backend(settings.attention_backend, self.device)
         plan = plan_schemes(
             settings.quantization, self.device, quant_targets(self.config), checkpoint.formats()
@@ -109,9 +108,11 @@ class Engine:
             self.config, self.page_size, num_pages, self.dtype, self.device
         )
         self.allocator = PageAllocator(num_pages)
-        namespace = hash_namespace(self.config.name, settings.cache_salt)
+        self.namespace = hash_namespace(self.config.name, settings.cache_salt)
         self.cache = (
-            RadixCache(self.allocator, self.page_size, namespace) if settings.prefix_cache else None
+            RadixCache(self.allocator, self.page_size, self.namespace)
+            if settings.prefix_cache
+            else None
         )
         self.scheduler = Scheduler(
             self.allocator,
@@ -261,9 +262,8 @@ class Engine:
             self._resume(req, resume)
             remote_over = None
         ids = req.token_ids  # the prompt, and a resumed request's tokens so far
-        cached = 0
-        if self.cache is not None and len(ids) > 1:
-            cached = self.cache.match_prefix(ids[:-1]).num_tokens
+        match = self.scheduler.match(req)  # the one walk: scheduling reuses it
+        cached = match.num_tokens if match is not None else 0
         size = self.page_size
         host_pages = 0
         if host is not None and host.device_pages * size == cached:  # the mirror is current
@@ -276,7 +276,8 @@ class Engine:
                 return Admission(req.request_id, "remote", req.num_computed, pages)
             route = "host" if host_pages else "local"  # no pages to spare now: compute here
         if route == "host":
-            loading = self._begin_host_load(req, cached, host_pages)
+            assert match is not None
+            loading = self._begin_host_load(req, match, host_pages)
             if loading is not None:
                 return Admission(req.request_id, "host", cached, tuple(loading))
         self._queue(req)
@@ -318,12 +319,13 @@ class Engine:
         self.scheduler.add(req)
         self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
 
-    def _begin_host_load(self, req: Request, cached: int, num_pages: int) -> list[int] | None:
-        """Lock ``req``'s device-cached head and allocate ``num_pages`` pages (evicting if
-        needed) for the host-tier read; None if the pool cannot spare them."""
+    def _begin_host_load(
+        self, req: Request, match: MatchResult, num_pages: int
+    ) -> list[int] | None:
+        """Lock ``req``'s device-cached head (``match``) and allocate ``num_pages`` pages
+        (evicting if needed) for the host-tier read; None if the pool cannot spare them."""
         assert self.cache is not None
-        size = self.page_size
-        match = self.cache.match_prefix(req.token_ids[:cached])
+        size, cached = self.page_size, match.num_tokens
         self.cache.lock(match.node)
         short = num_pages - self.allocator.num_free
         if short > 0 and self.cache.evict(short) < short:
@@ -537,6 +539,7 @@ class Engine:
         )
 
     def request(self, request_id: str) -> Request | None:
+        """A live request's state (for benchmarks that time steps of running requests)."""
         return self._requests.get(request_id)
 
     def generate(
@@ -596,4 +599,5 @@ class Engine:
             stats["pages_locked"] = self.cache.num_locked_pages
             stats["pages_evictable"] = self.cache.num_evictable_pages
             stats["cache_locks"] = self.cache.num_locks
+            stats["radix_matches_total"] = self.cache.num_matches
         return stats

@@ -47,6 +47,10 @@ class LeaseTable:
         self._allocator.decref(lease.page_ids)
         return True
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (``time.perf_counter()``) of a lease held; None if none."""
+        return min((lease.expires_at for lease in self._leases.values()), default=None)
+
     def expire(self, now: float) -> list[str]:
         """Release every lease past its deadline; returns their request ids."""
         expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]

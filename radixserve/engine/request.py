@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.cache.radix_cache import RadixNode
+from radixserve.cache.radix_cache import MatchResult, RadixNode
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
@@ -54,6 +54,8 @@ class Request:
     num_host_cached_tokens: int = 0  # of those, loaded from the host tier just before
     num_computed_prompt_tokens: int = 0  # prompt tokens this request actually ran through the model
     locked_node: RadixNode | None = None
+    # the radix match taken at admission: (cache version, tokens matched over, result)
+    match: tuple[int, int, MatchResult] | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"

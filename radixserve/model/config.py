@@ -50,6 +50,11 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})"
             )
 
+    def max_model_len(self, requested: int | None) -> int:
+        """The context a server of this model offers: ``requested`` (a setting; None or 0
+        for the model's own), never past what the model was trained for."""
+        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token per element byte (multiply by the dtype's size)."""

@@ -84,6 +84,8 @@ ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
 DURATION_MS = FloatSpec()
 TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
 PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
+PAGE_HASH = IntSpec(0, 2**64 - 1)
+PAGE_HASHES = ListSpec(PAGE_HASH, MAX_PAGES_PER_MESSAGE)
 ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
 LOAD_STATS = StatsSpec(
     MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
@@ -107,9 +109,9 @@ class Hello(Message):
 class HelloAck(Message):
     """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer.
 
-    A worker also says what it serves (``model_name``, ``max_model_len``, ``page_size``:
-    a link whose peer pages differ from its own is refused, as page hashes would not
-    match) and, if it owns KV pages peers may read, the agent's opaque
+    A worker also says what it serves (``model_name``, ``max_model_len``) and its page
+    geometry (``page_size``, ``hash_namespace``, ``pool_digest``: a link whose peer pages
+    differ from its own is refused, `radixserve.runtime.links.PageGeometry`) and, if it owns KV pages peers may read, the agent's opaque
     ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a
     compatible pool before its first transfer.
     """
@@ -123,6 +125,8 @@ class HelloAck(Message):
     model_name: str = field(default="", metadata=_spec(StrSpec(MAX_ID_CHARS)))
     max_model_len: int = field(default=0, metadata=_spec(COUNT))
     page_size: int = field(default=0, metadata=_spec(COUNT))
+    hash_namespace: bytes = field(default=b"", metadata=_spec(BytesSpec(64)))
+    pool_digest: str = field(default="", metadata=_spec(StrSpec(64)))
     transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
 
 
@@ -162,11 +166,8 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
-    """Gateway -> decode worker: a tokenised prompt to serve.
-
-    ``prefill_worker`` names the prefill worker the gateway picked for it (by load); the
-    decode worker uses it if it must prefill remotely, or picks one itself when empty.
-    """
+    """Gateway -> decode worker: a tokenised prompt to serve. The decode worker alone
+    decides how its KV is made (here, from the host tier, or on which prefill worker)."""
 
     TYPE_TAG: ClassVar[str] = "generate_request"
     request_id: str = field(metadata=_spec(REQUEST_ID))
@@ -174,7 +175,9 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = field(
         default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
     )
-    prefill_worker: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
+    # the chained hashes of the prompt's full pages (`radixserve.cache.block_hash`), as
+    # the gateway computed them to route it: the decode worker does not hash it again
+    page_hashes: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_HASHES))
     # a stream migrated from a worker that died: the tokens it already streamed, after
     # which this worker continues (`Engine.admit(resume=)`)
     resume_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
@@ -296,8 +299,6 @@ class RequestFailed(Message):
 
 # --- the kvstore: cluster-wide index of cached pages ---------------------------------
 
-PAGE_HASH = IntSpec(0, 2**64 - 1)
-PAGE_HASHES = ListSpec(PAGE_HASH, MAX_PAGES_PER_MESSAGE)
 KV_EVENT_KINDS: frozenset[str] = frozenset({"stored", "removed", "cleared"})
 
 

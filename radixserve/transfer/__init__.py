@@ -8,20 +8,31 @@ listens and what it advertises. `create_agent` picks by name.
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from radixserve.cache.kv_pool import KVPool
-from radixserve.transfer.base import (
-    KVTransferAgent,
-    TransferError,
-    TransferHandle,
-    TransferState,
-    peer_compat,
-)
-from radixserve.transfer.compat import PoolCompat
-from radixserve.transfer.network import TransferNetwork
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.transfer.base import (
+        KVTransferAgent,
+        TransferError,
+        TransferHandle,
+        TransferState,
+        peer_compat,
+    )
+    from radixserve.transfer.compat import PoolCompat
+    from radixserve.transfer.network import TransferNetwork
 
 BACKENDS = ("nixl", "zmq")
+
+# Loaded on first use (PEP 562): `transfer.network` (addresses, ports) is read by processes
+# that never move a page — the gateway among them — and must not pull in torch.
+_LAZY = {
+    "KVTransferAgent": "base", "TransferError": "base", "TransferHandle": "base",
+    "TransferState": "base", "peer_compat": "base", "PoolCompat": "compat",
+    "TransferNetwork": "network",
+}  # fmt: skip
 
 __all__ = [
     "BACKENDS",
@@ -36,10 +47,17 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
 def create_agent(
     backend: str,
     name: str,
-    pool: torch.Tensor | KVPool,
+    pool: torch.Tensor,
     compat: PoolCompat,
     default_timeout_s: float = 10.0,
     nixl_progress_thread: bool = False,
@@ -60,4 +78,6 @@ def create_agent(
         from radixserve.transfer.zmq import ZmqTransferAgent
 
         return ZmqTransferAgent(name, pool, compat, default_timeout_s, network)
+    from radixserve.transfer.base import TransferError
+
     raise TransferError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")

@@ -1,6 +1,6 @@
 """The KV page transfer interface shared by every backend (NIXL, ZMQ).
 
-An agent wraps one pool tensor (`KVPool.kv`, layout (L, 2, P, S, H, D)). A peer learns
+An agent wraps one pool tensor (`radixserve.cache.kv_pool`'s tensor, layout (L, 2, P, S, H, D)). A peer learns
 how to reach it from `metadata()` (opaque bytes, carried by whatever control plane the
 caller has) and calls `add_peer(name, generation, metadata)`; after that it can *pull*
 pages with `read_pages`. A page is always moved whole: for page p, the 2*L runs
@@ -37,7 +37,6 @@ from typing import Any, ClassVar, Literal
 import msgpack
 import torch
 
-from radixserve.cache.kv_pool import KVPool
 from radixserve.errors import RadixServeError
 from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
@@ -99,11 +98,11 @@ class KVTransferAgent(ABC):
     def __init__(
         self,
         name: str,
-        pool: torch.Tensor | KVPool,
+        pool: torch.Tensor,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
     ) -> None:
-        kv = pool.kv if isinstance(pool, KVPool) else pool
+        kv = pool
         compat.check_tensor(kv)
         self.name = name
         self.kv = kv

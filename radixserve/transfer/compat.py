@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from radixserve.cache.kv_pool import KVPool
-
-#: Layout of `KVPool.kv`: (layer, kind=K/V, page, slot, kv_head, head_dim).
+#: Layout of the KV pool tensor (`radixserve.cache.kv_pool`): (layer, kind=K/V, page, slot, kv_head, head_dim).
 POOL_LAYOUT = "L2PSHD"
 _ENCODING_VERSION = "radixserve.kv-compat.v1"
 
@@ -41,16 +39,31 @@ class PoolCompat:
     layout: str = POOL_LAYOUT
 
     @classmethod
-    def from_pool(cls, pool: KVPool, model_name: str) -> PoolCompat:
-        """Describe `pool`, whose weights are named `model_name` (`ModelConfig.name`)."""
+    def of(cls, kv: torch.Tensor, model_name: str) -> PoolCompat:
+        """Describe the pool tensor ``kv`` (L, 2, P, S, H, D), whose weights are named
+        ``model_name`` (`ModelConfig.name`)."""
+        num_layers, kinds, _, page_size, num_kv_heads, head_dim = kv.shape
+        assert kinds == 2, f"not a KV pool tensor: shape {tuple(kv.shape)}"
         return cls(
             model_name=model_name,
-            dtype=dtype_name(pool.dtype),
-            num_layers=pool.num_layers,
-            num_kv_heads=pool.num_kv_heads,
-            head_dim=pool.head_dim,
-            page_size=pool.page_size,
+            dtype=dtype_name(kv.dtype),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
         )
+
+    @property
+    def region_bytes(self) -> int:
+        """One page of one layer's K (or V): a contiguous run in the pool, the unit a
+        transfer descriptor names."""
+        element = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.page_size * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def page_bytes(self) -> int:
+        """One page across every layer, K and V: what a page costs in any tier."""
+        return 2 * self.num_layers * self.region_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, msgpack/JSON-encodable form."""

@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.cache.kv_pool import KVPool
 from radixserve.transfer.base import (
     KVTransferAgent,
     PeerInfo,
@@ -114,7 +113,7 @@ class NixlTransferAgent(KVTransferAgent):
     def __init__(
         self,
         name: str,
-        pool: torch.Tensor | KVPool,
+        pool: torch.Tensor,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
         progress_thread: bool = False,

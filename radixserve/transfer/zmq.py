@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import zmq
 
-from radixserve.cache.kv_pool import KVPool
 from radixserve.transfer.base import (
     KVTransferAgent,
     PeerInfo,
@@ -95,7 +94,7 @@ class ZmqTransferAgent(KVTransferAgent):
     def __init__(
         self,
         name: str,
-        pool: torch.Tensor | KVPool,
+        pool: torch.Tensor,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
         network: TransferNetwork | None = None,

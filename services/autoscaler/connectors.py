@@ -1,6 +1,6 @@
 """How the autoscaler sets replica counts: one interface, three connectors by name.
 
-* ``local``: `radixserve up`'s pools, through its control API (`radixserve.local_pools`:
+* ``local``: `radixserve up`'s pools, through its control API (`radixserve.launch.local_pools`:
   Kubernetes-style ``Scale`` objects at ``/v1/pools/<role>``). Removed workers drain
   before they exit.
 * ``kubernetes``: the ``scale`` subresource of the prefill and decode Deployments, with

@@ -9,7 +9,7 @@ every decision with its inputs and reason, and export
     radixserve_autoscaler_decisions_total{role,direction,reason}
     radixserve_autoscaler_errors_total{stage}          metrics / connector failures
 
-on its own HTTP port with ``/health`` and ``/live`` (`services.runtime.probe`). A failed
+on its own HTTP port with ``/health`` and ``/live`` (`radixserve.runtime.probe`). A failed
 scrape or connector call is logged and counted; the loop goes on. SIGTERM or SIGINT
 stops it (no pool is changed on the way out).
 """
@@ -25,6 +25,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from radixserve.runtime.probe import ProbeServer
+from radixserve.runtime.service import wait_event
 from radixserve.services.autoscaler.connectors import Connector, ConnectorError, make_connector
 from radixserve.services.autoscaler.metrics_source import (
     GatewayMetrics,
@@ -33,8 +35,6 @@ from radixserve.services.autoscaler.metrics_source import (
 )
 from radixserve.services.autoscaler.policy import ROLES, Decision, ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
-from radixserve.services.runtime.probe import ProbeServer
-from radixserve.services.runtime.service import wait_event
 
 logger = logging.getLogger(__name__)
 

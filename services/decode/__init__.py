@@ -5,6 +5,7 @@ locally when little is missing and through a prefill worker otherwise;
 `DecodeSettings` configures it (``RADIXSERVE_DECODE_*``).
 """
 
-from radixserve.services.decode.worker import DecodeSettings, DecodeWorker
+from radixserve.services.decode.settings import DecodeSettings
+from radixserve.services.decode.worker import DecodeWorker
 
 __all__ = ["DecodeSettings", "DecodeWorker"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from radixserve.logging import setup_logging
+from radixserve.runtime.worker import run_worker
 from radixserve.services.decode import DecodeSettings, DecodeWorker
-from radixserve.services.runtime.worker import run_worker
 
 if __name__ == "__main__":
     setup_logging()

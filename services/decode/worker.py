@@ -11,8 +11,10 @@ waits for a step):
 * **Host tier** when the uncached part is small enough to compute here once the kvstore's
   host tier has supplied its prefix: those pages are read in first.
 * **Remote prefill** otherwise: the engine reserves pages for the part of the prompt its
-  cache lacks (`Engine.admit`'s remote route), a prefill worker (the gateway's pick, else the
-  least loaded) computes the prompt and answers `KVReady`; this worker pulls exactly
+  cache lacks (`Engine.admit`'s remote route), then this worker picks the prefill worker
+  (`PrefillRouter`: the pages each would compute, per the kvstore's index, asked only
+  when more than one is ready, and its queue), which computes the prompt and answers
+  `KVReady`; this worker pulls exactly
   those pages through its transfer agent, tells the prefill worker `TransferDone` and
   continues from the first token (`Engine.activate_remote`; a request with n choices
   forks here from the n first tokens the prefill worker sampled, with their
@@ -25,9 +27,11 @@ the gateway gets `RequestFailed`. A prefill worker that refuses because it is dr
 is no failure: the next one is tried, else the prompt is prefilled here. Outputs stream
 to the gateway as `TokenChunk`s.
 
-Prefill workers come from ``prefill_workers`` (static) and from the cluster's
-membership (`services.runtime.membership`); the pick is `PrefillRouter`'s (the same cost
-the gateway uses, by load alone here, since the gateway already weighed the cache).
+This worker makes every decision of the request once: the gateway only chose it. The
+prompt's page hashes come with the request (the gateway hashed it to route it); the
+engine matches its radix tree once; the host tier and the kvstore index are asked only
+on the routes that can use them. Prefill workers come from ``prefill_workers`` (static)
+and from the cluster's membership (`radixserve.runtime.membership`).
 While draining (SIGTERM) this worker refuses new `GenerateRequest`s ("draining": the
 gateway sends them elsewhere) and leaves once its running requests have finished.
 """
@@ -38,19 +42,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from radixserve.engine.admission import Admission
+from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_chunk, to_logprob, to_params, to_spec
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
+    IndexQuery,
+    IndexReply,
     KVReady,
     Message,
     PrefillRequest,
@@ -58,47 +62,16 @@ from radixserve.protocol import (
     TransferDone,
 )
 from radixserve.protocol.messages import ErrorType
-from radixserve.services.runtime.links import Link, LinkSet
-from radixserve.services.runtime.membership import MemberView
-from radixserve.services.runtime.prefill_router import PrefillRouter
-from radixserve.services.runtime.service import Peer
-from radixserve.services.runtime.worker import Worker, WorkerSettings
+from radixserve.runtime.calls import Replies, send_quietly
+from radixserve.runtime.links import Link, LinkSet, PageGeometry
+from radixserve.runtime.membership import MemberView
+from radixserve.runtime.service import Peer
+from radixserve.runtime.worker import Worker
+from radixserve.services.decode.prefill_router import PrefillRouter, PrefillWeights
+from radixserve.services.decode.settings import DecodeSettings
 from radixserve.transfer import TransferError
 
-if TYPE_CHECKING:
-    from radixserve.engine.engine import Engine
-
 logger = logging.getLogger(__name__)
-
-
-class DecodeSettings(WorkerSettings):
-    """A decode worker's settings, from ``RADIXSERVE_DECODE_*``."""
-
-    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_DECODE_", frozen=True, extra="forbid")
-
-    prefill_workers: list[str] = Field(
-        default_factory=list,
-        max_length=1024,
-        description="Control addresses of the prefill workers (tcp://host:port); empty = "
-        "always prefill locally. From the environment as a JSON list.",
-    )
-    local_prefill_max_tokens: int = Field(
-        256,
-        ge=0,
-        description="Prefill here, moving no KV, when at most this many prompt tokens are "
-        "not already cached on this worker (conditional disaggregation).",
-    )
-    on_transfer_failure: Literal["recompute", "fail"] = Field(
-        "recompute",
-        description="When remote prefill or its KV transfer fails: prefill locally, or fail "
-        "the request.",
-    )
-    prefill_timeout_s: float = Field(
-        300.0, gt=0, le=86400, description="Longest wait for a prefill worker's KVReady."
-    )
-    transfer_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="Longest wait for one KV page transfer."
-    )
 
 
 class PrefillFailed(Exception):
@@ -120,29 +93,30 @@ class DecodeWorker(Worker):
     refused_while_draining = (GenerateRequest,)
     settings: DecodeSettings
 
-    def __init__(self, settings: DecodeSettings, engine: Engine | Callable[[], Engine]) -> None:
+    def __init__(self, settings: DecodeSettings, engine: AsyncEngine) -> None:
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
         self.view: MemberView | None = None
-        self.router = PrefillRouter(self.page_size)
+        s = settings
+        self.router = PrefillRouter(self.page_size, PrefillWeights(
+            s.prefill_cache_weight, s.prefill_load_weight, s.prefill_host_hit_weight,
+            s.prefill_busy_tokens,
+        ))  # fmt: skip
+        self._index: Replies[IndexReply] = Replies()
+        self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
 
     async def start(self) -> None:
-        s = self.settings
         assert self.context is not None
+        info = self.engine.info
         self.prefills = LinkSet(
             self.context,
-            list(s.prefill_workers),
-            name=self.name,
-            role="decode",
-            generation=self.generation,
-            interval_s=s.heartbeat_interval_s,
-            peer_timeout_s=s.peer_timeout_s,
+            list(self.settings.prefill_workers),
+            self.identity(),
             on_message=self._from_prefill,
             on_down=self._prefill_down,
-            keys=self.keys,
-            page_size=self.page_size,
+            pages=PageGeometry(info.page_size, info.hash_namespace, info.geometry.digest),
         )
         self.view = MemberView({"prefill": self.prefills})
         await super().start()  # the kvstore link: membership starts arriving
@@ -173,12 +147,13 @@ class DecodeWorker(Worker):
                 self.cancel(request_id)
 
     def queued_tokens(self) -> int:
-        return self.engine.engine.step_stats.queued_prompt_tokens
+        return self.engine.stats().queued_prompt_tokens
 
     def stats(self) -> dict[str, int | float]:
         stats = super().stats()
         stats["prefills_up"] = len(self.prefills.ready()) if self.prefills else 0
         stats["awaiting_kv"] = len(self._pending)
+        stats["kv_transfer_seconds_total"] = self.transfer_seconds
         return stats
 
     async def _serve(self, peer: Peer, msg: GenerateRequest) -> None:
@@ -186,11 +161,12 @@ class DecodeWorker(Worker):
         try:
             params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
+            hashes = self.page_hashes(ids + resume, msg.page_hashes)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
-                _, out = await self.admit(rid, ids, params, resume=resume)
+                _, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume)
             else:
-                out = await self._begin(rid, ids, params, msg.prefill_worker)
+                out = await self._begin(rid, ids, params, hashes)
             async for output in self.engine.outputs(rid, out):
                 await self.send_to(peer, to_chunk(output))
         except PrefillFailed as exc:
@@ -206,33 +182,68 @@ class DecodeWorker(Worker):
             self._owner.pop(rid, None)
 
     async def _begin(
-        self, rid: str, ids: list[int], params: SamplingParams, preferred: str
+        self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int]
     ) -> asyncio.Queue:
         """Admit the request once (`Worker.admit`: local, host tier, or remote when a
         prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
-        uncached) and start it; its output queue."""
-        tried: set[str] = set()
+        uncached), then, on the remote route, pick the prefill worker; its output queue."""
+        tried: frozenset[str] = frozenset()
         while True:
-            link = self._pick_prefill(preferred, frozenset(tried))
-            remote_over = self.settings.local_prefill_max_tokens if link is not None else None
-            admission, out = await self.admit(rid, ids, params, remote_over=remote_over)
+            ready = self.router.ready(self.prefills.links, tried) if self.prefills else []
+            remote_over = self.settings.local_prefill_max_tokens if ready else None
+            admission, out = await self.admit(rid, ids, params, hashes=hashes,
+                                              remote_over=remote_over)  # fmt: skip
             if admission.route != "remote":
                 self.counters["local_prefills_total"] += 1
                 return out
-            assert link is not None
+            link = await self._pick_prefill(hashes, tried)
+            if link is None:  # none is ready any more: compute here
+                await self.engine.abort_now(rid)
+                self.counters["local_prefills_total"] += 1
+                return (await self.admit(rid, ids, params, hashes=hashes))[1]
             try:
-                return await self._remote(link, rid, ids, params, admission, out)
+                return await self._remote(link, rid, ids, params, admission, out, hashes)
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
-                tried.add(link.name)  # it began draining after it was picked: next one
+                tried |= {link.name}  # it began draining after it was picked: next one
 
     # -- remote prefill --------------------------------------------------------------
 
-    def _pick_prefill(self, preferred: str, exclude: frozenset[str]) -> Link | None:
-        if self.prefills is None:
-            return None
-        return self.router.pick(self.prefills.links, preferred=preferred, exclude=exclude)
+    async def _pick_prefill(self, hashes: Sequence[int], exclude: frozenset[str]) -> Link | None:
+        """The prefill worker of least cost (`PrefillRouter`); the kvstore's index of their
+        caches is asked only when there is a choice."""
+        ready = self.router.ready(self.prefills.links, exclude) if self.prefills else []
+        cached, host = await self._index_lookup(hashes) if len(ready) > 1 else ({}, 0)
+        return self.router.pick(ready, len(hashes), cached, host, exclude)
+
+    async def _index_lookup(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
+        """Leading pages of ``hashes`` each worker holds on device and the host tier holds,
+        per the kvstore (({}, 0) if it is down or slow: routing then goes by load)."""
+        link = self.kvstore_link()
+        if link is None or not link.up or not hashes:
+            return {}, 0
+        query_id = uuid.uuid4().hex
+        self.counters["index_queries_total"] += 1
+        try:
+            answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
+                                           self.settings.kvstore_query_timeout_s)  # fmt: skip
+        except TimeoutError:
+            answer = None
+        if answer is None:
+            self.counters["index_misses_total"] += 1
+            return {}, 0
+        return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
+
+    def _from_kvstore(self, link: Link, msg: Message) -> None:
+        if isinstance(msg, IndexReply):
+            self._index.answer(msg.query_id, msg)
+        else:
+            super()._from_kvstore(link, msg)
+
+    def _kvstore_down(self, link: Link, why: str) -> None:
+        self._index.drop_all()
+        super()._kvstore_down(link, why)
 
     async def _remote(
         self,
@@ -242,6 +253,7 @@ class DecodeWorker(Worker):
         params: SamplingParams,
         admission: Admission,
         out: asyncio.Queue,
+        hashes: list[int],
     ) -> asyncio.Queue:
         """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
         ``out``); on failure recompute here or raise."""
@@ -265,7 +277,7 @@ class DecodeWorker(Worker):
             answered = True
             await self._pull(link, kv, dst)
             consumed = True
-            await self._tell(link, TransferDone(rid))
+            await send_quietly(link, TransferDone(rid))
         except asyncio.CancelledError:
             await self._give_back(link, rid, consumed)
             raise
@@ -282,7 +294,7 @@ class DecodeWorker(Worker):
             logger.warning("%s: remote prefill of %s on %s failed (%s); recomputing locally",
                            self.name, rid, link.label, exc)  # fmt: skip
             self.counters["local_prefills_total"] += 1
-            return (await self.admit(rid, ids, params))[1]
+            return (await self.admit(rid, ids, params, hashes=hashes))[1]
         finally:
             self._pending.pop(rid, None)
             if not answered:
@@ -293,11 +305,8 @@ class DecodeWorker(Worker):
         prompt_lps = None
         if params.prompt_logprobs is not None:
             prompt_lps = [to_logprob(e) for e in kv.prompt_logprobs]
-        self.engine.submit(
-            lambda e: e.activate_remote(
-                rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps
-            ),
-            watch=rid,
+        self.engine.activate_remote(
+            rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps
         )
         return out
 
@@ -319,30 +328,21 @@ class DecodeWorker(Worker):
         elapsed = time.perf_counter() - start
         self.counters["kv_transfers_total"] += 1
         self.counters["kv_transfer_pages_total"] += len(dst)
-        self.counters["kv_transfer_bytes_total"] += len(dst) * agent.page_bytes * agent.num_regions
-        self.counters["kv_transfer_seconds_total"] += elapsed
+        self.counters["kv_transfer_bytes_total"] += len(dst) * self.engine.info.geometry.page_bytes
+        self.transfer_seconds += elapsed
 
     async def _give_back(self, link: Link, rid: str, consumed: bool) -> None:
         """Free our reservation (uncached) and the prefill worker's lease or work."""
-        await self.engine.call(lambda e: e.abort(rid))
-        await self._tell(link, TransferDone(rid) if consumed else Abort(rid))
-
-    @staticmethod
-    async def _tell(link: Link, msg: Message) -> None:
-        """Best-effort notice to a prefill worker; if it is unreachable, its lease expires."""
-        with contextlib.suppress(TimeoutError):
-            await link.send(msg, timeout_ms=0)
+        await self.engine.abort_now(rid)
+        # best effort: if the prefill worker is unreachable, its lease expires
+        await send_quietly(link, TransferDone(rid) if consumed else Abort(rid))
 
     def _from_prefill(self, link: Link, msg: Message) -> None:
         rid = getattr(msg, "request_id", None)
         pending = self._pending.get(rid) if isinstance(rid, str) else None
         if pending is None or pending.link is not link or pending.ready.done():
             if isinstance(msg, KVReady):  # we gave up on it: let the lease go now
-                task = asyncio.ensure_future(
-                    self._tell(link, TransferDone(msg.request_id, ok=False))
-                )
-                self._notices.add(task)
-                task.add_done_callback(self._notices.discard)
+                self.spawn_notice(send_quietly(link, TransferDone(msg.request_id, ok=False)))
             return
         if isinstance(msg, KVReady):
             pending.ready.set_result(msg)

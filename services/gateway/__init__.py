@@ -2,15 +2,16 @@
 
 `create_app(client, settings)` builds the FastAPI app over an `EngineClient`:
 `LocalEngineClient` runs the engine in-process, `ClusterClient` serves through decode
-and prefill workers; `build_client` picks by settings. See `app` for the endpoints.
+workers; `build_client` picks by settings. In cluster mode the gateway loads only the
+model's config and tokenizer: neither torch nor the engine is imported. See `app` for the endpoints.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixserve.services.gateway.app import create_app
 from radixserve.services.gateway.engine_client import EngineClient, LocalEngineClient
+from radixserve.services.gateway.routes import create_app
 from radixserve.services.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -31,21 +32,20 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
     of ``settings.kvstore``, if either is set (only the tokenizer is loaded here), else an
     in-process engine built from ``engine_settings``."""
     if settings.decode_workers or settings.kvstore:
-        from radixserve.model.checkpoint import load_checkpoint, served_model_id
+        from radixserve.cache.block_hash import hash_namespace
+        from radixserve.model.model_files import open_model
         from radixserve.services.gateway.cluster_client import ClusterClient
 
-        checkpoint = load_checkpoint(engine_settings.model, progress=False)
-        config = checkpoint.config
-        limit = min(engine_settings.max_model_len or config.max_position_embeddings,
-                    config.max_position_embeddings)  # fmt: skip
+        model = open_model(engine_settings.model)  # config and tokenizer, no weights
         return ClusterClient(
-            settings, checkpoint.tokenizer, config.name, limit, engine_settings.page_size,
-            served_model_id(engine_settings.model),
+            settings, model.tokenizer, model.config.name,
+            model.config.max_model_len(engine_settings.max_model_len),
+            engine_settings.page_size,
+            hash_namespace(model.config.name, engine_settings.cache_salt), model.served_name,
         )  # fmt: skip
     from radixserve.engine.async_engine import AsyncEngine
-    from radixserve.engine.engine import Engine
 
-    return LocalEngineClient(AsyncEngine(lambda: Engine(engine_settings)))  # on its thread
+    return LocalEngineClient(AsyncEngine(engine_settings))  # built on its thread
 
 
 def serve(client: EngineClient, settings: GatewaySettings) -> None:

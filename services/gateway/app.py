@@ -14,7 +14,6 @@ GET /debug/cache, and FastAPI's own GET /openapi.json and /docs. Contracts:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -24,27 +23,22 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
-from radixserve.services.gateway import extra_routes
 from radixserve.services.gateway.choices import ChoiceBook, Generation
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import (
     OpenAIError,
     error_body,
-    install_error_handlers,
     retry_after,
 )
 from radixserve.services.gateway.logprobs import LogprobFormatter
-from radixserve.services.gateway.openapi import install_openapi
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
 from radixserve.services.gateway.responses import (
-    ChatCompletionResponse,
-    CompletionResponse,
     Kind,
     chunk,
     envelope,
@@ -82,8 +76,8 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
-class _Gateway:
-    """State and handlers behind the routes."""
+class Gateway:
+    """State and handlers behind the routes (`routes.create_app` lays them out)."""
 
     def __init__(self, client: EngineClient, settings: GatewaySettings) -> None:
         self.client = client
@@ -307,50 +301,3 @@ class _Gateway:
         if workers:
             body["workers"] = workers
         return body
-
-
-def create_app(client: EngineClient, settings: GatewaySettings | None = None) -> FastAPI:
-    """The gateway app over `client`. The caller owns `client` (and closes it)."""
-    gw = _Gateway(client, settings or GatewaySettings())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await client.start()
-        try:
-            yield
-        finally:
-            await client.shutdown()
-
-    app = FastAPI(
-        title="radixserve gateway",
-        description="OpenAI-compatible API of radixserve.",
-        version=extra_routes.version(),
-        docs_url="/docs",
-        redoc_url=None,
-        openapi_url="/openapi.json",
-        lifespan=lifespan,
-    )
-    install_error_handlers(app)
-    generation = dict(methods=["POST"], responses=extra_routes.GENERATION_RESPONSES)
-    app.add_api_route(
-        "/v1/completions",
-        gw.completions,
-        response_model=CompletionResponse,
-        openapi_extra=extra_routes.body(CompletionRequest),
-        **generation,
-    )
-    app.add_api_route(
-        "/v1/chat/completions",
-        gw.chat_completions,
-        response_model=ChatCompletionResponse,
-        openapi_extra=extra_routes.body(ChatCompletionRequest),
-        **generation,
-    )
-    extra_routes.install(app, gw)
-    app.add_api_route("/health", gw.health, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/live", gw.live, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
-    install_openapi(app)
-    app.state.gateway = gw
-    return app  # fmt: skip

@@ -1,13 +1,14 @@
 """The gateway's `EngineClient` for a disaggregated cluster: decode workers over ZMQ.
 
-The gateway tokenises, picks a decode worker (`DecodeRouter`: longest cached prefix,
-then load) and a prefill worker (`PrefillRouter`: pages it would compute given the
-kvstore index, plus its queued prompt tokens), and sends the decode
-worker a `GenerateRequest` naming that prefill worker. The decode worker streams
-`TokenChunk`s back; they become `RequestOutput`s.
+The gateway tokenises, hashes the prompt's pages once, picks a decode worker with them
+(`DecodeRouter`: longest cached prefix, then load) and sends it a `GenerateRequest`
+carrying the hashes. That is the gateway's one decision: the decode worker decides
+everything else (local or remote prefill, which prefill worker, the host tier). It
+streams `TokenChunk`s back; they become `RequestOutput`s. Prefill workers are linked
+only to show their load and counters (/debug/cache, /metrics).
 
 Workers are the static ``decode_workers`` / ``prefill_workers`` plus whatever the
-kvstore's membership lists (`services.runtime.membership`): a worker that joins is
+kvstore's membership lists (`radixserve.runtime.membership`): a worker that joins is
 routed to once its link is up, one that drains gets nothing new at once, one that
 leaves or dies is dropped.
 
@@ -39,14 +40,12 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
 
-from radixserve.cache.block_hash import hash_namespace
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_output, to_spec
@@ -55,20 +54,18 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
-    IndexQuery,
-    IndexReply,
     MemberList,
     Message,
     RequestFailed,
     TokenChunk,
 )
 from radixserve.protocol.security import keys_from
+from radixserve.runtime.calls import Tasks, send_quietly
+from radixserve.runtime.links import Link, LinkIdentity, LinkSet, PageGeometry
+from radixserve.runtime.membership import MemberView
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.router import DecodeRouter
 from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.runtime.links import Link, LinkSet
-from radixserve.services.runtime.membership import MemberView
-from radixserve.services.runtime.prefill_router import PrefillRouter, PrefillWeights
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +111,13 @@ class ClusterClient(EngineClient):
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
-        page_size: int = 16,
+        page_size: int,
+        hash_namespace: bytes,
         served_name: str = "",
     ) -> None:
+        """``max_model_len``: the model's context as the checkpoint says; the decode
+        workers' own (`HelloAck`) bounds it once they are up. ``page_size`` and
+        ``hash_namespace``: the page geometry the workers must share (`PageGeometry`)."""
         if not settings.decode_workers and not settings.kvstore:
             raise ValueError(
                 "a cluster client needs decode worker addresses or a kvstore to find them"
@@ -128,17 +129,9 @@ class ClusterClient(EngineClient):
         self._max_model_len = max_model_len
         self.name = f"gateway-{os.getpid()}"
         self.generation = time.time_ns() // 10**6
+        self.pages = PageGeometry(page_size, hash_namespace)
         self.router = DecodeRouter(
-            page_size, hash_namespace(model_name), settings.decode_load_weight, _MAX_VIEW_PAGES
-        )
-        self.prefill_router = PrefillRouter(
-            page_size,
-            PrefillWeights(
-                settings.prefill_cache_weight,
-                settings.prefill_load_weight,
-                settings.prefill_host_hit_weight,
-                settings.prefill_busy_tokens,
-            ),
+            page_size, hash_namespace, settings.decode_load_weight, _MAX_VIEW_PAGES
         )
         self._streams: dict[str, _Stream] = {}
         self._context: zmq.asyncio.Context | None = None
@@ -146,50 +139,24 @@ class ClusterClient(EngineClient):
         self.prefills: LinkSet | None = None
         self.kvstore: LinkSet | None = None
         self.view: MemberView | None = None
-        self._queries: dict[str, asyncio.Future] = {}  # kvstore query id -> its reply
-        self.index_misses = 0  # prefill routings made without the index (kvstore slow/down)
         self.migrations = 0  # requests moved off a lost or drained decode worker
-        self._background: set[asyncio.Task] = set()
+        self._background = Tasks(self.name)
 
     # -- lifetime --------------------------------------------------------------------
 
     async def start(self) -> None:
         s = self.settings
-        self._context = zmq.asyncio.Context()
-        common: dict[str, Any] = dict(
-            name=self.name,
-            role="gateway",
-            generation=self.generation,
-            interval_s=s.heartbeat_interval_s,
-            peer_timeout_s=s.peer_timeout_s,
-            keys=keys_from(s.cluster_secret),
-        )
-        self.decodes = LinkSet(
-            self._context,
-            list(s.decode_workers),
-            on_message=self._from_decode,
-            on_up=self._decode_up,
-            on_down=self._decode_down,
-            page_size=self.router.page_size,
-            **common,
-        )
-        self.prefills = LinkSet(
-            self._context,
-            list(s.prefill_workers),
-            on_message=self._unexpected,
-            on_down=self._prefill_down,
-            page_size=self.router.page_size,
-            **common,
-        )
+        self._context = context = zmq.asyncio.Context()
+        me = LinkIdentity(self.name, "gateway", self.generation, s.heartbeat_interval_s,
+                          s.peer_timeout_s, keys_from(s.cluster_secret))  # fmt: skip
+        self.decodes = LinkSet(context, list(s.decode_workers), me, on_message=self._from_decode,
+                               on_up=self._decode_up, on_down=self._decode_down,
+                               pages=self.pages)  # fmt: skip
+        self.prefills = LinkSet(context, list(s.prefill_workers), me, on_message=self._unexpected,
+                                on_down=self._prefill_down, pages=self.pages)  # fmt: skip
         self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
-        kvstore = [s.kvstore] if s.kvstore else []
-        self.kvstore = LinkSet(
-            self._context,
-            kvstore,
-            on_message=self._from_kvstore,
-            on_up=self._kvstore_up,
-            **common,
-        )
+        self.kvstore = LinkSet(context, [s.kvstore] if s.kvstore else [], me,
+                               on_message=self._from_kvstore, on_up=self._kvstore_up)  # fmt: skip
         for links in self._link_sets():
             links.start()
 
@@ -198,6 +165,7 @@ class ClusterClient(EngineClient):
             stream.out.put_nowait(UnavailableError("the gateway is shutting down"))
         for links in self._link_sets():
             await links.close()
+        await self._background.close()
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -236,6 +204,7 @@ class ClusterClient(EngineClient):
     ) -> AsyncIterator[RequestOutput]:
         """Serve the request, moving it to another decode worker if its worker is lost
         or drains (module notes); the caller sees one stream under ``request_id``."""
+        hashes = self.router.hashes(prompt_ids)  # the request's one hashing, carried on
         sent: list[int] = []  # tokens the caller has been given
         first: RequestOutput | None = None  # its first output: usage and TTFT stay its
         tried: set[str] = set()
@@ -243,8 +212,9 @@ class ClusterClient(EngineClient):
         while True:
             attempt = request_id if not refusals + losses else f"{request_id}~{refusals + losses}"
             resumed = params if not sent else dataclasses.replace(params, prompt_logprobs=None)
-            outputs = self._generate_on(prompt_ids, resumed, attempt, tried, tuple(sent),
-                                        wait=bool(losses))  # fmt: skip
+            outputs = self._generate_on(prompt_ids, hashes, resumed, attempt, tried,
+                                        tuple(sent), wait=bool(losses))  # fmt: skip
+            streamed_before = len(sent)
             try:
                 async with contextlib.aclosing(outputs):  # closing us aborts the request now
                     async for output in outputs:
@@ -253,7 +223,9 @@ class ClusterClient(EngineClient):
                         yield self._as_first(output, request_id, first)
                 return
             except (_Draining, _WorkerLost) as exc:
-                lost = isinstance(exc, _WorkerLost) or bool(sent)
+                # lost: the worker went away, or drained past its grace after streaming in
+                # this attempt; a refusal before any token of it is no loss
+                lost = isinstance(exc, _WorkerLost) or len(sent) > streamed_before
                 losses, refusals = losses + lost, refusals + (not lost)
                 if (
                     (sent and params.n > 1)
@@ -269,10 +241,10 @@ class ClusterClient(EngineClient):
 
     @staticmethod
     def _as_first(output: RequestOutput, request_id: str, first: RequestOutput) -> RequestOutput:
-        """An output of a moved request as the caller knows it: its id, and the first
-        attempt's prompt accounting and TTFT."""
+        """An output of a moved (or refused and resent) request as the caller knows it: its
+        id, and the first attempt's prompt accounting and TTFT."""
         if output is first:
-            return output
+            return dataclasses.replace(output, request_id=request_id)
         return dataclasses.replace(
             output,
             request_id=request_id,
@@ -284,6 +256,7 @@ class ClusterClient(EngineClient):
     async def _generate_on(
         self,
         prompt_ids: list[int],
+        hashes: list[int],
         params: SamplingParams,
         request_id: str,
         tried: set[str],
@@ -293,26 +266,22 @@ class ClusterClient(EngineClient):
         """Serve the request on the best decode worker not in ``tried`` (added to it),
         after the ``resume`` tokens already streamed; with ``wait``, wait up to
         ``migration_wait_s`` for one to be up."""
-        link = await self._wait_for_decode(prompt_ids, tried) if wait else None
-        link = link or self._pick_decode(prompt_ids, tried)
+        link = await self._wait_for_decode(hashes, tried) if wait else None
+        link = link or self._pick_decode(hashes, tried)
         tried.add(link.name)
         # counted before any await, so requests arriving together see each other's load
-        self.router.started(link.name, prompt_ids)
+        self.router.started(link.name, hashes)
         stream = _Stream(link, asyncio.Queue(), list(prompt_ids))
         self._streams[request_id] = stream
-        prefill = ""
         done = False
         try:
-            prefill = "" if resume else await self._pick_prefill(prompt_ids)
-            if prefill:
-                self.prefill_router.assign(prefill, len(prompt_ids))
             try:
                 await link.send(
                     GenerateRequest(
                         request_id=request_id,
                         prompt_token_ids=tuple(prompt_ids),
                         sampling=to_spec(params),
-                        prefill_worker=prefill,
+                        page_hashes=tuple(hashes),
                         resume_token_ids=resume,
                     )
                 )
@@ -323,9 +292,6 @@ class ClusterClient(EngineClient):
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                if prefill:
-                    self.prefill_router.answered(prefill, len(prompt_ids))
-                    prefill = ""
                 stream.output_ids.extend(item.token_ids)
                 output = to_output(item)
                 if item.finished:
@@ -335,19 +301,16 @@ class ClusterClient(EngineClient):
                     return
         finally:
             self._streams.pop(request_id, None)
-            if prefill:
-                self.prefill_router.answered(prefill, len(prompt_ids))
             finished_ok = done and bool(stream.output_ids)
-            self.router.finished(
-                link.name, stream.prompt_ids + stream.output_ids if finished_ok else None
-            )
+            self.router.finished(link.name, hashes, stream.prompt_ids + stream.output_ids
+                                 if finished_ok else None)  # fmt: skip
             if not done and link.up:
-                self._spawn(self._abort(link, request_id))
+                self._background.spawn(self._abort(link, request_id))
 
     def stats(self) -> dict[str, int]:
         totals: dict[str, int] = {
-            "gateway_index_misses": self.index_misses,
             "gateway_migrations": self.migrations,
+            "gateway_prompt_hashes": self.router.num_hashed,
         }
         if self.decodes is None or self.prefills is None:
             return totals
@@ -380,76 +343,38 @@ class ClusterClient(EngineClient):
                 if links is self.decodes:
                     entry["gateway_in_flight"] = self.router.in_flight.get(link.name, 0)
                     entry["routing_view_pages"] = self.router.known_pages(link.name)
-                if links is self.prefills:
-                    entry["gateway_assigned_tokens"] = self.prefill_router.assigned(link.name)
                 workers[link.label] = entry
         return workers
 
     # -- routing ---------------------------------------------------------------------
 
-    async def _wait_for_decode(self, prompt_ids: list[int], exclude: set[str]) -> Link | None:
+    async def _wait_for_decode(self, hashes: list[int], exclude: set[str]) -> Link | None:
         """The best ready decode worker not in ``exclude``, waiting up to
         ``migration_wait_s`` for one; None if none came."""
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
             with contextlib.suppress(UnavailableError):
-                return self._pick_decode(prompt_ids, exclude)
+                return self._pick_decode(hashes, exclude)
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(0.05)
 
-    def _pick_decode(self, prompt_ids: list[int], exclude: set[str]) -> Link:
+    def _pick_decode(self, hashes: list[int], exclude: set[str]) -> Link:
         ready = [link for link in self.decodes.ready()] if self.decodes else []
         ready = [link for link in ready if link.name not in exclude]
         if not ready:
             raise UnavailableError("no decode worker is up; try again shortly")
-        name = self.router.pick([link.name for link in ready], prompt_ids)
+        name = self.router.pick([link.name for link in ready], hashes)
         return next(link for link in ready if link.name == name)
-
-    async def _pick_prefill(self, prompt_ids: list[int]) -> str:
-        """The prefill worker of least cost (`PrefillRouter`), its cache hits from the
-        kvstore index; "" if none is ready."""
-        ready = self.prefills.ready() if self.prefills else []
-        if not ready:
-            return ""
-        hashes = self.router.hashes(prompt_ids)
-        cached, host = await self._index_lookup(hashes) if len(ready) > 1 else ({}, 0)
-        best = self.prefill_router.pick(ready, len(hashes), cached, host)
-        return best.name if best is not None else ""
-
-    async def _index_lookup(self, hashes: list[int]) -> tuple[dict[str, int], int]:
-        """Leading pages of ``hashes`` each worker holds on device and the host tier holds,
-        per the kvstore (({}, 0) if it is down or slow: routing then goes by load)."""
-        link = self.kvstore.up()[0] if self.kvstore and self.kvstore.up() else None
-        if link is None or not hashes:
-            return {}, 0
-        query_id = uuid.uuid4().hex
-        reply: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queries[query_id] = reply
-        try:
-            await link.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=0)
-            answer: IndexReply = await asyncio.wait_for(
-                reply, self.settings.kvstore_query_timeout_s
-            )
-        except TimeoutError:
-            self.index_misses += 1
-            return {}, 0
-        finally:
-            self._queries.pop(query_id, None)
-        return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
 
     def _kvstore_up(self, link: Link) -> None:
         if self.view is not None:
-            self._spawn(self._send_quietly(link, self.view.watch()))
+            self._background.spawn(send_quietly(link, self.view.watch()))
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if isinstance(msg, MemberList):
             if self.view is not None:
                 self.view.apply(msg)
-        elif isinstance(msg, IndexReply):
-            reply = self._queries.get(msg.query_id)
-            if reply is not None and not reply.done():
-                reply.set_result(msg)
         else:
             self._unexpected(link, msg)
 
@@ -460,7 +385,7 @@ class ClusterClient(EngineClient):
         stream = self._streams.get(rid)
         if stream is None or stream.link is not link:
             if isinstance(msg, TokenChunk) and not msg.finished:
-                self._spawn(self._abort(link, rid))  # a request we no longer wait for
+                self._background.spawn(self._abort(link, rid))  # one we no longer wait for
             return
         if isinstance(msg, TokenChunk):
             stream.out.put_nowait(msg)
@@ -488,22 +413,12 @@ class ClusterClient(EngineClient):
             self.view.link_down("decode", link)
 
     def _prefill_down(self, link: Link, why: str) -> None:
-        self.prefill_router.forget(link.name)
         if self.view is not None:
             self.view.link_down("prefill", link)
 
     def _unexpected(self, link: Link, msg: Message) -> None:
         logger.warning("unexpected %s from %s", msg.TYPE_TAG, link.label)
 
-    async def _abort(self, link: Link, request_id: str) -> None:
-        await self._send_quietly(link, Abort(request_id), timeout_ms=500)
-
     @staticmethod
-    async def _send_quietly(link: Link, msg: Message, timeout_ms: int = 0) -> None:
-        with contextlib.suppress(TimeoutError):  # the peer is gone: nothing to tell
-            await link.send(msg, timeout_ms=timeout_ms)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _abort(link: Link, request_id: str) -> None:
+        await send_quietly(link, Abort(request_id), timeout_ms=500)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import InvalidRequestError
 from radixserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # only the in-process client has one; the cluster gateway has no torch
+    from radixserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -116,25 +118,22 @@ class LocalEngineClient(EngineClient):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self._async.engine.tokenizer
+        return self._async.info.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self._async.engine.config.name
+        return self._async.info.model_name
 
     @property
     def served_name(self) -> str:
-        from radixserve.model.checkpoint import served_model_id
-
-        return served_model_id(self._async.engine.settings.model)
+        return self._async.info.served_name
 
     @property
     def max_model_len(self) -> int:
-        return self._async.engine.max_model_len
+        return self._async.info.max_model_len
 
     def stats(self) -> dict[str, int]:
-        # Every counter read here is an O(1) attribute read: safe beside the engine thread.
-        return dict(self._async.engine.cache_stats())
+        return dict(self._async.stats().cache)
 
     def close(self) -> None:
         if not self._closed:

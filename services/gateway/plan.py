@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.engine.grammar import grammar_for
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.structured import grammar_for
 from radixserve.errors import InvalidRequestError
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError

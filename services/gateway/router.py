@@ -16,8 +16,9 @@ to hold; ``in_flight`` is the number of this gateway's requests running on w. Wi
 default weight a conversation stays on its worker until that worker carries
 ``matched_pages / load_weight`` more requests than another.
 
-**Prefill** routing is `radixserve.services.runtime.prefill_router.PrefillRouter`, shared
-with the decode workers.
+The prompt is hashed once per request (`hashes`, counted in ``num_hashed``); `pick`,
+`started` and `finished` take those hashes, and `finished` hashes only the pages past
+them (the answer). The hashes travel on to the decode worker, which routes prefill.
 """
 
 from __future__ import annotations
@@ -68,13 +69,15 @@ class DecodeRouter:
         self._max_pages = max_pages_per_worker
         self._views: dict[str, PrefixView] = {}
         self.in_flight: dict[str, int] = {}
+        self.num_hashed = 0  # prompts hashed
 
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """The chained hashes of a prompt's full pages."""
+        self.num_hashed += 1
         return page_hashes(token_ids, self.page_size, self.namespace)
 
-    def pick(self, workers: Sequence[str], prompt_ids: Sequence[int]) -> str:
-        """The worker to serve ``prompt_ids`` (``workers`` must not be empty)."""
-        hashes = self.hashes(prompt_ids)
+    def pick(self, workers: Sequence[str], hashes: Sequence[int]) -> str:
+        """The worker to serve a prompt of page ``hashes`` (``workers`` must not be empty)."""
 
         def cost(name: str) -> tuple[float, int, str]:
             view = self._views.get(name)
@@ -84,15 +87,20 @@ class DecodeRouter:
 
         return min(workers, key=cost)
 
-    def started(self, worker: str, prompt_ids: Sequence[int]) -> None:
+    def started(self, worker: str, hashes: Sequence[int]) -> None:
         self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-        self._view(worker).add(self.hashes(prompt_ids))
+        self._view(worker).add(hashes)
 
-    def finished(self, worker: str, token_ids: Sequence[int] | None) -> None:
-        """A request ended; ``token_ids`` (prompt + output) are cached there now, if given."""
+    def finished(self, worker: str, hashes: Sequence[int], token_ids: Sequence[int] | None) -> None:
+        """A request whose prompt's pages hash to ``hashes`` ended; ``token_ids`` (prompt
+        + output) are cached there now, if given: only the pages past ``hashes`` are
+        hashed."""
         self.in_flight[worker] = max(self.in_flight.get(worker, 0) - 1, 0)
         if token_ids:
-            self._view(worker).add(self.hashes(token_ids))
+            done = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tail = token_ids[done * self.page_size :]
+            self._view(worker).add(page_hashes(tail, self.page_size, self.namespace, parent))
 
     def forget(self, worker: str) -> None:
         """``worker`` lost its cache (restart, death)."""

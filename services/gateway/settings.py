@@ -6,13 +6,13 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from radixserve.protocol.security import CLUSTER_SECRET_ALIAS
+from radixserve.runtime.settings import PeerSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(PeerSettings):
     """How the OpenAI-compatible HTTP gateway listens, authenticates and bounds its load."""
 
     model_config = SettingsConfigDict(env_prefix="RADIXSERVE_GATEWAY_", frozen=True, extra="forbid")
@@ -64,20 +64,6 @@ class GatewaySettings(BaseSettings):
         description="Control address of the cluster's kvstore: where the gateway finds the "
         "workers (membership) and the cache index for prefill routing.",
     )
-    cluster_secret: SecretStr | None = Field(
-        None,
-        min_length=16,
-        validation_alias=CLUSTER_SECRET_ALIAS,
-        description="The cluster's shared secret, RADIXSERVE_CLUSTER_SECRET as for every "
-        "service (CurveZMQ on the links to the workers and the kvstore).",
-    )
-    heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
-    peer_timeout_s: float = Field(
-        5.0,
-        gt=0,
-        le=600,
-        description="A worker silent this long is down: its requests end with an error.",
-    )
     max_migrations: int = Field(
         3,
         ge=0,
@@ -98,37 +84,6 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Decode routing: pages of cached prefix one in-flight request is worth "
         "(cost = uncached pages + weight * in-flight requests).",
-    )
-    prefill_cache_weight: float = Field(
-        1.0,
-        ge=0,
-        description="Prefill routing: weight of the pages a worker would have to compute "
-        "(the prompt's pages less the prefix the kvstore index says it holds).",
-    )
-    prefill_load_weight: float = Field(
-        1.0,
-        ge=0,
-        description="Prefill routing: weight of a worker's queued prompt tokens, in pages.",
-    )
-    prefill_host_hit_weight: float = Field(
-        0.1,
-        ge=0,
-        le=1,
-        description="Prefill routing: cost of loading a page from the kvstore's host tier, "
-        "relative to computing it.",
-    )
-    prefill_busy_tokens: int = Field(
-        65536,
-        ge=1,
-        description="Prefill routing: a worker with more queued prompt tokens is skipped "
-        "while another is under the threshold.",
-    )
-    kvstore_query_timeout_s: float = Field(
-        0.05,
-        gt=0,
-        le=10,
-        description="Longest wait for the kvstore index per request; past it, prefill is "
-        "routed by load alone.",
     )
     max_choices_per_request: int = Field(
         256,

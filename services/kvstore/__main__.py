@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 
 from radixserve.logging import setup_logging
+from radixserve.runtime.service import serve_until_signalled
 from radixserve.services.kvstore import KVStoreService, KVStoreSettings
-from radixserve.services.runtime.service import serve_until_signalled
 
 if __name__ == "__main__":
     setup_logging()

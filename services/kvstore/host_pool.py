@@ -124,9 +124,7 @@ class HostPool:
 
     def _allocate(self, compat: PoolCompat) -> None:
         dtype = getattr(torch, compat.dtype)
-        element = torch.empty((), dtype=dtype).element_size()
-        page_bytes = 2 * compat.num_layers * compat.page_size * compat.num_kv_heads
-        page_bytes *= compat.head_dim * element
+        page_bytes = compat.page_bytes
         num_pages = self.capacity_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(
@@ -196,8 +194,8 @@ class HostPool:
             self.index.abort(mine)
             return 0
         self.index.commit(mine)
-        page_bytes = self.agent.page_bytes * self.agent.num_regions
-        self.counters["host_bytes_stored_total"] += len(dst) * page_bytes
+        assert self.compat is not None  # allocated with the index
+        self.counters["host_bytes_stored_total"] += len(dst) * self.compat.page_bytes
         return len(dst)
 
     def lookup(self, worker: str, msg: HostLookup) -> HostLease:

@@ -14,7 +14,7 @@ on device, and how many the host tier holds.
 Workers `Register` (name, role, the address to dial, draining or not) and `Deregister`;
 a worker whose connection goes silent is dropped. Routers send `WatchMembers` and get a
 `MemberList` of the roles they watch at once, after every change, and every
-``member_refresh_s`` (see `services.runtime.membership`).
+``member_refresh_s`` (see `radixserve.runtime.membership`).
 
 **Host tier** (`HostPool`, ``host_capacity_gib`` > 0): workers attach (`HostAttach`),
 spill the pages they evict into it (`SpillOffer`) and load prefixes they miss on device
@@ -30,10 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
-
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from radixserve.cache.global_index import GlobalIndex
 from radixserve.protocol import (
@@ -51,48 +47,13 @@ from radixserve.protocol import (
     SpillOffer,
     WatchMembers,
 )
+from radixserve.runtime.network import transfer_network
+from radixserve.runtime.service import Peer, Service
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
-from radixserve.services.runtime.service import Peer, Service, ServiceSettings, transfer_network
+from radixserve.services.kvstore.settings import KVStoreSettings
 
 logger = logging.getLogger(__name__)
-
-
-class KVStoreSettings(ServiceSettings):
-    """The kvstore's settings, from ``RADIXSERVE_KVSTORE_*``."""
-
-    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_KVSTORE_", frozen=True, extra="forbid")
-
-    host_capacity_gib: float = Field(
-        4.0,
-        ge=0,
-        le=65536,
-        description="Size of the host-memory page pool workers spill into (allocated when "
-        "the first worker attaches); 0 = index only, no host tier.",
-    )
-    transfer_backend: Literal["nixl", "zmq"] = Field(
-        "nixl", description="How pages move to and from the host tier; the workers' backend."
-    )
-    nixl_progress_thread: bool = Field(
-        False, description="Give the NIXL agent its own (core-polling) progress thread."
-    )
-    host_lease_s: float = Field(
-        60.0,
-        gt=0,
-        le=3600,
-        description="How long a worker may take to read leased pages; keep it above the "
-        "workers' host_load_timeout_s.",
-    )
-    host_transfer_timeout_s: float = Field(
-        30.0,
-        gt=0,
-        le=100,
-        description="Longest read of a worker's spilled pages (a worker reuses the buffer "
-        "pages of a kvstore it lost after 120 s).",
-    )
-    member_refresh_s: float = Field(
-        2.0, gt=0, le=600, description="Period of the member list sent to every watcher."
-    )
 
 
 class KVStoreService(Service):

@@ -5,6 +5,7 @@ first token and lends the decode worker the pages it asked for; `PrefillSettings
 configures it (``RADIXSERVE_PREFILL_*``).
 """
 
-from radixserve.services.prefill.worker import PrefillSettings, PrefillWorker
+from radixserve.services.prefill.settings import PrefillSettings
+from radixserve.services.prefill.worker import PrefillWorker
 
 __all__ = ["PrefillSettings", "PrefillWorker"]

@@ -24,36 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
-
+from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.wire import to_entries, to_params
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
-from radixserve.services.runtime.service import Peer
-from radixserve.services.runtime.worker import Worker, WorkerSettings
-
-if TYPE_CHECKING:
-    from radixserve.engine.engine import Engine
+from radixserve.runtime.service import Peer
+from radixserve.runtime.worker import Worker
+from radixserve.services.prefill.settings import PrefillSettings
 
 logger = logging.getLogger(__name__)
-
-
-class PrefillSettings(WorkerSettings):
-    """A prefill worker's settings, from ``RADIXSERVE_PREFILL_*``."""
-
-    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_PREFILL_", frozen=True, extra="forbid")
-
-    lease_s: float = Field(
-        60.0,
-        gt=0,
-        le=3600,
-        description="How long computed pages wait for the decode worker to read them.",
-    )
 
 
 def _first_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -71,22 +51,21 @@ class PrefillWorker(Worker):
     refused_while_draining = (PrefillRequest,)
     settings: PrefillSettings
 
-    def __init__(self, settings: PrefillSettings, engine: Engine | Callable[[], Engine]) -> None:
+    def __init__(self, settings: PrefillSettings, engine: AsyncEngine) -> None:
         super().__init__(settings, engine)
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
-        self._lent: dict[str, float] = {}  # request id -> lease deadline, pages being read
-        self._lending = asyncio.Event()
+        self._lending = asyncio.Event()  # set when a lease is handed over
         self._server: asyncio.Task | None = None
 
     async def start(self) -> None:
         await super().start()
         assert self.agent is not None
-        # drive the transfer agent while a decode worker may be reading our pages
+        # drive the transfer agent while a decode worker may be reading our pages: while
+        # the engine's lease table (the one owner of lease deadlines) holds any
         self._server = asyncio.create_task(
-            self.agent.serve_reads_while(lambda: bool(self._lent), self._lending,
-                                         self._forget_expired)
-        )  # fmt: skip
+            self.agent.serve_reads_while(self._lending_now, self._lending)
+        )
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -94,10 +73,8 @@ class PrefillWorker(Worker):
             await asyncio.gather(self._server, return_exceptions=True)
         await super().stop()
 
-    def _forget_expired(self) -> None:
-        now = time.monotonic()
-        for rid in [rid for rid, deadline in self._lent.items() if deadline < now]:
-            del self._lent[rid]  # the lease expired in the engine as well
+    def _lending_now(self) -> bool:
+        return self.engine.stats().leases > 0
 
     def handle(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
@@ -123,12 +100,11 @@ class PrefillWorker(Worker):
 
     def busy(self) -> bool:
         """Requests running, or pages lent that a decode worker has yet to read."""
-        return bool(self.tasks or self._lent)
+        return bool(self.tasks) or self._lending_now()
 
     def _release(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
-        self._lent.pop(request_id, None)
-        self.engine.submit(lambda engine: engine.release_lease(request_id))
+        self.engine.release_lease(request_id)
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
@@ -157,7 +133,6 @@ class PrefillWorker(Worker):
                     f"decode asked for {len(msg.dst_page_ids)} pages past token "
                     f"{msg.num_cached_tokens}; the prompt has {len(src)}"
                 )
-            self._lent[rid] = time.monotonic() + self.settings.lease_s
             self._lending.set()
             computed = last.prompt_tokens - last.cached_tokens
             self.counters["prefill_requests_total"] += 1
@@ -169,7 +144,7 @@ class PrefillWorker(Worker):
                 KVReady(
                     request_id=rid,
                     first_token_ids=tuple(tokens),
-                    src_page_ids=src,
+                    src_page_ids=tuple(src),
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),

@@ -13,13 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from radixserve.local_pools import LocalPools, PoolControl
+from radixserve.launch.local_pools import LocalPools, PoolControl
+from radixserve.launch.supervisor import ProcessSpec, Supervisor
 from radixserve.services.autoscaler.connectors import (
     ConnectorError,
     KubernetesConnector,
     LocalConnector,
 )
-from radixserve.supervisor import ProcessSpec, Supervisor
 
 # A stand-in worker process: says it is up (a file), and on SIGTERM "drains" for a
 # moment, then exits 0.

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from radixserve.bench.cli import suite_options
+from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.report import (
     ModelShape,
     Sample,
@@ -36,8 +38,8 @@ from radixserve.bench.workload import (
     build_rag,
     take_tokens,
 )
-from radixserve.cli import main, make_parser, suite_options
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.cli import main, make_parser
+from radixserve.launch.cluster import ClusterConfig, free_port
 
 
 def words(text: str) -> int:

@@ -1,24 +1,24 @@
 """A real local cluster for tests: prefill, decode and gateway processes on loopback.
 
-`TestCluster` is `radixserve.cluster.LocalCluster` (the processes `radixserve up` runs,
-supervised from the test thread) with short heartbeats, so failures show within
-seconds, and an HTTP client. `wait_clean` polls the gateway's /debug/cache until every
-worker that is up reports no live request, no locked page, no lease and no task: the
-leak check the cluster tests run after every scenario (host-tier loads and leases
-included). The kvstore's host tier is 0.25 GiB here unless a test sets another size.
+`TestCluster` is `radixserve.bench.local_cluster.LocalCluster` (the processes `radixserve
+up` runs, supervised from the test thread) with short heartbeats, so failures show
+within seconds, and an HTTP client. `wait_clean` polls the gateway's /debug/cache until
+every worker that is up reports, in a heartbeat sent after the call, no live request, no
+locked page, no lease and no task: the leak check the cluster tests run after every
+scenario (host-tier loads and leases included). The kvstore's host tier is 0.25 GiB here unless a test sets another size.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
 import httpx
 import zmq
 
+from radixserve.bench.local_cluster import LocalCluster
 from radixserve.cache.block_hash import hash_namespace, page_hashes
-from radixserve.cluster import ClusterConfig, LocalCluster, free_port
+from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.metrics import metric_value
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
@@ -81,12 +81,15 @@ class TestCluster(LocalCluster):
     def wait_clean(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """Wait until every up worker holds nothing for any request; return /debug/cache."""
         last: dict[str, Any] = {}
-        time.sleep(0.5)  # let every worker send a heartbeat from after the last request
+        beats = {name: w.get("heartbeats_total", 0) for name, w in self.workers().items()}
 
-        def clean() -> bool:
+        def clean() -> bool:  # judged on heartbeats sent after the last request
             nonlocal last
             last = self.debug_cache()
-            return holds_nothing(last)
+            workers = last["workers"].items()
+            fresh = all(not w["up"] or w.get("heartbeats_total", 0) > beats.get(n, 0) + 1
+                        for n, w in workers)  # fmt: skip
+            return fresh and holds_nothing(last)
 
         try:
             self.wait(clean, timeout_s, "workers to hold no request")

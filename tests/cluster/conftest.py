@@ -1,4 +1,10 @@
-"""Fixtures for cluster tests: the single-process reference engine outputs are compared to."""
+"""Fixtures for cluster tests: the single-process reference engine outputs are compared to,
+and the clusters test modules share.
+
+A module that sets ``SHARED_CLUSTER = "<name>"`` gets that cluster from the ``cluster``
+fixture: started once for every module naming it (they run one after another: see
+`pytest_collection_modifyitems`) and stopped before any other module runs, so at most one
+shared cluster is up at a time and none idles beside a test that starts its own."""
 
 from __future__ import annotations
 
@@ -7,7 +13,61 @@ from collections.abc import Callable
 import pytest
 
 from radixserve.engine.sampling_params import SamplingParams
+from tests.cluster.cluster_helpers import TestCluster
 from tests.engine.engine_helpers import make_engine
+
+SHARED = {
+    # remote prefill of every prompt over NIXL; room for 64 concurrent streams; a lost
+    # decode worker's streams wait for its restart on a busy machine
+    "remote": lambda: TestCluster(
+        transport="nixl",
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
+        gateway={"MAX_QUEUED_REQUESTS": "64", "MIGRATION_WAIT_S": "90"},
+    ),
+    "default": lambda: TestCluster(transport="nixl"),
+}
+_running: dict[str, TestCluster] = {}
+
+
+def _stop_shared(keep: str | None = None) -> None:
+    for name in [n for n in _running if n != keep]:
+        _running.pop(name).stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules sharing a cluster run next to each other (the order is otherwise kept)."""
+
+    def group(item: pytest.Item) -> str:
+        module = getattr(item, "module", None)
+        return getattr(module, "SHARED_CLUSTER", None) or getattr(module, "__name__", "")
+
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(group(item), i)
+    items.sort(key=lambda item: first[group(item)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_shared_cluster(request: pytest.FixtureRequest):
+    """Stop a shared cluster as soon as a module that does not use it begins."""
+    _stop_shared(keep=getattr(request.module, "SHARED_CLUSTER", None))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_clusters_stop_at_the_end():
+    yield
+    _stop_shared()
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> TestCluster:
+    """The module's shared cluster (its ``SHARED_CLUSTER``)."""
+    name = request.module.SHARED_CLUSTER
+    if name not in _running:
+        _running[name] = SHARED[name]()
+    return _running[name]
+
 
 Reference = Callable[[list[dict[str, str]], int], str]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import httpx
 import openai
@@ -24,15 +25,12 @@ MAX_TOKENS = 12
 PAGE = 16
 
 
+SHARED_CLUSTER = "remote"  # with test_faults (tests/cluster/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def remote_nixl():
-    cluster = TestCluster(
-        transport="nixl",
-        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
-        gateway={"MAX_QUEUED_REQUESTS": "64"},
-    )
-    yield cluster
-    cluster.stop()
+def remote_nixl(cluster: TestCluster) -> TestCluster:
+    return cluster
 
 
 @pytest.fixture(scope="module")
@@ -158,17 +156,34 @@ def test_official_openai_client_chat_and_completions(remote_nixl, reference_chat
 
 
 def test_metrics_aggregate_every_worker(remote_nixl):
-    ask(remote_nixl, chat(QUESTIONS[4]))
+    """One remote-prefilled request moves each counter by exactly its own amounts."""
+    settle(remote_nixl)
+    before = remote_nixl.metrics()
+    # a system prompt no worker has seen: nothing cached anywhere, every page moves
+    answer = ask(remote_nixl, chat(QUESTIONS[4], f"[metrics {uuid.uuid4().hex}] {SYSTEM}"))
     settle(remote_nixl)
     text = remote_nixl.metrics()
-    assert metric_value(text, "radixserve_ttft_seconds_count") >= 1
-    assert metric_value(text, "radixserve_prefill_computed_tokens_total") > 0
+
+    def moved(name: str, **labels: str) -> float:
+        return metric_value(text, name, **labels) - metric_value(before, name, **labels)
+
+    prompt = answer["usage"]["prompt_tokens"]
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 0
+    pages = -(-prompt // PAGE)  # the whole prompt, read from the prefill worker
+    page_bytes = remote_nixl.workers()["decode-0"]["page_bytes"]
+    assert moved("radixserve_ttft_seconds_count") == 1
+    assert moved("radixserve_prefill_computed_tokens_total") == prompt - cached
+    assert moved("radixserve_worker_kv_transfer_pages_total", worker="decode-0") == pages
+    assert moved("radixserve_worker_kv_transfer_bytes_total", worker="decode-0") == (
+        pages * page_bytes
+    )
+    assert moved("radixserve_kv_transfer_seconds_count", worker="decode-0") == 1
     for worker, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
         assert metric_value(text, "radixserve_worker_up", worker=worker, role=role) == 1
-        assert metric_value(text, "radixserve_worker_pages_free", worker=worker) > 0
-    assert metric_value(text, "radixserve_worker_kv_transfer_pages_total", worker="decode-0") > 0
-    assert metric_value(text, "radixserve_worker_kv_transfer_bytes_total", worker="decode-0") > 0
-    assert metric_value(text, "radixserve_kv_transfer_seconds_count", worker="decode-0") > 0
+        total = metric_value(text, "radixserve_worker_pages_total", worker=worker)
+        used = metric_value(text, "radixserve_worker_pages_used", worker=worker)
+        assert metric_value(text, "radixserve_worker_pages_free", worker=worker) == total - used
 
 
 async def _stream_chat(client: httpx.AsyncClient, messages, max_tokens: int) -> tuple[int, str]:
@@ -213,7 +228,8 @@ def test_64_concurrent_streams_complete_and_overload_is_refused_fast(remote_nixl
                 asyncio.create_task(_stream_chat(client, chat(QUESTIONS[i % 8]), 8))
                 for i in range(64)
             ]
-            await asyncio.sleep(0.5)  # let the 64 get admitted
+            while (await client.get("/debug/cache")).json()["gateway_in_flight"] < 64:
+                await asyncio.sleep(0.02)  # until the 64 are admitted
             loop = asyncio.get_running_loop()
             started = loop.time()
             extra = await asyncio.gather(*(_stream_chat(client, chat("Hi"), 4) for _ in range(8)))

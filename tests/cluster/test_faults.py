@@ -17,21 +17,10 @@ import signal
 import socket
 import threading
 
-import pytest
-
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import SYSTEM, chat
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = TestCluster(
-        transport="nixl",
-        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
-        gateway={"MIGRATION_WAIT_S": "90"},  # a restart on a busy machine
-    )
-    yield cluster
-    cluster.stop()
+SHARED_CLUSTER = "remote"  # with test_disaggregated_outputs (tests/cluster/conftest.py)
 
 
 def long_chat(tag: str) -> list[dict[str, str]]:

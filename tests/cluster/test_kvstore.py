@@ -7,19 +7,13 @@ from __future__ import annotations
 import os
 import signal
 
-import pytest
-
 from tests.cluster.cluster_helpers import TestCluster, index_query
 from tests.cluster.prompts import QUESTIONS, chat
 
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = TestCluster(transport="nixl")
-    yield cluster
-    cluster.stop()
+SHARED_CLUSTER = "default"  # with test_openai_features (tests/cluster/conftest.py)
 
 
 def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:

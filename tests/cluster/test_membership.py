@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from radixserve.cluster import free_port
+from radixserve.launch.cluster import free_port
 from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 from tests.cluster.test_up import _children, _gone
@@ -157,6 +157,52 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
         assert texts[i] == reference["choices"][0]["message"]["content"], i
 
 
+def cached_turn_counts(http: httpx.Client) -> None:
+    """A cached chat turn through `radixserve up` makes each decision once: the gateway
+    hashes the prompt once and only picks the decode worker; the decode worker hashes
+    nothing, matches its radix tree once and, the prefix being on its device, asks the
+    kvstore nothing (no host-tier lookup, no index query); no prefill worker is asked."""
+
+    def state() -> dict:
+        return http.get("/debug/cache").json()
+
+    wait(lambda: state()["workers"]["decode-0"].get("host_attached") == 1, 60,
+         "decode-0 attached to the host tier")  # fmt: skip
+    messages = chat("Name three colours.", SYSTEM)
+    first = http.post("/v1/chat/completions", json={"model": "default", "messages": messages,
+                      "max_tokens": 24, "temperature": 0})  # fmt: skip
+    assert first.status_code == 200, first.text
+    answer = first.json()["choices"][0]["message"]["content"]
+    wait(lambda: state()["workers"]["decode-0"].get("live_requests") == 0, 10, "turn 1 done")
+    before = state()
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And three more?"}]  # fmt: skip
+    second = http.post("/v1/chat/completions", json={"model": "default", "messages": messages,
+                       "max_tokens": 8, "temperature": 0})  # fmt: skip
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 64
+
+    def counted() -> bool:  # the heartbeat after the turn has reached the gateway
+        d = state()["workers"]["decode-0"]
+        old = before["workers"]["decode-0"]
+        local = d.get("local_prefills_total", 0)
+        return local == old.get("local_prefills_total", 0) + 1 and d["live_requests"] == 0
+
+    wait(counted, 10, "decode-0's counters after turn 2")
+    after = state()
+
+    def delta(worker: str, key: str) -> int:
+        return after["workers"][worker].get(key, 0) - before["workers"][worker].get(key, 0)
+
+    assert after["gateway_prompt_hashes"] - before["gateway_prompt_hashes"] == 1
+    assert delta("decode-0", "prompt_hashes_total") == 0
+    assert delta("decode-0", "radix_matches_total") == 1
+    assert delta("decode-0", "host_lookups_total") == 0
+    assert delta("decode-0", "index_queries_total") == 0
+    assert delta("prefill-0", "prefill_requests_total") == 0
+
+
 def test_workers_join_leave_and_drain_in_a_running_cluster():
     port = free_port()
     up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)])
@@ -173,6 +219,9 @@ def test_workers_join_leave_and_drain_in_a_running_cluster():
         assert " prefill --join tcp://127.0.0.1:" in join, join
         children = _children(up.proc.pid)
         assert len(children) == 4  # kvstore, prefill, decode, gateway
+
+        # 0. a cached turn makes each decision once
+        cached_turn_counts(http)
 
         # 1. two workers join by the printed command
         new_prefill = Proc(join)

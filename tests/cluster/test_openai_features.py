@@ -20,11 +20,7 @@ from tests.cluster.prompts import SYSTEM
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = TestCluster(transport="nixl")
-    yield c
-    c.stop()
+SHARED_CLUSTER = "default"  # with test_kvstore (tests/cluster/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +38,9 @@ def _messages(question: str) -> list[dict[str, str]]:
 
 
 def test_n_choices_compute_the_prompt_once_with_remote_logprobs(cluster, oai, reference_engine):
-    messages = _messages("What are the opening hours on Monday?")
+    # a system prompt no earlier test on this shared cluster has cached
+    messages = [{"role": "system", "content": f"[n choices] {SYSTEM}"},
+                {"role": "user", "content": "What are the opening hours on Monday?"}]  # fmt: skip
     prompt_ids = reference_engine.chat_prompt_ids(messages)
     assert len(prompt_ids) > 256  # the decode worker sends it to the prefill worker
     cluster.wait_clean()

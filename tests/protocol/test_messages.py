@@ -142,6 +142,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         model_name=text.map(lambda t: t[:256]),
         max_model_len=count,
         page_size=count,
+        hash_namespace=st.binary(max_size=64),
+        pool_digest=st.text(alphabet="0123456789abcdef", max_size=64),
         transfer_metadata=st.binary(max_size=64),
     ),
     Heartbeat: st.builds(
@@ -158,7 +160,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         request_id=ids,
         prompt_token_ids=prompt,
         sampling=sampling,
-        prefill_worker=st.just("") | names,
+        page_hashes=st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple),
         resume_token_ids=st.lists(token_id, max_size=8).map(tuple),
     ),
     PrefillRequest: prefill_requests(),

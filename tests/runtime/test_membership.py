@@ -8,9 +8,9 @@ from __future__ import annotations
 import zmq.asyncio
 
 from radixserve.protocol import MemberInfo, MemberList
+from radixserve.runtime.links import LinkIdentity, LinkSet
+from radixserve.runtime.membership import MemberView
 from radixserve.services.kvstore.registry import MemberRegistry
-from radixserve.services.runtime.links import LinkSet
-from radixserve.services.runtime.membership import MemberView
 
 
 def member(name: str, role: str = "decode", port: int = 1, gen: int = 1, draining: bool = False):
@@ -42,10 +42,8 @@ def test_registry_lists_replaces_and_drops_members():
 
 
 def _links(context: zmq.asyncio.Context, static: list[str]) -> LinkSet:
-    return LinkSet(
-        context, static, name="gw", role="gateway", generation=1, interval_s=1.0,
-        peer_timeout_s=5.0, on_message=lambda link, msg: None,
-    )  # fmt: skip
+    me = LinkIdentity("gw", "gateway", 1, interval_s=1.0, peer_timeout_s=5.0)
+    return LinkSet(context, static, me, on_message=lambda link, msg: None)
 
 
 def test_view_follows_the_list_but_drops_only_links_that_are_down():
@@ -97,7 +95,7 @@ def test_a_process_that_stalled_past_the_peer_timeout_takes_its_links_down_and_r
     import asyncio
     import time
 
-    from radixserve.cluster import free_port
+    from radixserve.launch.cluster import free_port
     from radixserve.protocol import AsyncChannel, Heartbeat, Hello, HelloAck
 
     async def scenario() -> tuple[list[str], int]:
@@ -111,9 +109,9 @@ def test_a_process_that_stalled_past_the_peer_timeout_takes_its_links_down_and_r
             nonlocal ups
             ups += 1
 
+        me = LinkIdentity("w", "decode", 1, interval_s=0.05, peer_timeout_s=0.4)
         links = LinkSet(
-            context, [address], name="w", role="decode", generation=1, interval_s=0.05,
-            peer_timeout_s=0.4, on_message=lambda link, msg: None, on_up=up,
+            context, [address], me, on_message=lambda link, msg: None, on_up=up,
             on_down=lambda link, why: downs.append(why),
         )  # fmt: skip
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.metrics import service_metrics
-from radixserve.services.runtime.probe import ProbeServer, probe
+from radixserve.runtime.probe import ProbeServer, probe
 
 RADIXSERVE = str(Path(sys.executable).with_name("radixserve"))
 

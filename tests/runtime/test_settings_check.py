@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.cli import main
-from radixserve.services.runtime.settings_check import (
+from radixserve.runtime.settings_check import (
     UnknownSettingError,
     check_config,
     variable_names,

@@ -34,7 +34,7 @@ START_TIMEOUT_S = 60.0
 def make_pool(head_dim: int = 8, num_pages: int = NUM_PAGES) -> tuple[KVPool, PoolCompat]:
     # 2 layers, 2 KV heads, pages of 4 tokens
     pool = KVPool(2, 2, head_dim, 4, num_pages, torch.float32, torch.device("cpu"))
-    return pool, PoolCompat.from_pool(pool, "tiny")
+    return pool, PoolCompat.of(pool.kv, "tiny")
 
 
 def fill_pattern(kv: torch.Tensor, seed: int) -> None:
@@ -54,7 +54,7 @@ def run_peer(
     """Child process body: own a filled pool and serve it until "stop"."""
     pool, compat = make_pool(head_dim)
     fill_pattern(pool.kv, seed)
-    agent = create_agent(backend, name, pool, compat, network=network)
+    agent = create_agent(backend, name, pool.kv, compat, network=network)
     conn.send(agent.metadata())
     try:
         while True:
@@ -134,7 +134,7 @@ class TransferSuite:
     def reader(self) -> Any:
         pool, compat = make_pool()
         pool.kv.fill_(-1.0)
-        agent = create_agent(self.backend, "reader", pool, compat, default_timeout_s=5.0)
+        agent = create_agent(self.backend, "reader", pool.kv, compat, default_timeout_s=5.0)
         yield agent
         agent.close()
 

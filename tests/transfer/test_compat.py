@@ -68,7 +68,7 @@ def test_check_tensor_rejects_wrong_shape_dtype_or_strides() -> None:
 def pair() -> Iterator[tuple[ZmqTransferAgent, ZmqTransferAgent]]:
     a_pool, compat = make_pool()
     b_pool, _ = make_pool()
-    a, b = ZmqTransferAgent("a", a_pool, compat), ZmqTransferAgent("b", b_pool, compat)
+    a, b = ZmqTransferAgent("a", a_pool.kv, compat), ZmqTransferAgent("b", b_pool.kv, compat)
     yield a, b
     b.close()
     a.close()

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.services.runtime.service import ServiceSettings, transfer_network
+from radixserve.runtime.network import transfer_network
+from radixserve.runtime.settings import ServiceSettings
 from radixserve.transfer import TransferError, TransferNetwork, create_agent
 from radixserve.transfer.network import interface_addresses, interface_of
 from tests.transfer.peer_process import PeerProcess, _pages, fill_pattern, make_pool
@@ -65,7 +66,9 @@ def test_pages_move_between_agents_on_other_addresses(peer: Any) -> None:
     backend, owner = peer
     pool, compat = make_pool()
     pool.kv.fill_(-1.0)
-    reader = create_agent(backend, "reader", pool, compat, default_timeout_s=10.0, network=READER)
+    reader = create_agent(
+        backend, "reader", pool.kv, compat, default_timeout_s=10.0, network=READER
+    )
     try:
         reader.add_peer("owner", 1, owner.metadata)
         reader.wait(reader.read_pages("owner", REMOTE, LOCAL, notify=b"done"))
@@ -87,7 +90,7 @@ def test_pages_move_between_agents_on_other_addresses(peer: Any) -> None:
 
 def test_zmq_advertises_its_advertise_host_and_binds_every_interface() -> None:
     pool, compat = make_pool()
-    agent = create_agent("zmq", "a", pool, compat, network=TransferNetwork("0.0.0.0", "pod-a"))
+    agent = create_agent("zmq", "a", pool.kv, compat, network=TransferNetwork("0.0.0.0", "pod-a"))
     try:
         found = re.search(rb"tcp://pod-a:(\d+)", agent.metadata())
         assert found is not None
@@ -99,13 +102,13 @@ def test_zmq_advertises_its_advertise_host_and_binds_every_interface() -> None:
 def test_zmq_takes_the_first_free_port_of_its_range() -> None:
     pool, compat = make_pool()
     net = TransferNetwork("127.0.0.2", port_min=47330, port_max=47331)
-    first = create_agent("zmq", "a", pool, compat, network=net)
-    second = create_agent("zmq", "b", pool, compat, network=net)
+    first = create_agent("zmq", "a", pool.kv, compat, network=net)
+    second = create_agent("zmq", "b", pool.kv, compat, network=net)
     try:
         assert b"tcp://127.0.0.2:47330" in first.metadata()
         assert b"tcp://127.0.0.2:47331" in second.metadata()
         with pytest.raises(TransferError, match="ports 47330-47331"):
-            create_agent("zmq", "c", pool, compat, network=net)
+            create_agent("zmq", "c", pool.kv, compat, network=net)
     finally:
         first.close()
         second.close()
@@ -126,9 +129,9 @@ def test_ucx_environment_follows_the_bind_address() -> None:
         TransferNetwork(port_min=7100)
     pool, compat = make_pool()
     with pytest.raises(TransferError, match="no network interface holds"):
-        create_agent("nixl", "x", pool, compat, network=TransferNetwork("198.51.100.7"))
+        create_agent("nixl", "x", pool.kv, compat, network=TransferNetwork("198.51.100.7"))
     with pytest.raises(TransferError, match="cannot bind the ZMQ KV agent"):
-        create_agent("zmq", "x", pool, compat, network=TransferNetwork("198.51.100.7"))
+        create_agent("zmq", "x", pool.kv, compat, network=TransferNetwork("198.51.100.7"))
 
 
 def test_service_settings_make_the_network() -> None:

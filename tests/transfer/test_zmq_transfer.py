@@ -24,8 +24,8 @@ def agents() -> Iterator[tuple[ZmqTransferAgent, ZmqTransferAgent]]:
     owner_pool, compat = make_pool()
     fill_pattern(owner_pool.kv, 3)
     reader_pool, _ = make_pool()
-    owner = ZmqTransferAgent("owner", owner_pool, compat)
-    reader = ZmqTransferAgent("reader", reader_pool, compat, default_timeout_s=2.0)
+    owner = ZmqTransferAgent("owner", owner_pool.kv, compat)
+    reader = ZmqTransferAgent("reader", reader_pool.kv, compat, default_timeout_s=2.0)
     yield owner, reader
     reader.close()
     owner.close()

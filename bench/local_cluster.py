@@ -1,0 +1,111 @@
+"""`LocalCluster`: the processes of `radixserve up` (`radixserve.launch.cluster`) for the
+benchmarks and the cluster tests, supervised from the calling thread."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.launch.cluster import WORKER_ROLES, ClusterConfig, build_cluster, gateway_healthy
+
+
+class LocalCluster:
+    """The processes of `radixserve up` for tests and benchmarks: started (and /health
+    waited for) on construction, supervised by `wait` from the calling thread, ended by
+    `stop` (or leaving a ``with`` block)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        restart_backoff_s: float = 0.2,
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.config = config
+        self.url = config.url
+        self.processes = build_cluster(config, restart_backoff_s=restart_backoff_s)
+        self.supervisor = self.processes.supervisor
+        try:
+            self.supervisor.start()
+            self.wait(lambda: gateway_healthy(self.url), startup_timeout_s, "cluster start")
+            self.wait(self._workers_up, 60, "every worker up at the gateway")
+            # and every decode worker has its own links to the prefill workers up, so the
+            # first request can prefill remotely
+            self.wait(self._decode_links_up, 60, "decode workers' links to prefill workers")
+        except BaseException:
+            self.processes.stop()
+            raise
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Poll ``condition`` (supervising meanwhile) until true; `TimeoutError` if not
+        within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            self.processes.poll()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+            time.sleep(0.1)
+
+    def _workers_up(self) -> bool:
+        workers = self.workers()
+        counts = {"prefill": self.config.num_prefill, "decode": self.config.num_decode}
+        for role, count in counts.items():
+            up = [w for w in workers.values() if w["role"] == role and w["up"]]
+            if len(up) < count:
+                return False
+        return all(w["up"] for w in workers.values())
+
+    @property
+    def control_url(self) -> str | None:
+        """The pools' control API (None without the kvstore)."""
+        return self.processes.control.url if self.processes.control else None
+
+    def _decode_links_up(self) -> bool:
+        decodes = [w for w in self.workers().values() if w["role"] == "decode"]
+        return all(w.get("prefills_up", 0) >= self.config.num_prefill for w in decodes)
+
+    def debug_cache(self) -> dict[str, Any]:
+        """The gateway's /debug/cache: totals and per-worker stats."""
+        with urllib.request.urlopen(f"{self.url}/debug/cache", timeout=10) as resp:
+            body: dict[str, Any] = json.load(resp)
+        return body
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        workers: dict[str, dict[str, Any]] = self.debug_cache()["workers"]
+        return workers
+
+    def worker(self, name: str) -> dict[str, Any]:
+        """One worker as the gateway sees it; ``{"up": False}`` while the gateway knows
+        none of that name (a dead worker leaves the membership until it is back)."""
+        return self.workers().get(name, {"up": False})
+
+    def wait_restarted(self, name: str, old_generation: int, timeout_s: float = 120) -> None:
+        """Wait until ``name`` is up again under another generation (a restart)."""
+
+        def back() -> bool:
+            w = self.worker(name)
+            return bool(w["up"]) and w.get("generation") != old_generation
+
+        self.wait(back, timeout_s, f"{name} to come back")
+
+    def wait_host_tier(self, timeout_s: float = 60.0) -> None:
+        """Wait until every prefill and decode worker has attached to the kvstore's host
+        tier (until then, evicted pages are dropped rather than spilled)."""
+
+        def attached() -> bool:
+            workers = [w for w in self.workers().values() if w.get("role") in WORKER_ROLES]
+            return bool(workers) and all(w.get("up") and w.get("host_attached") for w in workers)
+
+        self.wait(attached, timeout_s, "the workers to attach to the host tier")
+
+    def stop(self) -> None:
+        self.processes.stop()

@@ -1,0 +1,255 @@
+"""Engine commands: generate, chat (on an engine in this process) and serve (the HTTP
+gateway on one), and the engine flags every command that starts engines shares."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from radixserve.errors import RequestError
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+
+# engine flags -> their RADIXSERVE_* settings (as the services read them)
+_ENGINE_ENV = {
+    "model": "MODEL", "device": "DEVICE", "dtype": "DTYPE", "quantization": "QUANTIZATION",
+    "kv_cache_memory_gib": "KV_CACHE_MEMORY_GIB", "page_size": "PAGE_SIZE",
+    "prefix_cache": "PREFIX_CACHE", "log_level": "LOG_LEVEL",
+}  # fmt: skip
+
+
+def engine_args(p: argparse.ArgumentParser, quantization: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    if quantization:  # bench has its own (a list for --scenario perplexity)
+        g.add_argument("--quantization", choices=QUANTIZATIONS,
+                       help="weight storage: auto keeps a GGUF's quantization where this "
+                       "device has a kernel (default), none is the compute dtype")  # fmt: skip
+    g.add_argument("--kv-cache-gib", type=float, dest="kv_cache_memory_gib")
+    g.add_argument("--page-size", type=int)
+    g.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def engine_env(
+    args: argparse.Namespace, keys: tuple[str, ...] = tuple(_ENGINE_ENV)
+) -> dict[str, str]:
+    """The engine flags given (of ``keys``) as the ``RADIXSERVE_*`` environment of the
+    processes a command starts (`radixserve up`, the cluster benchmarks)."""
+    env: dict[str, str] = {}
+    for key in keys:
+        value = getattr(args, key, None)
+        if value is not None:
+            env[f"RADIXSERVE_{_ENGINE_ENV[key]}"] = (
+                str(value).lower() if isinstance(value, bool) else str(value)
+            )
+    return env
+
+
+def build_settings(args: argparse.Namespace):
+    from radixserve.settings import EngineSettings
+
+    keys = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib", "page_size",
+            "prefix_cache")  # fmt: skip
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    return EngineSettings(**overrides)
+
+
+def build_params(args: argparse.Namespace):
+    from radixserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _front(settings):  # type: ignore[no-untyped-def]
+    from radixserve.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(settings)  # the engine is built and steps on its own thread
+
+
+def _stream(front, prompt, params, on_output) -> None:  # type: ignore[no-untyped-def]
+    """Run one request to its end on ``front``, handing each output to ``on_output``;
+    Ctrl-C aborts it (and raises KeyboardInterrupt)."""
+
+    async def run() -> None:
+        async for out in front.stream(prompt, params):
+            on_output(out)
+
+    asyncio.run(run())
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = build_params(args)  # validate before the (slow) model load
+    front = _front(build_settings(args))
+    try:
+        prompt = args.prompt
+        if args.chat:
+            prompt = front.info.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        token_ids: list[int] = []
+        text: list[str] = []
+        final = []
+
+        def take(out) -> None:  # type: ignore[no-untyped-def]
+            token_ids.extend(out.new_token_ids)
+            text.append(out.new_text)
+            if not args.json:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+            if out.finished:
+                final.append(out)
+
+        _stream(front, prompt, params, take)
+    finally:
+        front.close()
+    last = final[0]
+    if args.json:
+        record = {
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "prompt_tokens": last.prompt_tokens,
+            "cached_tokens": last.cached_tokens,
+            "ttft_ms": round(last.ttft_ms or 0.0, 3),
+            "finish_reason": last.finish_reason,
+        }
+        print(json.dumps(record))
+    else:
+        print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive terminal chat. Each turn re-sends the whole conversation; the radix
+    cache finds the previous turns' KV, so only the new message is computed — the stats
+    line after each answer shows it."""
+    params = build_params(args)
+    settings = build_settings(args)
+    print(f"loading {settings.model} ...", file=sys.stderr)
+    front = _front(settings)
+    print(f"radixserve chat — {front.info.model_name}. {CHAT_HELP}", file=sys.stderr)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    try:
+        while True:
+            try:
+                line = input("\n> ").strip()
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print()
+                continue
+            if line in ("/exit", "/quit"):
+                return 0
+            if line == "/reset":
+                messages = list(system)
+                print("(conversation cleared)", file=sys.stderr)
+            elif line:
+                messages.append({"role": "user", "content": line})
+                prompt = front.info.tokenizer.encode_chat(messages)
+                messages.append(
+                    {"role": "assistant", "content": _chat_answer(front, prompt, params)}
+                )
+    finally:
+        front.close()
+
+
+CHAT_HELP = (
+    "commands: /reset clears the conversation, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
+)
+
+
+def _chat_answer(front, prompt: list[int], params) -> str:  # type: ignore[no-untyped-def]
+    parts: list[str] = []
+
+    def take(out) -> None:  # type: ignore[no-untyped-def]
+        parts.append(out.new_text)
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        if out.finished:
+            print(
+                f"\n[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, "
+                f"{out.completion_tokens} generated, TTFT {out.ttft_ms:.0f} ms]",
+                file=sys.stderr,
+            )
+
+    try:
+        _stream(front, prompt, params, take)
+    except RequestError as exc:
+        print(f"error: {exc} (try /reset)", file=sys.stderr)
+    except KeyboardInterrupt:  # the stream was aborted on its way out
+        print("\n(stopped)", file=sys.stderr)
+    return "".join(parts)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
+
+    keys = ("host", "port", "max_queued_requests", "api_keys")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if args.served_model_name:
+        overrides["served_model_name"] = ",".join(args.served_model_name)
+    gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
+    engine_settings = build_settings(args)
+    client = LocalEngineClient(AsyncEngine(engine_settings))  # built on its thread
+    print(
+        f"radixserve: serving {client.model_name} on "
+        f"http://{gateway_settings.host}:{gateway_settings.port}/v1",
+        flush=True,
+    )
+    serve(client, gateway_settings)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    engine_args(gen)
+    sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive terminal chat on the engine")
+    chat.add_argument("--system", help="system prompt")
+    engine_args(chat)
+    sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP gateway on the engine")
+    srv.add_argument("--host", help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="listen port (default 8000)")
+    srv.add_argument(
+        "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
+    )
+    srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
+    engine_args(srv)
+    srv.set_defaults(func=cmd_serve)

@@ -1,0 +1,255 @@
+"""Cluster commands: up (the local cluster), one service (prefill, decode, gateway,
+kvstore, autoscaler, configured by RADIXSERVE_* settings as compose and Kubernetes run
+them), and a container's probe and stop hooks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from radixserve.cli.engine import engine_args, engine_env
+from radixserve.errors import UsageError
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from radixserve.launch.cluster import (
+        ClusterConfig,
+        build_cluster,
+        gateway_healthy,
+        join_command,
+    )
+
+    env = engine_env(args)
+    decode_env = {}
+    if args.local_prefill_max_tokens is not None:
+        decode_env["RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS"] = str(
+            args.local_prefill_max_tokens
+        )
+    gateway_env = {}
+    if args.served_model_name:
+        gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
+    config = ClusterConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.transport,
+        kvstore=args.kvstore,
+        host_tier_gib=args.host_tier_gib,
+        host=args.host,
+        port=args.port,
+        engine_env=env,
+        decode_env=decode_env,
+        gateway_env=gateway_env,
+        num_threads=args.num_threads,
+        autoscale=args.autoscale,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    print(
+        f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
+        f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
+        f"(KV transfer over {config.transport}) ...",
+        flush=True,
+    )
+    cluster = build_cluster(config, control_port=args.control_port)
+
+    def announce() -> None:
+        print(
+            f"radixserve: cluster up. OpenAI API at {config.url}/v1 "
+            f"(metrics {config.url}/metrics, cache {config.url}/debug/cache). Ctrl-C stops it.",
+            flush=True,
+        )
+        if cluster.control is not None and cluster.kvstore is not None:
+            shared = dataclasses.replace(config, core_board=cluster.core_board)
+            print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore)}  "
+                  "(or decode instead of prefill)", flush=True)  # fmt: skip
+            print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
+                  f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip
+
+    pools = cluster.pools
+    try:
+        code = cluster.supervisor.run(
+            ready=lambda: gateway_healthy(config.url, 0.5),
+            on_ready=announce,
+            on_poll=pools.reconcile if pools is not None else None,
+        )
+    finally:
+        cluster.stop()
+    print("radixserve: cluster stopped", flush=True)
+    return code
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    if args.check_config:
+        return _check_config(args)
+    if args.command == "gateway":
+        from radixserve.services.gateway.__main__ import main as gateway_main
+
+        return gateway_main()
+    if args.command == "autoscaler":
+        from radixserve.services.autoscaler.__main__ import main as autoscaler_main
+
+        return autoscaler_main()
+    from radixserve.runtime.service import serve_until_signalled
+    from radixserve.runtime.worker import run_worker
+
+    overrides = _service_overrides(args)
+    if args.command == "kvstore":
+        from radixserve.services.kvstore import KVStoreService, KVStoreSettings
+
+        return serve_until_signalled(KVStoreService(KVStoreSettings(**overrides)))
+    if args.command == "prefill":
+        from radixserve.services.prefill import PrefillSettings, PrefillWorker
+
+        return run_worker(PrefillWorker, PrefillSettings(**overrides))
+    from radixserve.services.decode import DecodeSettings, DecodeWorker
+
+    return run_worker(DecodeWorker, DecodeSettings(**overrides))
+
+
+def _service_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """A service command's flags as settings fields (over the environment's)."""
+    overrides: dict[str, Any] = {}
+    for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
+                      ("host", "host"), ("advertise_host", "advertise_host"),
+                      ("transport", "transfer_backend")):  # fmt: skip
+        if getattr(args, flag, None) is not None:
+            overrides[key] = getattr(args, flag)
+    return overrides
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Print the service's settings as JSON (exit 0), or say what is wrong (exit 1 for
+    an unknown RADIXSERVE_* name, 2 for a refused value); start nothing."""
+    import json
+
+    from radixserve.runtime.settings_check import check_config
+
+    settings = check_config(args.command, _service_overrides(args))
+    print(json.dumps(settings, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Exit 0 if the health URL answers 200 (a container's HEALTHCHECK), else 1."""
+    from radixserve.runtime.probe import ProbeSettings, probe
+
+    settings = ProbeSettings()  # type: ignore[call-arg]  # every field from the environment
+    ok, account = probe(args.url or settings.url, args.timeout_s or settings.timeout_s)
+    print(account, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """SIGTERM a service (after ``--after-s``) and wait until it has exited: a pre-stop
+    hook, so the drain ends before the container runtime's own SIGTERM (which, coming
+    during a drain, would stop at once). Exit 0 once it is gone, 1 if still running."""
+    import os
+    import signal
+    import time
+
+    for flag in ("after_s", "timeout_s"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be 0 or more")
+    time.sleep(args.after_s)
+    try:
+        os.kill(args.pid, signal.SIGTERM)
+        deadline = time.monotonic() + args.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            os.kill(args.pid, 0)  # raises once the process is gone
+    except ProcessLookupError:
+        return 0
+    except PermissionError:
+        print(f"error: not allowed to signal process {args.pid}", file=sys.stderr)
+        return 1
+    print(f"error: process {args.pid} still running after {args.timeout_s:g} s",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
+_SERVICE_HELP = {
+    "prefill": "run one prefill worker (settings: RADIXSERVE_* engine, RADIXSERVE_PREFILL_*)",
+    "decode": "run one decode worker (settings: RADIXSERVE_* engine, RADIXSERVE_DECODE_*)",
+    "gateway": "run the HTTP gateway alone (settings: RADIXSERVE_GATEWAY_*, RADIXSERVE_MODEL)",
+    "kvstore": "run the kvstore, the cluster-wide cache index, host tier and membership "
+    "(settings: RADIXSERVE_KVSTORE_*)",
+    "autoscaler": "run the SLO autoscaler of the prefill and decode pools "
+    "(settings: RADIXSERVE_AUTOSCALER_*)",
+}
+
+
+def add_commands(sub: Any) -> None:
+    up = sub.add_parser(
+        "up", help="run the local cluster: gateway, prefill and decode workers as processes"
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+                    help="how KV pages move between workers (default nixl)")  # fmt: skip
+    up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
+                    help="do not start the kvstore (the cluster-wide cache index)")  # fmt: skip
+    up.add_argument("--host-tier-gib", type=float,
+                    help="host-memory tier of the kvstore that evicted KV spills into "
+                    "(default 4; 0 = none)")  # fmt: skip
+    up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
+    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
+    up.add_argument("--local-prefill-max-tokens", type=int,
+                    help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
+    up.add_argument("--num-threads", type=int,
+                    help="CPU threads per worker, fixed (default: the workers share the cores, "
+                         "each step on the cores divided by the workers computing)")  # fmt: skip
+    up.add_argument("--autoscale", action="store_true",
+                    help="run the SLO autoscaler, sizing the pools (RADIXSERVE_AUTOSCALER_* "
+                    "settings: targets, bounds, interval)")  # fmt: skip
+    up.add_argument("--control-port", type=int, default=0,
+                    help="port of the pool-size API on 127.0.0.1 (default: any free)")  # fmt: skip
+    up.add_argument("--drain-timeout-s", type=float, default=60.0,
+                    help="a removed worker is killed if still running this long after "
+                    "SIGTERM (default 60)")  # fmt: skip
+    engine_args(up)
+    up.set_defaults(func=cmd_up)
+
+    probe = sub.add_parser("probe", help="check a service's health URL: exit 0 on 200 "
+                           "(a container HEALTHCHECK; default RADIXSERVE_PROBE_URL)")  # fmt: skip
+    probe.add_argument("url", nargs="?", help="health URL (default: RADIXSERVE_PROBE_URL, "
+                       "else the gateway's http://127.0.0.1:8000/health)")  # fmt: skip
+    probe.add_argument("--timeout-s", type=float, help="longest wait (default 5)")
+    probe.set_defaults(func=cmd_probe)
+
+    stop = sub.add_parser("stop", help="SIGTERM a service and wait until it has drained "
+                          "and exited (a Kubernetes preStop hook)")  # fmt: skip
+    stop.add_argument("--pid", type=int, default=1, help="process to stop (default 1)")
+    stop.add_argument("--after-s", type=float, default=0.0,
+                      help="wait this long first (e.g. while a load balancer forgets the "
+                      "pod; default 0)")  # fmt: skip
+    stop.add_argument("--timeout-s", type=float, default=60.0,
+                      help="give up waiting after this long (default 60)")  # fmt: skip
+    stop.set_defaults(func=cmd_stop)
+
+    for name, text in _SERVICE_HELP.items():
+        service = sub.add_parser(name, help=text, description=text)
+        service.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
+        service.add_argument("--check-config", action="store_true",
+                             help="print the settings this service would start with (from "
+                             "RADIXSERVE_* and these flags) and exit; refuses unknown "
+                             "RADIXSERVE_* names")  # fmt: skip
+        if name in ("prefill", "decode"):
+            service.add_argument("--join", metavar="KVSTORE",
+                                 help="join the cluster whose kvstore is at this address "
+                                 "(tcp://host:port; as `radixserve up` prints it)")  # fmt: skip
+            service.add_argument("--transport", choices=["nixl", "zmq"],
+                                 help="KV transfer backend (the cluster's)")  # fmt: skip
+        if name in ("prefill", "decode", "kvstore"):
+            service.add_argument("--name", help="name in the cluster (default <role>-<port>)")
+            service.add_argument("--host", help="listen address (default 127.0.0.1)")
+            service.add_argument("--port", type=int, help="control port (default: any free)")
+            service.add_argument("--advertise-host",
+                                 help="address others dial to reach it (default: --host)")  # fmt: skip
+        service.set_defaults(func=cmd_service)

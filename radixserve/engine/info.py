@@ -1,0 +1,84 @@
+"""What services may know of an engine, as immutable values: `EngineInfo` (what it
+serves, fixed at start) and `EngineStats` (its counters, taken on the engine thread
+after every step and every call, so reading them from the event loop never races a
+step). `AsyncEngine` exposes both; nothing outside the engine package reads the
+engine, its scheduler or its KV pool directly."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from radixserve.model.model_files import served_model_id
+from radixserve.transfer.compat import PoolCompat
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixserve.engine.engine import Engine
+    from radixserve.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine serves. ``geometry`` is the page geometry peers must share (checked
+    at every handshake); ``kv`` the pool's memory, (L, 2, P, page_size, H, D), which
+    transfer agents register and the host tier's spill copies from on the engine thread."""
+
+    model_name: str
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+    page_size: int
+    prefix_cache: bool
+    hash_namespace: bytes  # the radix cache's page-hash namespace (model and cache salt)
+    geometry: PoolCompat
+    kv: torch.Tensor = field(repr=False)
+    tokenizer: Tokenizer = field(repr=False)
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        return cls(
+            model_name=engine.config.name,
+            served_name=served_model_id(engine.settings.model),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.config.vocab_size,
+            page_size=engine.page_size,
+            prefix_cache=engine.cache is not None,
+            hash_namespace=engine.namespace,
+            geometry=PoolCompat.of(engine.kv_pool.kv, engine.config.name),
+            kv=engine.kv_pool.kv,
+            tokenizer=engine.tokenizer,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters at one moment: pool pages (`Engine.cache_stats`), step
+    counters (`StepStats`), the running and waiting requests, the prompt tokens queued
+    and not computed, and the page leases held."""
+
+    cache: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    steps: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
+    running: int = 0
+    waiting: int = 0
+    queued_prompt_tokens: int = 0
+    leases: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineStats:
+        cache = engine.cache_stats()
+        return cls(
+            cache=MappingProxyType(cache),
+            steps=MappingProxyType(engine.step_counters()),
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            queued_prompt_tokens=engine.step_stats.queued_prompt_tokens,
+            leases=cache["leases"],
+        )
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Pool pages and live requests, then the step counters: one flat map."""
+        return {**self.cache, **self.steps}

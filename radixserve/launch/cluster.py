@@ -1,0 +1,272 @@
+"""`radixserve up`: the whole local cluster as separate processes under one supervisor.
+
+(`radixserve up` itself is `radixserve.cli`'s ``up``; `radixserve.bench.local_cluster`
+runs the same processes for the benchmarks and tests.)
+
+`cluster_specs` turns a `ClusterConfig` into one `ProcessSpec` per process — the
+kvstore, prefill workers, decode workers, then the gateway — each configured only
+through environment settings (``RADIXSERVE_*``), exactly as compose or Kubernetes would
+run them. Workers listen on free loopback ports; the gateway on ``host:port``. With the
+kvstore (the default) nobody is told another's address but the kvstore's: workers
+register there and the gateway and decode workers find them through its membership
+(`radixserve.runtime.membership`), so workers can be added and removed while it
+runs (`LocalPools`, `join_command`). Without it, the addresses are static lists.
+`radixserve up` runs them under a `Supervisor`: it waits for the gateway's /health
+(`gateway_healthy`), prints the URL, restarts whatever crashes and stops everything on
+Ctrl-C or SIGTERM.
+
+CPU threads: unless ``num_threads`` is given, the workers share the machine's cores
+through a core board (`radixserve.engine.cores`): each step of a worker runs on the
+cores divided by the workers computing at that moment, so a worker alone gets them all
+and two busy ones do not oversubscribe them. ``num_threads=N`` gives every worker N
+threads, fixed (N=1 on two workers and two cores: the cores split evenly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from radixserve.engine.cores import board_path
+from radixserve.launch.local_pools import LocalPools, PoolControl
+from radixserve.launch.supervisor import ProcessSpec, Supervisor
+
+logger = logging.getLogger(__name__)
+
+WORKER_ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What `radixserve up` starts (every field has a CLI flag)."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    kvstore: bool = True  # start the kvstore (the cluster-wide cache index and host tier)
+    host_tier_gib: float | None = None  # the kvstore's host tier (None: its default)
+    transport: str = "nixl"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine_env: dict[str, str] = field(default_factory=dict)  # RADIXSERVE_* for every worker
+    prefill_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_PREFILL_*
+    decode_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_DECODE_*
+    gateway_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_GATEWAY_*
+    num_threads: int | None = None  # fixed threads per worker (None: share the cores)
+    core_board: str | None = None  # the board file (`build_cluster` makes one)
+    autoscale: bool = False  # run the autoscaler (needs the kvstore: pools are resizable)
+    autoscaler_env: dict[str, str] = field(default_factory=dict)  # RADIXSERVE_AUTOSCALER_*
+    drain_timeout_s: float = 60.0  # a retired worker still running after this is killed
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1:
+            raise ValueError("a cluster needs at least one decode worker (--decode 1)")
+        if self.num_prefill < 0:
+            raise ValueError("--prefill must be 0 or more")
+        if self.transport not in ("nixl", "zmq"):
+            raise ValueError(f"--transport must be nixl or zmq, not {self.transport!r}")
+        if self.host_tier_gib is not None and self.host_tier_gib < 0:
+            raise ValueError("--host-tier-gib must be 0 (no host tier) or more")
+        if self.autoscale and not self.kvstore:
+            raise ValueError("--autoscale needs the kvstore (new workers join through it)")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def base_env(config: ClusterConfig) -> dict[str, str]:
+    """What every process of the cluster gets: the engine settings and a thread count
+    (with a core board, the most a worker takes when the others are idle)."""
+    if config.num_threads:
+        threads = config.num_threads
+    elif config.core_board:
+        threads = os.cpu_count() or 1
+    else:
+        threads = max(1, (os.cpu_count() or 1) // (config.num_prefill + config.num_decode))
+    return {
+        "RADIXSERVE_LOAD_PROGRESS": "false",
+        "RADIXSERVE_NUM_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        **({"RADIXSERVE_CORE_BOARD": config.core_board} if config.core_board else {}),
+        **config.engine_env,
+    }
+
+
+def threads_described(config: ClusterConfig) -> str:
+    """How the workers of ``config`` get their CPU threads, in words (for reports)."""
+    if config.num_threads:
+        return f"{config.num_threads} thread(s) each, fixed"
+    return f"the {os.cpu_count() or 1} cores shared: each step on cores ÷ workers busy"
+
+
+def worker_spec(
+    config: ClusterConfig, role: str, index: int, kvstore: str | None, prefill_addrs: list[str]
+) -> tuple[ProcessSpec, str]:
+    """Worker ``index`` of ``role`` on a free port, and its control address. With a
+    ``kvstore`` address it registers there; otherwise a decode worker is told the
+    ``prefill_addrs``."""
+    name, port, prefix = f"{role}-{index}", free_port(), f"RADIXSERVE_{role.upper()}_"
+    extra = config.prefill_env if role == "prefill" else config.decode_env
+    env = {
+        **base_env(config),
+        **({f"{prefix}KVSTORE": kvstore} if kvstore else {}),
+        f"{prefix}NAME": name,
+        f"{prefix}PORT": str(port),
+        f"{prefix}TRANSFER_BACKEND": config.transport,
+        **extra,
+    }
+    if role == "decode" and not kvstore:
+        env["RADIXSERVE_DECODE_PREFILL_WORKERS"] = json.dumps(prefill_addrs)
+    argv = [sys.executable, "-m", f"radixserve.services.{role}"]
+    return ProcessSpec(name, argv, env), f"tcp://127.0.0.1:{port}"
+
+
+def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> list[ProcessSpec]:
+    """The processes of the cluster, the kvstore and workers first, each with its own
+    environment (``kvstore_port``: where the kvstore listens; default a free port)."""
+    specs: list[ProcessSpec] = []
+    kvstore: str | None = None
+    if config.kvstore:
+        port = kvstore_port or free_port()
+        env = {
+            **base_env(config),
+            "RADIXSERVE_KVSTORE_NAME": "kvstore",
+            "RADIXSERVE_KVSTORE_PORT": str(port),
+            "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
+        }
+        if config.host_tier_gib is not None:
+            env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
+        argv = [sys.executable, "-m", "radixserve.services.kvstore"]
+        specs.append(ProcessSpec("kvstore", argv, env))
+        kvstore = f"tcp://127.0.0.1:{port}"
+    addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
+        for i in range(count):
+            spec, address = worker_spec(config, role, i, kvstore, addresses["prefill"])
+            specs.append(spec)
+            addresses[role].append(address)
+    env = {
+        **base_env(config),
+        "RADIXSERVE_GATEWAY_HOST": config.host,
+        "RADIXSERVE_GATEWAY_PORT": str(config.port),
+        **({"RADIXSERVE_GATEWAY_KVSTORE": kvstore} if kvstore else {}),
+        **config.gateway_env,
+    }
+    if not kvstore:
+        env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
+        env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])
+    specs.append(ProcessSpec("gateway", [sys.executable, "-m", "radixserve.services.gateway"], env))
+    return specs
+
+
+def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> str:
+    """The one-line command that starts one more worker of ``role`` and joins it to the
+    cluster whose kvstore is at ``kvstore`` (the engine settings it must share first;
+    with a core board, the board too, so a worker started on this host shares its cores)."""
+    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "radixserve" else None
+    argv = [program] if program else [sys.executable, "-m", "radixserve.cli"]
+    argv += [role, "--join", kvstore]
+    if config.transport != "nixl":
+        argv += ["--transport", config.transport]
+    extra = config.prefill_env if role == "prefill" else config.decode_env
+    board = {}
+    if config.core_board and not config.num_threads:
+        board = {"RADIXSERVE_CORE_BOARD": config.core_board,
+                 "RADIXSERVE_NUM_THREADS": str(os.cpu_count() or 1)}  # fmt: skip
+    env = [f"{k}={shlex.quote(v)}" for k, v in {**config.engine_env, **extra, **board}.items()]
+    return " ".join([*env, shlex.join(argv)])
+
+
+def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
+    """The autoscaler, sizing this cluster's pools through its control API (``local``)."""
+    env = {
+        **base_env(config),
+        "RADIXSERVE_AUTOSCALER_CONNECTOR": "local",
+        "RADIXSERVE_AUTOSCALER_LOCAL_URL": control_url,
+        "RADIXSERVE_AUTOSCALER_GATEWAY_URL": config.url,
+        **config.autoscaler_env,
+    }
+    return ProcessSpec("autoscaler", [sys.executable, "-m", "radixserve.services.autoscaler"], env)
+
+
+@dataclass
+class ClusterProcesses:
+    """A cluster as processes: the supervisor and, with the kvstore, the resizable pools
+    and their control API (started, on loopback)."""
+
+    supervisor: Supervisor
+    kvstore: str | None
+    pools: LocalPools | None
+    control: PoolControl | None
+
+    def poll(self) -> None:
+        """One supervision pass, then the pools' reconciliation."""
+        self.supervisor.poll()
+        if self.pools is not None:
+            self.pools.reconcile()
+
+    core_board: str | None = None  # removed at stop
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+        if self.control is not None:
+            self.control.close()
+        if self.core_board is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.core_board)
+
+
+def build_cluster(
+    config: ClusterConfig, restart_backoff_s: float = 1.0, control_port: int = 0
+) -> ClusterProcesses:
+    """The supervisor of ``config``'s processes (not started) with its pools and control
+    API (started) when the cluster has a kvstore. Without ``num_threads`` the workers
+    share the cores through a core board in the temporary directory."""
+    board = None
+    if config.num_threads is None and config.core_board is None:
+        board = board_path(tempfile.gettempdir(), f"{os.getpid()}-{config.port}")
+        config = dataclasses.replace(config, core_board=board)
+    kvstore_port = free_port() if config.kvstore else None
+    supervisor = Supervisor(
+        cluster_specs(config, kvstore_port), restart_backoff_s=restart_backoff_s
+    )
+    if kvstore_port is None:
+        return ClusterProcesses(supervisor, None, None, None, board)
+    kvstore = f"tcp://127.0.0.1:{kvstore_port}"
+
+    def spawn(role: str, index: int) -> ProcessSpec:
+        return worker_spec(config, role, index, kvstore, [])[0]
+
+    initial = {"prefill": config.num_prefill, "decode": config.num_decode}
+    pools = LocalPools(supervisor, initial, spawn, config.drain_timeout_s)
+    control = PoolControl(pools, port=control_port)
+    control.start()
+    if config.autoscale:
+        supervisor.add(autoscaler_spec(config, control.url))
+    return ClusterProcesses(supervisor, kvstore, pools, control, board)
+
+
+def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:
+    """True when ``url``/health answers 200 (every decode link the gateway needs is up)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

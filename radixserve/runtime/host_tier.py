@@ -1,0 +1,305 @@
+"""A worker's side of the kvstore's host-memory tier: spill on eviction, load on a miss.
+
+**Spill** (write-back, and optionally write-through). The radix cache hands the pages it
+is about to evict to `_on_spill` on the engine thread (`RadixCache.set_spill_listener`).
+They are copied at once into this worker's *spill buffer*, a host tensor in the pool
+layout (pinned on CUDA) registered with a transfer agent of its own, so the device pages
+are free for the step that needed them. The loop then offers the buffer pages to the
+kvstore (`SpillOffer`), which reads those it lacks and answers `SpillDone`; only then is
+the buffer space reused. A full buffer drops the pages (counted), as the cache would
+have without a host tier. With ``host_write_through_uses`` N >= 1, a prefix used by N
+requests is written the same way before any eviction, so other workers can load it.
+
+**Load.** Before a prompt is admitted (`plan`), the worker takes its page hashes (the
+gateway's, carried in the request, or hashed here once), finds its own device hit in
+its view of its cache (the cache's events mirrored on the loop, so no engine call waits
+for a step) and, only when more than ``host_load_min_tokens`` of the prompt are missing
+on device, asks the kvstore to lease the longest run past it (`HostLookup` ->
+`HostLease`: a round trip to the kvstore, no engine step). A shorter delta is computed
+faster than the round trip and the read would take: a cached chat turn never asks. The engine's one admission (`Engine.admit` with the
+`HostPlan`) locks the device head and allocates pages for the run; the agent reads the
+host pages into them (`read`), `Engine.finish_host_admission` inserts the prefix into
+the radix cache and queues the request, which finds it cached, and the lease is
+released. A slow kvstore, a failed read or a cancelled request ends the load with
+nothing inserted, the lease released and every page returned; the prompt is then simply
+computed.
+
+While the kvstore link is down the tier is off; on every (re)connection the worker
+attaches again (`HostAttach`), since a restarted kvstore starts with an empty tier.
+Memory is never reused while a peer may still be writing into it or reading it: buffer
+pages the kvstore was reading when its link went down wait out its read deadline, and a
+load cancelled mid-read removes the kvstore's peer (cancelling the read) first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence, Set
+
+import torch
+
+from radixserve.engine.admission import HostPlan
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.protocol import (
+    HostAttach,
+    HostAttachAck,
+    HostLease,
+    HostLookup,
+    HostRelease,
+    Message,
+    SpillDone,
+    SpillOffer,
+)
+from radixserve.runtime.calls import Replies, Tasks, send_quietly
+from radixserve.runtime.links import Link
+from radixserve.runtime.network import transfer_network
+from radixserve.runtime.settings import WorkerSettings
+from radixserve.transfer import KVTransferAgent, TransferError, create_agent
+
+logger = logging.getLogger(__name__)
+
+_MAX_PAGES_PER_OFFER = 4096
+_QUARANTINE_S = 120.0  # > the kvstore's read deadline (host_transfer_timeout_s <= 100 s)
+
+
+class HostTierClient:
+    """Spill buffer, its agent and the load path of one worker."""
+
+    def __init__(
+        self,
+        name: str,
+        generation: int,
+        settings: WorkerSettings,
+        engine: AsyncEngine,
+        agent: KVTransferAgent,
+        device_hashes: Set[int],
+    ) -> None:
+        """``agent`` is the worker's own (it reads host pages into the pool);
+        ``device_hashes`` its view of the page hashes its cache holds."""
+        self.name, self.generation, self.settings = name, generation, settings
+        self.engine, self.agent, self.device_hashes = engine, agent, device_hashes
+        geometry = engine.info.geometry
+        kv = engine.info.kv  # (L, 2, P, page_size, H, D)
+        self.page_bytes = geometry.page_bytes
+        num_pages = max(1, settings.host_spill_buffer_mib * (1 << 20) // self.page_bytes)
+        shape = (kv.shape[0], 2, num_pages, *kv.shape[3:])  # (L, 2, buffer pages, S, H, D)
+        self.buffer = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
+        self.buffer_agent: KVTransferAgent = create_agent(
+            settings.transfer_backend,
+            f"{name}.spill",
+            self.buffer,
+            geometry,
+            nixl_progress_thread=settings.nixl_progress_thread,
+            network=transfer_network(settings),
+        )
+        self.page_size = geometry.page_size
+        self.link: Link | None = None
+        self.attached = False
+        self.kvstore_agent = ""  # peer name of the host pool's agent in the worker's agent
+        self.counters: Counter[str] = Counter()  # engine thread and loop: under _lock
+        self.load_seconds = 0.0
+        self._lock = threading.Lock()
+        self._free = list(range(num_pages - 1, -1, -1))  # buffer pages; under _lock
+        self._offers: asyncio.Queue[tuple[list[int], list[int]]] = asyncio.Queue()
+        self._outstanding: dict[int, list[int]] = {}  # spill id -> buffer pages
+        self._spill_ids = 0
+        self._leases: Replies[HostLease] = Replies()
+        self._notices = Tasks(f"{name} host tier")
+        self._busy = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._tasks = [
+            asyncio.create_task(self._send_offers()),
+            # drive the buffer's agent while the kvstore may be reading it
+            asyncio.create_task(
+                self.buffer_agent.serve_reads_while(lambda: bool(self._outstanding), self._busy)
+            ),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._notices.close()
+        self.buffer_agent.close()
+
+    # -- the link to the kvstore --------------------------------------------------------
+
+    def on_up(self, link: Link) -> None:
+        self.link = link
+        msg = HostAttach(self.name, self.generation, self.buffer_agent.metadata())
+        self._notices.spawn(send_quietly(link, msg))
+
+    def on_down(self, link: Link, why: str) -> None:
+        """The kvstore is gone (or silent): stop spilling. The buffer pages it was reading
+        are reused only after `_QUARANTINE_S`, past any deadline of its reads, in case
+        it was only silent."""
+        self.attached = False
+        self.engine.listen_spills(None)
+        held = [page for pages in self._outstanding.values() for page in pages]
+        self._outstanding.clear()
+        if held:
+            self._loop.call_later(_QUARANTINE_S, self._release_buffer, held)
+        self._leases.drop_all()
+
+    def _release_buffer(self, pages: list[int]) -> None:
+        with self._lock:
+            self._free.extend(pages)
+
+    def on_message(self, link: Link, msg: Message) -> bool:
+        """Handle a host-tier message from the kvstore; False if it is not one."""
+        if isinstance(msg, HostAttachAck):
+            self._attached(link, msg)
+        elif isinstance(msg, SpillDone):
+            pages = self._outstanding.pop(msg.spill_id, None)
+            if pages is not None:
+                with self._lock:
+                    self._free.extend(pages)
+                    self.counters["host_spill_stored_pages_total"] += msg.stored
+        elif isinstance(msg, HostLease):
+            if not self._leases.answer(msg.query_id, msg) and msg.lease_id:
+                self._notices.spawn(send_quietly(self.link, HostRelease(msg.lease_id)))
+        else:
+            return False
+        return True
+
+    def _attached(self, link: Link, ack: HostAttachAck) -> None:
+        if not ack.accepted:
+            logger.warning("%s: the kvstore refused the host tier: %s", self.name, ack.reason)
+            return
+        try:
+            self.agent.add_peer(link.name, link.generation, ack.metadata)
+        except TransferError as exc:
+            logger.warning("%s: cannot reach the host tier: %s", self.name, exc)
+            return
+        self.kvstore_agent = link.name
+        self.attached = True
+        # a (re)attached tier holds nothing of ours yet: listening starts afresh
+        self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses)
+        logger.info("%s: attached to the host tier of %s (%d pages)", self.name, link.label,
+                    ack.num_pages)  # fmt: skip
+
+    # -- spill --------------------------------------------------------------------------
+
+    def _on_spill(self, hashes: list[int], page_ids: list[int]) -> None:
+        """On the engine thread, before the cache lets ``page_ids`` go: stage them."""
+        with self._lock:
+            n = min(len(page_ids), len(self._free))
+            slots = [self._free.pop() for _ in range(n)]
+            self.counters["host_spill_dropped_pages_total"] += len(page_ids) - n
+        if not n:
+            return
+        kv = self.engine.info.kv  # on the engine thread: no step runs meanwhile
+        src = torch.tensor(page_ids[:n], device=kv.device)
+        dst = torch.tensor(slots)
+        self.buffer.index_copy_(2, dst, kv.index_select(2, src).to("cpu"))
+        with self._lock:
+            self.counters["host_spills_total"] += 1
+            self.counters["host_spill_pages_total"] += n
+            self.counters["host_spill_bytes_total"] += n * self.page_bytes
+        self._loop.call_soon_threadsafe(self._offers.put_nowait, (hashes[:n], slots))
+
+    async def _send_offers(self) -> None:
+        while True:
+            hashes, slots = await self._offers.get()
+            while not self._offers.empty() and len(hashes) < _MAX_PAGES_PER_OFFER:
+                more_hashes, more_slots = self._offers.get_nowait()
+                hashes, slots = hashes + more_hashes, slots + more_slots
+            link = self.link
+            if not self.attached or link is None or not link.up:
+                with self._lock:
+                    self._free.extend(slots)
+                continue
+            self._spill_ids += 1
+            self._outstanding[self._spill_ids] = slots
+            self._busy.set()
+            try:
+                await link.send(SpillOffer(self._spill_ids, tuple(hashes), tuple(slots)), 0)
+            except TimeoutError:
+                with self._lock:
+                    self._free.extend(self._outstanding.pop(self._spill_ids, []))
+
+    # -- load ---------------------------------------------------------------------------
+
+    async def plan(
+        self, request_id: str, token_ids: list[int], hashes: Sequence[int]
+    ) -> tuple[HostPlan, HostLease] | None:
+        """Lease the longest host-tier run past this worker's device hit of the prompt
+        ``token_ids``, whose full pages hash to ``hashes``; None when there is nothing to
+        gain (no tier; at most ``host_load_min_tokens`` missing on device) or nothing is
+        there. The caller admits with the plan, `read`s and `release`s."""
+        if not self.attached or len(token_ids) < 2:
+            return None
+        full = min(len(hashes), (len(token_ids) - 1) // self.page_size)  # never the last token
+        device_pages = 0  # the device hit, from the view of the cache (no step wait)
+        while device_pages < full and hashes[device_pages] in self.device_hashes:
+            device_pages += 1
+        if (full - device_pages) * self.page_size <= self.settings.host_load_min_tokens:
+            return None
+        self._count("host_lookups_total")
+        lease = await self._lookup(request_id, hashes[device_pages:full])
+        if lease is None or not lease.lease_id:
+            return None
+        return HostPlan(device_pages, len(lease.host_page_ids)), lease
+
+    def release(self, lease: HostLease) -> None:
+        self._notices.spawn(send_quietly(self.link, HostRelease(lease.lease_id)))
+
+    async def _lookup(self, request_id: str, hashes: Sequence[int]) -> HostLease | None:
+        link = self.link
+        if link is None or not link.up:
+            return None
+        try:
+            lease = await self._leases.ask(link, HostLookup(request_id, tuple(hashes)),
+                                           request_id, self.settings.host_lookup_timeout_s)  # fmt: skip
+        except TimeoutError:
+            lease = None
+        if lease is None and self.attached:  # not ended by the link going down
+            self._count("host_lookup_timeouts_total")
+        return lease
+
+    async def read(self, lease: HostLease, dst: tuple[int, ...]) -> bool:
+        """Read the lease's first ``len(dst)`` host pages into the device pages ``dst``;
+        whether it worked (a failure is logged and counted)."""
+        agent = self.agent
+        src = list(lease.host_page_ids[: len(dst)])
+        ok = False
+        start = time.perf_counter()
+        try:
+            handle = agent.read_pages(
+                self.kvstore_agent, src, list(dst),
+                timeout_s=self.settings.host_load_timeout_s,
+            )  # fmt: skip
+            ok = await agent.wait_async(handle) == "done"
+        except TransferError as exc:
+            logger.warning("%s: host-tier load failed: %s", self.name, exc)
+        except asyncio.CancelledError:  # wait_async removed the peer: attach again
+            self.attached = False
+            if self.link is not None and self.link.up:
+                self.on_up(self.link)  # attach again: re-adds the peer
+            raise
+        if not ok:
+            self._count("host_load_failures_total")
+            return False
+        with self._lock:
+            self.counters["host_loads_total"] += 1
+            self.counters["host_load_pages_total"] += len(dst)
+            self.counters["host_load_bytes_total"] += len(dst) * self.page_bytes
+            self.load_seconds += time.perf_counter() - start
+        return True
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counters[key] += 1
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            stats: dict[str, int | float] = dict(self.counters)
+            stats["host_spill_buffer_free"] = len(self._free)
+            stats["host_spill_buffer_pages"] = self.buffer.shape[2]
+            stats["host_load_seconds_total"] = self.load_seconds
+        stats["host_attached"] = int(self.attached)
+        return stats

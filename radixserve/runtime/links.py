@@ -1,0 +1,336 @@
+"""Outgoing control links to workers: connect, hello, heartbeat, notice death and restart.
+
+A `LinkSet` holds one DEALER `AsyncChannel` per worker address. Used by the gateway
+(to every decode and prefill worker and the kvstore) and by workers (decode to prefill
+workers, each worker to the kvstore). Addresses given at start are *static*; `add` and
+`remove` change the set at run time (the membership the kvstore lists,
+`radixserve.runtime.membership`).
+
+Contracts:
+- A link is *up* from the worker's accepted `HelloAck` until it is silent for
+  ``peer_timeout_s``, its TCP connection closes (a process that dies closes its sockets:
+  the socket monitor sees it within milliseconds, long before a heartbeat is missed),
+  or a heartbeat shows another generation (the worker restarted); then it is *down*,
+  ``on_down(link, why)`` runs once, and `Hello` is resent every ``interval_s`` until a
+  new `HelloAck` brings it up again (``on_up``). Heartbeats stay for peers that hang
+  without closing anything.
+- A set given a `PageGeometry` (links to workers whose KV pages this side routes by, or
+  reads) refuses a worker whose `HelloAck` names another page size or page-hash
+  namespace (model, cache salt), or, where both sides have a KV pool, another pool
+  layout (`PoolCompat`): page hashes would not match, or pages could not be copied, so
+  prefix routing and KV transfers would silently go wrong. The link stays down; the
+  error is logged once, not at every hello.
+- If this process itself did not run for longer than ``peer_timeout_s`` (stopped with
+  SIGSTOP, a frozen host), the workers have dropped it as a peer (and the kvstore
+  has unlisted it) while the messages they sent before wait in its sockets and look
+  fresh: every link goes down and says hello again, so each ``on_up`` rejoins
+  (a worker registers with the kvstore again, re-watches, resyncs).
+- While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
+  worker keeps this side as a peer) and records the worker's typed load (``load``,
+  `WorkerLoad`) and counters (``stats``) from its own. A worker whose load says
+  ``draining`` is up but not `ready`: nothing new is routed to it.
+- Every other message is handed to ``on_message(link, msg)``; a bad frame is logged
+  and dropped. Callbacks run on the event loop and must not block.
+- ZMQ reconnects by itself; a message sent while a worker is down waits in the socket
+  until it is back, so callers only send requests on links that are up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from radixserve.protocol import (
+    AsyncChannel,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Message,
+    ProtocolError,
+    WorkerLoad,
+)
+from radixserve.protocol.messages import Role
+from radixserve.protocol.security import ClusterKeys
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Link:
+    """One worker as seen from this side: its socket and what it last told us."""
+
+    address: str
+    channel: AsyncChannel
+    name: str = ""
+    role: str = ""
+    generation: int = -1
+    up: bool = False
+    last_seen: float = 0.0
+    hello_sent: float = -math.inf
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    stats: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
+    ack: HelloAck | None = None
+    discovered: bool = False  # added from the membership (not a static address)
+    refused: str = ""  # why the last HelloAck was refused (logged once per reason)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.address
+
+    @property
+    def ready(self) -> bool:
+        """Up and taking new requests (not draining)."""
+        return self.up and not self.load.draining
+
+    async def send(self, msg: Message, timeout_ms: int = 2000) -> None:
+        """Send ``msg``; `TimeoutError` if the worker is unreachable for ``timeout_ms`` or
+        the link was removed meanwhile (its worker left the cluster)."""
+        if self.channel.closed:
+            raise TimeoutError(f"the link to {self.label} is closed: it left the cluster")
+        try:
+            await self.channel.send(msg, timeout_ms=timeout_ms)
+        except zmq.ZMQError as exc:
+            raise TimeoutError(f"cannot send to {self.label}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class LinkIdentity:
+    """Who this process is on every link it opens, and how it watches them."""
+
+    name: str
+    role: Role
+    generation: int
+    interval_s: float
+    peer_timeout_s: float
+    keys: ClusterKeys | None = None
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """What must match for two processes to share KV pages by hash: the page size, the
+    page-hash namespace (`radixserve.cache.block_hash.hash_namespace`) and, between two
+    KV pools, their layout (`PoolCompat.digest`; "" where this side has no pool)."""
+
+    page_size: int
+    hash_namespace: bytes
+    pool_digest: str = ""
+
+    def mismatch(self, ack: HelloAck) -> str:
+        """Why a peer's `HelloAck` does not match; "" if it does."""
+        if ack.page_size != self.page_size:
+            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
+        if ack.hash_namespace != self.hash_namespace:
+            return "its page hashes have another namespace (model name or cache_salt)"
+        if self.pool_digest and ack.pool_digest and ack.pool_digest != self.pool_digest:
+            return "its KV pool has another layout (dtype, layers, KV heads or head size)"
+        return ""
+
+
+class LinkSet:
+    """DEALER links from this process (``me``) to worker addresses: static ones given here,
+    more added and removed at run time (`add`, `remove`)."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        addresses: list[str],
+        me: LinkIdentity,
+        *,
+        on_message: Callable[[Link, Message], None],
+        on_up: Callable[[Link], None] | None = None,
+        on_down: Callable[[Link, str], None] | None = None,
+        pages: PageGeometry | None = None,
+    ) -> None:
+        self._context = context
+        self._keys = me.keys
+        self._pages = pages  # None: the peers' pages are not checked
+        self.links: list[Link] = []
+        self._hello = Hello(name=me.name, role=me.role, generation=me.generation)
+        self._name, self._generation = me.name, me.generation
+        self._interval, self._timeout = me.interval_s, me.peer_timeout_s
+        self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
+        self._receivers: dict[int, asyncio.Task] = {}  # id(link) -> its receive task
+        self._monitors: dict[int, asyncio.Task] = {}  # id(link) -> its socket monitor task
+        self._tick_task: asyncio.Task | None = None
+        self._started = False
+        for address in addresses:
+            self.add(address)
+
+    def start(self) -> None:
+        """Start receiving and the hello/heartbeat loop (on the running event loop)."""
+        self._started = True
+        for link in self.links:
+            self._watch(link)
+        self._tick_task = asyncio.create_task(self._tick())
+
+    async def close(self) -> None:
+        tasks = [*self._receivers.values(), *self._monitors.values()]
+        tasks += [self._tick_task] if self._tick_task else []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._receivers.clear()
+        self._monitors.clear()
+        for link in self.links:
+            link.channel.close()
+
+    def add(self, address: str, discovered: bool = False) -> Link:
+        """Link to ``address`` (hello is sent on the next tick); the existing link if any."""
+        known = self.by_address(address)
+        if known is not None:
+            return known
+        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False, keys=self._keys)
+        link = Link(address, channel, discovered=discovered)
+        self.links.append(link)
+        if self._started:
+            self._watch(link)
+        return link
+
+    def _watch(self, link: Link) -> None:
+        self._receivers[id(link)] = asyncio.create_task(self._receive(link))
+        self._monitors[id(link)] = asyncio.create_task(self._monitor(link))
+
+    def remove(self, link: Link, why: str) -> None:
+        """Drop ``link`` for good (its worker left the cluster): down first if it was up,
+        then its socket closes. Safe to call from any callback of this set."""
+        if link not in self.links:
+            return
+        self.mark_down(link, why)
+        self.links.remove(link)
+        logger.info("forgetting worker %s (%s): %s", link.label, link.address, why)
+        for task in (self._receivers.pop(id(link), None), self._monitors.pop(id(link), None)):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+            elif task is not None:  # called from its own loop: end it after this message
+                asyncio.get_running_loop().call_soon(task.cancel)
+        link.channel.close()
+
+    def up(self) -> list[Link]:
+        return [link for link in self.links if link.up]
+
+    def ready(self) -> list[Link]:
+        """Links up and taking new requests."""
+        return [link for link in self.links if link.ready]
+
+    def by_address(self, address: str) -> Link | None:
+        return next((link for link in self.links if link.address == address), None)
+
+    def mark_down(self, link: Link, why: str) -> None:
+        if not link.up:
+            return
+        link.up = False
+        logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
+        if self._on_down is not None:
+            self._on_down(link, why)
+
+    async def _monitor(self, link: Link) -> None:
+        """Mark ``link`` down the moment its TCP connection closes."""
+        socket = link.channel.socket
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and link.up:
+                    self.mark_down(link, "its connection closed")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _receive(self, link: Link) -> None:
+        while link in self.links:
+            try:
+                msg = await link.channel.recv()
+            except ProtocolError:
+                continue  # logged by the channel
+            if msg is None:
+                continue
+            link.last_seen = time.monotonic()
+            if isinstance(msg, HelloAck):
+                self._acked(link, msg)
+            elif isinstance(msg, Heartbeat):
+                if link.up and msg.generation != link.generation:
+                    self.mark_down(link, f"restarted (generation {msg.generation})")
+                    link.hello_sent = -math.inf
+                elif link.up:
+                    link.load, link.stats = msg.load, msg.stats
+            else:
+                try:
+                    self._on_message(link, msg)
+                except Exception:
+                    logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
+
+    def _stalled(self, gap_s: float) -> None:
+        """This process did not run for ``gap_s``, past the peer timeout: take every link
+        down so that it says hello again (see the module doc)."""
+        why = f"this process stalled for {gap_s:.1f} s (its peers have dropped it)"
+        for link in list(self.links):
+            self.mark_down(link, why)
+            link.hello_sent = -math.inf
+
+    def _acked(self, link: Link, ack: HelloAck) -> None:
+        if not ack.accepted:
+            self._refuse(link, f"worker at {link.address} refused us: {ack.reason}")
+            return
+        if link.up and ack.generation == link.generation:
+            return  # an answer to a repeated hello
+        mismatch = self._pages.mismatch(ack) if self._pages is not None else ""
+        if mismatch:
+            self._refuse(
+                link,
+                f"refusing worker {ack.name} ({ack.role}) at {link.address}: {mismatch}, so "
+                f"{self._name} cannot share its pages; give every process the same model "
+                "and engine settings",
+            )
+            if link.up:  # restarted with other settings
+                self.mark_down(link, f"restarted with other pages ({mismatch})")
+            return
+        link.refused = ""
+        if link.up:
+            self.mark_down(link, f"restarted (generation {ack.generation})")
+        link.name, link.role, link.generation, link.ack = ack.name, ack.role, ack.generation, ack
+        link.up = True
+        logger.info("worker %s (%s) at %s is up", ack.name, ack.role, link.address)
+        if self._on_up is not None:
+            self._on_up(link)
+
+    @staticmethod
+    def _refuse(link: Link, why: str) -> None:
+        """Leave ``link`` down; log ``why`` unless it is the same as last time (hellos are
+        resent every interval, and each gets the same answer)."""
+        if why != link.refused:
+            logger.error("%s", why)
+        link.refused = why
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - last > self._timeout:
+                self._stalled(now - last)
+            last = now
+            for link in list(self.links):
+                if link.up and now - link.last_seen > self._timeout:
+                    self.mark_down(link, f"silent for {now - link.last_seen:.1f} s")
+                if link not in self.links:
+                    continue  # removed by the down callback
+                try:
+                    if not link.up and now - link.hello_sent >= self._interval:
+                        link.hello_sent = now
+                        await link.channel.send(self._hello, timeout_ms=0)
+                    elif link.up:
+                        beat = Heartbeat(sender=self._name, generation=self._generation)
+                        await link.channel.send(beat, timeout_ms=0)
+                except (TimeoutError, zmq.ZMQError):
+                    pass  # not connected yet: the next tick tries again
+            await asyncio.sleep(self._interval)

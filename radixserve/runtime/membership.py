@@ -1,0 +1,78 @@
+"""How services find each other at run time: the kvstore's member registry, seen from
+the processes that route.
+
+Workers register with the kvstore they are pointed at (`Register` when their link to it
+comes up and again when they start draining, `Deregister` when they leave); the kvstore
+drops a member whose connection goes silent. Processes that route — the gateway (to
+decode and prefill workers) and decode workers (to prefill workers) — watch the registry
+(`WatchMembers`) and get every member of the roles they route to (`MemberList`) at once,
+on every change and every few seconds. `MemberView` applies a list to their link sets:
+
+- a listed member without a link gets one (its hello follows on the next tick);
+- a member listed as draining gets nothing new, at once (its own heartbeat says so too);
+- a discovered link whose member is no longer listed is dropped once it is down: a
+  member that left cleanly had drained and is not routed to meanwhile, one that died
+  goes down after ``peer_timeout_s``.
+
+If the kvstore is down nothing changes: the links to the known members stay, with their
+own liveness checks, so serving continues with the last known membership. A restarted
+kvstore (a new ``epoch``) starts empty and fills as members register again; since only
+links that are down are ever dropped, a partial list cuts no working link. Static
+addresses (settings) are never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from radixserve.protocol import MemberInfo, MemberList, WatchMembers
+from radixserve.runtime.links import Link, LinkSet
+
+logger = logging.getLogger(__name__)
+
+
+class MemberView:
+    """The last member list of the kvstore, applied to one link set per watched role."""
+
+    def __init__(self, link_sets: Mapping[str, LinkSet]) -> None:
+        self._sets = dict(link_sets)
+        self._listed: dict[str, dict[str, MemberInfo]] = {role: {} for role in self._sets}
+        self.epoch = -1
+        self.version = -1
+
+    def watch(self) -> WatchMembers:
+        """The subscription to send the kvstore whenever the link to it comes up."""
+        return WatchMembers(tuple(sorted(self._sets)))
+
+    def apply(self, msg: MemberList) -> None:
+        """Bring the link sets in line with ``msg`` (see the module notes)."""
+        if msg.epoch == self.epoch and msg.version < self.version:
+            return  # older than what we have
+        self.epoch, self.version = msg.epoch, msg.version
+        for role, links in self._sets.items():
+            listed = {m.address: m for m in msg.members if m.role == role}
+            self._listed[role] = listed
+            for member in listed.values():
+                self._add(links, member)
+            for link in list(links.links):
+                if link.discovered and link.address not in listed and not link.up:
+                    links.remove(link, "left the cluster")
+
+    def link_down(self, role: str, link: Link) -> None:
+        """Call from the role's ``on_down``: a discovered link no longer listed goes."""
+        links = self._sets.get(role)
+        if links is not None and link.discovered and link.address not in self._listed[role]:
+            links.remove(link, "left the cluster")
+
+    @staticmethod
+    def _add(links: LinkSet, member: MemberInfo) -> None:
+        link = links.by_address(member.address)
+        if link is None:
+            if any(other.up and other.name == member.name for other in links.links):
+                return  # already linked under another address (a static alias)
+            logger.info("member %s (%s) at %s joined", member.name, member.role, member.address)
+            link = links.add(member.address, discovered=True)
+        if member.draining and link.up and link.generation == member.generation:
+            link.load = dataclasses.replace(link.load, draining=True)

@@ -1,0 +1,174 @@
+"""Settings shared by the services, declared once each: `PeerSettings` (every process on
+the internal plane, the gateway too), `ServiceSettings` (a process with a control
+socket), `TransferSettings` (a process whose pages peers read) and `WorkerSettings`
+(prefill and decode workers). Each service's own class (``services/<name>/settings.py``)
+adds its fields and its ``RADIXSERVE_<SERVICE>_`` prefix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from radixserve.protocol.security import CLUSTER_SECRET_ALIAS
+from radixserve.transfer.network import TransferNetwork
+
+
+class PeerSettings(BaseSettings):
+    """What every process on the cluster's internal plane has, the gateway included: how
+    often it beats, when a silent peer is dead, and the cluster's secret."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    heartbeat_interval_s: float = Field(0.5, gt=0, le=60, description="Heartbeat period.")
+    peer_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A peer silent this long is considered dead."
+    )
+    cluster_secret: SecretStr | None = Field(
+        None,
+        min_length=16,
+        validation_alias=CLUSTER_SECRET_ALIAS,
+        description="Shared secret of the cluster's internal plane (one variable, "
+        "RADIXSERVE_CLUSTER_SECRET, for every service): every control socket uses "
+        "CurveZMQ with keys derived from it and transfer metadata is signed, so nothing "
+        "without it gets through; unset = no authentication (loopback only).",
+    )
+
+
+class ServiceSettings(PeerSettings):
+    """Settings every service process that listens (workers, the kvstore) has; each
+    service's class adds its own."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Service name, unique in the cluster; default '<role>-<port>' on "
+        "127.0.0.1, else '<role>-<advertised host>-<port>' (replicas sharing a port, as "
+        "in compose, differ by host).",
+    )
+    host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
+    port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Host name or address other services dial to reach this one (a pod IP, "
+        "a compose service name); default: the listen host, or this machine's host name "
+        "when listening on every interface.",
+    )
+    generation: int | None = Field(
+        None, ge=0, description="Incarnation number; default: start time in milliseconds."
+    )
+    transfer_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Listen address of the KV transfer agents (ZMQ binds it; NIXL's UCX "
+        "uses only the network interface holding it, every interface for 0.0.0.0); "
+        "default: host. Peers dial advertise_host, or this address when it is another "
+        "specific one.",
+    )
+    transfer_port_min: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Lowest port of the KV transfer agents' listeners (ZMQ's socket, UCX's "
+        "TCP listeners; a worker has two agents, and UCX waits until a port of the range "
+        "is free, so leave room); 0 with transfer_port_max 0 = any free port.",
+    )
+    transfer_port_max: int = Field(
+        0, ge=0, le=65535, description="Highest port of the KV transfer agents' listeners."
+    )
+    http_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Listen address of the HTTP /health, /live and /metrics; default: host.",
+    )
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP /health, /live and /metrics (for probes and "
+        "Prometheus); unset = no HTTP side, 0 = any free port.",
+    )
+    drain_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=86400,
+        description="On SIGTERM, how long running requests may take to finish before they "
+        "are aborted (keep Kubernetes' terminationGracePeriodSeconds above it).",
+    )
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> ServiceSettings:
+        TransferNetwork(port_min=self.transfer_port_min, port_max=self.transfer_port_max)
+        return self
+
+
+class TransferSettings(BaseSettings):
+    """How KV pages move: every process that owns pages peers read (workers, the
+    kvstore's host tier) has these."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    transfer_backend: Literal["nixl", "zmq"] = Field(
+        "nixl",
+        description="How KV pages move between workers and the host tier: NIXL "
+        "(UCX) or ZMQ over TCP; the same in the whole cluster.",
+    )
+    nixl_progress_thread: bool = Field(
+        False,
+        description="Give the NIXL agent its own progress thread (it busy-polls a CPU core); "
+        "off, the process drives progress itself while a peer reads its pages.",
+    )
+
+
+class WorkerSettings(ServiceSettings, TransferSettings):
+    """Settings every worker has; `PrefillSettings` and `DecodeSettings` add their own."""
+
+    kvstore: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="Control address of the cluster's kvstore (tcp://host:port): the worker "
+        "registers there (so routers find it) and publishes its cache events; none = a "
+        "worker known only by static addresses.",
+    )
+    host_tier: bool = Field(
+        True,
+        description="Spill evicted pages into the kvstore's host tier and load prefixes "
+        "missing on device from it (when the kvstore has one).",
+    )
+    host_spill_buffer_mib: int = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Host buffer that evicted pages are copied into until the kvstore has "
+        "read them; when full, further evicted pages are dropped.",
+    )
+    host_write_through_uses: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="Also write a cached prefix to the host tier once this many requests "
+        "used it (1 = as soon as it is computed); 0 = only on eviction (write-back).",
+    )
+    host_load_min_tokens: int = Field(
+        256,
+        ge=0,
+        le=1 << 20,
+        description="Ask the host tier for a prefix only when more than this many prompt "
+        "tokens are missing on device: a shorter delta is computed faster than the kvstore "
+        "round trip and the read would take.",
+    )
+    host_lookup_timeout_s: float = Field(
+        0.2, gt=0, le=60, description="Longest wait for the kvstore's host-tier lookup."
+    )
+    host_load_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest read of host-tier pages."
+    )

@@ -1,0 +1,314 @@
+"""What prefill and decode workers share: an engine and a KV transfer agent behind a service.
+
+A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), the
+service control plane (`radixserve.runtime.service`) on an asyncio loop on the main thread that
+owns every socket, and a KV transfer agent over the engine's pool. The loop never
+waits on a step, so heartbeats and aborts flow while a long prefill runs. A worker's
+`HelloAck` says what it serves (model, context, page size) and, for a prefill worker,
+carries its transfer agent's metadata.
+
+With a kvstore configured (``kvstore``, or ``radixserve prefill|decode --join``), the
+worker is a member of that cluster: it registers there when the link comes up
+(`Register`: name, role, the address to dial, draining or not), says so again when it
+starts draining, and deregisters when the drain is done; routers learn of it from the
+kvstore (`radixserve.runtime.membership`). A worker that routes to others (decode, to
+prefill workers) also watches the membership through the same link.
+
+With a kvstore and a prefix cache, the worker publishes its radix cache's events (`KVEvent`:
+pages stored and removed, by chained hash, numbered per generation) over a link to it;
+when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` and a
+snapshot of every cached page. Events go through one queue in the order the engine
+thread made them, so a snapshot never overtakes an earlier event. If the kvstore has a
+host tier, the worker also spills evicted pages into it and loads prefixes it misses on
+device from it (`radixserve.runtime.host_tier`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from radixserve.cache.block_hash import page_hashes
+from radixserve.engine.admission import Admission
+from radixserve.engine.async_engine import AsyncEngine, OutputQueue
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol import (
+    Deregister,
+    HelloAck,
+    KVEvent,
+    KVResync,
+    MemberInfo,
+    MemberList,
+    Message,
+    Register,
+    WorkerLoad,
+)
+from radixserve.runtime.calls import send_quietly
+from radixserve.runtime.host_tier import HostTierClient
+from radixserve.runtime.links import Link, LinkSet
+from radixserve.runtime.membership import MemberView
+from radixserve.runtime.network import transfer_network
+from radixserve.runtime.service import Service, serve_until_signalled
+from radixserve.runtime.settings import WorkerSettings
+from radixserve.transfer import KVTransferAgent, create_agent
+
+logger = logging.getLogger(__name__)
+
+
+class Worker(Service):
+    """A service with an engine and a transfer agent; subclasses handle request messages."""
+
+    settings: WorkerSettings
+
+    def __init__(self, settings: WorkerSettings, engine: AsyncEngine) -> None:
+        super().__init__(settings)
+        self.engine = engine
+        self.page_size = engine.info.page_size
+        self.agent: KVTransferAgent | None = None
+        self.kvstore: LinkSet | None = None
+        self.host: HostTierClient | None = None
+        self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
+        self._seq = 0
+        self._publisher: asyncio.Task | None = None
+        self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
+        # hashes of the pages in the engine's radix cache, as of the last event published
+        self.cached_hashes: set[int] = set()
+
+    async def start(self) -> None:
+        s = self.settings
+        info = self.engine.info
+        self.agent = create_agent(
+            s.transfer_backend,
+            self.name,
+            info.kv,
+            info.geometry,
+            nixl_progress_thread=s.nixl_progress_thread,
+            network=transfer_network(s),
+        )
+        if not s.kvstore:
+            return
+        assert self.context is not None
+        self.kvstore = LinkSet(
+            self.context,
+            [s.kvstore],
+            self.identity(),
+            on_message=self._from_kvstore,
+            on_up=self._kvstore_up,
+            on_down=self._kvstore_down,
+        )
+        if info.prefix_cache:
+            loop = asyncio.get_running_loop()
+            if s.host_tier:
+                self.host = HostTierClient(self.name, self.generation, s, self.engine,
+                                           self.agent, self.cached_hashes)  # fmt: skip
+            self._publisher = asyncio.create_task(self._publish())
+
+            def emit(kind: str, hashes: list[int]) -> None:  # on the engine thread
+                loop.call_soon_threadsafe(self._events.put_nowait, (kind, hashes))
+
+            self._emit = emit
+            self.engine.listen_cache(emit)
+        self.kvstore.start()
+
+    async def stop(self) -> None:
+        if self.kvstore is not None:
+            await self.kvstore.close()
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+        if self.host is not None:
+            await self.host.close()
+        self.engine.close()
+        if self.agent is not None:
+            self.agent.close()
+
+    # -- membership -------------------------------------------------------------------
+
+    def member(self) -> MemberInfo:
+        return MemberInfo(
+            self.name, self.role, self.advertised_address, self.generation, self.draining
+        )
+
+    def member_view(self) -> MemberView | None:
+        """Hook: the view of the roles this worker routes to (watched through the kvstore)."""
+        return None
+
+    def kvstore_link(self) -> Link | None:
+        return self.kvstore.links[0] if self.kvstore else None
+
+    async def _to_kvstore(self, msg: Message, timeout_ms: int = 0) -> None:
+        link = self.kvstore_link()
+        if link is not None and link.up and not await send_quietly(link, msg, timeout_ms):
+            logger.warning("%s: cannot reach the kvstore with %s", self.name, msg.TYPE_TAG)
+
+    def on_drain(self) -> None:
+        self.spawn_notice(self._to_kvstore(Register(self.member())))
+
+    async def on_drained(self) -> None:
+        await self._to_kvstore(Deregister(self.name, self.generation), timeout_ms=1000)
+        # sockets close with linger 0: give the message a moment on the wire (if it is
+        # lost anyway, the kvstore drops us when our heartbeats stop)
+        await asyncio.sleep(0.1)
+
+    def describe(self) -> str:
+        return f", KV transfer over {self.settings.transfer_backend}"
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Ready once the engine is loaded and the transfer agent made (the service
+        started), with the kvstore link up when there is a kvstore, and not draining."""
+        ok, detail = super().health()
+        ok = ok and self.agent is not None
+        if self.settings.kvstore:
+            link = self.kvstore_link()
+            detail["kvstore"] = "up" if link is not None and link.up else "down"
+            ok = ok and detail["kvstore"] == "up"
+        return ok, detail
+
+    def hello_ack(self) -> HelloAck:
+        info = self.engine.info
+        assert self.agent is not None
+        return HelloAck(
+            name=self.name,
+            role=self.role,
+            generation=self.generation,
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            page_size=info.page_size,
+            hash_namespace=info.hash_namespace,
+            pool_digest=info.geometry.digest,
+            transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
+        )
+
+    async def _publish(self) -> None:
+        """Send queued cache events to the kvstore, numbered; a lost one shows as a gap.
+        They also keep `cached_hashes`, this loop's view of the device cache."""
+        while True:
+            kind, hashes = await self._events.get()
+            if kind == "stored":
+                self.cached_hashes.update(hashes)
+            elif kind == "removed":
+                self.cached_hashes.difference_update(hashes)
+            else:
+                self.cached_hashes.clear()
+            self._seq += 1
+            link = self.kvstore_link()
+            if link is None or not link.up:
+                continue  # the kvstore resyncs us when the link comes up
+            event = KVEvent(self.name, self.generation, self._seq, kind, tuple(hashes))
+            try:
+                await link.send(event, timeout_ms=0)
+            except TimeoutError:
+                self.counters["kv_events_dropped_total"] += 1
+
+    def _kvstore_up(self, link: Link) -> None:
+        self.spawn_notice(self._to_kvstore(Register(self.member())))
+        view = self.member_view()
+        if view is not None:
+            self.spawn_notice(self._to_kvstore(view.watch()))
+        if self._emit is not None:
+            self.engine.resync_cache(self._emit)
+        if self.host is not None:
+            self.host.on_up(link)
+
+    def _kvstore_down(self, link: Link, why: str) -> None:
+        if self.host is not None:
+            self.host.on_down(link, why)
+
+    def _from_kvstore(self, link: Link, msg: Message) -> None:
+        view = self.member_view()
+        if isinstance(msg, MemberList) and view is not None:
+            view.apply(msg)
+        elif isinstance(msg, KVResync):
+            if self._emit is not None:
+                self.engine.resync_cache(self._emit)
+        elif self.host is None or not self.host.on_message(link, msg):
+            logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
+
+    def page_hashes(self, token_ids: list[int], carried: Sequence[int] = ()) -> list[int]:
+        """The chained hashes of ``token_ids``' full pages: ``carried`` (the gateway's,
+        of the prompt) extended over what follows them (a resumed stream's tokens), or
+        hashed here when nothing was carried (counted: a request is hashed once)."""
+        size = self.page_size
+        done = min(len(carried), len(token_ids) // size)
+        if not done and len(token_ids) >= size:
+            self.counters["prompt_hashes_total"] += 1
+        parent = carried[done - 1] if done else None
+        rest = page_hashes(token_ids[done * size :], size, self.engine.info.hash_namespace, parent)
+        return [*carried[:done], *rest]
+
+    async def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        hashes: Sequence[int] | None = None,
+        remote_over: int | None = None,
+        lease_s: float | None = None,
+        resume: list[int] | None = None,
+    ) -> tuple[Admission, OutputQueue]:
+        """A request's one admission: the host-tier lease past the device hit (a kvstore
+        round trip, only when a long part is missing on device), then one engine operation
+        (`Engine.admit`); on the host route the read and `finish_host_admission` follow
+        without waiting for a step. The admission and the queue of the request's
+        outputs (its first one comes at the end of the next step on the local route).
+        ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
+        ``resume``: a migrated stream's tokens so far (`Engine.admit`)."""
+        resume = resume or []
+        planned = None
+        if self.host is not None:
+            known = prompt_ids + resume
+            hashes = self.page_hashes(known) if hashes is None else hashes
+            planned = await self.host.plan(request_id, known, hashes)
+        plan, lease = planned if planned is not None else (None, None)
+        try:
+            admission, out = await self.engine.admit(
+                request_id, prompt_ids, params, remote_over=remote_over, host=plan,
+                lease_s=lease_s, resume=resume,
+            )  # fmt: skip
+            if admission.route == "host":
+                assert self.host is not None and lease is not None
+                try:
+                    ok = await self.host.read(lease, admission.page_ids)
+                except BaseException:  # cancelled mid-read: the read cannot land any more
+                    self.engine.abort(request_id)
+                    raise
+                self.engine.finish_host_admission(request_id, ok)
+        finally:
+            if lease is not None and self.host is not None:
+                self.host.release(lease)
+        return admission, out
+
+    def load(self) -> WorkerLoad:
+        stats = self.engine.stats()
+        return WorkerLoad(
+            queued_tokens=self.queued_tokens(),
+            running=stats.running,
+            waiting=stats.waiting,
+            draining=self.draining,
+        )
+
+    def queued_tokens(self) -> int:
+        """Hook: prompt tokens accepted and not computed yet (see `WorkerLoad`)."""
+        return 0
+
+    def stats(self) -> dict[str, int | float]:
+        """Pool pages, live requests and the engine's step counters, then the service's
+        tasks and counters, then the host tier's."""
+        stats = self.engine.stats().as_dict()
+        stats["page_bytes"] = self.engine.info.geometry.page_bytes
+        stats.update(super().stats())
+        if self.host is not None:
+            stats.update(self.host.stats())
+        return stats
+
+
+def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
+    """Build the engine and serve ``worker_cls`` until SIGINT/SIGTERM; the process entry."""
+    from radixserve.settings import EngineSettings
+
+    from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
+    # built on the engine thread, where it steps
+    return serve_until_signalled(worker_cls(settings, AsyncEngine(EngineSettings(**from_env))))

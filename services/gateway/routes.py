@@ -1,0 +1,193 @@
+"""The gateway's route table (`create_app`): the OpenAI generation routes (handled by
+`app.Gateway`), the discovery and token routes defined here (GET /v1/models, POST
+/tokenize and /detokenize in vLLM's shapes, GET /version), health, metrics, the cache
+view, and the documented error responses."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from radixserve.errors import InvalidRequestError
+from radixserve.services.gateway.app import Gateway
+from radixserve.services.gateway.engine_client import EngineClient
+from radixserve.services.gateway.errors import install_error_handlers
+from radixserve.services.gateway.openapi import body, install_openapi
+from radixserve.services.gateway.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from radixserve.services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from radixserve.services.gateway.settings import GatewaySettings
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (400, "invalid request (the field is named in `error.param`)"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "body too large"),
+        (429, "too many requests in flight"),
+        (503, "no worker can serve"),
+    )
+}
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        "description": "the response; with `stream`, server-sent events whose `data` is one "
+        "chunk as JSON, the last `[DONE]`",
+    },
+    **_ERRORS,
+}
+
+
+def version() -> str:
+    try:
+        return metadata.version("radixserve")
+    except metadata.PackageNotFoundError:
+        from radixserve import __version__
+
+        return __version__
+
+
+def install(app: FastAPI, gw: Gateway) -> None:
+    async def models(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        cards = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "radixserve",
+             "max_model_len": gw.client.max_model_len, "root": gw.client.model_name}
+            for name in gw.model_names
+        ]  # fmt: skip
+        return {"object": "list", "data": cards}
+
+    async def tokenize(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        req = TokenizeRequest.model_validate(await gw.read_json(request))
+        gw.check_model(req.model)
+        tokenizer = gw.client.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            messages = [m.to_template() for m in req.messages]
+            text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(
+                req.prompt or "", add_special_tokens=bool(req.add_special_tokens)
+            )
+        strs = [gw.formatter.text(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": gw.client.max_model_len, "tokens": ids,
+                "token_strs": strs}  # fmt: skip
+
+    async def detokenize(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        req = DetokenizeRequest.model_validate(await gw.read_json(request))
+        gw.check_model(req.model)
+        vocab = gw.client.tokenizer.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+            )
+        return {"prompt": gw.client.tokenizer.decode(req.tokens)}
+
+    async def version_route() -> dict[str, str]:
+        return {"version": version()}
+
+    app.add_api_route(
+        "/v1/models",
+        models,
+        methods=["GET"],
+        response_model=ModelList,
+        responses={401: _ERRORS[401]},
+    )
+    app.add_api_route(
+        "/tokenize",
+        tokenize,
+        methods=["POST"],
+        response_model=TokenizeResponse,
+        responses=_ERRORS,
+        openapi_extra=body(TokenizeRequest),
+    )
+    app.add_api_route(
+        "/detokenize",
+        detokenize,
+        methods=["POST"],
+        response_model=DetokenizeResponse,
+        responses=_ERRORS,
+        openapi_extra=body(DetokenizeRequest),
+    )
+    app.add_api_route("/version", version_route, methods=["GET"], response_model=VersionResponse)
+    # fmt: skip
+
+
+def create_app(client: EngineClient, settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway app over `client`. The caller owns `client` (and closes it)."""
+    gw = Gateway(client, settings or GatewaySettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(
+        title="radixserve gateway",
+        description="OpenAI-compatible API of radixserve.",
+        version=version(),
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_api_route(
+        "/v1/completions",
+        gw.completions,
+        response_model=CompletionResponse,
+        openapi_extra=body(CompletionRequest),
+        methods=["POST"],
+        responses=GENERATION_RESPONSES,
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        gw.chat_completions,
+        response_model=ChatCompletionResponse,
+        openapi_extra=body(ChatCompletionRequest),
+        methods=["POST"],
+        responses=GENERATION_RESPONSES,
+    )
+    install(app, gw)
+    app.add_api_route("/health", gw.health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/live", gw.live, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
+    install_openapi(app)
+    app.state.gateway = gw
+    return app  # fmt: skip

@@ -1,0 +1,37 @@
+"""`python -m radixserve.bench.gpu --dry-run` (the kernels' benchmark and the engine on
+them) runs end to end on CPU (tiny shapes, the Triton interpreter, the engine on random
+weights), so the GPU benchmark cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_dry_run_covers_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    # the script switches the interpreter on itself: none inherited from this directory's tests
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.bench.gpu", "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and result["copy_gbps"] > 0 and result["matmul_tflops"] > 0
+    rows = result["rows"]
+    sections = {r["section"] for r in rows}
+    ops = {"decode_attention", "extend_attention", "rmsnorm+residual", "rope", "silu_and_mul",
+           "store_kv", "pack_pages", "unpack_pages", "fp8_linear"}  # fmt: skip
+    assert ops <= sections and "engine" in sections and "error" not in sections
+    for r in rows:
+        if r["section"] in ops:
+            assert r["triton_us"] > 0 and r["reference_us"] > 0 and r["of_ceiling"] > 0, r
+        if r["section"] in ("decode_attention", "extend_attention"):
+            assert r["sdpa_us"] > 0, r
+    cached = [r for r in rows if r["extra"].get("cached_tokens")]
+    assert [r["extra"]["cached_tokens"] for r in cached] == [64, 128]
+    assert sum(r["section"] == "target" for r in rows) == 3
+    assert "| section | case |" in proc.stdout and "dry run" in proc.stdout

@@ -1,0 +1,140 @@
+"""`radixserve up`'s process specs: every service configured through its own settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+
+from radixserve.launch.cluster import (
+    ClusterConfig,
+    build_cluster,
+    cluster_specs,
+    free_port,
+    join_command,
+)
+from radixserve.services.decode import DecodeSettings
+from radixserve.services.gateway import GatewaySettings
+from radixserve.services.kvstore import KVStoreSettings
+from radixserve.services.prefill import PrefillSettings
+from radixserve.settings import EngineSettings
+
+
+def _settings_of(env: dict[str, str], cls, monkeypatch):
+    """``cls`` built from ``env`` alone, as the service's process would build it."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        return cls()
+    finally:
+        for key in env:
+            monkeypatch.delenv(key)
+
+
+def test_with_the_kvstore_everyone_finds_the_workers_through_it(monkeypatch):
+    config = ClusterConfig(num_prefill=2, num_decode=3, transport="zmq", port=8123,
+                           engine_env={"RADIXSERVE_PREFIX_CACHE": "false"}, num_threads=2)  # fmt: skip
+    specs = cluster_specs(config)
+    assert [s.name for s in specs] == [
+        "kvstore", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "gateway",
+    ]  # fmt: skip
+    envs = {s.name: dict(s.env) for s in specs}
+    kvstore = envs["gateway"]["RADIXSERVE_GATEWAY_KVSTORE"]
+    ports = set()
+    # each service's env parses into its own settings class, as in a real deployment
+    for name, env in envs.items():
+        assert env["RADIXSERVE_PREFIX_CACHE"] == "false" and env["RADIXSERVE_NUM_THREADS"] == "2"
+        if name.startswith("prefill"):
+            s = _settings_of(env, PrefillSettings, monkeypatch)
+            assert s.name == name and s.transfer_backend == "zmq" and s.kvstore == kvstore
+            ports.add(s.port)
+        elif name.startswith("decode"):
+            s = _settings_of(env, DecodeSettings, monkeypatch)
+            assert s.name == name and s.prefill_workers == [] and s.kvstore == kvstore
+            ports.add(s.port)
+        elif name == "kvstore":
+            k = _settings_of(env, KVStoreSettings, monkeypatch)
+            assert f"tcp://127.0.0.1:{k.port}" == kvstore
+        else:
+            g = _settings_of(env, GatewaySettings, monkeypatch)
+            assert g.port == 8123 and g.kvstore == kvstore
+            assert g.prefill_workers == [] and g.decode_workers == []  # all from membership
+    assert len(ports) == 5
+
+
+def test_without_the_kvstore_the_addresses_are_static_lists(monkeypatch):
+    config = ClusterConfig(num_prefill=2, num_decode=2, kvstore=False)
+    envs = {s.name: dict(s.env) for s in cluster_specs(config)}
+    assert "kvstore" not in envs
+    prefill_addrs = [f"tcp://127.0.0.1:{envs[f'prefill-{i}']['RADIXSERVE_PREFILL_PORT']}"
+                     for i in range(2)]  # fmt: skip
+    for i in range(2):
+        s = _settings_of(envs[f"decode-{i}"], DecodeSettings, monkeypatch)
+        assert s.prefill_workers == prefill_addrs and s.kvstore is None
+    g = _settings_of(envs["gateway"], GatewaySettings, monkeypatch)
+    assert g.prefill_workers == prefill_addrs and g.kvstore is None
+    ports = [int(a.rsplit(":", 1)[1]) for a in g.decode_workers]
+    assert len(set(ports)) == 2
+    assert json.loads(envs["gateway"]["RADIXSERVE_GATEWAY_DECODE_WORKERS"]) == g.decode_workers
+
+
+def test_join_command_carries_what_a_worker_must_share():
+    config = ClusterConfig(transport="zmq", engine_env={"RADIXSERVE_PAGE_SIZE": "32"},
+                           decode_env={"RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS": "64"})  # fmt: skip
+    line = join_command(config, "tcp://127.0.0.1:5000", "decode")
+    assert line.startswith("RADIXSERVE_PAGE_SIZE=32 RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS=64 ")
+    assert line.endswith("decode --join tcp://127.0.0.1:5000 --transport zmq")
+    assert "DECODE" not in join_command(config, "tcp://127.0.0.1:5000", "prefill")
+    shared = ClusterConfig(core_board="/tmp/board")  # a worker joined on this host shares
+    line = join_command(shared, "tcp://127.0.0.1:5000")
+    assert f"RADIXSERVE_CORE_BOARD=/tmp/board RADIXSERVE_NUM_THREADS={os.cpu_count()} " in line
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_decode": 0}, "at least one decode worker"),
+        ({"num_prefill": -1}, "--prefill"),
+        ({"transport": "tcp"}, "--transport"),
+        ({"autoscale": True, "kvstore": False}, "--autoscale needs the kvstore"),
+    ],
+)
+def test_bad_cluster_shapes_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**kwargs)
+
+
+def test_no_kvstore_means_no_kvstore_settings_anywhere():
+    specs = cluster_specs(ClusterConfig(kvstore=False))
+    assert [s.name for s in specs] == ["prefill-0", "decode-0", "gateway"]
+    assert not any(key.endswith("_KVSTORE") for s in specs for key in s.env)
+
+
+def test_workers_share_the_cores_through_one_board_unless_threads_are_fixed(monkeypatch, tmp_path):
+    """By default every worker may take all the cores and they share them through one
+    core board (made by `build_cluster`, removed when the cluster stops); --num-threads N
+    fixes N and no board."""
+    cores = str(os.cpu_count() or 1)
+    board = str(tmp_path / "cores")
+    specs = cluster_specs(ClusterConfig(num_prefill=1, num_decode=2, core_board=board))
+    workers = [s for s in specs if s.name.split("-")[0] in ("prefill", "decode")]
+    assert len(workers) == 3
+    for spec in workers:
+        assert spec.env["RADIXSERVE_NUM_THREADS"] == spec.env["OMP_NUM_THREADS"] == cores
+        engine = _settings_of(dict(spec.env), EngineSettings, monkeypatch)
+        assert engine.core_board == board and engine.num_threads == int(cores)
+    fixed = cluster_specs(ClusterConfig(num_threads=1))
+    assert not any("RADIXSERVE_CORE_BOARD" in s.env for s in fixed)
+    assert all(s.env["RADIXSERVE_NUM_THREADS"] == "1" for s in fixed)
+
+    cluster = build_cluster(ClusterConfig(port=free_port()))
+    try:
+        assert cluster.core_board and os.path.dirname(cluster.core_board) == tempfile.gettempdir()
+        with open(cluster.core_board, "wb"):  # as the first worker's engine would make it
+            pass
+    finally:
+        cluster.stop()
+    assert not os.path.exists(cluster.core_board)
+    assert build_cluster(ClusterConfig(kvstore=False, num_threads=2)).core_board is None

@@ -1,0 +1,305 @@
+"""The process supervisor, with real child processes (tiny `python -c` scripts)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from radixserve.launch import supervisor as supervisor_mod
+from radixserve.launch.supervisor import ProcessSpec, Supervisor, SupervisorError
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SLEEP_FOREVER = "import time\nwhile True: time.sleep(1)"
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _sleeper(ready_file: Path | None = None, ignore_sigterm: bool = False) -> list[str]:
+    """A child that sleeps forever; it writes its pid to `ready_file` once set up."""
+    lines = ["import os, signal, time"]
+    if ignore_sigterm:
+        lines.append("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    if ready_file is not None:
+        lines.append(f"open({str(ready_file)!r}, 'w').write(str(os.getpid()))")
+    lines.append("while True: time.sleep(1)")
+    return _python("\n".join(lines))
+
+
+def _gone(pid: int) -> bool:
+    """True once `pid` no longer runs (absent, or a zombie that some reaper still owes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step_s)
+    return cond()
+
+
+def _poll_for(sup: Supervisor, duration_s: float) -> None:
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        sup.poll()
+        time.sleep(0.01)
+
+
+def _restart_delays(caplog: pytest.LogCaptureFixture, name: str) -> list[float]:
+    pattern = re.compile(rf"^{re.escape(name)} exited with .*; restarting in ([0-9.e+-]+)s")
+    return [float(m[1]) for r in caplog.records if (m := pattern.match(r.getMessage()))]
+
+
+@pytest.fixture
+def supervisors() -> Iterator[list[Supervisor]]:
+    """Supervisors a test appends here are stopped at teardown, whatever happened."""
+    made: list[Supervisor] = []
+    yield made
+    for sup in made:
+        sup.stop()
+
+
+def test_start_pid_alive_stop(supervisors: list[Supervisor]) -> None:
+    sup = Supervisor([ProcessSpec("a", _python(SLEEP_FOREVER)), ProcessSpec("b", _sleeper())])
+    supervisors.append(sup)
+    sup.start()
+    pids = {name: sup.pid(name) for name in ("a", "b")}
+    assert all(isinstance(p, int) for p in pids.values()) and len(set(pids.values())) == 2
+    assert sup.alive("a") and sup.alive("b")
+    assert sup.restarts == {"a": 0, "b": 0}
+
+    sup.stop()
+    for pid in pids.values():
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ChildProcessError):  # already reaped: no zombie left
+            os.waitpid(pid, os.WNOHANG)
+    assert not sup.alive("a") and sup.pid("b") is None
+    sup.stop()  # idempotent
+    sup.poll()  # a stopped supervisor restarts nothing
+    assert sup.pid("a") is None
+    with pytest.raises(KeyError, match="nope"):
+        sup.pid("nope")
+
+
+def test_env_is_merged_over_os_environ(supervisors: list[Supervisor], tmp_path: Path) -> None:
+    out = tmp_path / "env.txt"
+    code = f"import os; open({str(out)!r}, 'w').write(os.environ['RS_X'] + os.environ['PATH'])"
+    sup = Supervisor([ProcessSpec("e", _python(code), env={"RS_X": "hello"}, restart=False)])
+    supervisors.append(sup)
+    sup.start()
+    assert _wait_until(lambda: out.exists() and out.read_text() != "", 10)
+    assert out.read_text() == "hello" + os.environ["PATH"]
+
+
+def test_killed_child_is_restarted_after_backoff(
+    supervisors: list[Supervisor], tmp_path: Path
+) -> None:
+    ready = tmp_path / "a.pid"
+    sup = Supervisor(
+        [ProcessSpec("a", _sleeper(ready)), ProcessSpec("once", _sleeper(), restart=False)],
+        restart_backoff_s=0.3,
+    )
+    supervisors.append(sup)
+    sup.start()
+    old_a, old_once = sup.pid("a"), sup.pid("once")
+    assert old_a is not None and old_once is not None
+    assert _wait_until(ready.exists, 10)
+    ready.unlink()
+
+    killed_at = time.monotonic()
+    os.kill(old_a, signal.SIGKILL)
+    os.kill(old_once, signal.SIGKILL)
+    while sup.pid("a") in (old_a, None) and time.monotonic() - killed_at < 10:
+        sup.poll()
+        time.sleep(0.01)
+    assert time.monotonic() - killed_at >= 0.3  # waited for the backoff
+    new_a = sup.pid("a")
+    assert new_a is not None and new_a != old_a
+    assert _wait_until(ready.exists, 10) and int(ready.read_text()) == new_a
+    assert sup.restarts == {"a": 1, "once": 0}
+
+    _poll_for(sup, 0.5)
+    assert not sup.alive("once") and sup.pid("once") is None
+    assert sup.restarts["once"] == 0
+    assert _gone(old_a) and _gone(old_once)
+
+
+def test_crash_loop_backs_off(
+    supervisors: list[Supervisor], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="radixserve.launch.supervisor")
+    sup = Supervisor(
+        [ProcessSpec("crashy", _python("import sys; sys.exit(3)"))],
+        restart_backoff_s=0.05,
+        max_backoff_s=0.4,
+    )
+    supervisors.append(sup)
+    sup.start()
+    _poll_for(sup, 3.0)
+
+    # Without backoff this would be dozens; doubling from 0.05 s capped at 0.4 s allows
+    # at most ~10 in 3 s, and slow child start-up only lowers the count.
+    assert 3 <= sup.restarts["crashy"] <= 12
+    assert "crashy exited with code 3; restarting in 0.05s (restart #1)" in caplog.messages
+    delays = _restart_delays(caplog, "crashy")
+    assert len(delays) >= 3 and delays == [0.05, 0.1, 0.2, *[0.4] * (len(delays) - 3)]
+
+
+def test_backoff_resets_after_a_long_life(
+    supervisors: list[Supervisor],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(supervisor_mod, "_STABLE_AFTER_S", 0.2)  # "long" = 0.2 s here
+    caplog.set_level(logging.INFO, logger="radixserve.launch.supervisor")
+    sup = Supervisor(
+        [ProcessSpec("slow", _python("import sys, time; time.sleep(0.4); sys.exit(3)"))],
+        restart_backoff_s=0.05,
+    )
+    supervisors.append(sup)
+    sup.start()
+    _poll_for(sup, 1.8)
+    delays = _restart_delays(caplog, "slow")
+    assert len(delays) >= 2 and set(delays) == {0.05}
+
+
+def test_child_ignoring_sigterm_is_killed(
+    supervisors: list[Supervisor], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="radixserve.launch.supervisor")
+    ready = tmp_path / "stubborn.pid"
+    sup = Supervisor(
+        [ProcessSpec("stubborn", _sleeper(ready, ignore_sigterm=True))], stop_timeout_s=0.5
+    )
+    supervisors.append(sup)
+    sup.start()
+    pid = sup.pid("stubborn")
+    assert pid is not None and _wait_until(ready.exists, 10)
+
+    started = time.monotonic()
+    sup.stop()
+    elapsed = time.monotonic() - started
+    assert 0.5 <= elapsed < 5
+    assert any("sending SIGKILL" in m for m in caplog.messages)
+    assert "stubborn stopped (code -9 (signal SIGKILL))" in caplog.messages
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_missing_executable_names_the_process(supervisors: list[Supervisor]) -> None:
+    sup = Supervisor(
+        [
+            ProcessSpec("first", _python(SLEEP_FOREVER)),
+            ProcessSpec("ghost", ["/nonexistent/radixserve-no-such-binary"]),
+        ]
+    )
+    supervisors.append(sup)
+    with pytest.raises(SupervisorError, match="ghost.*radixserve-no-such-binary"):
+        sup.start()
+    assert sup.pid("first") is None  # what had started was stopped again
+
+
+def test_invalid_specs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        Supervisor([ProcessSpec("a", ["x"]), ProcessSpec("a", ["y"])])
+    with pytest.raises(ValueError, match="argv"):
+        Supervisor([ProcessSpec("a", [])])
+
+
+# ---- run() in a driver process -------------------------------------------------------
+
+DRIVER = textwrap.dedent(
+    """
+    import logging, sys
+    from radixserve.launch.supervisor import ProcessSpec, Supervisor
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    child = [sys.executable, "-c", "import time\\nwhile True: time.sleep(1)"]
+    sup = Supervisor([ProcessSpec("a", child), ProcessSpec("b", child)], stop_timeout_s=5)
+    calls = []
+
+    def on_ready():
+        calls.append(1)
+        print(sup.pid("a"), sup.pid("b"), len(calls), flush=True)
+
+    sys.exit(sup.run(ready=lambda: True, on_ready=on_ready))
+    """
+)
+
+
+@pytest.fixture
+def driver() -> Iterator[Callable[[], tuple[subprocess.Popen[str], list[int]]]]:
+    """Starts the driver; returns it and its children's pids. Teardown kills leftovers."""
+    started: list[tuple[subprocess.Popen[str], list[int]]] = []
+
+    def launch() -> tuple[subprocess.Popen[str], list[int]]:
+        proc = subprocess.Popen(
+            _python(DRIVER),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append((proc, []))
+        assert proc.stdout is not None
+        readable, _, _ = select.select([proc.stdout], [], [], 20)
+        assert readable, "driver printed no pids"
+        line = proc.stdout.readline().split()
+        assert len(line) == 3 and line[2] == "1", line
+        pids = [int(line[0]), int(line[1])]
+        started[-1][1].extend(pids)
+        return proc, pids
+
+    yield launch
+    for proc, pids in started:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:  # first: leftover children hold the driver's pipes open
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_run_stops_children_on_signal(driver, sig: signal.Signals, code: int) -> None:
+    proc, pids = driver()
+    assert all(not _gone(pid) for pid in pids)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=15)
+    assert proc.returncode == code, stderr
+    assert "shutting down" in stderr
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_children_die_with_a_killed_supervisor(driver) -> None:
+    assert sys.platform == "linux"  # PR_SET_PDEATHSIG is Linux-only
+    proc, pids = driver()
+    proc.kill()
+    proc.wait(timeout=10)
+    assert _wait_until(lambda: all(_gone(pid) for pid in pids), 3), "children outlived it"
