@@ -24,18 +24,15 @@ class Replies(Generic[R]):
         self._waiting: dict[str, asyncio.Future[R | None]] = {}
 
     async def ask(self, link: Link, msg: Message, key: str, timeout_s: float) -> R | None:
-        """Send ``msg`` and wait up to ``timeout_s`` for `answer(key, ...)`; None if it
-        did not come (or `drop_all` ended the wait). Raises `TimeoutError` only if the
-        message could not be sent."""
+        """Send ``msg`` and wait up to ``timeout_s`` for `answer(key, ...)`; None if the
+        message could not be sent, no answer came in time, or `drop_all` ended the wait."""
         reply: asyncio.Future[R | None] = asyncio.get_running_loop().create_future()
         self._waiting[key] = reply
         try:
             await link.send(msg, timeout_ms=0)
             return await asyncio.wait_for(reply, timeout_s)
         except TimeoutError:
-            if not reply.done():
-                return None
-            raise
+            return None
         finally:
             self._waiting.pop(key, None)
 

@@ -252,11 +252,8 @@ class HostTierClient:
         link = self.link
         if link is None or not link.up:
             return None
-        try:
-            lease = await self._leases.ask(link, HostLookup(request_id, tuple(hashes)),
-                                           request_id, self.settings.host_lookup_timeout_s)  # fmt: skip
-        except TimeoutError:
-            lease = None
+        lease = await self._leases.ask(link, HostLookup(request_id, tuple(hashes)), request_id,
+                                       self.settings.host_lookup_timeout_s)  # fmt: skip
         if lease is None and self.attached:  # not ended by the link going down
             self._count("host_lookup_timeouts_total")
         return lease

@@ -225,11 +225,8 @@ class DecodeWorker(Worker):
             return {}, 0
         query_id = uuid.uuid4().hex
         self.counters["index_queries_total"] += 1
-        try:
-            answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
-                                           self.settings.kvstore_query_timeout_s)  # fmt: skip
-        except TimeoutError:
-            answer = None
+        answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
+                                       self.settings.kvstore_query_timeout_s)  # fmt: skip
         if answer is None:
             self.counters["index_misses_total"] += 1
             return {}, 0
