@@ -2,7 +2,8 @@
 
 Fast unit tests of the workload generator, the summary math and the flags; then the
 `quick` preset shrunk to its smallest size, end to end on real local clusters (cache on
-and off), whose JSON is checked for shape and self-consistency.
+and off), whose JSON is checked for shape and self-consistency. The run against a
+server already up (``--url``) is tests/cluster/test_bench_url.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from radixserve.bench.cli import suite_options
-from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.report import (
     ModelShape,
     Sample,
@@ -38,8 +38,7 @@ from radixserve.bench.workload import (
     build_rag,
     take_tokens,
 )
-from radixserve.cli import main, make_parser
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.cli import make_parser
 
 
 def words(text: str) -> int:
@@ -263,24 +262,3 @@ def test_suite_writes_plots_and_prints_table(tiny_run):
         assert f"### {name} (quick)" in printed
     assert printed.count("| round | prompt tokens |") == 2
     assert "| founding table (round 12) | 99.1 % |" in printed
-
-
-def test_suite_against_url(tmp_path, capsys):
-    """--url: one run against a server already up; every cache-off value is null. Also
-    the CLI path, and one scenario's JSON being the object itself."""
-    env = {"RADIXSERVE_DEVICE": "cpu", "RADIXSERVE_DTYPE": "float32",
-           "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1"}  # fmt: skip
-    out = tmp_path / "url.json"
-    with LocalCluster(ClusterConfig(port=free_port(), engine_env=env)) as cluster:
-        code = main(["bench", "--scenario", "rag", "--quick", "--users", "2",
-                     "--url", f"{cluster.url}/v1", "--out", str(out)])  # fmt: skip
-    assert code == 0
-    doc = json.loads(out.read_text())
-    assert doc["scenario"] == "rag" and doc["settings"]["cache_off_run"] is False
-    [row] = doc["rounds"]
-    assert row["off"] is None and row["on"]["requests"] == 2 and row["on"]["cached_tokens"] > 0
-    s = doc["summary"]
-    assert s["ttft_cut_pct"] is None and s["prefill_compute_cut_pct"] is None
-    assert s["qps_off"] is None and s["qps_gain"] is None and s["qps_on"] > 0
-    assert all(p.exists() for p in plot_paths(out, "rag"))
-    assert "off columns are empty" in capsys.readouterr().out

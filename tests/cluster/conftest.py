@@ -24,7 +24,15 @@ SHARED = {
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
         gateway={"MAX_QUEUED_REQUESTS": "64", "MIGRATION_WAIT_S": "90"},
     ),
-    "default": lambda: TestCluster(transport="nixl"),
+    # two prefill workers that compute every prompt and write each prefix through to the
+    # host tier as they compute it
+    "two-prefill": lambda: TestCluster(
+        num_prefill=2,
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
+        prefill={"HOST_WRITE_THROUGH_USES": "1"},
+    ),
+    # the defaults, pages over ZMQ (the "remote" cluster moves them over NIXL)
+    "default": lambda: TestCluster(transport="zmq"),
 }
 _running: dict[str, TestCluster] = {}
 

@@ -1,11 +1,12 @@
 """The real cluster (gateway, prefill and decode processes) answers exactly like one
-process: greedy outputs through HTTP equal the single-process engine's, over NIXL and
-over ZMQ, with remote prefill and with local prefill; the official `openai` client
-works; a second chat turn reuses the first and moves only the missing pages.
+process: greedy outputs through HTTP equal the single-process engine's with remote
+prefill over NIXL; the official `openai` client works; a second chat turn reuses the
+first and moves only the missing pages; 64 concurrent streams complete and the surplus
+over the bound is refused at once; bad input gets an OpenAI error.
 
 Cluster "remote" forces every prefill onto the prefill worker
-(``local_prefill_max_tokens=0``); cluster "conditional" keeps the default, so a long
-first turn prefills remotely and a short delta on a known conversation locally.
+(``local_prefill_max_tokens=0``). The decode worker's own choice between remote and
+local prefill, over ZMQ, is test_local_prefill's.
 """
 
 from __future__ import annotations
@@ -25,19 +26,12 @@ MAX_TOKENS = 12
 PAGE = 16
 
 
-SHARED_CLUSTER = "remote"  # with test_faults (tests/cluster/conftest.py)
+SHARED_CLUSTER = "remote"  # shared with other modules: tests/cluster/conftest.py
 
 
 @pytest.fixture(scope="module")
 def remote_nixl(cluster: TestCluster) -> TestCluster:
     return cluster
-
-
-@pytest.fixture(scope="module")
-def conditional_zmq():
-    cluster = TestCluster(transport="zmq")
-    yield cluster
-    cluster.stop()
 
 
 def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
@@ -69,33 +63,9 @@ def test_remote_prefill_over_nixl_equals_single_process(remote_nixl, reference_c
     assert workers["prefill-0"]["prefill_requests_total"] >= 3
 
 
-def test_remote_and_local_prefill_over_zmq_equal_single_process(conditional_zmq, reference_chat):
-    cluster = conditional_zmq
-    # first sight of the system prompt: 274 uncached tokens > 256 -> remote prefill
-    first = ask(cluster, chat(QUESTIONS[0]))
-    settle(cluster)
-    decode = cluster.workers()["decode-0"]
-    assert decode["remote_prefills_total"] == 1 and decode["kv_transfer_pages_total"] > 0
-    moved = decode["kv_transfer_pages_total"]
-    # the system prompt is now cached on decode: a new question is a small delta -> local
-    second = ask(cluster, chat(QUESTIONS[1]))
-    settle(cluster)
-    decode = cluster.workers()["decode-0"]
-    assert decode["local_prefills_total"] == 1
-    assert decode["kv_transfer_pages_total"] == moved  # nothing moved
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 8
-    assert first["choices"][0]["message"]["content"] == reference_chat(
-        chat(QUESTIONS[0]), MAX_TOKENS
-    )
-    assert second["choices"][0]["message"]["content"] == reference_chat(
-        chat(QUESTIONS[1]), MAX_TOKENS
-    )
-
-
-@pytest.mark.parametrize("cluster_name", ["remote_nixl", "conditional_zmq"])
-def test_second_turn_reuses_the_first_and_moves_only_missing_pages(cluster_name, request):
-    cluster: TestCluster = request.getfixturevalue(cluster_name)
-    messages = chat(f"Can I bring my dog? ({cluster_name})")
+def test_second_turn_reuses_the_first_and_moves_only_missing_pages(remote_nixl):
+    cluster = remote_nixl
+    messages = chat("Can I bring my dog?")
     turn1 = ask(cluster, messages, max_tokens=20)
     settle(cluster)
     moved_before = decode_counter(cluster, "kv_transfer_pages_total")
@@ -114,15 +84,10 @@ def test_second_turn_reuses_the_first_and_moves_only_missing_pages(cluster_name,
     )
     # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache
     decode_has = (p1 + a1 - 1) // PAGE
-    if cluster_name == "remote_nixl":
-        # the prefill worker cached turn 1's prompt: it computes only the rest
-        assert cached2 >= p1 // PAGE * PAGE
-        # exactly the pages decode lacked crossed the wire
-        assert moved == -(-p2 // PAGE) - decode_has
-    else:
-        # small delta on the decode worker: prefilled locally, nothing moved
-        assert cached2 == decode_has * PAGE
-        assert moved == 0
+    # the prefill worker cached turn 1's prompt: it computes only the rest
+    assert cached2 >= p1 // PAGE * PAGE
+    # exactly the pages decode lacked crossed the wire
+    assert moved == -(-p2 // PAGE) - decode_has
 
 
 def test_official_openai_client_chat_and_completions(remote_nixl, reference_chat):

@@ -20,7 +20,7 @@ import threading
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import SYSTEM, chat
 
-SHARED_CLUSTER = "remote"  # with test_disaggregated_outputs (tests/cluster/conftest.py)
+SHARED_CLUSTER = "remote"  # shared with other modules: tests/cluster/conftest.py
 
 
 def long_chat(tag: str) -> list[dict[str, str]]:

@@ -3,10 +3,8 @@
 * A device pool too small for every conversation: returning to an evicted one loads its
   prefix from the host tier (``tier="host"`` hits, pages read by the workers) instead of
   recomputing it, and the answer is the single-process engine's.
-* Cross-worker reuse: a system prompt computed on one prefill worker is written through
-  to the host tier; when that worker is busy, the gateway routes the next request on it
-  to the other prefill worker (host hits make it cheap), which loads the prefix from the
-  host tier and computes only the question.
+* Cross-worker reuse (a system prompt computed on one prefill worker, loaded from the
+  host tier by the other) is test_host_tier_reuse.py.
 * A bounded load with a host tier smaller than the conversations: it stays within its
   capacity (evicting), answers do not change with the tier, and afterwards no lease, no
   host page reader and no spill buffer page is left held.
@@ -14,7 +12,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -80,60 +77,6 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
             "prefill-0 to report the pages it loaded",
         )
         assert cluster.workers()["prefill-0"].get("host_load_failures_total", 0) == 0
-        cluster.wait_clean()
-    finally:
-        cluster.stop()
-
-
-def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(reference_chat):
-    cluster = TestCluster(
-        transport="nixl",
-        num_prefill=2,
-        decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
-        prefill={"HOST_WRITE_THROUGH_USES": "1"},  # write each prefix as it is computed
-    )
-    try:
-        cluster.wait_host_tier()
-        system = branch_system(7)
-        first = ask(cluster, chat(QUESTIONS[0], system))
-        workers = cluster.workers()
-        owner = max(("prefill-0", "prefill-1"),
-                    key=lambda w: workers[w].get("prefill_requests_total", 0))  # fmt: skip
-        other = "prefill-1" if owner == "prefill-0" else "prefill-0"
-        system_pages = first["usage"]["prompt_tokens"] // PAGE - 2
-        cluster.wait(
-            lambda: cluster.workers()["kvstore"].get("host_pages_stored", 0) >= system_pages,
-            30,
-            "the system prompt to be written through to the host tier",
-        )
-
-        # keep the owner busy with a long unrelated prompt...
-        busy = threading.Thread(
-            target=ask, args=(cluster, chat("Summarise the rules.", branch_system(99) * 2), 4)
-        )
-        before = host_hits(cluster)
-        busy.start()
-        try:
-            cluster.wait(
-                lambda: any(w.get("queued_tokens", 0) > 0 for w in cluster.workers().values()),
-                30,
-                "the long prompt to be queued on a prefill worker",
-            )
-            # (both idle, it went to the first by name, as the first request did)
-            assert cluster.workers()[owner].get("queued_tokens", 0) > 0
-            # ...then the shared prefix goes to the idle worker, which loads it from host
-            second = ask(cluster, chat(QUESTIONS[1], system))
-        finally:
-            busy.join()
-        cluster.wait(
-            lambda: cluster.workers()[other].get("host_load_pages_total", 0) >= system_pages,
-            10,
-            f"{other} to report loading the system prompt from the host tier",
-        )
-        assert cached(second) >= system_pages * PAGE
-        assert host_hits(cluster) - before >= system_pages * PAGE
-        text = second["choices"][0]["message"]["content"]
-        assert text == reference_chat(chat(QUESTIONS[1], system), MAX_TOKENS)
         cluster.wait_clean()
     finally:
         cluster.stop()

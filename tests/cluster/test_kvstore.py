@@ -13,7 +13,7 @@ from tests.cluster.prompts import QUESTIONS, chat
 PAGE = 16
 
 
-SHARED_CLUSTER = "default"  # with test_openai_features (tests/cluster/conftest.py)
+SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
 
 
 def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:

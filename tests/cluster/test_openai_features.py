@@ -1,5 +1,5 @@
 """The new API shapes through the real cluster (gateway, prefill, decode processes,
-NIXL): the official `openai` client parses logprobs (both endpoints), n choices, echo
+ZMQ): the official `openai` client parses logprobs (both endpoints), n choices, echo
 with prompt logprobs, batched prompts and JSON mode, streamed and not. Prompts over
 256 tokens prefill on the prefill worker, so the first token's log-probabilities, the
 prompt's, and every choice's first token come back from it: they equal the
@@ -20,7 +20,7 @@ from tests.cluster.prompts import SYSTEM
 TOL = 1e-4
 
 
-SHARED_CLUSTER = "default"  # with test_kvstore (tests/cluster/conftest.py)
+SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
 
 
 @pytest.fixture(scope="module")

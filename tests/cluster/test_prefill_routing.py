@@ -1,24 +1,21 @@
 """Cache-aware prefill routing through the real gateway and kvstore: with two prefill
 workers, a shared system prompt is computed once cluster-wide while requests come one
 at a time (they go where the prefix is cached), and a concurrent burst spreads over both
-workers once the queue on the caching one costs more than recomputing the prefix."""
+workers once the queue on the caching one costs more than recomputing the prefix.
+
+The cluster is shared with test_host_tier (prefixes written through to the host tier):
+counters are read as deltas."""
 
 from __future__ import annotations
 
 import asyncio
 
 import httpx
-import pytest
 
 from tests.cluster.cluster_helpers import TestCluster, metric_value
 from tests.cluster.prompts import QUESTIONS, chat
 
-
-@pytest.fixture(scope="module")
-def two_prefills():
-    cluster = TestCluster(num_prefill=2, decode={"LOCAL_PREFILL_MAX_TOKENS": "0"})
-    yield cluster
-    cluster.stop()
+SHARED_CLUSTER = "two-prefill"  # shared with other modules: tests/cluster/conftest.py
 
 
 def prefill_counter(cluster: TestCluster, key: str) -> dict[str, float]:
@@ -26,22 +23,29 @@ def prefill_counter(cluster: TestCluster, key: str) -> dict[str, float]:
     return {name: workers[name].get(key, 0) for name in ("prefill-0", "prefill-1")}
 
 
-def test_shared_prefix_is_computed_once_then_load_spreads_it(two_prefills, reference_engine):
-    cluster = two_prefills
+def delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: now[name] - before[name] for name in now}
+
+
+def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster, reference_engine):
+    cluster.wait_clean()
+    computed_before = prefill_counter(cluster, "prefill_computed_tokens_total")
+    served_before = prefill_counter(cluster, "prefill_requests_total")
+    gateway_before = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
     prompts = [reference_engine.chat_prompt_ids(chat(q)) for q in QUESTIONS[:4]]
     for question in QUESTIONS[:4]:  # one at a time
         body = {"messages": chat(question), "max_tokens": 4, "temperature": 0}
         assert cluster.http.post("/v1/chat/completions", json=body).status_code == 200
     cluster.wait_clean()
-    computed = prefill_counter(cluster, "prefill_computed_tokens_total")
-    served = prefill_counter(cluster, "prefill_requests_total")
+    computed = delta(prefill_counter(cluster, "prefill_computed_tokens_total"), computed_before)
+    served = delta(prefill_counter(cluster, "prefill_requests_total"), served_before)
     # all four went to the worker that cached the system prompt on the first request ...
     assert sorted(served.values()) == [0, 4]
     # ... so the system prompt was computed once: the first prompt whole, then deltas
     shared = 256  # the pages all four prompts share (16 full pages)
     assert sum(computed.values()) == sum(len(p) for p in prompts) - 3 * shared
     gateway_computed = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
-    assert gateway_computed == sum(computed.values())
+    assert gateway_computed - gateway_before == sum(computed.values())
 
     # a concurrent burst: the caching worker's queue soon outweighs its cache hit
     async def burst():
@@ -58,5 +62,5 @@ def test_shared_prefix_is_computed_once_then_load_spreads_it(two_prefills, refer
     replies = asyncio.run(burst())
     assert all(r.status_code == 200 for r in replies)
     cluster.wait_clean()
-    after = prefill_counter(cluster, "prefill_requests_total")
+    after = delta(prefill_counter(cluster, "prefill_requests_total"), served_before)
     assert all(after[name] > served[name] for name in after), (served, after)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from radixserve.model.model_files import resolve_model_path
 from tests.engine.engine_helpers import assert_greedy_matches_transformers, chunked_logits
 
 PROMPTS = [
@@ -14,14 +12,6 @@ PROMPTS = [
     "def fibonacci(n):\n    ",
     "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def hf_smol():
-    path = resolve_model_path("default")
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

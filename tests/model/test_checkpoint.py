@@ -39,14 +39,8 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
 
 
 @pytest.fixture(scope="module")
-def transformers_state_dict(default_checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    path = default_checkpoint.path
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.state_dict()
+def transformers_state_dict(hf_smol):
+    return hf_smol.state_dict()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""The decode worker's own choice of route, on the real cluster over ZMQ (the ``default``
+cluster: `local_prefill_max_tokens` at its default): a long first turn prefills on the
+prefill worker, and a short delta on a known prefix prefills locally with nothing moved;
+both answers equal the single-process engine's.
+
+The system prompt is new to the cluster each run (the cluster is shared with
+test_kvstore and test_openai_features), and counters are read as deltas."""
+
+from __future__ import annotations
+
+import uuid
+
+from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+
+MAX_TOKENS = 12
+PAGE = 16
+
+SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
+
+
+def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    resp = cluster.http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def decode_counters(cluster: TestCluster) -> dict[str, float]:
+    cluster.wait_clean()  # also lets the heartbeats carry the latest counters
+    decode = cluster.workers()["decode-0"]
+    keys = ("remote_prefills_total", "local_prefills_total", "kv_transfer_pages_total")
+    return {key: float(decode.get(key, 0)) for key in keys}
+
+
+def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, reference_chat):
+    system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM}"
+    start = decode_counters(cluster)
+    # first sight of the system prompt: over 256 uncached tokens -> remote prefill
+    first = ask(cluster, chat(QUESTIONS[0], system))
+    after_first = decode_counters(cluster)
+    assert after_first["remote_prefills_total"] == start["remote_prefills_total"] + 1
+    assert after_first["local_prefills_total"] == start["local_prefills_total"]
+    assert after_first["kv_transfer_pages_total"] > start["kv_transfer_pages_total"]
+    # the system prompt is now cached on decode: a new question is a small delta -> local
+    second = ask(cluster, chat(QUESTIONS[1], system))
+    after_second = decode_counters(cluster)
+    assert after_second["local_prefills_total"] == start["local_prefills_total"] + 1
+    assert after_second["kv_transfer_pages_total"] == after_first["kv_transfer_pages_total"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 8
+    for answer, question in ((first, QUESTIONS[0]), (second, QUESTIONS[1])):
+        want = reference_chat(chat(question, system), MAX_TOKENS)
+        assert answer["choices"][0]["message"]["content"] == want
+
+
+def test_a_second_turn_prefills_its_short_delta_locally_and_moves_nothing(cluster):
+    messages = chat("Can I bring my dog?", f"[{uuid.uuid4().hex[:8]}] {SYSTEM}")
+    turn1 = ask(cluster, messages, max_tokens=20)
+    before = decode_counters(cluster)
+    messages += [
+        {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And my cat?"},
+    ]
+    turn2 = ask(cluster, messages, max_tokens=8)
+    after = decode_counters(cluster)
+    p1, a1 = turn1["usage"]["prompt_tokens"], turn1["usage"]["completion_tokens"]
+    # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache
+    decode_has = (p1 + a1 - 1) // PAGE
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] == decode_has * PAGE
+    assert after["local_prefills_total"] == before["local_prefills_total"] + 1
+    assert after["kv_transfer_pages_total"] == before["kv_transfer_pages_total"]
