@@ -75,6 +75,14 @@ class TestCluster(LocalCluster):
         super().__init__(config)
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
+    def ask(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        """A greedy chat completion (fails the test unless it is a 200); its JSON."""
+        body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0}  # fmt: skip
+        resp = self.http.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
     def metrics(self) -> str:
         return self.http.get("/metrics").text
 

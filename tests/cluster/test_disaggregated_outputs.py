@@ -34,13 +34,6 @@ def remote_nixl(cluster: TestCluster) -> TestCluster:
     return cluster
 
 
-def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    resp = cluster.http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def decode_counter(cluster: TestCluster, key: str) -> float:
     return float(cluster.workers()["decode-0"].get(key, 0))
 
@@ -53,7 +46,7 @@ def test_remote_prefill_over_nixl_equals_single_process(remote_nixl, reference_c
     settle(remote_nixl)
     before = decode_counter(remote_nixl, "kv_transfer_pages_total")
     for question in QUESTIONS[:3]:
-        got = ask(remote_nixl, chat(question))
+        got = remote_nixl.ask(chat(question), MAX_TOKENS)
         assert got["choices"][0]["message"]["content"] == reference_chat(chat(question), MAX_TOKENS)
     settle(remote_nixl)
     workers = remote_nixl.workers()
@@ -66,7 +59,7 @@ def test_remote_prefill_over_nixl_equals_single_process(remote_nixl, reference_c
 def test_second_turn_reuses_the_first_and_moves_only_missing_pages(remote_nixl):
     cluster = remote_nixl
     messages = chat("Can I bring my dog?")
-    turn1 = ask(cluster, messages, max_tokens=20)
+    turn1 = cluster.ask(messages, 20)
     settle(cluster)
     moved_before = decode_counter(cluster, "kv_transfer_pages_total")
     answer = turn1["choices"][0]["message"]["content"]
@@ -74,7 +67,7 @@ def test_second_turn_reuses_the_first_and_moves_only_missing_pages(remote_nixl):
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "And my cat?"},
     ]
-    turn2 = ask(cluster, messages, max_tokens=8)
+    turn2 = cluster.ask(messages, 8)
     settle(cluster)
     moved = decode_counter(cluster, "kv_transfer_pages_total") - moved_before
     p1, a1 = turn1["usage"]["prompt_tokens"], turn1["usage"]["completion_tokens"]
@@ -125,7 +118,9 @@ def test_metrics_aggregate_every_worker(remote_nixl):
     settle(remote_nixl)
     before = remote_nixl.metrics()
     # a system prompt no worker has seen: nothing cached anywhere, every page moves
-    answer = ask(remote_nixl, chat(QUESTIONS[4], f"[metrics {uuid.uuid4().hex}] {SYSTEM}"))
+    answer = remote_nixl.ask(
+        chat(QUESTIONS[4], f"[metrics {uuid.uuid4().hex}] {SYSTEM}"), MAX_TOKENS
+    )
     settle(remote_nixl)
     text = remote_nixl.metrics()
 

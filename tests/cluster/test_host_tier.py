@@ -27,13 +27,6 @@ def branch_system(i: int) -> str:
     return f"You answer for branch number {i} of the library. " + SYSTEM + SYSTEM
 
 
-def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    resp = cluster.http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def cached(answer: dict) -> int:
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -50,11 +43,11 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
     )
     try:
         cluster.wait_host_tier()  # spills before the attach would be dropped
-        first = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
+        first = cluster.ask(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
         prompt = first["usage"]["prompt_tokens"]
         assert cached(first) == 0
         for i in range(1, 4):  # three more conversations push the first out of every pool
-            ask(cluster, chat(QUESTIONS[i], branch_system(i)))
+            cluster.ask(chat(QUESTIONS[i], branch_system(i)), MAX_TOKENS)
         full_pages = (prompt - 1) // PAGE
         ids = reference_engine.chat_prompt_ids(chat(QUESTIONS[0], branch_system(0)))
 
@@ -65,7 +58,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         cluster.wait(spilled, 10, "the first conversation to be only in the host tier")
         before = host_hits(cluster)
 
-        again = ask(cluster, chat(QUESTIONS[0], branch_system(0)))
+        again = cluster.ask(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
         assert cached(again) == full_pages * PAGE  # all of it from the host tier
         assert host_hits(cluster) - before == full_pages * PAGE
         text = again["choices"][0]["message"]["content"]
@@ -93,7 +86,10 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(refere
         cluster.wait_host_tier()
         conversations = [chat(QUESTIONS[i % len(QUESTIONS)], branch_system(i)) for i in range(6)]
         with ThreadPoolExecutor(3) as pool:
-            rounds = [list(pool.map(lambda m: ask(cluster, m), conversations)) for _ in range(2)]
+            rounds = [
+                list(pool.map(lambda m: cluster.ask(m, MAX_TOKENS), conversations))
+                for _ in range(2)
+            ]
         texts = [[a["choices"][0]["message"]["content"] for a in r] for r in rounds]
         assert texts[0] == texts[1]  # whichever tier served the second round
         for i in (0, 5):

@@ -12,7 +12,7 @@ import threading
 import uuid
 
 from tests.cluster.prompts import QUESTIONS, chat
-from tests.cluster.test_host_tier import MAX_TOKENS, PAGE, ask, branch_system, cached, host_hits
+from tests.cluster.test_host_tier import MAX_TOKENS, PAGE, branch_system, cached, host_hits
 
 SHARED_CLUSTER = "two-prefill"  # shared with other modules: tests/cluster/conftest.py
 PREFILLS = ("prefill-0", "prefill-1")
@@ -27,7 +27,7 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(cluster, r
     stored = workers["kvstore"].get("host_stored_pages_total", 0)
     tag = uuid.uuid4().hex[:8]  # prompts new to the cluster
     system = f"[{tag}] {branch_system(7)}"
-    first = ask(cluster, chat(QUESTIONS[0], system))
+    first = cluster.ask(chat(QUESTIONS[0], system), MAX_TOKENS)
     cluster.wait_clean()
     workers = cluster.workers()
     owner = max(PREFILLS, key=lambda w: workers[w].get("prefill_requests_total", 0) - served[w])
@@ -43,7 +43,7 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(cluster, r
 
     # keep the owner busy with a long unrelated prompt...
     long_prompt = chat("Summarise the rules.", f"[{tag}] {branch_system(99) * 2}")
-    busy = threading.Thread(target=ask, args=(cluster, long_prompt, 4))
+    busy = threading.Thread(target=cluster.ask, args=(long_prompt, 4))
     before = host_hits(cluster)
     busy.start()
     try:
@@ -55,7 +55,7 @@ def test_a_prefix_computed_on_one_prefill_worker_is_reused_by_another(cluster, r
         # (both idle, it went to the first by name, as the first request did)
         assert cluster.workers()[owner].get("queued_tokens", 0) > 0
         # ...then the shared prefix goes to the idle worker, which loads it from host
-        second = ask(cluster, chat(QUESTIONS[1], system))
+        second = cluster.ask(chat(QUESTIONS[1], system), MAX_TOKENS)
     finally:
         busy.join()
     cluster.wait(

@@ -22,18 +22,11 @@ def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:
     return {} if reply is None else {name: int(n) for name, n in reply.device_pages.items()}
 
 
-def ask(cluster: TestCluster, messages) -> dict:
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
-    resp = cluster.http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, reference_engine):
     messages = chat(QUESTIONS[0])
     prompt_ids = reference_engine.chat_prompt_ids(messages)
     full_pages = len(prompt_ids) // PAGE
-    ask(cluster, messages)  # 274 uncached tokens: prefilled remotely, then decoded
+    cluster.ask(messages, 8)  # 274 uncached tokens: prefilled remotely, then decoded
     cluster.wait(
         lambda: index_of(cluster, prompt_ids).get("decode-0", 0) == full_pages,
         10,
@@ -45,7 +38,7 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
 
     # kill the kvstore: serving goes on without it
     os.kill(cluster.supervisor.pid("kvstore"), signal.SIGKILL)
-    ask(cluster, chat(QUESTIONS[1]))
+    cluster.ask(chat(QUESTIONS[1]), 8)
     # restarted, it learns everything again from the workers' resyncs
     cluster.wait(
         lambda: (
@@ -64,14 +57,14 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
         "the workers to attach to the restarted host tier",
     )
     assert cluster.workers()["kvstore"]["host_pages_stored"] == 0
-    ask(cluster, chat(QUESTIONS[3]))
+    cluster.ask(chat(QUESTIONS[3]), 8)
     cluster.wait_clean()
 
 
 def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
     messages = chat(QUESTIONS[2])
     prompt_ids = reference_engine.chat_prompt_ids(messages)
-    ask(cluster, messages)
+    cluster.ask(messages, 8)
     cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 indexed")
     old_generation = cluster.workers()["decode-0"]["generation"]
     os.kill(cluster.supervisor.pid("decode-0"), signal.SIGKILL)
@@ -81,6 +74,6 @@ def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
     cluster.wait_restarted("decode-0", old_generation)
     assert "decode-0" not in index_of(cluster, prompt_ids)
     assert "prefill-0" in index_of(cluster, prompt_ids)
-    ask(cluster, messages)
+    cluster.ask(messages, 8)
     cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 again")
     cluster.wait_clean()

@@ -19,13 +19,6 @@ PAGE = 16
 SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
 
 
-def ask(cluster: TestCluster, messages, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    resp = cluster.http.post("/v1/chat/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def decode_counters(cluster: TestCluster) -> dict[str, float]:
     cluster.wait_clean()  # also lets the heartbeats carry the latest counters
     decode = cluster.workers()["decode-0"]
@@ -37,13 +30,13 @@ def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, refere
     system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM}"
     start = decode_counters(cluster)
     # first sight of the system prompt: over 256 uncached tokens -> remote prefill
-    first = ask(cluster, chat(QUESTIONS[0], system))
+    first = cluster.ask(chat(QUESTIONS[0], system), MAX_TOKENS)
     after_first = decode_counters(cluster)
     assert after_first["remote_prefills_total"] == start["remote_prefills_total"] + 1
     assert after_first["local_prefills_total"] == start["local_prefills_total"]
     assert after_first["kv_transfer_pages_total"] > start["kv_transfer_pages_total"]
     # the system prompt is now cached on decode: a new question is a small delta -> local
-    second = ask(cluster, chat(QUESTIONS[1], system))
+    second = cluster.ask(chat(QUESTIONS[1], system), MAX_TOKENS)
     after_second = decode_counters(cluster)
     assert after_second["local_prefills_total"] == start["local_prefills_total"] + 1
     assert after_second["kv_transfer_pages_total"] == after_first["kv_transfer_pages_total"]
@@ -55,13 +48,13 @@ def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, refere
 
 def test_a_second_turn_prefills_its_short_delta_locally_and_moves_nothing(cluster):
     messages = chat("Can I bring my dog?", f"[{uuid.uuid4().hex[:8]}] {SYSTEM}")
-    turn1 = ask(cluster, messages, max_tokens=20)
+    turn1 = cluster.ask(messages, 20)
     before = decode_counters(cluster)
     messages += [
         {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
         {"role": "user", "content": "And my cat?"},
     ]
-    turn2 = ask(cluster, messages, max_tokens=8)
+    turn2 = cluster.ask(messages, 8)
     after = decode_counters(cluster)
     p1, a1 = turn1["usage"]["prompt_tokens"], turn1["usage"]["completion_tokens"]
     # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache
