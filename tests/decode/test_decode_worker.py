@@ -315,3 +315,16 @@ def test_an_abort_from_the_gateway_mid_stream_aborts_the_engine_request() -> Non
             assert counters(worker)["local_prefills_total"] == 1
 
     run_scenario(scenario)
+
+
+def test_every_counter_is_exported_at_zero_before_its_first_event() -> None:
+    """A dashboard's rate() needs the series before the first transfer: a decode worker
+    that has moved nothing still exports its transfer summary and prefill counters, at 0."""
+    worker = DecodeWorker(DecodeSettings(transfer_backend="zmq"), FakeEngine())
+    text = worker.metrics_text().decode()
+    for name in ("radixserve_kv_transfer_seconds_count", "radixserve_kv_transfer_seconds_sum",
+                 "radixserve_worker_kv_transfer_pages_total",
+                 "radixserve_worker_remote_prefills_total",
+                 "radixserve_worker_local_prefills_total"):  # fmt: skip
+        [line] = [x for x in text.splitlines() if x.startswith(name + "{")]
+        assert line.endswith(" 0.0"), line
