@@ -1,10 +1,11 @@
-"""Engines on the real default model (SmolLM2-135M-Instruct, fp32), loaded once per session."""
+"""Engines loaded once per session: the real default model (SmolLM2-135M-Instruct, fp32)
+and the tiny random-init one with its tokenizer (`engine_helpers.TINY`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.engine.engine_helpers import make_engine
+from tests.engine.engine_helpers import TINY, make_engine
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +16,13 @@ def smol_on():
 @pytest.fixture(scope="session")
 def smol_off():
     return make_engine("default", kv_cache_memory_gib=0.25, prefix_cache=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_on():
+    return make_engine(TINY, kv_cache_memory_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def tiny_off():
+    return make_engine(TINY, kv_cache_memory_gib=0.25, prefix_cache=False)

@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
+from radixserve.bench.random_checkpoint import RandomWeights
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.model.checkpoint import Checkpoint, load_checkpoint
 from radixserve.model.forward_batch import SequenceChunk, build_forward_batch
 from radixserve.settings import EngineSettings
+
+#: `make_engine`'s name for a random-init two-layer Llama that reads and writes text with
+#: the default model's tokenizer: the engine's mechanics (cache on = off, eviction,
+#: preemption, resume, forks) at a hundredth of the default model's cost per step. What
+#: only the real weights show (equality with transformers, the model's text) uses "default".
+TINY = "tiny"
+
+
+@functools.cache
+def tiny_checkpoint() -> Checkpoint:
+    real = load_checkpoint("default", progress=False)  # config and tokenizer; no weights read
+    config = dataclasses.replace(
+        real.config, name="tiny-smollm2", hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    source = _Scaled(config, seed=0, device=torch.device("cpu"))
+    return Checkpoint(config, real.tokenizer, source.path, source, progress=False)
+
+
+class _Scaled(RandomWeights):
+    """Matrices scaled by 1/sqrt(fan-in) and unit embeddings: each layer mixes as much as
+    the residual carries, so greedy text depends on the whole context and does not repeat
+    the last token (with small weights and tied embeddings, it would)."""
+
+    def read(self, name: str) -> torch.Tensor:
+        x = super().read(name)
+        if name.endswith("norm.weight"):
+            return x
+        return x / 0.02 / (x.shape[-1] ** 0.5 if x.dim() == 2 and "embed" not in name else 1.0)
 
 
 def make_engine(model: str, **overrides) -> Engine:
     # float32 and unquantized: the engine tests compare with transformers in float32
     settings = {"device": "cpu", "dtype": "float32", "quantization": "none", "load_progress": False}
     settings.update(overrides)
+    if model == TINY:
+        return Engine(EngineSettings(model="default", **settings), checkpoint=tiny_checkpoint())
     return Engine(EngineSettings(model=model, **settings))
 
 

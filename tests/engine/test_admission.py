@@ -12,7 +12,7 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
-from tests.engine.engine_helpers import assert_no_leaks, make_engine
+from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
 SYSTEM = "You are the help desk of a public library. " * 20  # ~200 tokens
 LONG = SamplingParams(max_tokens=400, min_tokens=400, temperature=0.0, ignore_eos=True)
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 def test_a_cached_request_gets_its_first_token_two_steps_after_it_arrives():
     # a small step budget, so that four long prefills in chunks of 64 fill every step
     engine = make_engine(
-        "default", kv_cache_memory_gib=0.2, max_num_batched_tokens=256, prefill_chunk_tokens=64
+        TINY, kv_cache_memory_gib=0.2, max_num_batched_tokens=256, prefill_chunk_tokens=64
     )
     tok = engine.tokenizer
     cached = tok.encode(SYSTEM + "When do you open?")

@@ -9,15 +9,15 @@ import pytest
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import InvalidRequestError
-from tests.engine.engine_helpers import assert_no_leaks, make_engine
+from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def engines():
-    engine = make_engine("default", kv_cache_memory_gib=0.1)
-    reference = make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
+    engine = make_engine(TINY, kv_cache_memory_gib=0.1)
+    reference = make_engine(TINY, kv_cache_memory_gib=0.1, prefix_cache=False)
     front = AsyncEngine(engine)
     yield front, reference
     front.close()

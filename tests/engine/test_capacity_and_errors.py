@@ -8,15 +8,15 @@ import pytest
 
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import CapacityError, InvalidRequestError, ModelLoadError
-from tests.engine.engine_helpers import assert_no_leaks, make_engine
+from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-# One SmolLM2 page of 16 tokens, fp32: 30 layers * 2 * 3 heads * 64 dims * 4 bytes * 16.
-PAGE_BYTES = 30 * 2 * 3 * 64 * 4 * 16
+# One page of the tiny model's 16 tokens, fp32: 2 layers * 2 * 2 kv heads * 16 dims * 4 bytes * 16.
+PAGE_BYTES = 2 * 2 * 2 * 16 * 4 * 16
 
 
 def _small_engine(num_pages: int, **kw):
-    return make_engine("default", kv_cache_memory_gib=num_pages * PAGE_BYTES / 2**30, **kw)
+    return make_engine(TINY, kv_cache_memory_gib=num_pages * PAGE_BYTES / 2**30, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def tiny_pool():
     return engine
 
 
-def test_conversations_larger_than_pool_complete_by_evicting(tiny_pool, smol_off, caplog):
+def test_conversations_larger_than_pool_complete_by_evicting(tiny_pool, tiny_off, caplog):
     """Six ~100-token conversations through a 384-token pool: one at a time they evict
     each other's cached pages; all at once they also need preemption."""
     topics = ["tides", "volcanoes", "bees", "glaciers", "comets", "coral reefs"]
@@ -35,7 +35,7 @@ def test_conversations_larger_than_pool_complete_by_evicting(tiny_pool, smol_off
     # ~65-token prompts + 40 new tokens = 7 pages each; 4 fit at admission (5 pages each)
     # and must grow to 28 pages while decoding: more than the pool's 24.
     params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0)
-    expected = [r.token_ids for r in smol_off.generate(prompts, params)]
+    expected = [r.token_ids for r in tiny_off.generate(prompts, params)]
     for prompt, tokens in zip(prompts, expected):
         assert tiny_pool.generate([prompt], params)[0].token_ids == tokens
     assert tiny_pool.cache.num_cached_pages <= 24
@@ -52,21 +52,21 @@ def test_request_larger_than_pool_is_refused(tiny_pool):
     assert_no_leaks(tiny_pool)
 
 
-def test_empty_prompt(smol_on):
+def test_empty_prompt(tiny_on):
     for prompt in ("", []):
         with pytest.raises(InvalidRequestError, match="empty"):
-            smol_on.add_request(prompt)
+            tiny_on.add_request(prompt)
 
 
 def test_prompt_longer_than_context():
-    engine = make_engine("default", kv_cache_memory_gib=0.05, max_model_len=64)
+    engine = make_engine(TINY, kv_cache_memory_gib=0.05, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="context is 64 tokens"):
         engine.add_request(list(range(100, 170)))
 
 
-def test_token_ids_outside_vocabulary(smol_on):
+def test_token_ids_outside_vocabulary(tiny_on):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        smol_on.add_request([1, 2, 10**9])
+        tiny_on.add_request([1, 2, 10**9])
 
 
 @pytest.mark.parametrize("max_tokens", [0, -5])
@@ -87,15 +87,15 @@ def test_corrupt_checkpoint_file(tmp_path):
         make_engine(str(bad))
 
 
-def test_abort_returns_every_page(smol_on):
+def test_abort_returns_every_page(tiny_on):
     prompt = "Tell me a very long story about a lighthouse keeper and the sea. " * 3
-    rid = smol_on.add_request(prompt, GREEDY)
-    smol_on.step()
-    smol_on.step()
-    stats = smol_on.cache_stats()
+    rid = tiny_on.add_request(prompt, GREEDY)
+    tiny_on.step()
+    tiny_on.step()
+    stats = tiny_on.cache_stats()
     assert stats["live_requests"] == 1 and stats["pages_locked"] >= 2
     assert stats["cache_locks"] == 1 and stats["page_refs_outside_cache"] >= 2
-    out = smol_on.abort(rid)
+    out = tiny_on.abort(rid)
     assert out is not None and out.finished and out.finish_reason == "abort"
-    assert smol_on.abort(rid) is None
-    assert_no_leaks(smol_on)
+    assert tiny_on.abort(rid) is None
+    assert_no_leaks(tiny_on)

@@ -13,8 +13,8 @@ PROMPT = "Write one sentence about the sea:"
 
 
 @pytest.mark.slow
-def test_seeded_choices_are_distinct_reproducible_and_share_the_prompt(smol_on):
-    engine = smol_on
+def test_seeded_choices_are_distinct_reproducible_and_share_the_prompt(tiny_on):
+    engine = tiny_on
     prompt = engine.tokenize(PROMPT * 3)  # not page aligned: the tail page is copied
     assert len(prompt) % engine.page_size
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.8, seed=1234, n=4)
@@ -33,8 +33,8 @@ def test_seeded_choices_are_distinct_reproducible_and_share_the_prompt(smol_on):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [0, 5])
-def test_greedy_choices_equal_the_single_output(smol_off, extra):
-    engine = smol_off  # no cache: the copied page alone must carry the prompt's tail
+def test_greedy_choices_equal_the_single_output(tiny_off, extra):
+    engine = tiny_off  # no cache: the copied page alone must carry the prompt's tail
     prompt = engine.tokenize("The capital of France is")
     prompt = (prompt * 8)[: 2 * engine.page_size + extra]  # page aligned and not
     single = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
@@ -45,8 +45,8 @@ def test_greedy_choices_equal_the_single_output(smol_off, extra):
 
 
 @pytest.mark.slow
-def test_abort_ends_every_choice(smol_on):
-    engine = smol_on
+def test_abort_ends_every_choice(tiny_on):
+    engine = tiny_on
     rid = engine.add_request("Count to fifty:", SamplingParams(max_tokens=50, n=3, seed=1))
     for _ in range(3):
         engine.step()

@@ -13,7 +13,7 @@ import pytest
 from radixserve.cache.block_hash import page_hashes
 from radixserve.engine.admission import HostPlan
 from radixserve.engine.sampling_params import SamplingParams
-from tests.engine.engine_helpers import make_engine
+from tests.engine.engine_helpers import TINY, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
@@ -21,11 +21,11 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 @pytest.fixture(scope="module")
 def source():
     """An engine that computed the prompt: its cached pages are the 'host tier'."""
-    return make_engine("default", kv_cache_memory_gib=0.05)
+    return make_engine(TINY, kv_cache_memory_gib=0.05)
 
 
 def fresh():
-    return make_engine("default", kv_cache_memory_gib=0.05)
+    return make_engine(TINY, kv_cache_memory_gib=0.05)
 
 
 def prompt_ids(engine) -> list[int]:

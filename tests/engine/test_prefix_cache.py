@@ -1,11 +1,12 @@
-"""Greedy outputs with the radix cache on are identical to the cache off (real model)."""
+"""Greedy outputs with the radix cache on are identical to the cache off (the tiny random-init
+model: every position's logits depend on the whole context, as a real model's do)."""
 
 from __future__ import annotations
 
 import pytest
 
 from radixserve.engine.sampling_params import SamplingParams
-from tests.engine.engine_helpers import assert_no_leaks, make_engine
+from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -24,40 +25,41 @@ def _tokens(results):
     return [r.token_ids for r in results]
 
 
-def test_repeated_prompt_hits_cache_and_matches(smol_on, smol_off):
+def test_repeated_prompt_hits_cache_and_matches(tiny_on, tiny_off):
     prompt = SYSTEM + "How long does a battery last?"
-    first, second = smol_on.generate([prompt], GREEDY)[0], smol_on.generate([prompt], GREEDY)[0]
-    [ref] = smol_off.generate([prompt], GREEDY)
+    first, second = tiny_on.generate([prompt], GREEDY)[0], tiny_on.generate([prompt], GREEDY)[0]
+    [ref] = tiny_off.generate([prompt], GREEDY)
     assert first.token_ids == second.token_ids == ref.token_ids
-    assert second.cached_tokens > 0 and second.cached_tokens % smol_on.page_size == 0
+    assert second.cached_tokens > 0 and second.cached_tokens % tiny_on.page_size == 0
     assert second.computed_prompt_tokens == second.prompt_tokens - second.cached_tokens
     assert ref.cached_tokens == 0 and ref.computed_prompt_tokens == ref.prompt_tokens
-    assert_no_leaks(smol_on)
-    assert_no_leaks(smol_off)
+    assert_no_leaks(tiny_on)
+    assert_no_leaks(tiny_off)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 16, 21])
-def test_shared_prefix_ending_mid_page(smol_on, smol_off, cut):
+def test_shared_prefix_ending_mid_page(tiny_on, tiny_off, cut):
     """Prompts share `base + extra[:cut]` tokens, so the shared part ends mid-page."""
-    base = smol_on.tokenizer.encode(SYSTEM)
-    extra = smol_on.tokenizer.encode(" The customer writes from Norway about snow on panels.")
+    base = tiny_on.tokenizer.encode(SYSTEM)
+    extra = tiny_on.tokenizer.encode(" The customer writes from Norway about snow on panels.")
     shared = base + extra[:cut]
-    q1 = smol_on.tokenizer.encode(" Question: can snow damage them?")
-    q2 = smol_on.tokenizer.encode(" Question: how should I clean them?")
-    first, second = smol_on.generate([shared + q1], GREEDY) + smol_on.generate(
+    q1 = tiny_on.tokenizer.encode(" Question: can snow damage them?")
+    q2 = tiny_on.tokenizer.encode(" Question: how should I clean them?")
+    first, second = tiny_on.generate([shared + q1], GREEDY) + tiny_on.generate(
         [shared + q2], GREEDY
     )
-    off = _tokens(smol_off.generate([shared + q1, shared + q2], GREEDY))
+    off = _tokens(tiny_off.generate([shared + q1, shared + q2], GREEDY))
     assert _tokens([first, second]) == off
     # the second hit the first's pages: at least every full page of the shared part
-    aligned = len(shared) // smol_on.page_size * smol_on.page_size
+    aligned = len(shared) // tiny_on.page_size * tiny_on.page_size
     assert second.cached_tokens >= aligned > 0, (second.cached_tokens, aligned)
-    assert_no_leaks(smol_on)
+    assert_no_leaks(tiny_on)
 
 
 def test_multi_turn_chat_reuses_prompt_and_answer(smol_on, smol_off):
     """Turn N+1 = turn N's prompt + answer + a new question: cached_tokens covers turn N's
-    prompt and answer (page-aligned) and only the rest is computed."""
+    prompt and answer (page-aligned) and only the rest is computed. On the real model: its
+    answers re-tokenize through the chat template to the ids it produced."""
     messages = [{"role": "system", "content": SYSTEM}]
     questions = ["What does the inverter do?", "And the battery?", "Which one fails first?"]
     prev_kv_tokens = 0
@@ -83,11 +85,11 @@ def test_multi_turn_chat_reuses_prompt_and_answer(smol_on, smol_off):
     assert_no_leaks(smol_on)
 
 
-def test_batch_mixing_prefills_and_decodes(smol_on, smol_off):
+def test_batch_mixing_prefills_and_decodes(tiny_on, tiny_off):
     """Requests join while others decode; outputs equal each prompt run alone."""
     prompts = [SYSTEM + q for q in ("Hi!", "Is the warranty 10 years?", "Do panels work at night?")]
-    alone = _tokens(smol_off.generate([p], GREEDY)[0] for p in prompts)
-    for engine in (smol_on, smol_off):
+    alone = _tokens(tiny_off.generate([p], GREEDY)[0] for p in prompts)
+    for engine in (tiny_on, tiny_off):
         results: dict[str, list[int]] = {}
         cached: dict[str, int] = {}
 
@@ -110,10 +112,10 @@ def test_batch_mixing_prefills_and_decodes(smol_on, smol_off):
         assert_no_leaks(engine)
 
 
-def test_chunked_prefill_matches_single_pass(smol_off):
-    chunked = make_engine("default", kv_cache_memory_gib=0.25, max_num_batched_tokens=48)
+def test_chunked_prefill_matches_single_pass(tiny_off):
+    chunked = make_engine(TINY, kv_cache_memory_gib=0.25, max_num_batched_tokens=48)
     prompt = SYSTEM * 3 + "Summarise."
     assert _tokens(chunked.generate([prompt], GREEDY)) == _tokens(
-        smol_off.generate([prompt], GREEDY)
+        tiny_off.generate([prompt], GREEDY)
     )
     assert_no_leaks(chunked)

@@ -82,17 +82,17 @@ def assert_continues(engine, params: SamplingParams, full: Stream, k: int) -> No
     ],
     ids=["greedy", "seeded-penalties"],
 )
-def test_a_resumed_stream_continues_exactly(smol_on, params):
-    full = run(smol_on, params)
+def test_a_resumed_stream_continues_exactly(tiny_on, params):
+    full = run(tiny_on, params)
     assert len(full.tokens) == 20
     for k in (1, 9, 19):
-        assert_continues(smol_on, params, full, k)
-    assert_no_leaks(smol_on)
+        assert_continues(tiny_on, params, full, k)
+    assert_no_leaks(tiny_on)
 
 
-def test_a_stop_string_held_back_at_the_cut_still_stops_the_resumed_stream(smol_on):
+def test_a_stop_string_held_back_at_the_cut_still_stops_the_resumed_stream(tiny_on):
     plain = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
-    pieces = run(smol_on, plain).texts  # one token each
+    pieces = run(tiny_on, plain).texts  # one token each
     text = "".join(pieces)
     # a stop string across two tokens: when the first stream is cut after the first of
     # them, the start of the stop string is held back, unsent; the resumed stream must
@@ -106,22 +106,22 @@ def test_a_stop_string_held_back_at_the_cut_still_stops_the_resumed_stream(smol_
     else:
         pytest.fail(f"no stop string across two tokens in {text!r}")
     params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, stop=[stop])
-    full = run(smol_on, params)
+    full = run(tiny_on, params)
     assert full.finish_reason == "stop" and "".join(full.texts) == text[:at]
     assert len(full.text_after(j + 1)) < at + 2  # the cut after token j holds back
     for k in sorted({1, j + 1, len(full.tokens) - 1}):  # j + 1: the cut inside the stop
-        assert_continues(smol_on, params, full, k)
-    assert_no_leaks(smol_on)
+        assert_continues(tiny_on, params, full, k)
+    assert_no_leaks(tiny_on)
 
 
-def test_what_cannot_resume_is_refused_and_leaves_nothing(smol_on):
-    ids = smol_on.tokenizer.encode(PROMPT)
-    vocab = smol_on.config.vocab_size
+def test_what_cannot_resume_is_refused_and_leaves_nothing(tiny_on):
+    ids = tiny_on.tokenizer.encode(PROMPT)
+    vocab = tiny_on.config.vocab_size
     for params, resume in [
         (SamplingParams(max_tokens=8, n=2, temperature=0.5, seed=1), [5]),
         (SamplingParams(max_tokens=8), [vocab]),
         (SamplingParams(max_tokens=2), [5, 6]),  # nothing left to generate
     ]:
         with pytest.raises(InvalidRequestError):
-            smol_on.admit(ids, params, f"bad-{next(_ids)}", resume=resume)
-    assert_no_leaks(smol_on)
+            tiny_on.admit(ids, params, f"bad-{next(_ids)}", resume=resume)
+    assert_no_leaks(tiny_on)

@@ -1,6 +1,7 @@
-"""Structured output on the default model: for 20 varied JSON schemas, run as one batch,
-every output parses and validates; JSON mode gives an object; regex and choice guides
-give a match; a malformed guide is refused before anything runs."""
+"""Structured output on the tiny random-init model (the guide, not the weights, makes the
+shape): for 20 varied JSON schemas, run as one batch, every output parses and validates;
+JSON mode gives an object; regex and choice guides give a match; a malformed guide is
+refused before anything runs."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ SCHEMAS = [
 
 
 @pytest.mark.slow
-def test_twenty_schemas_validate(smol_on):
-    engine = smol_on
+def test_twenty_schemas_validate(tiny_on):
+    engine = tiny_on
     prompt = engine.chat_prompt_ids(
         [{"role": "user", "content": "Answer with JSON describing a fruit shop."}]
     )
@@ -80,8 +81,8 @@ def _run(engine, prompt, params: list[SamplingParams]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_json_object_regex_and_choice(smol_on):
-    engine = smol_on
+def test_json_object_regex_and_choice(tiny_on):
+    engine = tiny_on
     prompt = engine.chat_prompt_ids([{"role": "user", "content": "Give me a code."}])
     (obj, obj_reason), (rx, _), (choice, _) = _run(engine, prompt, [
         SamplingParams(max_tokens=40, temperature=0.0, guide_kind="json_object"),
@@ -98,9 +99,9 @@ def test_json_object_regex_and_choice(smol_on):
     assert choice in ("alpha", "beta")
 
 
-def test_malformed_guides_are_refused(smol_on):
+def test_malformed_guides_are_refused(tiny_on):
     for kind, guide in (("json_schema", "{not json"), ("json_schema", "[1]"),
                         ("regex", "(("), ("choice", "[]"), ("bogus", "")):  # fmt: skip
         with pytest.raises(InvalidRequestError):
-            smol_on.add_request("hi", SamplingParams(guide_kind=kind, guide=guide))
-    assert_no_leaks(smol_on)
+            tiny_on.add_request("hi", SamplingParams(guide_kind=kind, guide=guide))
+    assert_no_leaks(tiny_on)
