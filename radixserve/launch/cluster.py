@@ -43,8 +43,6 @@ from radixserve.launch.supervisor import ProcessSpec, Supervisor
 
 logger = logging.getLogger(__name__)
 
-WORKER_ROLES = ("prefill", "decode")
-
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -107,13 +105,6 @@ def base_env(config: ClusterConfig) -> dict[str, str]:
         **({"RADIXSERVE_CORE_BOARD": config.core_board} if config.core_board else {}),
         **config.engine_env,
     }
-
-
-def threads_described(config: ClusterConfig) -> str:
-    """How the workers of ``config`` get their CPU threads, in words (for reports)."""
-    if config.num_threads:
-        return f"{config.num_threads} thread(s) each, fixed"
-    return f"the {os.cpu_count() or 1} cores shared: each step on cores ÷ workers busy"
 
 
 def worker_spec(
