@@ -107,6 +107,11 @@ def base_env(config: ClusterConfig) -> dict[str, str]:
     }
 
 
+def _service_spec(name: str, service: str, env: dict[str, str]) -> ProcessSpec:
+    """Process ``name`` running ``python -m radixserve.services.<service>`` with ``env``."""
+    return ProcessSpec(name, [sys.executable, "-m", f"radixserve.services.{service}"], env)
+
+
 def worker_spec(
     config: ClusterConfig, role: str, index: int, kvstore: str | None, prefill_addrs: list[str]
 ) -> tuple[ProcessSpec, str]:
@@ -125,8 +130,7 @@ def worker_spec(
     }
     if role == "decode" and not kvstore:
         env["RADIXSERVE_DECODE_PREFILL_WORKERS"] = json.dumps(prefill_addrs)
-    argv = [sys.executable, "-m", f"radixserve.services.{role}"]
-    return ProcessSpec(name, argv, env), f"tcp://127.0.0.1:{port}"
+    return _service_spec(name, role, env), f"tcp://127.0.0.1:{port}"
 
 
 def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> list[ProcessSpec]:
@@ -144,8 +148,7 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
         }
         if config.host_tier_gib is not None:
             env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
-        argv = [sys.executable, "-m", "radixserve.services.kvstore"]
-        specs.append(ProcessSpec("kvstore", argv, env))
+        specs.append(_service_spec("kvstore", "kvstore", env))
         kvstore = f"tcp://127.0.0.1:{port}"
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
@@ -163,7 +166,7 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
     if not kvstore:
         env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
         env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])
-    specs.append(ProcessSpec("gateway", [sys.executable, "-m", "radixserve.services.gateway"], env))
+    specs.append(_service_spec("gateway", "gateway", env))
     return specs
 
 
@@ -194,7 +197,7 @@ def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
         "RADIXSERVE_AUTOSCALER_GATEWAY_URL": config.url,
         **config.autoscaler_env,
     }
-    return ProcessSpec("autoscaler", [sys.executable, "-m", "radixserve.services.autoscaler"], env)
+    return _service_spec("autoscaler", "autoscaler", env)
 
 
 @dataclass
