@@ -33,13 +33,12 @@ import shlex
 import socket
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 from radixserve.engine.cores import board_path
 from radixserve.launch.local_pools import LocalPools, PoolControl
 from radixserve.launch.supervisor import ProcessSpec, Supervisor
+from radixserve.runtime.probe import probe
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +258,4 @@ def build_cluster(
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:
     """True when ``url``/health answers 200 (every decode link the gateway needs is up)."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+    return probe(f"{url}/health", timeout_s)[0]
