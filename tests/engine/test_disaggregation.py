@@ -96,13 +96,13 @@ def test_second_turn_moves_only_missing_pages(link, smol_off, request):
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Do you have study rooms for groups of {room} people?"},
     ]
-    turn1 = decode.chat_prompt_ids(messages)
+    turn1 = decode.tokenizer.encode_chat(messages)
     tokens1, _, _ = run_disaggregated(prefill, decode, agents, turn1)
     messages += [
         {"role": "assistant", "content": decode.tokenizer.decode(tokens1)},
         {"role": "user", "content": "And can I book one for tomorrow?"},
     ]
-    turn2 = decode.chat_prompt_ids(messages)
+    turn2 = decode.tokenizer.encode_chat(messages)
     [expected] = smol_off.generate([turn2], GREEDY)
     tokens2, cached2, moved2 = run_disaggregated(prefill, decode, agents, turn2)
     assert tokens2 == expected.token_ids
