@@ -31,11 +31,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.services.autoscaler.capacity import WorkerSample
-from radixserve.services.autoscaler.policy import Observation, PoolState
+from radixserve.services.autoscaler.policy import ROLES, Observation, PoolState
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 Key = tuple[str, tuple[tuple[str, str], ...]]  # sample name, sorted labels
 
 #: counter sample -> the `WorkerSample` field its change fills
