@@ -137,7 +137,7 @@ def run_chaos_bench(options: ChaosOptions) -> dict[str, Any]:
         workload = chat_workload(options, engine)
         timings["reference_and_workload_s"] = time.monotonic() - started
         run = asyncio.run(
-            _run(cluster, options, workload, schedule, reference, engine.chat_prompt_ids)
+            _run(cluster, options, workload, schedule, reference, engine.tokenizer.encode_chat)
         )
         t0 = time.monotonic()
     timings["cluster_stop_s"] = time.monotonic() - t0

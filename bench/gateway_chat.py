@@ -155,13 +155,13 @@ def _engine_ttfts(
     same.update(num_threads=threads, load_progress=False)
     engine = Engine(EngineSettings(**same))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    engine.generate([engine.chat_prompt_ids([{"role": "user", "content": "Warm-up: say hi."}])],
+    engine.generate([engine.tokenizer.encode_chat([{"role": "user", "content": "Warm-up: say hi."}])],
                     SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
     messages = [{"role": "system", "content": system}]
     ttfts = []
     for i, answer in enumerate(answers):
         messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
-        [result] = engine.generate([engine.chat_prompt_ids(messages)], params)
+        [result] = engine.generate([engine.tokenizer.encode_chat(messages)], params)
         ttfts.append(result.ttft_ms)
         messages.append({"role": "assistant", "content": answer})
     return ttfts

@@ -33,10 +33,9 @@ import httpx
 import torch
 
 from radixserve.bench.gateway_chat import stream_turn, system_prompt
-from radixserve.bench.local_cluster import LocalCluster
+from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.cache.kv_pool import KVPool
 from radixserve.launch.cluster import ClusterConfig, free_port
-from radixserve.metrics import metric_value
 from radixserve.model.model_files import open_model
 
 QUESTIONS = ("Which store is open the longest?", "Can I pay by direct debit?",

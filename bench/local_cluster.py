@@ -4,12 +4,15 @@ benchmarks and the cluster tests, supervised from the calling thread."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.launch.cluster import WORKER_ROLES, ClusterConfig, build_cluster, gateway_healthy
+from radixserve.launch.cluster import ClusterConfig, build_cluster, gateway_healthy
+
+WORKER_ROLES = ("prefill", "decode")
 
 
 class LocalCluster:
@@ -109,3 +112,26 @@ class LocalCluster:
 
     def stop(self) -> None:
         self.processes.stop()
+
+
+def threads_described(config: ClusterConfig) -> str:
+    """How the workers of ``config`` get their CPU threads, in words (for reports)."""
+    if config.num_threads:
+        return f"{config.num_threads} thread(s) each, fixed"
+    return f"the {os.cpu_count() or 1} cores shared: each step on cores ÷ workers busy"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` in a Prometheus text
+    exposition (e.g. a /metrics body); 0 if there is none."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total

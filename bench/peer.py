@@ -159,8 +159,9 @@ def cluster_target(options: PeerOptions, mode: str) -> Target:
 def cluster_settings(config: ClusterConfig) -> dict[str, Any]:
     """The processes `config` starts, their threads, and the engine settings every worker
     resolves from the environment (the defaults unless RADIXSERVE_* says otherwise)."""
+    from radixserve.bench.local_cluster import threads_described
     from radixserve.engine.engine import resolve_device, resolve_dtype
-    from radixserve.launch.cluster import cluster_specs, threads_described
+    from radixserve.launch.cluster import cluster_specs
     from radixserve.settings import EngineSettings
 
     specs = cluster_specs(config)

@@ -81,7 +81,7 @@ def run_sampling_bench(settings: EngineSettings, out_path: str | None, quick: bo
     print(f"loading {settings.model} ...", file=sys.stderr)
     engine = Engine(settings)
     prompts = [
-        engine.chat_prompt_ids([{"role": "user", "content": f"Tell me fact number {i}."}])
+        engine.tokenizer.encode_chat([{"role": "user", "content": f"Tell me fact number {i}."}])
         for i in range(BATCH)
     ]
     kinds = ("plain", "logprobs5", "json_schema")

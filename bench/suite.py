@@ -68,7 +68,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.local_cluster import LocalCluster
+from radixserve.bench.local_cluster import LocalCluster, threads_described
 from radixserve.bench.report import (
     FLOPS_FORMULA,
     ModelShape,
@@ -86,7 +86,7 @@ from radixserve.bench.workload import (
     build_rag,
 )
 from radixserve.errors import RadixServeError
-from radixserve.launch.cluster import ClusterConfig, free_port, threads_described
+from radixserve.launch.cluster import ClusterConfig, free_port
 
 SCENARIOS = ("multi-turn", "rag")
 FLOOR_REQUESTS = 8  # at most this many delta-alone requests make the floor

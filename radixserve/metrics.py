@@ -260,19 +260,3 @@ class RequestTimer:
             last.prompt_tokens, last.cached_tokens, last.completion_tokens, reason,
             last.host_cached_tokens,
         )  # fmt: skip
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` in a Prometheus text
-    exposition (e.g. a /metrics body); 0 if there is none."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, label_text = head.partition("{")
-        if metric != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total

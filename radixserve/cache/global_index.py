@@ -20,7 +20,7 @@ Ordering contract, per worker: each generation numbers its events 1, 2, 3, ...
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -81,13 +81,8 @@ class GlobalIndex:
                 state.pages.add(h)
                 self._holders.setdefault(h, set()).add(worker)
         elif kind == "removed":
-            for h in page_hashes:
-                state.pages.discard(h)
-                holders = self._holders.get(h)
-                if holders is not None:
-                    holders.discard(worker)
-                    if not holders:
-                        del self._holders[h]
+            state.pages.difference_update(page_hashes)
+            self._unhold(worker, page_hashes)
         else:
             raise ValueError(f"unknown KV event kind {kind!r}")
         return True
@@ -95,9 +90,11 @@ class GlobalIndex:
     def drop(self, worker: str) -> None:
         """Forget everything ``worker`` holds (it died, restarted or lost events)."""
         state = self._workers.pop(worker, None)
-        if state is None:
-            return
-        for h in state.pages:
+        if state is not None:
+            self._unhold(worker, state.pages)
+
+    def _unhold(self, worker: str, page_hashes: Iterable[int]) -> None:
+        for h in page_hashes:
             holders = self._holders.get(h)
             if holders is not None:
                 holders.discard(worker)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from radixserve.cache.block_hash import page_hashes
@@ -273,32 +273,6 @@ class RadixCache:
         logger.debug("evicted %d pages (asked for %d)", released, num_pages)
         return released
 
-    def reset(self) -> None:
-        """Drop every node and the tree's reference on every page it owns.
-
-        Requires that nothing is locked (raises ``RuntimeError`` otherwise). Old node
-        handles become detached: locking them raises.
-        """
-        if self._root.lock_ref:
-            raise RuntimeError(f"reset with {self._root.lock_ref} outstanding locks")
-        pages: list[int] = []
-        hashes: list[int] = []
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            pages.extend(node.page_ids)
-            hashes.extend(node.page_hashes)
-            stack.extend(node.children.values())
-            node.parent = None
-        self._allocator.decref(pages)
-        self._root = self._new_node([], [], [], None, self._clock)
-        self.version += 1
-        self._evictable.clear()
-        self._num_cached_pages = 0
-        self._num_locked_pages = 0
-        if hashes and self._on_event is not None:
-            self._on_event("removed", hashes)
-
     def set_event_listener(self, on_event: EventCallback | None) -> None:
         """Report "stored"/"removed" page hashes to ``on_event`` from now on (None: stop)."""
         self._on_event = on_event
@@ -315,11 +289,8 @@ class RadixCache:
 
     def clear_written(self) -> None:
         """Forget which nodes were handed over (the tier they went to was emptied)."""
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
+        for node in self._nodes():
             node.written = False
-            stack.extend(node.children.values())
 
     def note_use(self, node: RadixNode) -> None:
         """A request starts from the cached prefix ending at ``node``: count the use on the
@@ -356,13 +327,15 @@ class RadixCache:
 
     def all_page_hashes(self) -> list[int]:
         """Every cached page's hash, parents before children (a snapshot for a resync)."""
-        hashes: list[int] = []
+        return [h for node in self._nodes() for h in node.page_hashes]
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root, each before its children (depth first)."""
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
-            hashes.extend(node.page_hashes)
+            yield node
             stack.extend(node.children.values())
-        return hashes
 
     def check_integrity(self) -> None:
         """Walk the tree and raise ``AssertionError`` on any broken invariant.
@@ -377,15 +350,12 @@ class RadixCache:
         owned: set[int] = set()
         locked_pages = 0
         evictable: set[RadixNode] = set()
-        stack = [root]
-        while stack:
-            node = stack.pop()
+        for node in [root, *self._nodes()]:
             self._check_node(node, owned)
             if node.lock_ref > 0:
                 locked_pages += len(node.page_ids)
             elif not node.children and node is not root:
                 evictable.add(node)
-            stack.extend(node.children.values())
         if len(owned) != self._num_cached_pages:
             raise AssertionError(f"{len(owned)} pages owned, counter {self._num_cached_pages}")
         if locked_pages != self._num_locked_pages:
@@ -557,4 +527,4 @@ class RadixCache:
 
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self._root and node.parent is None:
-            raise ValueError(f"{node!r} is no longer in the tree (evicted or reset)")
+            raise ValueError(f"{node!r} is no longer in the tree (evicted)")

@@ -13,12 +13,9 @@ from radixserve.errors import RequestError
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 
-# engine flags -> their RADIXSERVE_* settings (as the services read them)
-_ENGINE_ENV = {
-    "model": "MODEL", "device": "DEVICE", "dtype": "DTYPE", "quantization": "QUANTIZATION",
-    "kv_cache_memory_gib": "KV_CACHE_MEMORY_GIB", "page_size": "PAGE_SIZE",
-    "prefix_cache": "PREFIX_CACHE", "log_level": "LOG_LEVEL",
-}  # fmt: skip
+# the engine flags' `EngineSettings` fields (each read from RADIXSERVE_<FIELD> by the services)
+_ENGINE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib",
+                  "page_size", "prefix_cache")  # fmt: skip
 
 
 def engine_args(p: argparse.ArgumentParser, quantization: bool = True) -> None:
@@ -36,6 +33,11 @@ def engine_args(p: argparse.ArgumentParser, quantization: bool = True) -> None:
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
 
 
+def served_name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model ids clients may send (default: from the checkpoint's name)")  # fmt: skip
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -47,7 +49,7 @@ def sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_env(
-    args: argparse.Namespace, keys: tuple[str, ...] = tuple(_ENGINE_ENV)
+    args: argparse.Namespace, keys: tuple[str, ...] = (*_ENGINE_FIELDS, "log_level")
 ) -> dict[str, str]:
     """The engine flags given (of ``keys``) as the ``RADIXSERVE_*`` environment of the
     processes a command starts (`radixserve up`, the cluster benchmarks)."""
@@ -55,7 +57,7 @@ def engine_env(
     for key in keys:
         value = getattr(args, key, None)
         if value is not None:
-            env[f"RADIXSERVE_{_ENGINE_ENV[key]}"] = (
+            env[f"RADIXSERVE_{key.upper()}"] = (
                 str(value).lower() if isinstance(value, bool) else str(value)
             )
     return env
@@ -64,10 +66,8 @@ def engine_env(
 def build_settings(args: argparse.Namespace):
     from radixserve.settings import EngineSettings
 
-    keys = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib", "page_size",
-            "prefix_cache")  # fmt: skip
-    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    return EngineSettings(**overrides)
+    given = {k: getattr(args, k) for k in _ENGINE_FIELDS if getattr(args, k, None) is not None}
+    return EngineSettings(**given)
 
 
 def build_params(args: argparse.Namespace):
@@ -245,11 +245,6 @@ def add_commands(sub: Any) -> None:
         "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
-    srv.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        help="model ids clients may send (default: from the checkpoint's name)",
-    )
+    served_name_arg(srv)
     engine_args(srv)
     srv.set_defaults(func=cmd_serve)

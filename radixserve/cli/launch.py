@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from radixserve.cli.engine import engine_args, engine_env
+from radixserve.cli.engine import engine_args, engine_env, served_name_arg
 from radixserve.errors import UsageError
 
 
@@ -194,12 +194,7 @@ def add_commands(sub: Any) -> None:
                     "(default 4; 0 = none)")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    up.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        help="model ids clients may send (default: from the checkpoint's name)",
-    )
+    served_name_arg(up)
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,

@@ -166,11 +166,6 @@ class Engine:
             )
         return ids
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template (the
-        template writes its own special tokens, so none are added on top)."""
-        return self.tokenizer.encode_chat(messages)
-
     def _new_request(
         self,
         prompt: str | Sequence[int],

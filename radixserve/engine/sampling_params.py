@@ -139,44 +139,21 @@ class SamplingParams:
         self._validate_extensions()
 
     def _validate_lengths(self) -> None:
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKEN_ID:
-            raise InvalidRequestError(
-                f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}",
-                param="max_tokens",
-            )
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}",
-                param="min_tokens",
-            )
+        _check_int("max_tokens", self.max_tokens, 1, MAX_TOKEN_ID)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)  # within max_tokens
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(
                 f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos"
             )
 
     def _validate_sampling(self) -> None:
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
-            raise InvalidRequestError(
-                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t!r}",
-                param="temperature",
-            )
-        p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
-            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}", param="top_p")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
-            raise InvalidRequestError(
-                f"top_k must be an integer in [-1, 2**31) (0 or -1 disables it), "
-                f"got {self.top_k!r}",
-                param="top_k",
-            )
-        seed = self.seed
-        if seed is not None and (not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
-            raise InvalidRequestError(
-                f"seed must be null or an integer in [-2**63, 2**64), got {seed!r}",
-                param="seed",
-            )
+        _check_real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_real("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise InvalidRequestError("top_p must be > 0 (1 = off)", param="top_p")
+        _check_int("top_k", self.top_k, -1, MAX_TOKEN_ID)  # 0 or -1 disables it
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -189,32 +166,20 @@ class SamplingParams:
                 param="stop",
             )
         for s in self.stop:
-            if not isinstance(s, str) or not s:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequestError(
-                    f"stop strings must be non-empty strings, got {s!r}", param="stop"
-                )
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise InvalidRequestError(
-                    f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
-                    f"got one of {len(s)}",
+                    f"stop strings must be non-empty strings of at most "
+                    f"{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}",
                     param="stop",
                 )
         ids = self.stop_token_ids
-        if not isinstance(ids, tuple):
+        if not isinstance(ids, tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
-                f"stop_token_ids must be a list of integers, got {ids!r}", param="stop_token_ids"
-            )
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers",
                 param="stop_token_ids",
             )
         for token_id in ids:
-            if not _is_int(token_id) or not 0 <= token_id <= MAX_TOKEN_ID:
-                raise InvalidRequestError(
-                    f"stop_token_ids must be integers in [0, 2**31), got {token_id!r}",
-                    param="stop_token_ids",
-                )
+            _check_int("stop_token_ids", token_id, 0, MAX_TOKEN_ID)
 
     def _validate_extensions(self) -> None:
         """n, log-probabilities, penalties, biases, min_p and the structured-output guide."""
@@ -225,9 +190,8 @@ class SamplingParams:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         _check_real("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _check_real("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-        r = self.repetition_penalty
-        _check_real("repetition_penalty", r, 0.0, MAX_REPETITION_PENALTY)
-        if r == 0.0:
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY)
+        if self.repetition_penalty == 0.0:
             raise InvalidRequestError(
                 "repetition_penalty must be > 0 (1 = off)", param="repetition_penalty"
             )

@@ -33,17 +33,14 @@ import shlex
 import socket
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 from radixserve.engine.cores import board_path
 from radixserve.launch.local_pools import LocalPools, PoolControl
 from radixserve.launch.supervisor import ProcessSpec, Supervisor
+from radixserve.runtime.probe import probe
 
 logger = logging.getLogger(__name__)
-
-WORKER_ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -109,11 +106,9 @@ def base_env(config: ClusterConfig) -> dict[str, str]:
     }
 
 
-def threads_described(config: ClusterConfig) -> str:
-    """How the workers of ``config`` get their CPU threads, in words (for reports)."""
-    if config.num_threads:
-        return f"{config.num_threads} thread(s) each, fixed"
-    return f"the {os.cpu_count() or 1} cores shared: each step on cores ÷ workers busy"
+def _service_spec(name: str, service: str, env: dict[str, str]) -> ProcessSpec:
+    """Process ``name`` running ``python -m radixserve.services.<service>`` with ``env``."""
+    return ProcessSpec(name, [sys.executable, "-m", f"radixserve.services.{service}"], env)
 
 
 def worker_spec(
@@ -134,8 +129,7 @@ def worker_spec(
     }
     if role == "decode" and not kvstore:
         env["RADIXSERVE_DECODE_PREFILL_WORKERS"] = json.dumps(prefill_addrs)
-    argv = [sys.executable, "-m", f"radixserve.services.{role}"]
-    return ProcessSpec(name, argv, env), f"tcp://127.0.0.1:{port}"
+    return _service_spec(name, role, env), f"tcp://127.0.0.1:{port}"
 
 
 def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> list[ProcessSpec]:
@@ -153,8 +147,7 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
         }
         if config.host_tier_gib is not None:
             env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
-        argv = [sys.executable, "-m", "radixserve.services.kvstore"]
-        specs.append(ProcessSpec("kvstore", argv, env))
+        specs.append(_service_spec("kvstore", "kvstore", env))
         kvstore = f"tcp://127.0.0.1:{port}"
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
@@ -172,7 +165,7 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
     if not kvstore:
         env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
         env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])
-    specs.append(ProcessSpec("gateway", [sys.executable, "-m", "radixserve.services.gateway"], env))
+    specs.append(_service_spec("gateway", "gateway", env))
     return specs
 
 
@@ -203,7 +196,7 @@ def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
         "RADIXSERVE_AUTOSCALER_GATEWAY_URL": config.url,
         **config.autoscaler_env,
     }
-    return ProcessSpec("autoscaler", [sys.executable, "-m", "radixserve.services.autoscaler"], env)
+    return _service_spec("autoscaler", "autoscaler", env)
 
 
 @dataclass
@@ -265,8 +258,4 @@ def build_cluster(
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:
     """True when ``url``/health answers 200 (every decode link the gateway needs is up)."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+    return probe(f"{url}/health", timeout_s)[0]

@@ -130,11 +130,6 @@ class Supervisor:
         max_backoff_s: float = 30.0,
         stop_timeout_s: float = 10.0,
     ) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"process names must be unique, got {names}")
-        if any(not s.argv for s in specs):
-            raise ValueError("every ProcessSpec needs a non-empty argv")
         if not 0 < restart_backoff_s <= max_backoff_s:
             raise ValueError("need 0 < restart_backoff_s <= max_backoff_s")
         if stop_timeout_s < 0:
@@ -142,12 +137,14 @@ class Supervisor:
         self.restart_backoff_s = restart_backoff_s
         self.max_backoff_s = max_backoff_s
         self.stop_timeout_s = stop_timeout_s
-        self._children = [_Child(spec=s, backoff_s=restart_backoff_s) for s in specs]
-        self._by_name = {c.spec.name: c for c in self._children}
+        self._children: list[_Child] = []
+        self._by_name: dict[str, _Child] = {}
         self._started = False
         self._stopped = False
         self._signal: int | None = None  # set by the signal handler, read by run()
         self.retired: dict[str, int] = {}  # name -> exit code of each retired process
+        for spec in specs:
+            self.add(spec)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -166,9 +163,9 @@ class Supervisor:
                 ) from e
 
     def add(self, spec: ProcessSpec) -> None:
-        """Start one more process, named uniquely, and supervise it like the others."""
+        """Supervise one more process (started now if the others are), named uniquely."""
         if spec.name in self._by_name:
-            raise ValueError(f"a process named {spec.name!r} is already supervised")
+            raise ValueError(f"process names must be unique: {spec.name!r} is already supervised")
         if not spec.argv:
             raise ValueError("every ProcessSpec needs a non-empty argv")
         if self._stopped:

@@ -161,10 +161,3 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars)"
-
-
-def render_chat_template(
-    source: str, messages: Any, add_generation_prompt: bool = True, **kwargs: Any
-) -> str:
-    """One-off rendering of `source` (compiles every call; prefer a `ChatTemplate`)."""
-    return ChatTemplate(source).render(messages, add_generation_prompt, **kwargs)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LOGPROB_ENTRIES,
@@ -70,11 +70,9 @@ MAX_BLOB_BYTES = 1 << 20
 Role = Literal["gateway", "prefill", "decode", "kvstore"]
 ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"]
 FinishReason = Literal["stop", "length", "abort"]
-ROLES: frozenset[str] = frozenset({"gateway", "prefill", "decode", "kvstore"})
-ERROR_TYPES: frozenset[str] = frozenset(
-    {"invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"}
-)
-FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort"})
+ROLES: frozenset[str] = frozenset(get_args(Role))
+ERROR_TYPES: frozenset[str] = frozenset(get_args(ErrorType))
+FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
 COUNT = IntSpec()

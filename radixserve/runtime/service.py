@@ -106,6 +106,7 @@ class Service:
         self._beat_now = asyncio.Event()
         self._stop: asyncio.Event | None = None
         self._drain: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []  # loops that run until the service stops
         self.context: zmq.asyncio.Context | None = None
         self._router: AsyncChannel | None = None
         self.probe: ProbeServer | None = None  # the HTTP side, with settings.http_port
@@ -128,16 +129,16 @@ class Service:
         host = advertise_host(s.host, s.advertise_host)
         self.advertised_address = f"tcp://{url_host(host)}:{port}"
         self.name = self.name or default_name(self.role, host, port)
-        background: list[asyncio.Task] = []
         try:
             await self.start()
             if s.http_port is not None:
                 self.probe = ProbeServer(s.http_host or s.host, s.http_port, self.health,
                                          self.metrics_text)  # fmt: skip
                 await self.probe.start()
-            background = [asyncio.create_task(self._receive()), asyncio.create_task(self._beat())]
+            self.run_in_background(self._receive())
+            self.run_in_background(self._beat())
             if self.keys is not None:
-                background.append(asyncio.create_task(self._count_refusals()))
+                self.run_in_background(self._count_refusals())
             self.serving = True
             http = f", HTTP on {self.probe.url}" if self.probe else ""
             print(f"radixserve {self.role} {self.name} (generation {self.generation}) "
@@ -150,10 +151,10 @@ class Service:
                 await self.probe.close()
             if self._drain is not None:
                 self._drain.cancel()
-                background.append(self._drain)
-            for task in [*background, *self.tasks.values()]:
+                self._background.append(self._drain)
+            for task in [*self._background, *self.tasks.values()]:
                 task.cancel()
-            await asyncio.gather(*background, *self.tasks.values(), return_exceptions=True)
+            await asyncio.gather(*self._background, *self.tasks.values(), return_exceptions=True)
             await self.stop()
             self._router.close()
             self.context.term()
@@ -162,7 +163,12 @@ class Service:
         """Hook: set up what the service needs once its control socket is bound."""
 
     async def stop(self) -> None:
-        """Hook: release what `start` set up (request tasks are already cancelled)."""
+        """Hook: release what `start` set up (request tasks and the loops run in the
+        background are already cancelled)."""
+
+    def run_in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (a loop) until the service stops; it is cancelled before `stop`."""
+        self._background.append(asyncio.create_task(coro))
 
     def describe(self) -> str:
         """Hook: a suffix for the start-up line."""

@@ -71,7 +71,6 @@ class Worker(Service):
         self.host: HostTierClient | None = None
         self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
         self._seq = 0
-        self._publisher: asyncio.Task | None = None
         self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
         # hashes of the pages in the engine's radix cache, as of the last event published
         self.cached_hashes: set[int] = set()
@@ -103,7 +102,7 @@ class Worker(Service):
             if s.host_tier:
                 self.host = HostTierClient(self.name, self.generation, s, self.engine,
                                            self.agent, self.cached_hashes)  # fmt: skip
-            self._publisher = asyncio.create_task(self._publish())
+            self.run_in_background(self._publish())
 
             def emit(kind: str, hashes: list[int]) -> None:  # on the engine thread
                 loop.call_soon_threadsafe(self._events.put_nowait, (kind, hashes))
@@ -115,9 +114,6 @@ class Worker(Service):
     async def stop(self) -> None:
         if self.kvstore is not None:
             await self.kvstore.close()
-        if self._publisher is not None:
-            self._publisher.cancel()
-            await asyncio.gather(self._publisher, return_exceptions=True)
         if self.host is not None:
             await self.host.close()
         self.engine.close()

@@ -20,6 +20,7 @@ Prometheus server's HTTP query API for rates and quantiles over ``prometheus_win
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -30,11 +31,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.services.autoscaler.capacity import WorkerSample
-from radixserve.services.autoscaler.policy import Observation, PoolState
+from radixserve.services.autoscaler.policy import ROLES, Observation, PoolState
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 Key = tuple[str, tuple[tuple[str, str], ...]]  # sample name, sorted labels
 
 #: counter sample -> the `WorkerSample` field its change fills
@@ -134,6 +134,20 @@ class GatewayMetrics:
         return observation_between(last[1], samples, now - last[0], now, desired)
 
 
+def _sample(
+    name: str, role: str, age_s: float, interval_s: float, values: Mapping[str, float]
+) -> WorkerSample:
+    """A worker's `WorkerSample`: its counters' changes and gauges from ``values``, by
+    field name (0 where absent; the counts as ints)."""
+    measured = (*WORKER_COUNTERS.values(), "queued_tokens", "running")
+    fields: dict[str, float] = {}
+    for f in dataclasses.fields(WorkerSample):
+        if f.name in measured:
+            value = values.get(f.name, 0.0)
+            fields[f.name] = int(value) if isinstance(f.default, int) else value
+    return WorkerSample(name, role, age_s, interval_s, **fields)  # type: ignore[arg-type]
+
+
 def _delta(new: Mapping[Key, float], old: Mapping[Key, float], key: Key) -> float:
     return max(0.0, new.get(key, 0.0) - old.get(key, 0.0))
 
@@ -181,16 +195,9 @@ def observation_between(
                 queue_growth += queued - gauge("queued_tokens", old)
         if restarted:
             continue  # counters started over: no interval to difference
-        fields = {f: _delta(new, old, (c, key[1])) for c, f in WORKER_COUNTERS.items()}
-        sample = WorkerSample(
-            name=view.name, role=role, age_s=age, interval_s=dt,
-            busy_s=fields["busy_s"], prefill_tokens=int(fields["prefill_tokens"]),
-            prefill_s=fields["prefill_s"], decode_tokens=int(fields["decode_tokens"]),
-            decode_only_steps=int(fields["decode_only_steps"]),
-            decode_only_seqs=int(fields["decode_only_seqs"]),
-            decode_only_s=fields["decode_only_s"], queued_tokens=int(gauge("queued_tokens")),
-            running=int(gauge("running")),
-        )  # fmt: skip
+        values = {f: _delta(new, old, (c, key[1])) for c, f in WORKER_COUNTERS.items()}
+        values.update(queued_tokens=gauge("queued_tokens"), running=gauge("running"))
+        sample = _sample(view.name, role, age, dt, values)
         samples.append(sample)
         if role == "prefill":  # decode workers' own short prefills are not this pool's
             computed += sample.prefill_tokens
@@ -258,15 +265,7 @@ class PrometheusMetrics:
                               v.get("uptime_s", 0.0))  # fmt: skip
             views.append(view)
             if view.up and role in ROLES:
-                samples.append(WorkerSample(
-                    name=name, role=role, age_s=view.age_s, interval_s=self._window_s,
-                    busy_s=v.get("busy_s", 0.0), prefill_tokens=int(v.get("prefill_tokens", 0)),
-                    prefill_s=v.get("prefill_s", 0.0), decode_tokens=int(v.get("decode_tokens", 0)),
-                    decode_only_steps=int(v.get("decode_only_steps", 0)),
-                    decode_only_seqs=int(v.get("decode_only_seqs", 0)),
-                    decode_only_s=v.get("decode_only_s", 0.0),
-                    queued_tokens=int(v.get("queued_tokens", 0)), running=int(v.get("running", 0)),
-                ))  # fmt: skip
+                samples.append(_sample(name, role, view.age_s, self._window_s, v))
         growth = self._scalar(f'sum(deriv(radixserve_worker_queued_tokens{{role="prefill"}}[{w}]))')
         computed = sum(s.prefill_tokens for s in samples if s.role == "prefill")
         quantile = "histogram_quantile(0.9, sum by (le) (rate({}_bucket[{}])))"

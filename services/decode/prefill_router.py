@@ -110,6 +110,3 @@ class PrefillRouter:
     def forget(self, name: str) -> None:
         """``name`` went down or left: nothing sent there is pending any more."""
         self._assigned.pop(name, None)
-
-    def assigned(self, name: str) -> int:
-        return self._assigned.get(name, 0)

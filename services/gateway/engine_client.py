@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.errors import InvalidRequestError
 from radixserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # only the in-process client has one; the cluster gateway has no torch
@@ -82,20 +81,6 @@ class EngineClient(abc.ABC):
         """Per-worker load and pool counters (name -> stats) for /debug/cache and
         /metrics; empty for an in-process engine (see `stats`)."""
         return {}
-
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a completion prompt (text gets the tokenizer's special tokens);
-        token ids are passed through and checked against the vocabulary by the engine."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a conversation rendered with the chat template, ending with the
-        assistant prompt. Raises InvalidRequestError for malformed messages."""
-        return self.tokenizer.encode_chat(messages)
 
 
 class LocalEngineClient(EngineClient):

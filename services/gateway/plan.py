@@ -130,7 +130,8 @@ def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: i
     for prompt in req.prompts():
         if isinstance(prompt, str) and not prompt:
             raise OpenAIError(400, "prompt is empty", "prompt")
-        ids = client.encode_prompt(prompt)
+        # text gets the tokenizer's special tokens; ids are checked by the engine
+        ids = client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         room = _room(client, ids)
         max_tokens = _max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, room, "max_tokens")
         params = _params(
@@ -152,7 +153,7 @@ def chat_plan(
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
-    ids = client.chat_prompt_ids(req.template_messages())
+    ids = client.tokenizer.encode_chat(req.template_messages())  # InvalidRequestError if malformed
     room = _room(client, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(req.requested_max_tokens, default_max_tokens, room, param)

@@ -50,11 +50,6 @@ _SSE_EVENT = {
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
     "required": ["data"],
 }
-_SSE_EVENT = {
-    "type": "object",
-    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-    "required": ["data"],
-}
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"text/event-stream": {"schema": _SSE_EVENT}},
@@ -142,7 +137,6 @@ def install(app: FastAPI, gw: Gateway) -> None:
         openapi_extra=body(DetokenizeRequest),
     )
     app.add_api_route("/version", version_route, methods=["GET"], response_model=VersionResponse)
-    # fmt: skip
 
 
 def create_app(client: EngineClient, settings: GatewaySettings | None = None) -> FastAPI:
@@ -190,4 +184,4 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
     app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
     install_openapi(app)
     app.state.gateway = gw
-    return app  # fmt: skip
+    return app

@@ -65,7 +65,6 @@ class KVStoreService(Service):
         self.index = GlobalIndex()
         self.registry = MemberRegistry(self.generation)
         self.host: HostPool | None = None
-        self._refresher: asyncio.Task | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -78,12 +77,9 @@ class KVStoreService(Service):
             s.nixl_progress_thread,
             transfer_network(s),
         )
-        self._refresher = asyncio.create_task(self._refresh_members())
+        self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
         if self.host is not None:
             await self.host.stop()
 

@@ -56,22 +56,13 @@ class PrefillWorker(Worker):
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
         self._lending = asyncio.Event()  # set when a lease is handed over
-        self._server: asyncio.Task | None = None
 
     async def start(self) -> None:
         await super().start()
         assert self.agent is not None
         # drive the transfer agent while a decode worker may be reading our pages: while
         # the engine's lease table (the one owner of lease deadlines) holds any
-        self._server = asyncio.create_task(
-            self.agent.serve_reads_while(self._lending_now, self._lending)
-        )
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.cancel()
-            await asyncio.gather(self._server, return_exceptions=True)
-        await super().stop()
+        self.run_in_background(self.agent.serve_reads_while(self._lending_now, self._lending))
 
     def _lending_now(self) -> bool:
         return self.engine.stats().leases > 0

@@ -279,27 +279,6 @@ def test_events_report_stored_and_removed_hashes() -> None:
     assert events[-1] == ("removed", expected[2:])
 
 
-def test_reset_releases_everything_and_refuses_while_locked() -> None:
-    events: list[tuple[str, list[int]]] = []
-    cache, allocator = make_cache(events=events)
-    run_request(cache, allocator, seq(1, 2))
-    run_request(cache, allocator, seq(3))
-    node = cache.match_prefix(seq(3)).node
-    cache.lock(node)
-    with pytest.raises(RuntimeError):
-        cache.reset()
-    cache.unlock(node)
-    cache.reset()
-    assert allocator.num_used == 0 and cache.num_cached_pages == 0
-    assert sorted(events[-1][1]) == sorted(
-        page_hashes(seq(1, 2), PAGE, NAMESPACE) + page_hashes(seq(3), PAGE, NAMESPACE)
-    )
-    assert cache.match_prefix(seq(1, 2)).page_ids == []
-    with pytest.raises(ValueError):
-        cache.lock(node)
-    cache.check_integrity()
-
-
 def test_check_integrity_detects_corruption() -> None:
     cache, allocator = make_cache()
     run_request(cache, allocator, seq(1, 2))

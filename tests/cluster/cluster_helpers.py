@@ -16,10 +16,9 @@ from typing import Any
 import httpx
 import zmq
 
-from radixserve.bench.local_cluster import LocalCluster
+from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.launch.cluster import ClusterConfig, free_port
-from radixserve.metrics import metric_value
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
 __all__ = ["FAST_LIVENESS", "TestCluster", "holds_nothing", "index_query", "metric_value"]

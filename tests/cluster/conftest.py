@@ -99,7 +99,7 @@ def reference_chat(reference_engine) -> Reference:
     def answer(messages: list[dict[str, str]], max_tokens: int) -> str:
         key = (tuple((m["role"], m["content"]) for m in messages), max_tokens)
         if key not in memo:
-            ids = reference_engine.chat_prompt_ids(messages)
+            ids = reference_engine.tokenizer.encode_chat(messages)
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             memo[key] = reference_engine.generate([ids], params)[0].text
         return memo[key]

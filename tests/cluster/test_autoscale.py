@@ -15,9 +15,8 @@ import time
 
 import httpx
 
-from radixserve.bench.local_cluster import LocalCluster
+from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.launch.cluster import ClusterConfig, free_port
-from radixserve.metrics import metric_value
 from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing
 from tests.cluster.prompts import SYSTEM, chat
 

@@ -49,7 +49,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         for i in range(1, 4):  # three more conversations push the first out of every pool
             cluster.ask(chat(QUESTIONS[i], branch_system(i)), MAX_TOKENS)
         full_pages = (prompt - 1) // PAGE
-        ids = reference_engine.chat_prompt_ids(chat(QUESTIONS[0], branch_system(0)))
+        ids = reference_engine.tokenizer.encode_chat(chat(QUESTIONS[0], branch_system(0)))
 
         def spilled() -> bool:  # the index sees it in the host tier, on no device
             reply = index_query(cluster, ids[: full_pages * PAGE])

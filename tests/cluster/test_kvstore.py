@@ -24,7 +24,7 @@ def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:
 
 def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, reference_engine):
     messages = chat(QUESTIONS[0])
-    prompt_ids = reference_engine.chat_prompt_ids(messages)
+    prompt_ids = reference_engine.tokenizer.encode_chat(messages)
     full_pages = len(prompt_ids) // PAGE
     cluster.ask(messages, 8)  # 274 uncached tokens: prefilled remotely, then decoded
     cluster.wait(
@@ -63,7 +63,7 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
 
 def test_a_killed_workers_entries_leave_the_index(cluster, reference_engine):
     messages = chat(QUESTIONS[2])
-    prompt_ids = reference_engine.chat_prompt_ids(messages)
+    prompt_ids = reference_engine.tokenizer.encode_chat(messages)
     cluster.ask(messages, 8)
     cluster.wait(lambda: "decode-0" in index_of(cluster, prompt_ids), 10, "decode-0 indexed")
     old_generation = cluster.workers()["decode-0"]["generation"]

@@ -41,7 +41,7 @@ def test_n_choices_compute_the_prompt_once_with_remote_logprobs(cluster, oai, re
     # a system prompt no earlier test on this shared cluster has cached
     messages = [{"role": "system", "content": f"[n choices] {SYSTEM}"},
                 {"role": "user", "content": "What are the opening hours on Monday?"}]  # fmt: skip
-    prompt_ids = reference_engine.chat_prompt_ids(messages)
+    prompt_ids = reference_engine.tokenizer.encode_chat(messages)
     assert len(prompt_ids) > 256  # the decode worker sends it to the prefill worker
     cluster.wait_clean()
     computed = _counter(cluster, "prefill-0", "prefill_computed_tokens_total")
@@ -79,7 +79,7 @@ def test_n_choices_compute_the_prompt_once_with_remote_logprobs(cluster, oai, re
         top_logprobs=3,
     )
     ref = reference_engine.generate(
-        [reference_engine.chat_prompt_ids(_messages("Is Wi-Fi free?"))],
+        [reference_engine.tokenizer.encode_chat(_messages("Is Wi-Fi free?"))],
         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3),
     )[0]
     assert g.choices[0].message.content == ref.text

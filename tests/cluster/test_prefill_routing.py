@@ -32,7 +32,7 @@ def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster, reference_
     computed_before = prefill_counter(cluster, "prefill_computed_tokens_total")
     served_before = prefill_counter(cluster, "prefill_requests_total")
     gateway_before = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
-    prompts = [reference_engine.chat_prompt_ids(chat(q)) for q in QUESTIONS[:4]]
+    prompts = [reference_engine.tokenizer.encode_chat(chat(q)) for q in QUESTIONS[:4]]
     for question in QUESTIONS[:4]:  # one at a time
         body = {"messages": chat(question), "max_tokens": 4, "temperature": 0}
         assert cluster.http.post("/v1/chat/completions", json=body).status_code == 200

@@ -53,9 +53,9 @@ def test_the_ledger_counts_what_was_sent_until_it_is_answered():
     assert router.pick([a, b], 4).name == "a"
     router.answered("a", 100)
     router.answered("a", 100)  # a second answer cannot go below zero
-    assert router.assigned("a") == 0
+    assert router.queued_tokens(a) == 0
     router.forget("b")  # b went down: nothing sent there is pending
-    assert router.assigned("b") == 0
+    assert router.queued_tokens(b) == 0
     a.load = WorkerLoad(queued_tokens=50)  # the worker's own heartbeat figure counts too
     assert router.queued_tokens(a) == 50
     assert router.pick([a, b], 4).name == "b"

@@ -96,7 +96,7 @@ def test_second_turn_moves_only_missing_pages(link, tiny_off, request):
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Do you have study rooms for groups of {room} people?"},
     ]
-    turn1 = decode.chat_prompt_ids(messages)
+    turn1 = decode.tokenizer.encode_chat(messages)
     tokens1, _, _ = run_disaggregated(prefill, decode, agents, turn1)
     # turn 2 extends turn 1's prompt and answer token for token (the random weights' text
     # need not re-tokenize to the same ids through the chat template)

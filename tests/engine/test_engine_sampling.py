@@ -54,7 +54,7 @@ def test_stop_token_ids_and_min_tokens(tiny_on):
 
 def test_eos_ends_generation_unless_ignored(smol_on):
     # the real model: random weights would not choose to stop
-    chat = smol_on.chat_prompt_ids([{"role": "user", "content": "Say hi."}])
+    chat = smol_on.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
     [normal] = smol_on.generate([chat], SamplingParams(max_tokens=64, temperature=0.0))
     assert normal.finish_reason == "stop"
     assert normal.token_ids[-1] in smol_on.config.eos_token_ids

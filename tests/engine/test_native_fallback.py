@@ -67,7 +67,7 @@ def test_same_greedy_tokens_with_and_without_native_dequantizer(engines):
     native, torch_ops = engines
     assert _int4_layers(native) and all(layer._native for layer in _int4_layers(native))
     assert not any(layer._native for layer in _int4_layers(torch_ops))
-    prompts = [native.chat_prompt_ids([{"role": "user", "content": c}]) for c in CHATS]
+    prompts = [native.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     prompts += [native.tokenizer.encode(c) for c in COMPLETIONS]
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] <= 16 and lengths[-1] > 96 and any(20 <= n <= 90 for n in lengths)

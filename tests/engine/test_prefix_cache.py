@@ -18,7 +18,7 @@ SYSTEM = (
 
 
 def _chat(engine, messages):
-    return engine.chat_prompt_ids(messages)
+    return engine.tokenizer.encode_chat(messages)
 
 
 def _tokens(results):

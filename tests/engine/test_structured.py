@@ -52,7 +52,7 @@ SCHEMAS = [
 @pytest.mark.slow
 def test_twenty_schemas_validate(tiny_on):
     engine = tiny_on
-    prompt = engine.chat_prompt_ids(
+    prompt = engine.tokenizer.encode_chat(
         [{"role": "user", "content": "Answer with JSON describing a fruit shop."}]
     )
     params = [
@@ -83,7 +83,7 @@ def _run(engine, prompt, params: list[SamplingParams]) -> list[tuple[str, str]]:
 @pytest.mark.slow
 def test_json_object_regex_and_choice(tiny_on):
     engine = tiny_on
-    prompt = engine.chat_prompt_ids([{"role": "user", "content": "Give me a code."}])
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "Give me a code."}])
     (obj, obj_reason), (rx, _), (choice, _) = _run(engine, prompt, [
         SamplingParams(max_tokens=40, temperature=0.0, guide_kind="json_object"),
         SamplingParams(max_tokens=20, temperature=0.7, seed=3, guide_kind="regex",

@@ -74,7 +74,7 @@ def gateway_engine():
     params = SamplingParams(max_tokens=REF_MAX_TOKENS, temperature=0.0)
     prompt_ids = engine.tokenize(COMPLETION_PROMPT)
     completion = engine.generate([COMPLETION_PROMPT], params)[0]
-    chat = engine.generate([engine.chat_prompt_ids(CHAT_MESSAGES)], params)[0]
+    chat = engine.generate([engine.tokenizer.encode_chat(CHAT_MESSAGES)], params)[0]
     client = LocalEngineClient(AsyncEngine(engine))
     yield client, References(completion, prompt_ids, chat)
     client.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.errors import InvalidRequestError, ModelLoadError
-from radixserve.model.chat_template import ChatTemplate, render_chat_template, validate_messages
+from radixserve.model.chat_template import ChatTemplate, validate_messages
 from radixserve.model.tokenizer import Tokenizer
 from tests.model.tiny_checkpoints import build_tiny_tokenizer
 
@@ -97,7 +97,7 @@ def test_text_parts_are_joined_and_none_keys_dropped():
     assert checked == [{"role": "user", "content": "one\ntwo"}]
     assert isinstance(messages[0]["content"], list)  # the caller's message is untouched
     source = "{{ messages[0].content }}{{ messages[0].name is defined }}"
-    assert render_chat_template(source, messages) == "one\ntwoFalse"
+    assert ChatTemplate(source).render(messages) == "one\ntwoFalse"
 
 
 @pytest.mark.parametrize(
