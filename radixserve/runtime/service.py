@@ -87,6 +87,9 @@ class Service:
     role: ClassVar[Role]
     #: request messages answered `RequestFailed` ("draining") once the drain has begun
     refused_while_draining: ClassVar[tuple[type[Message], ...]] = ()
+    #: counters exported at 0 from the first heartbeat and scrape, before their first
+    #: event: a dashboard's rate() over a series that appears only with it misses it
+    counter_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
@@ -99,7 +102,7 @@ class Service:
         self.advertised_address = ""  # as others dial it
         self.started_at = time.monotonic()
         self.draining = False
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(self.counter_names, 0))
         self.peers: dict[bytes, Peer] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.notices = Tasks(self.role)  # fire-and-forget sends in flight

@@ -90,6 +90,10 @@ class _Pending:
 
 class DecodeWorker(Worker):
     role = "decode"
+    counter_names = ("kv_transfers_total", "kv_transfer_pages_total", "kv_transfer_bytes_total",
+                     "local_prefills_total", "remote_prefills_total",
+                     "remote_prefill_failures_total", "resumed_requests_total",
+                     "index_queries_total", "index_misses_total")  # fmt: skip
     refused_while_draining = (GenerateRequest,)
     settings: DecodeSettings
 
@@ -104,13 +108,6 @@ class DecodeWorker(Worker):
         ))  # fmt: skip
         self._index: Replies[IndexReply] = Replies()
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
-        # every counter from the first heartbeat and scrape, at 0 until it moves: a
-        # dashboard's rate() over a series that appears only with its first event misses it
-        for key in ("kv_transfers_total", "kv_transfer_pages_total", "kv_transfer_bytes_total",
-                    "local_prefills_total", "remote_prefills_total",
-                    "remote_prefill_failures_total", "resumed_requests_total",
-                    "index_queries_total", "index_misses_total"):  # fmt: skip
-            self.counters[key] = 0
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
 
