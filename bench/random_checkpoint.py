@@ -23,11 +23,17 @@ from radixserve.model.tokenizer import Tokenizer
 class RandomWeights:
     """A `WeightSource` that makes each tensor on demand."""
 
-    def __init__(self, config: ModelConfig, seed: int, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, seed: int, device: torch.device, fan_in: bool = False
+    ) -> None:
+        """``fan_in``: matrices N(0, 1/fan-in) and embeddings N(0, 1) instead of
+        N(0, 0.02²), so each layer mixes as much as the residual carries and greedy text
+        depends on the whole context (the engine tests' tiny model)."""
         self.path = Path(f"random:{config.name}")
         self._shapes = dict(expected_weights(config))
         self._seed = seed
         self._device = device
+        self._fan_in = fan_in
 
     def names(self) -> set[str]:
         return set(self._shapes)
@@ -36,7 +42,11 @@ class RandomWeights:
         gen = torch.Generator(self._device)
         gen.manual_seed(self._seed * 1_000_003 + zlib.crc32(name.encode()))
         x = torch.randn(self._shapes[name], generator=gen, device=self._device)
-        return 1.0 + 0.05 * x if name.endswith("norm.weight") else 0.02 * x
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.05 * x
+        if not self._fan_in:
+            return 0.02 * x
+        return x if "embed" in name or x.dim() != 2 else x / x.shape[-1] ** 0.5
 
 
 def random_tokenizer(vocab_size: int) -> Tokenizer:

@@ -28,20 +28,8 @@ def tiny_checkpoint() -> Checkpoint:
         real.config, name="tiny-smollm2", hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
     )  # fmt: skip
-    source = _Scaled(config, seed=0, device=torch.device("cpu"))
+    source = RandomWeights(config, seed=0, device=torch.device("cpu"), fan_in=True)
     return Checkpoint(config, real.tokenizer, source.path, source, progress=False)
-
-
-class _Scaled(RandomWeights):
-    """Matrices scaled by 1/sqrt(fan-in) and unit embeddings: each layer mixes as much as
-    the residual carries, so greedy text depends on the whole context and does not repeat
-    the last token (with small weights and tied embeddings, it would)."""
-
-    def read(self, name: str) -> torch.Tensor:
-        x = super().read(name)
-        if name.endswith("norm.weight"):
-            return x
-        return x / 0.02 / (x.shape[-1] ** 0.5 if x.dim() == 2 and "embed" not in name else 1.0)
 
 
 def make_engine(model: str, **overrides) -> Engine:
