@@ -24,8 +24,8 @@ SHARED_CLUSTER = "remote"  # shared with other modules: tests/cluster/conftest.p
 
 
 def long_chat(tag: str) -> list[dict[str, str]]:
-    """About 1,400 prompt tokens nobody has cached: seconds of prefill on one thread."""
-    return chat("Which floor is quiet?", system=f"[{tag}] " + SYSTEM * 5)
+    """About 850 prompt tokens nobody has cached: seconds of prefill on one thread."""
+    return chat("Which floor is quiet?", system=f"[{tag}] " + SYSTEM * 3)
 
 
 def stream_body(messages, max_tokens: int) -> dict:
@@ -86,7 +86,7 @@ def test_kill_9_of_the_only_decode_worker_mid_stream_continues_after_its_restart
     cluster.wait_clean()
     old_generation = cluster.workers()["decode-0"]["generation"]
     events: list[dict] = []
-    body = stream_body(chat("Tell me a story about a library."), 96)
+    body = stream_body(chat("Tell me a story about a library."), 64)
 
     def read() -> None:
         with cluster.http.stream("POST", "/v1/chat/completions", json=body) as r:

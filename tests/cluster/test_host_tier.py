@@ -23,8 +23,8 @@ PAGE = 16
 
 
 def branch_system(i: int) -> str:
-    """A long system prompt (about 480 tokens) that differs from the first page on."""
-    return f"You answer for branch number {i} of the library. " + SYSTEM + SYSTEM
+    """A system prompt (about 280 tokens, 17 pages) that differs from the first page on."""
+    return f"You answer for branch number {i} of the library. " + SYSTEM
 
 
 def cached(answer: dict) -> int:
@@ -39,7 +39,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
     cluster = TestCluster(
         transport="nixl",
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # the prefill worker computes every prompt
-        kv_cache_memory_gib=0.05,  # 72 pages: room for two of these conversations
+        kv_cache_memory_gib=0.025,  # 36 pages: room for two of these conversations
     )
     try:
         cluster.wait_host_tier()  # spills before the attach would be dropped
@@ -78,8 +78,8 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
 def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(reference_chat):
     cluster = TestCluster(
         transport="zmq",
-        kv_cache_memory_gib=0.05,
-        kvstore={"HOST_CAPACITY_GIB": "0.04"},  # 58 pages: less than the conversations
+        kv_cache_memory_gib=0.025,
+        kvstore={"HOST_CAPACITY_GIB": "0.02"},  # 29 pages: less than the conversations
         gateway={"MAX_QUEUED_REQUESTS": "64"},
     )
     try:
@@ -106,7 +106,7 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(refere
         assert idle, "spill buffers still held"
         assert len(buffers) == 2
         page_bytes = workers["decode-0"]["page_bytes"]  # the engine's geometry, as it states it
-        assert store["host_pages_total"] == int(0.04 * (1 << 30)) // page_bytes
+        assert store["host_pages_total"] == int(0.02 * (1 << 30)) // page_bytes
         assert store["host_pages_used"] <= store["host_pages_total"]
         assert store["host_stored_pages_total"] > store["host_pages_total"]
         assert store["host_evictions_total"] > 0  # the bound was reached and held
