@@ -50,6 +50,7 @@ from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_output, to_spec
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
+from radixserve.metrics import POOL_GAUGES
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
     Abort,
@@ -315,8 +316,7 @@ class ClusterClient(EngineClient):
         if self.decodes is None or self.prefills is None:
             return totals
         for link in self.decodes.up() + self.prefills.up():
-            for key in ("pages_total", "pages_used", "pages_free", "pages_locked",
-                        "pages_evictable", "live_requests"):  # fmt: skip
+            for key in POOL_GAUGES:
                 if key in link.stats:
                     totals[key] = totals.get(key, 0) + int(link.stats[key])
         return totals
