@@ -47,7 +47,6 @@ from radixserve.protocol import (
     SpillOffer,
     WatchMembers,
 )
-from radixserve.runtime.network import transfer_network
 from radixserve.runtime.service import Peer, Service
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
@@ -67,16 +66,7 @@ class KVStoreService(Service):
         self.host: HostPool | None = None
 
     async def start(self) -> None:
-        s = self.settings
-        self.host = HostPool(
-            self.name,
-            s.transfer_backend,
-            s.host_capacity_gib,
-            s.host_lease_s,
-            s.host_transfer_timeout_s,
-            s.nixl_progress_thread,
-            transfer_network(s),
-        )
+        self.host = HostPool(self.name, self.settings)
         self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:
