@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -391,16 +391,19 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
-def serve_until_signalled(service: Service) -> int:
-    """Run ``service`` until SIGTERM (drain, then stop) or SIGINT (stop now); the body of
-    a service's process entry. Exits 0 either way."""
+def serve_until_signalled(
+    run: Callable[[asyncio.Event], Awaitable[None]], on_sigterm: Callable[[], None] | None = None
+) -> int:
+    """Run ``run(stop)`` until SIGINT sets ``stop`` or SIGTERM calls ``on_sigterm`` (a
+    service's `begin_drain`: drain, then stop; default: stop now); the body of a service's
+    process entry. Exits 0 either way."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)
-        loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
-        await service.run(stop)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm or stop.set)
+        await run(stop)
 
     asyncio.run(main())
     sys.stdout.flush()

@@ -307,4 +307,5 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
     # built on the engine thread, where it steps
-    return serve_until_signalled(worker_cls(settings, AsyncEngine(EngineSettings(**from_env))))
+    worker = worker_cls(settings, AsyncEngine(EngineSettings(**from_env)))
+    return serve_until_signalled(worker.run, worker.begin_drain)
