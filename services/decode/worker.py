@@ -50,7 +50,7 @@ from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.service import Peer
 from radixserve.runtime.worker import Worker
-from radixserve.services.decode.prefill_router import PrefillRouter, PrefillWeights
+from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.transfer import TransferError
 
@@ -84,11 +84,7 @@ class DecodeWorker(Worker):
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
         self.view: MemberView | None = None
-        s = settings
-        self.router = PrefillRouter(self.page_size, PrefillWeights(
-            s.prefill_cache_weight, s.prefill_load_weight, s.prefill_host_hit_weight,
-            s.prefill_busy_tokens,
-        ))  # fmt: skip
+        self.router = PrefillRouter(self.page_size, settings)
         self._index: Replies[IndexReply] = Replies()
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}
