@@ -32,6 +32,7 @@ import httpx
 
 from radixserve.bench.chaos_load import ChatLoad
 from radixserve.bench.chaos_schedule import PlannedEvent
+from radixserve.bench.local_cluster import supervise
 from radixserve.launch.cluster import ClusterProcesses
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ClusterMonitor:
         """Until cancelled."""
         beat = 0
         while True:
-            self.processes.poll()
+            supervise(self.processes)
             if beat % round(_POLL_S / 0.05) == 0:
                 await self.refresh()
             beat += 1

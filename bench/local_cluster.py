@@ -10,7 +10,12 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.launch.cluster import ClusterConfig, build_cluster, gateway_healthy
+from radixserve.launch.cluster import (
+    ClusterConfig,
+    ClusterProcesses,
+    build_cluster,
+    gateway_healthy,
+)
 
 WORKER_ROLES = ("prefill", "decode")
 
@@ -53,7 +58,7 @@ class LocalCluster:
         within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not condition():
-            self.processes.poll()
+            supervise(self.processes)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
             time.sleep(0.1)
@@ -112,6 +117,13 @@ class LocalCluster:
 
     def stop(self) -> None:
         self.processes.stop()
+
+
+def supervise(processes: ClusterProcesses) -> None:
+    """One supervision pass of ``processes``, then their pools' reconciliation."""
+    processes.supervisor.poll()
+    if processes.pools is not None:
+        processes.pools.reconcile()
 
 
 def threads_described(config: ClusterConfig) -> str:

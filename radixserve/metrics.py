@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -53,7 +53,8 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-_POOL_GAUGES = (
+#: the engine's pool gauges, summed over the workers behind a cluster gateway
+POOL_GAUGES = (
     "pages_total", "pages_used", "pages_free", "pages_locked", "pages_evictable", "live_requests",
 )  # fmt: skip
 
@@ -102,7 +103,7 @@ class ServingMetrics:
         )
         self._pool = {
             key: Gauge(f"radixserve_{key}", f"Engine {key.replace('_', ' ')}.", registry=r)
-            for key in _POOL_GAUGES
+            for key in POOL_GAUGES
         }
         self.refusals = Counter(
             "radixserve_refused_requests",
@@ -110,9 +111,9 @@ class ServingMetrics:
             ["reason"],
             registry=r,
         )
-        self._workers = _WorkerCollector()
+        self._workers = _Snapshot(_worker_families)
         r.register(self._workers)
-        self._front = _FrontCollector()
+        self._front = _Snapshot(_front_families)
         r.register(self._front)
 
     def record_finish(
@@ -159,73 +160,72 @@ _FRONT_COUNTERS = {
 }
 
 
-class _FrontCollector(Collector):
-    """Exports the cluster client's own counters at scrape time."""
+class _Snapshot(Collector):
+    """Exports families made at scrape time from ``snapshot`` (set before each scrape)."""
 
-    def __init__(self) -> None:
-        self.snapshot: dict[str, int] = {}
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        for key, value in sorted(self.snapshot.items()):
-            name, doc = _FRONT_COUNTERS[key]
-            yield CounterMetricFamily(name, doc, value=value)
-
-
-class _WorkerCollector(Collector):
-    """Exports the latest per-worker stats as labelled families at scrape time."""
-
-    _SKIP = frozenset({"role", "address", "up", "generation"})
-
-    def __init__(self) -> None:
-        self.snapshot: dict[str, Mapping[str, Any]] = {}
+    def __init__(
+        self, families: Callable[[dict[str, Any]], Iterator[Any]], snapshot: dict | None = None
+    ) -> None:
+        self.snapshot: dict[str, Any] = snapshot or {}
+        self._families = families
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
-        labels = ["worker", "role"]
-        families: dict[str, Any] = {}
-        up = GaugeMetricFamily("radixserve_worker_up", "1 while the worker is up.", labels=labels)
-        transfer = SummaryMetricFamily(
-            "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
-        )
-        for name, stats in sorted(self.snapshot.items()):
-            ids = [name, str(stats.get("role", ""))]
-            up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
-            if "kv_transfers_total" in stats:
-                transfer.add_metric(
-                    ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
+        return self._families(self.snapshot)
+
+
+def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
+    """The cluster client's own counters."""
+    for key, value in sorted(snapshot.items()):
+        name, doc = _FRONT_COUNTERS[key]
+        yield CounterMetricFamily(name, doc, value=value)
+
+
+_NOT_EXPORTED = frozenset({"role", "address", "up", "generation"})
+
+
+def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
+    """The latest per-worker stats as labelled families."""
+    labels = ["worker", "role"]
+    families: dict[str, Any] = {}
+    up = GaugeMetricFamily("radixserve_worker_up", "1 while the worker is up.", labels=labels)
+    transfer = SummaryMetricFamily(
+        "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
+    )
+    for name, stats in sorted(snapshot.items()):
+        ids = [name, str(stats.get("role", ""))]
+        up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
+        if "kv_transfers_total" in stats:
+            transfer.add_metric(
+                ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
+            )
+        for key, value in stats.items():
+            if key in _NOT_EXPORTED or not isinstance(value, int | float):
+                continue
+            if key.endswith("_total"):
+                base = f"radixserve_worker_{key[: -len('_total')]}"
+                family = families.get(base) or CounterMetricFamily(
+                    base, f"Worker counter {key}.", labels=labels
                 )
-            for key, value in stats.items():
-                if key in self._SKIP or not isinstance(value, int | float):
-                    continue
-                if key.endswith("_total"):
-                    base = f"radixserve_worker_{key[: -len('_total')]}"
-                    family = families.get(base) or CounterMetricFamily(
-                        base, f"Worker counter {key}.", labels=labels
-                    )
-                else:
-                    base = f"radixserve_worker_{key}"
-                    family = families.get(base) or GaugeMetricFamily(
-                        base, f"Worker {key.replace('_', ' ')}.", labels=labels
-                    )
-                families[base] = family
-                family.add_metric(ids, float(value))
-        yield up
-        yield transfer
-        yield from families.values()
+            else:
+                base = f"radixserve_worker_{key}"
+                family = families.get(base) or GaugeMetricFamily(
+                    base, f"Worker {key.replace('_', ' ')}.", labels=labels
+                )
+            families[base] = family
+            family.add_metric(ids, float(value))
+    yield up
+    yield transfer
+    yield from families.values()
 
 
 def service_metrics(name: str, role: str, stats: Mapping[str, Any]) -> bytes:
     """One service's own ``radixserve_worker_*`` families (its heartbeat numbers,
     ``stats``), labelled ``worker=name, role=role``, as the Prometheus text exposition."""
     registry = CollectorRegistry(auto_describe=True)
-    collector = _WorkerCollector()
-    collector.snapshot = {name: {**stats, "role": role, "up": True}}
-    registry.register(collector)
+    registry.register(_Snapshot(_worker_families, {name: {**stats, "role": role, "up": True}}))
     return generate_latest(registry)
 
 

@@ -97,7 +97,8 @@ def cmd_service(args: argparse.Namespace) -> int:
     if args.command == "kvstore":
         from radixserve.services.kvstore import KVStoreService, KVStoreSettings
 
-        return serve_until_signalled(KVStoreService(KVStoreSettings(**overrides)))
+        service = KVStoreService(KVStoreSettings(**overrides))
+        return serve_until_signalled(service.run, service.begin_drain)
     if args.command == "prefill":
         from radixserve.services.prefill import PrefillSettings, PrefillWorker
 

@@ -209,12 +209,6 @@ class ClusterProcesses:
     pools: LocalPools | None
     control: PoolControl | None
 
-    def poll(self) -> None:
-        """One supervision pass, then the pools' reconciliation."""
-        self.supervisor.poll()
-        if self.pools is not None:
-            self.pools.reconcile()
-
     core_board: str | None = None  # removed at stop
 
     def stop(self) -> None:

@@ -1,34 +1,24 @@
 """A worker's side of the kvstore's host-memory tier: spill on eviction, load on a miss.
 
-**Spill** (write-back, and optionally write-through). The radix cache hands the pages it
-is about to evict to `_on_spill` on the engine thread (`RadixCache.set_spill_listener`).
-They are copied at once into this worker's *spill buffer*, a host tensor in the pool
-layout (pinned on CUDA) registered with a transfer agent of its own, so the device pages
-are free for the step that needed them. The loop then offers the buffer pages to the
-kvstore (`SpillOffer`), which reads those it lacks and answers `SpillDone`; only then is
-the buffer space reused. A full buffer drops the pages (counted), as the cache would
-have without a host tier. With ``host_write_through_uses`` N >= 1, a prefix used by N
-requests is written the same way before any eviction, so other workers can load it.
+**Spill.** Pages the radix cache is about to evict (or, with ``host_write_through_uses``
+N >= 1, a prefix N requests used) are copied on the engine thread into this worker's
+*spill buffer* (a host tensor in the pool layout with a transfer agent of its own), so
+the device pages are free at once; the loop offers them to the kvstore (`SpillOffer`),
+which reads those it lacks and answers `SpillDone`, and only then is the buffer space
+reused. A full buffer drops the pages (counted).
 
-**Load.** Before a prompt is admitted (`plan`), the worker takes its page hashes (the
-gateway's, carried in the request, or hashed here once), finds its own device hit in
-its view of its cache (the cache's events mirrored on the loop, so no engine call waits
-for a step) and, only when more than ``host_load_min_tokens`` of the prompt are missing
-on device, asks the kvstore to lease the longest run past it (`HostLookup` ->
-`HostLease`: a round trip to the kvstore, no engine step). A shorter delta is computed
-faster than the round trip and the read would take: a cached chat turn never asks. The engine's one admission (`Engine.admit` with the
-`HostPlan`) locks the device head and allocates pages for the run; the agent reads the
-host pages into them (`read`), `Engine.finish_host_admission` inserts the prefix into
-the radix cache and queues the request, which finds it cached, and the lease is
-released. A slow kvstore, a failed read or a cancelled request ends the load with
-nothing inserted, the lease released and every page returned; the prompt is then simply
-computed.
+**Load** (`plan`, `read`, `release`): only when more than ``host_load_min_tokens`` of a
+prompt are missing past its device hit (found in the worker's view of its own cache, so
+no engine call waits for a step) does the worker ask the kvstore to lease the longest
+run it holds (`HostLookup` -> `HostLease`); the engine's one admission allocates pages
+for it, the agent reads the host pages into them and the lease is released. Any failure
+ends the load with nothing inserted and the prompt computed.
 
-While the kvstore link is down the tier is off; on every (re)connection the worker
-attaches again (`HostAttach`), since a restarted kvstore starts with an empty tier.
-Memory is never reused while a peer may still be writing into it or reading it: buffer
+While the kvstore link is down the tier is off; every (re)connection attaches again
+(`HostAttach`). Memory a peer may still be writing or reading is never reused: buffer
 pages the kvstore was reading when its link went down wait out its read deadline, and a
-load cancelled mid-read removes the kvstore's peer (cancelling the read) first.
+load cancelled mid-read removes the kvstore's peer first. Details:
+docs/architecture.md §9 (the host tier).
 """
 
 from __future__ import annotations

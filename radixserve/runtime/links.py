@@ -65,6 +65,21 @@ from radixserve.protocol.security import ClusterKeys
 logger = logging.getLogger(__name__)
 
 
+async def monitor_socket(
+    socket: zmq.asyncio.Socket, events: int, on_event: Callable[[int], None]
+) -> None:
+    """Call ``on_event(event)`` for each of ``events`` ZMQ reports on ``socket``, until
+    cancelled."""
+    monitor = socket.get_monitor_socket(events)
+    try:
+        while True:
+            on_event(parse_monitor_message(await monitor.recv_multipart())["event"])
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+        monitor.close(linger=0)
+
+
 @dataclass
 class Link:
     """One worker as seen from this side: its socket and what it last told us."""
@@ -159,8 +174,8 @@ class LinkSet:
         self._name, self._generation = me.name, me.generation
         self._interval, self._timeout = me.interval_s, me.peer_timeout_s
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
-        self._receivers: dict[int, asyncio.Task] = {}  # id(link) -> its receive task
-        self._monitors: dict[int, asyncio.Task] = {}  # id(link) -> its socket monitor task
+        # id(link) -> its receive task and its socket monitor task
+        self._tasks: dict[int, tuple[asyncio.Task, asyncio.Task]] = {}
         self._tick_task: asyncio.Task | None = None
         self._started = False
         for address in addresses:
@@ -174,13 +189,12 @@ class LinkSet:
         self._tick_task = asyncio.create_task(self._tick())
 
     async def close(self) -> None:
-        tasks = [*self._receivers.values(), *self._monitors.values()]
+        tasks = [task for pair in self._tasks.values() for task in pair]
         tasks += [self._tick_task] if self._tick_task else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._receivers.clear()
-        self._monitors.clear()
+        self._tasks.clear()
         for link in self.links:
             link.channel.close()
 
@@ -197,8 +211,11 @@ class LinkSet:
         return link
 
     def _watch(self, link: Link) -> None:
-        self._receivers[id(link)] = asyncio.create_task(self._receive(link))
-        self._monitors[id(link)] = asyncio.create_task(self._monitor(link))
+        # the link goes down the moment its TCP connection closes
+        closed = monitor_socket(link.channel.socket, zmq.EVENT_DISCONNECTED,
+                                lambda _: self.mark_down(link, "its connection closed"))  # fmt: skip
+        self._tasks[id(link)] = (asyncio.create_task(self._receive(link)),
+                                 asyncio.create_task(closed))  # fmt: skip
 
     def remove(self, link: Link, why: str) -> None:
         """Drop ``link`` for good (its worker left the cluster): down first if it was up,
@@ -208,10 +225,10 @@ class LinkSet:
         self.mark_down(link, why)
         self.links.remove(link)
         logger.info("forgetting worker %s (%s): %s", link.label, link.address, why)
-        for task in (self._receivers.pop(id(link), None), self._monitors.pop(id(link), None)):
-            if task is not None and task is not asyncio.current_task():
+        for task in self._tasks.pop(id(link), ()):
+            if task is not asyncio.current_task():
                 task.cancel()
-            elif task is not None:  # called from its own loop: end it after this message
+            else:  # called from its own loop: end it after this message
                 asyncio.get_running_loop().call_soon(task.cancel)
         link.channel.close()
 
@@ -232,20 +249,6 @@ class LinkSet:
         logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
         if self._on_down is not None:
             self._on_down(link, why)
-
-    async def _monitor(self, link: Link) -> None:
-        """Mark ``link`` down the moment its TCP connection closes."""
-        socket = link.channel.socket
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and link.up:
-                    self.mark_down(link, "its connection closed")
-        finally:
-            with contextlib.suppress(zmq.ZMQError):
-                socket.disable_monitor()
-            monitor.close(linger=0)
 
     async def _receive(self, link: Link) -> None:
         while link in self.links:

@@ -1,24 +1,15 @@
 """How services find each other at run time: the kvstore's member registry, seen from
 the processes that route.
 
-Workers register with the kvstore they are pointed at (`Register` when their link to it
-comes up and again when they start draining, `Deregister` when they leave); the kvstore
-drops a member whose connection goes silent. Processes that route — the gateway (to
-decode and prefill workers) and decode workers (to prefill workers) — watch the registry
-(`WatchMembers`) and get every member of the roles they route to (`MemberList`) at once,
-on every change and every few seconds. `MemberView` applies a list to their link sets:
-
-- a listed member without a link gets one (its hello follows on the next tick);
-- a member listed as draining gets nothing new, at once (its own heartbeat says so too);
-- a discovered link whose member is no longer listed is dropped once it is down: a
-  member that left cleanly had drained and is not routed to meanwhile, one that died
-  goes down after ``peer_timeout_s``.
-
-If the kvstore is down nothing changes: the links to the known members stay, with their
-own liveness checks, so serving continues with the last known membership. A restarted
-kvstore (a new ``epoch``) starts empty and fills as members register again; since only
-links that are down are ever dropped, a partial list cuts no working link. Static
-addresses (settings) are never dropped.
+Workers register with their kvstore; the processes that route (the gateway, decode
+workers) watch it (`WatchMembers`) and get every member of the roles they route to
+(`MemberList`) on every change and every few seconds. `MemberView` applies a list to
+their link sets: a listed member without a link gets one; a member listed as draining
+gets nothing new, at once; a discovered link whose member is no longer listed is
+dropped once it is down. Static addresses are never dropped, and since only links that
+are down are dropped, neither a kvstore that is down nor a restarted one (a new
+``epoch``, filling as members register again) cuts a working link
+(docs/architecture.md §10).
 """
 
 from __future__ import annotations

@@ -21,20 +21,18 @@ stops; the process exits 0. SIGINT, or a second SIGTERM, stops at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from radixserve.errors import CapacityError, RequestError
 from radixserve.metrics import service_metrics
@@ -51,7 +49,7 @@ from radixserve.protocol import (
 from radixserve.protocol.messages import ErrorType, Role
 from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
 from radixserve.runtime.calls import Tasks
-from radixserve.runtime.links import LinkIdentity
+from radixserve.runtime.links import LinkIdentity, monitor_socket
 from radixserve.runtime.network import advertise_host, default_name
 from radixserve.runtime.probe import ProbeServer
 from radixserve.runtime.settings import ServiceSettings
@@ -140,8 +138,9 @@ class Service:
                 await self.probe.start()
             self.run_in_background(self._receive())
             self.run_in_background(self._beat())
-            if self.keys is not None:
-                self.run_in_background(self._count_refusals())
+            if self.keys is not None:  # count the peers that lack the cluster secret
+                self.run_in_background(monitor_socket(self._router.socket, HANDSHAKE_FAILURES,
+                                                      self._refused))  # fmt: skip
             self.serving = True
             http = f", HTTP on {self.probe.url}" if self.probe else ""
             print(f"radixserve {self.role} {self.name} (generation {self.generation}) "
@@ -351,21 +350,6 @@ class Service:
             except Exception:
                 logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
 
-    async def _count_refusals(self) -> None:
-        """Count the peers whose handshake failed: they lack the cluster secret, and none
-        of their frames reached us."""
-        assert self._router is not None
-        socket = self._router.socket
-        monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES)
-        try:
-            while True:
-                parse_monitor_message(await monitor.recv_multipart())
-                self.counters["auth_refused_total"] += 1
-        finally:
-            with contextlib.suppress(zmq.ZMQError):
-                socket.disable_monitor()
-            monitor.close(linger=0)
-
     async def _beat(self) -> None:
         s = self.settings
         while True:
@@ -386,6 +370,10 @@ class Service:
             self._beat_now.clear()
             await wait_event(self._beat_now, s.heartbeat_interval_s)
 
+    def _refused(self, _event: int) -> None:
+        """A peer's handshake failed: none of its frames reached us."""
+        self.counters["auth_refused_total"] += 1
+
     def beat_now(self) -> None:
         """Send the next heartbeat at once (the load changed in a way routers should see)."""
         self._beat_now.set()
@@ -403,16 +391,19 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
-def serve_until_signalled(service: Service) -> int:
-    """Run ``service`` until SIGTERM (drain, then stop) or SIGINT (stop now); the body of
-    a service's process entry. Exits 0 either way."""
+def serve_until_signalled(
+    run: Callable[[asyncio.Event], Awaitable[None]], on_sigterm: Callable[[], None] | None = None
+) -> int:
+    """Run ``run(stop)`` until SIGINT sets ``stop`` or SIGTERM calls ``on_sigterm`` (a
+    service's `begin_drain`: drain, then stop; default: stop now); the body of a service's
+    process entry. Exits 0 either way."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)
-        loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
-        await service.run(stop)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm or stop.set)
+        await run(stop)
 
     asyncio.run(main())
     sys.stdout.flush()

@@ -12,6 +12,7 @@ built image with each container's command and environment.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 from typing import Any
 
@@ -28,7 +29,16 @@ PROCESS_VARIABLES = frozenset({
 })  # fmt: skip
 
 
-SERVICES = ("kvstore", "prefill", "decode", "gateway", "autoscaler")
+#: each service's own settings class (in ``radixserve.services.<service>.settings``), and
+#: whether the engine's settings configure it too
+_OWN_SETTINGS = {
+    "kvstore": ("KVStoreSettings", False),
+    "prefill": ("PrefillSettings", True),
+    "decode": ("DecodeSettings", True),
+    "gateway": ("GatewaySettings", True),
+    "autoscaler": ("AutoscalerSettings", False),
+}
+SERVICES = tuple(_OWN_SETTINGS)
 
 
 class UnknownSettingError(RadixServeError):
@@ -40,27 +50,11 @@ def settings_classes(service: str) -> list[type[BaseSettings]]:
     from radixserve.runtime.probe import ProbeSettings
     from radixserve.settings import EngineSettings
 
-    if service == "kvstore":
-        from radixserve.services.kvstore import KVStoreSettings
-
-        return [KVStoreSettings, ProbeSettings]
-    if service == "prefill":
-        from radixserve.services.prefill import PrefillSettings
-
-        return [EngineSettings, PrefillSettings, ProbeSettings]
-    if service == "decode":
-        from radixserve.services.decode import DecodeSettings
-
-        return [EngineSettings, DecodeSettings, ProbeSettings]
-    if service == "gateway":
-        from radixserve.services.gateway.settings import GatewaySettings
-
-        return [EngineSettings, GatewaySettings, ProbeSettings]
-    if service == "autoscaler":
-        from radixserve.services.autoscaler.settings import AutoscalerSettings
-
-        return [AutoscalerSettings, ProbeSettings]
-    raise ValueError(f"no such service: {service}")
+    if service not in _OWN_SETTINGS:
+        raise ValueError(f"no such service: {service}")
+    name, engine = _OWN_SETTINGS[service]
+    own = getattr(importlib.import_module(f"radixserve.services.{service}.settings"), name)
+    return [EngineSettings, own, ProbeSettings] if engine else [own, ProbeSettings]
 
 
 def field_variables(cls: type[BaseSettings]) -> dict[str, set[str]]:

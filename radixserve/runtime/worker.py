@@ -1,26 +1,18 @@
 """What prefill and decode workers share: an engine and a KV transfer agent behind a service.
 
-A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), the
-service control plane (`radixserve.runtime.service`) on an asyncio loop on the main thread that
-owns every socket, and a KV transfer agent over the engine's pool. The loop never
-waits on a step, so heartbeats and aborts flow while a long prefill runs. A worker's
-`HelloAck` says what it serves (model, context, page size) and, for a prefill worker,
-carries its transfer agent's metadata.
+A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`), and the
+service control plane (`radixserve.runtime.service`) on the main thread's asyncio loop,
+which owns every socket and never waits on a step, so heartbeats and aborts flow while
+a long prefill runs. Its `HelloAck` says what it serves (model, context, page geometry)
+and, for a prefill worker, carries its transfer agent's metadata.
 
-With a kvstore configured (``kvstore``, or ``radixserve prefill|decode --join``), the
-worker is a member of that cluster: it registers there when the link comes up
-(`Register`: name, role, the address to dial, draining or not), says so again when it
-starts draining, and deregisters when the drain is done; routers learn of it from the
-kvstore (`radixserve.runtime.membership`). A worker that routes to others (decode, to
-prefill workers) also watches the membership through the same link.
-
-With a kvstore and a prefix cache, the worker publishes its radix cache's events (`KVEvent`:
-pages stored and removed, by chained hash, numbered per generation) over a link to it;
-when the link comes up or the kvstore asks (`KVResync`), it sends ``cleared`` and a
-snapshot of every cached page. Events go through one queue in the order the engine
-thread made them, so a snapshot never overtakes an earlier event. If the kvstore has a
-host tier, the worker also spills evicted pages into it and loads prefixes it misses on
-device from it (`radixserve.runtime.host_tier`).
+With a kvstore (``kvstore``, or ``radixserve prefill|decode --join``) the worker is a
+member of that cluster (`Register` when the link comes up and when it starts draining,
+`Deregister` when the drain is done; `radixserve.runtime.membership`), publishes its
+radix cache's events to the kvstore's index (`_publish`: one queue in the engine
+thread's order, so a resync's snapshot never overtakes an earlier event) and, if the
+kvstore has a host tier, spills into it and loads from it
+(`radixserve.runtime.host_tier`). The whole story: docs/architecture.md §8-§10.
 """
 
 from __future__ import annotations
@@ -307,4 +299,5 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
     # built on the engine thread, where it steps
-    return serve_until_signalled(worker_cls(settings, AsyncEngine(EngineSettings(**from_env))))
+    worker = worker_cls(settings, AsyncEngine(EngineSettings(**from_env)))
+    return serve_until_signalled(worker.run, worker.begin_drain)

@@ -2,7 +2,7 @@
 and ITL SLOs by sizing the prefill and decode pools (`AutoscalerService`, settings
 ``RADIXSERVE_AUTOSCALER_*``; the decisions are `policy.ScalingPolicy`'s)."""
 
-from radixserve.services.autoscaler.service import AutoscalerService, serve_autoscaler
+from radixserve.services.autoscaler.service import AutoscalerService
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
-__all__ = ["AutoscalerService", "AutoscalerSettings", "serve_autoscaler"]
+__all__ = ["AutoscalerService", "AutoscalerSettings"]

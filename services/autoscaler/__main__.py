@@ -9,10 +9,11 @@ from radixserve.logging import setup_logging
 
 
 def main() -> int:
-    from radixserve.services.autoscaler import AutoscalerSettings, serve_autoscaler
+    from radixserve.runtime.service import serve_until_signalled
+    from radixserve.services.autoscaler import AutoscalerService, AutoscalerSettings
 
     setup_logging()
-    return serve_autoscaler(AutoscalerSettings())
+    return serve_until_signalled(AutoscalerService(AutoscalerSettings()).run)
 
 
 if __name__ == "__main__":

@@ -2,26 +2,22 @@
 
 Pure logic: `ScalingPolicy.decide(observation)` gets one `Observation` per interval —
 from live metrics (`metrics_source`) or from the simulator (`radixserve.bench.autoscale`)
-alike — and returns one `Decision` per pool. For each pool:
+alike — and returns one `Decision` per pool, with its inputs and a reason. Per pool:
 
-1. **Throughput model.** Predicted demand (an exponentially smoothed rate of uncached
-   prompt tokens/s for prefill, output tokens/s for decode, following rises at once and
-   falls slowly) over what one replica carries (`capacity`: measured from the workers'
-   own counters, cold-start samples excluded; decode's at the ITL target) at
-   ``target_utilization``, times a correction factor that grows while the pool's
-   latency is over its SLO and decays back to 1 once it is well under:
-   ``desired = ceil(demand * correction / (capacity * target_utilization))``.
-2. **Fast step.** An SLO broken now — TTFT p90 or queued prompt tokens per replica over
-   target for prefill, ITL p90 over target for decode — asks for at least one more
-   replica than is provisioned (ready + starting), unless one is still starting.
+1. **Throughput model**: ``desired = ceil(demand * correction / (capacity *
+   target_utilization))``; demand (uncached prompt tokens/s for prefill, output tokens/s
+   for decode) is smoothed, following rises at once and falls slowly; capacity is one
+   replica's (`capacity`); the correction grows while the pool's SLO is broken and
+   decays back to 1 once latency is well under.
+2. **Fast step**: an SLO broken now (TTFT p90 or queued prompt tokens per replica for
+   prefill, ITL p90 for decode) asks for one more replica than is provisioned, unless
+   one is still starting.
 3. **Scale down** one replica at a time, only while no SLO is broken, after
-   ``scale_down_cooldown_s`` since the pool last changed (a replica coming up is a
-   change: one that just arrived serves a full cooldown first), and only if N-1 replicas
-   would run below ``scale_down_utilization`` (``util * N / (N - 1)``): no 2<->1
-   flapping. An interval with prompts queued but no first token is not a good one.
+   ``scale_down_cooldown_s`` since the pool last changed, and only if N-1 replicas would
+   run below ``scale_down_utilization`` (no 2<->1 flapping).
 4. Scale-ups are ``scale_up_cooldown_s`` apart; everything stays within the bounds.
 
-Every decision carries its inputs and a reason, for the log and the metrics.
+(docs/architecture.md §11.)
 """
 
 from __future__ import annotations

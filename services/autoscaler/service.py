@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 from typing import Any
 
@@ -152,17 +151,3 @@ def _make_source(settings: AutoscalerSettings) -> GatewayMetrics | PrometheusMet
         assert settings.prometheus_url is not None  # checked by the settings
         return PrometheusMetrics(settings.prometheus_url, settings.prometheus_window_s)
     return GatewayMetrics(settings.gateway_url)
-
-
-def serve_autoscaler(settings: AutoscalerSettings) -> int:
-    """Run the autoscaler until SIGTERM or SIGINT; the process entry."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await AutoscalerService(settings).run(stop)
-
-    asyncio.run(main())
-    return 0

@@ -23,19 +23,9 @@ more than one worker is ready; without it (the kvstore down or slow) every hit c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from radixserve.runtime.links import Link
-
-
-@dataclass(frozen=True)
-class PrefillWeights:
-    """The knobs of `prefill_cost` (decode settings ``prefill_*``)."""
-
-    cache: float = 1.0
-    load: float = 1.0
-    host_hit: float = 0.1
-    busy_tokens: int = 65536
+from radixserve.services.decode.settings import DecodeSettings
 
 
 def prefill_cost(
@@ -58,9 +48,10 @@ def prefill_cost(
 class PrefillRouter:
     """Picks prefill workers and keeps this process's ledger of unanswered prompt tokens."""
 
-    def __init__(self, page_size: int, weights: PrefillWeights | None = None) -> None:
+    def __init__(self, page_size: int, settings: DecodeSettings | None = None) -> None:
+        """``settings``: the ``prefill_*`` weights and threshold (default: their defaults)."""
         self.page_size = page_size
-        self.weights = weights or PrefillWeights()
+        self.settings = settings or DecodeSettings()
         self._assigned: dict[str, int] = {}  # worker -> prompt tokens sent, unanswered
 
     def queued_tokens(self, link: Link) -> int:
@@ -79,13 +70,14 @@ class PrefillRouter:
         ready = self.ready(links, exclude)
         if not ready:
             return None
-        w, hits = self.weights, device_hits or {}
-        candidates = [link for link in ready if self.queued_tokens(link) <= w.busy_tokens]
+        s, hits = self.settings, device_hits or {}
+        candidates = [link for link in ready if self.queued_tokens(link) <= s.prefill_busy_tokens]
 
         def cost(link: Link) -> tuple[float, int, str]:
             queued = self.queued_tokens(link)
             value = prefill_cost(num_pages, hits.get(link.name, 0), queued / self.page_size,
-                                 w.cache, w.load, host_pages, w.host_hit)  # fmt: skip
+                                 s.prefill_cache_weight, s.prefill_load_weight, host_pages,
+                                 s.prefill_host_hit_weight)  # fmt: skip
             return value, queued, link.name
 
         return min(candidates or ready, key=cost)

@@ -1,39 +1,22 @@
 """The decode worker: continuous batching over its own radix cache, remote prefill on demand.
 
-For each `GenerateRequest` from the gateway:
+Each `GenerateRequest` from the gateway is admitted once (`Worker.admit`, one engine
+operation; nothing before it waits for a step) on one of three routes: **local** when at
+most ``local_prefill_max_tokens`` of the prompt are uncached here or no prefill worker is
+up; **host tier** when the kvstore's host tier supplies enough of the prefix first;
+**remote** otherwise: the engine reserves pages for the uncached part, `PrefillRouter`
+picks the prefill worker (the kvstore's index is asked only when more than one is
+ready), which answers `KVReady`; this worker pulls those pages, sends `TransferDone` and
+continues from the first token(s) (`Engine.activate_remote`). Outputs stream to the
+gateway as `TokenChunk`s. The gateway only chose this worker: every other decision of
+the request is made here, once.
 
-The request is admitted once (`Worker.admit`, one engine operation: nothing before it
-waits for a step):
-
-* **Local prefill** when the prompt's uncached delta on this worker is at most
-  ``local_prefill_max_tokens`` (turn N+1 of a chat whose turn N ran here), or when no
-  prefill worker is up: the engine prefills and decodes; no KV moves.
-* **Host tier** when the uncached part is small enough to compute here once the kvstore's
-  host tier has supplied its prefix: those pages are read in first.
-* **Remote prefill** otherwise: the engine reserves pages for the part of the prompt its
-  cache lacks (`Engine.admit`'s remote route), then this worker picks the prefill worker
-  (`PrefillRouter`: the pages each would compute, per the kvstore's index, asked only
-  when more than one is ready, and its queue), which computes the prompt and answers
-  `KVReady`; this worker pulls exactly
-  those pages through its transfer agent, tells the prefill worker `TransferDone` and
-  continues from the first token (`Engine.activate_remote`; a request with n choices
-  forks here from the n first tokens the prefill worker sampled, with their
-  log-probabilities and the prompt's when asked for).
-
-If the prefill worker fails, dies, times out (``prefill_timeout_s``) or the transfer
-fails, the reserved pages are returned uncached (never decoded from) and, with
-``on_transfer_failure="recompute"``, the request is prefilled locally; with ``"fail"``
-the gateway gets `RequestFailed`. A prefill worker that refuses because it is draining
-is no failure: the next one is tried, else the prompt is prefilled here. Outputs stream
-to the gateway as `TokenChunk`s.
-
-This worker makes every decision of the request once: the gateway only chose it. The
-prompt's page hashes come with the request (the gateway hashed it to route it); the
-engine matches its radix tree once; the host tier and the kvstore index are asked only
-on the routes that can use them. Prefill workers come from ``prefill_workers`` (static)
-and from the cluster's membership (`radixserve.runtime.membership`).
-While draining (SIGTERM) this worker refuses new `GenerateRequest`s ("draining": the
-gateway sends them elsewhere) and leaves once its running requests have finished.
+A remote prefill that fails, dies, times out (``prefill_timeout_s``) or whose transfer
+fails returns the reserved pages uncached and, with ``on_transfer_failure="recompute"``,
+is prefilled here (``"fail"``: `RequestFailed`); a prefill worker that refuses because it
+is draining is no failure, the next one is tried. While draining this worker refuses new
+`GenerateRequest`s and leaves once its running requests have finished. The request's
+whole path and its failures: docs/architecture.md §8.
 """
 
 from __future__ import annotations
@@ -67,7 +50,7 @@ from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.service import Peer
 from radixserve.runtime.worker import Worker
-from radixserve.services.decode.prefill_router import PrefillRouter, PrefillWeights
+from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.transfer import TransferError
 
@@ -101,11 +84,7 @@ class DecodeWorker(Worker):
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
         self.view: MemberView | None = None
-        s = settings
-        self.router = PrefillRouter(self.page_size, PrefillWeights(
-            s.prefill_cache_weight, s.prefill_load_weight, s.prefill_host_hit_weight,
-            s.prefill_busy_tokens,
-        ))  # fmt: skip
+        self.router = PrefillRouter(self.page_size, settings)
         self._index: Replies[IndexReply] = Replies()
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}

@@ -2,34 +2,20 @@
 
 The gateway tokenises, hashes the prompt's pages once, picks a decode worker with them
 (`DecodeRouter`: longest cached prefix, then load) and sends it a `GenerateRequest`
-carrying the hashes. That is the gateway's one decision: the decode worker decides
-everything else (local or remote prefill, which prefill worker, the host tier). It
-streams `TokenChunk`s back; they become `RequestOutput`s. Prefill workers are linked
-only to show their load and counters (/debug/cache, /metrics).
+carrying the hashes: its one decision; the decode worker decides everything else. It
+streams `TokenChunk`s back as `RequestOutput`s. Prefill workers are linked only to show
+their load and counters (/debug/cache, /metrics). Workers are the static
+``decode_workers`` / ``prefill_workers`` plus the kvstore's members
+(`radixserve.runtime.membership`).
 
-Workers are the static ``decode_workers`` / ``prefill_workers`` plus whatever the
-kvstore's membership lists (`radixserve.runtime.membership`): a worker that joins is
-routed to once its link is up, one that drains gets nothing new at once, one that
-leaves or dies is dropped.
-
-Failure contract:
-- no decode worker up → `UnavailableError` (HTTP 503) at once;
-- the worker refuses because it is draining → the request goes to another one (before
-  any token has streamed, so nothing is lost or repeated);
-- the worker answers `RequestFailed` → `InvalidRequestError` / `CapacityError` (HTTP
-  400) for the request's own faults, `UnavailableError` otherwise;
-- the worker goes down (its TCP connection closes, it is silent for ``peer_timeout_s``,
-  or it restarted) or drains past its grace → each of its streams **migrates**: it
-  continues on another decode worker (waiting up to ``migration_wait_s`` for one, e.g.
-  the lost one's restart), which is sent the prompt plus the tokens already streamed
-  (``resume_token_ids``) and carries on exactly where the first left off (greedy and
-  seeded draws included: see `Engine.admit`'s resume), so the caller sees one
-  uninterrupted stream. A request that had no token yet is simply sent again. At most
-  ``max_migrations`` moves per request; past that, or with no worker left, or for a
-  request with n > 1 choices that had streamed, `UnavailableError` (503, or an SSE
-  error event mid-stream);
-- the caller closes the stream early → `Abort` to the decode worker, which aborts the
-  request there and on the prefill worker.
+Failure contract: no decode worker up -> `UnavailableError` (503) at once; a worker
+that refuses because it is draining -> another one; `RequestFailed` ->
+`InvalidRequestError` / `CapacityError` (400) for the request's own faults, else
+`UnavailableError`; a worker that goes down, or drains past its grace -> each of its
+streams **migrates** to another decode worker with the tokens already streamed
+(``resume_token_ids``, waiting up to ``migration_wait_s``), at most ``max_migrations``
+times, so the caller sees one uninterrupted stream (docs/architecture.md §13); a caller
+that closes the stream early -> `Abort` to the decode worker.
 """
 
 from __future__ import annotations
@@ -50,6 +36,7 @@ from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_output, to_spec
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
+from radixserve.metrics import POOL_GAUGES
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
     Abort,
@@ -315,8 +302,7 @@ class ClusterClient(EngineClient):
         if self.decodes is None or self.prefills is None:
             return totals
         for link in self.decodes.up() + self.prefills.up():
-            for key in ("pages_total", "pages_used", "pages_free", "pages_locked",
-                        "pages_evictable", "live_requests"):  # fmt: skip
+            for key in POOL_GAUGES:
                 if key in link.stats:
                     totals[key] = totals.get(key, 0) + int(link.stats[key])
         return totals

@@ -45,6 +45,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "no worker can serve"),
     )
 }
+_AUTH_ERROR: dict[int | str, dict[str, Any]] = {401: _ERRORS[401]}
 _SSE_EVENT = {
     "type": "object",
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
@@ -69,74 +70,56 @@ def version() -> str:
         return __version__
 
 
-def install(app: FastAPI, gw: Gateway) -> None:
-    async def models(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
-        cards = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "radixserve",
-             "max_model_len": gw.client.max_model_len, "root": gw.client.model_name}
-            for name in gw.model_names
-        ]  # fmt: skip
-        return {"object": "list", "data": cards}
+def _gateway(request: Request) -> Gateway:
+    """The `Gateway` of the app serving ``request``, authorized."""
+    gw: Gateway = request.app.state.gateway
+    gw.authorize(request)
+    return gw
 
-    async def tokenize(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
-        req = TokenizeRequest.model_validate(await gw.read_json(request))
-        gw.check_model(req.model)
-        tokenizer = gw.client.tokenizer
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            messages = [m.to_template() for m in req.messages]
-            text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt))
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(
-                req.prompt or "", add_special_tokens=bool(req.add_special_tokens)
-            )
-        strs = [gw.formatter.text(t) for t in ids] if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": gw.client.max_model_len, "tokens": ids,
-                "token_strs": strs}  # fmt: skip
 
-    async def detokenize(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
-        req = DetokenizeRequest.model_validate(await gw.read_json(request))
-        gw.check_model(req.model)
-        vocab = gw.client.tokenizer.vocab_size
-        bad = [t for t in req.tokens if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
-            )
-        return {"prompt": gw.client.tokenizer.decode(req.tokens)}
+async def models(request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    cards = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "radixserve",
+         "max_model_len": gw.client.max_model_len, "root": gw.client.model_name}
+        for name in gw.model_names
+    ]  # fmt: skip
+    return {"object": "list", "data": cards}
 
-    async def version_route() -> dict[str, str]:
-        return {"version": version()}
 
-    app.add_api_route(
-        "/v1/models",
-        models,
-        methods=["GET"],
-        response_model=ModelList,
-        responses={401: _ERRORS[401]},
-    )
-    app.add_api_route(
-        "/tokenize",
-        tokenize,
-        methods=["POST"],
-        response_model=TokenizeResponse,
-        responses=_ERRORS,
-        openapi_extra=body(TokenizeRequest),
-    )
-    app.add_api_route(
-        "/detokenize",
-        detokenize,
-        methods=["POST"],
-        response_model=DetokenizeResponse,
-        responses=_ERRORS,
-        openapi_extra=body(DetokenizeRequest),
-    )
-    app.add_api_route("/version", version_route, methods=["GET"], response_model=VersionResponse)
+async def tokenize(request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    req = TokenizeRequest.model_validate(await gw.read_json(request))
+    gw.check_model(req.model)
+    tokenizer = gw.client.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        messages = [m.to_template() for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(req.prompt or "", add_special_tokens=bool(req.add_special_tokens))
+    strs = [gw.formatter.text(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": gw.client.max_model_len, "tokens": ids,
+            "token_strs": strs}  # fmt: skip
+
+
+async def detokenize(request: Request) -> dict[str, Any]:
+    gw = _gateway(request)
+    req = DetokenizeRequest.model_validate(await gw.read_json(request))
+    gw.check_model(req.model)
+    vocab = gw.client.tokenizer.vocab_size
+    bad = [t for t in req.tokens if t >= vocab]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+        )
+    return {"prompt": gw.client.tokenizer.decode(req.tokens)}
+
+
+async def version_route() -> dict[str, str]:
+    return {"version": version()}
 
 
 def create_app(client: EngineClient, settings: GatewaySettings | None = None) -> FastAPI:
@@ -161,27 +144,22 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_api_route(
-        "/v1/completions",
-        gw.completions,
-        response_model=CompletionResponse,
-        openapi_extra=body(CompletionRequest),
-        methods=["POST"],
-        responses=GENERATION_RESPONSES,
-    )
-    app.add_api_route(
-        "/v1/chat/completions",
-        gw.chat_completions,
-        response_model=ChatCompletionResponse,
-        openapi_extra=body(ChatCompletionRequest),
-        methods=["POST"],
-        responses=GENERATION_RESPONSES,
-    )
-    install(app, gw)
-    app.add_api_route("/health", gw.health, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/live", gw.live, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/metrics", gw.metrics_text, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/debug/cache", gw.debug_cache, methods=["GET"], include_in_schema=False)
+    documented = (  # path, method, handler, response, request body, error responses
+        ("/v1/completions", "POST", gw.completions, CompletionResponse, CompletionRequest,
+         GENERATION_RESPONSES),
+        ("/v1/chat/completions", "POST", gw.chat_completions, ChatCompletionResponse,
+         ChatCompletionRequest, GENERATION_RESPONSES),
+        ("/v1/models", "GET", models, ModelList, None, _AUTH_ERROR),
+        ("/tokenize", "POST", tokenize, TokenizeResponse, TokenizeRequest, _ERRORS),
+        ("/detokenize", "POST", detokenize, DetokenizeResponse, DetokenizeRequest, _ERRORS),
+        ("/version", "GET", version_route, VersionResponse, None, None),
+    )  # fmt: skip
+    for path, method, handler, response, request, errors in documented:
+        app.add_api_route(path, handler, methods=[method], response_model=response,
+                          responses=errors, openapi_extra=body(request) if request else None)  # fmt: skip
+    for path, handler in (("/health", gw.health), ("/live", gw.live),
+                          ("/metrics", gw.metrics_text), ("/debug/cache", gw.debug_cache)):  # fmt: skip
+        app.add_api_route(path, handler, methods=["GET"], include_in_schema=False)
     install_openapi(app)
     app.state.gateway = gw
     return app

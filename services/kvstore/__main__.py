@@ -11,4 +11,5 @@ from radixserve.services.kvstore import KVStoreService, KVStoreSettings
 
 if __name__ == "__main__":
     setup_logging()
-    sys.exit(serve_until_signalled(KVStoreService(KVStoreSettings())))
+    service = KVStoreService(KVStoreSettings())
+    sys.exit(serve_until_signalled(service.run, service.begin_drain))

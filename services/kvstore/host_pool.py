@@ -30,11 +30,12 @@ import torch
 
 from radixserve.cache.host_index import HostPageIndex
 from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
+from radixserve.runtime.network import transfer_network
+from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import (
     KVTransferAgent,
     PoolCompat,
     TransferError,
-    TransferNetwork,
     create_agent,
     peer_compat,
 )
@@ -50,23 +51,10 @@ def spill_agent_name(worker: str) -> str:
 class HostPool:
     """Host pages, their index and the agent that moves them; driven by the kvstore."""
 
-    def __init__(
-        self,
-        name: str,
-        backend: str,
-        capacity_gib: float,
-        lease_s: float,
-        transfer_timeout_s: float,
-        nixl_progress_thread: bool = False,
-        network: TransferNetwork | None = None,
-    ) -> None:
-        self.name = name
-        self.backend = backend
-        self.capacity_bytes = int(capacity_gib * (1 << 30))
-        self.lease_s = lease_s
-        self.transfer_timeout_s = transfer_timeout_s
-        self.nixl_progress_thread = nixl_progress_thread
-        self.network = network
+    def __init__(self, name: str, settings: KVStoreSettings) -> None:
+        self.name, self.settings = name, settings
+        self.capacity_bytes = int(settings.host_capacity_gib * (1 << 30))
+        self.network = transfer_network(settings)
         self.compat: PoolCompat | None = None
         self.kv: torch.Tensor | None = None
         self.agent: KVTransferAgent | None = None
@@ -102,7 +90,7 @@ class HostPool:
         if not self.enabled:
             return HostAttachAck(False, reason="this kvstore has no host tier (capacity 0)")
         try:
-            compat = peer_compat(metadata, self.network.keys if self.network else None)
+            compat = peer_compat(metadata, self.network.keys)
         except TransferError as exc:
             return HostAttachAck(False, reason=f"spill buffer metadata: {exc}")
         if self.agent is None:
@@ -136,15 +124,9 @@ class HostPool:
             compat.head_dim,
         )  # fmt: skip
         kv = torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-        self.agent = create_agent(
-            self.backend,
-            self.name,
-            kv,
-            compat,
-            self.transfer_timeout_s,
-            nixl_progress_thread=self.nixl_progress_thread,
-            network=self.network,
-        )
+        s = self.settings
+        self.agent = create_agent(s.transfer_backend, self.name, kv, compat,
+                                  s.host_transfer_timeout_s, s.nixl_progress_thread, self.network)  # fmt: skip
         self.kv, self.compat = kv, compat
         self.index = HostPageIndex(num_pages)
         # drive the agent while workers may read leased pages; expire forgotten leases
@@ -204,7 +186,7 @@ class HostPool:
             return HostLease(msg.query_id)
         self.counters["host_lookups_total"] += 1
         lease_id, pages = self.index.lease(
-            worker, list(msg.page_hashes), time.monotonic() + self.lease_s
+            worker, list(msg.page_hashes), time.monotonic() + self.settings.host_lease_s
         )
         if lease_id:
             self._leased.set()

@@ -1,29 +1,17 @@
-"""The kvstore: the cluster-wide radix index, and the host-memory tier behind the workers.
+"""The kvstore: the cluster-wide radix index, the member registry, and the host-memory tier.
 
-**Index.** Workers connect, say `Hello`, and publish `KVEvent`s as pages enter and
-leave their device caches; the kvstore applies them to a `GlobalIndex`. An event it
-cannot apply in order (a gap in the worker's sequence numbers, a worker it does not
-know — e.g. after the kvstore itself restarted — or a new generation of a restarted
-worker) drops that worker's entries and answers `KVResync`; the worker replies
-``cleared`` plus a snapshot. A worker that stops heartbeating is dropped from the index,
-so nothing is routed to a cache that no longer exists. `IndexQuery` (from the gateway or
-anyone) gets an `IndexReply`: per worker, how many leading pages of the query it holds
-on device, and how many the host tier holds.
+**Index** (`GlobalIndex`): workers publish `KVEvent`s as pages enter and leave their
+device caches; an event that cannot be applied in order (a gap, an unknown worker or a
+new generation) drops the worker's entries and answers `KVResync`, and a worker that
+stops heartbeating is dropped. `IndexQuery` gets an `IndexReply`: per worker, how many
+leading pages of the query it holds on device, and how many the host tier holds.
+**Membership** (`MemberRegistry`): `Register`, `Deregister` and `WatchMembers` (see
+`radixserve.runtime.membership`). **Host tier** (`HostPool`, ``host_capacity_gib`` > 0):
+`HostAttach`, `SpillOffer` and `HostLookup` ... `HostRelease` (see
+`services.kvstore.host_pool`).
 
-**Membership** (`MemberRegistry`): the kvstore is also where services find each other.
-Workers `Register` (name, role, the address to dial, draining or not) and `Deregister`;
-a worker whose connection goes silent is dropped. Routers send `WatchMembers` and get a
-`MemberList` of the roles they watch at once, after every change, and every
-``member_refresh_s`` (see `radixserve.runtime.membership`).
-
-**Host tier** (`HostPool`, ``host_capacity_gib`` > 0): workers attach (`HostAttach`),
-spill the pages they evict into it (`SpillOffer`) and load prefixes they miss on device
-from it (`HostLookup` ... `HostRelease`); see `services.kvstore.host_pool`.
-
-When the kvstore is down serving goes on: without the index routing goes by load,
-without the host tier an evicted prefix is recomputed, and without the registry every
-router keeps the members it knew. After a restart the index rebuilds as workers
-reconnect and resync, the registry as they register again; the host tier starts empty.
+When the kvstore is down serving goes on, and after a restart the index and registry
+rebuild as workers reconnect (docs/architecture.md §9, §10).
 """
 
 from __future__ import annotations
@@ -47,7 +35,6 @@ from radixserve.protocol import (
     SpillOffer,
     WatchMembers,
 )
-from radixserve.runtime.network import transfer_network
 from radixserve.runtime.service import Peer, Service
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
@@ -67,16 +54,7 @@ class KVStoreService(Service):
         self.host: HostPool | None = None
 
     async def start(self) -> None:
-        s = self.settings
-        self.host = HostPool(
-            self.name,
-            s.transfer_backend,
-            s.host_capacity_gib,
-            s.host_lease_s,
-            s.host_transfer_timeout_s,
-            s.nixl_progress_thread,
-            transfer_network(s),
-        )
+        self.host = HostPool(self.name, self.settings)
         self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from radixserve.protocol import WorkerLoad
 from radixserve.runtime.links import Link
-from radixserve.services.decode.prefill_router import PrefillRouter, PrefillWeights, prefill_cost
+from radixserve.services.decode.prefill_router import PrefillRouter, prefill_cost
+from radixserve.services.decode.settings import DecodeSettings
 
 PAGE = 16
 
@@ -62,7 +63,7 @@ def test_the_ledger_counts_what_was_sent_until_it_is_answered():
 
 
 def test_busy_draining_and_down_workers_are_skipped():
-    router = PrefillRouter(PAGE, PrefillWeights(busy_tokens=1000))
+    router = PrefillRouter(PAGE, DecodeSettings(prefill_busy_tokens=1000))
     busy, idle = link("a", queued=5000), link("b", queued=10)
     # the busy one holds the prompt, but is over the threshold while another is not
     assert router.pick([busy, idle], 100, {"a": 100}).name == "b"

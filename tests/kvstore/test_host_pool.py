@@ -16,6 +16,7 @@ import torch
 
 from radixserve.protocol import HostLookup, SpillOffer
 from radixserve.services.kvstore.host_pool import HostPool, spill_agent_name
+from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 
 MODEL = "host-pool-test"
@@ -53,7 +54,12 @@ def worker(name: str = "w1", generation: int = 1, head_dim: int = HEAD_DIM) -> W
 
 
 def pool(num_pages: int = 16, lease_s: float = 60.0, transfer_timeout_s: float = 5.0) -> HostPool:
-    return HostPool("kvstore-test", "zmq", gib_of(num_pages), lease_s, transfer_timeout_s)
+    return HostPool("kvstore-test", settings(gib_of(num_pages), lease_s, transfer_timeout_s))
+
+
+def settings(gib: float, lease_s: float = 60.0, transfer_timeout_s: float = 5.0) -> KVStoreSettings:
+    return KVStoreSettings(transfer_backend="zmq", host_capacity_gib=gib, host_lease_s=lease_s,
+                           host_transfer_timeout_s=transfer_timeout_s)  # fmt: skip
 
 
 def attach(host: HostPool, w: Worker, connection: bytes = b"conn-1") -> None:
@@ -293,9 +299,9 @@ def test_an_attach_is_refused_without_a_tier_with_bad_metadata_or_no_room_for_a_
     async def scenario() -> None:
         w = worker()
         hosts = [
-            HostPool("kv-none", "zmq", 0.0, 60.0, 5.0),
+            HostPool("kv-none", settings(0.0)),
             pool(),
-            HostPool("kv-tiny", "zmq", (PAGE_BYTES - 1) / (1 << 30), 60.0, 5.0),
+            HostPool("kv-tiny", settings((PAGE_BYTES - 1) / (1 << 30))),
         ]
         try:
             none = hosts[0].attach(w.name, 1, w.metadata())
