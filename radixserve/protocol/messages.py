@@ -487,33 +487,9 @@ class HostRelease(Message):
     lease_id: int = field(metadata=_spec(IntSpec(1)))
 
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    Hello,
-    HelloAck,
-    Heartbeat,
-    GenerateRequest,
-    PrefillRequest,
-    KVReady,
-    TransferDone,
-    TokenChunk,
-    Abort,
-    RequestFailed,
-    KVEvent,
-    KVResync,
-    IndexQuery,
-    IndexReply,
-    HostAttach,
-    HostAttachAck,
-    SpillOffer,
-    SpillDone,
-    HostLookup,
-    HostLease,
-    HostRelease,
-    Register,
-    Deregister,
-    WatchMembers,
-    MemberList,
-)
+# every message type: the classes above, each a direct subclass of `Message` (checked
+# when the registry is built: a tag missing or used twice is an import-time error)
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(Message.__subclasses__())
 
 
 def _build_registry() -> Mapping[str, type[Message]]:
