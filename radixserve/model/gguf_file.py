@@ -110,12 +110,8 @@ class GGUFFile:
         return values, offset + struct.calcsize("<" + fmt)
 
     def _string(self, offset: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from(self._order + "Q", self._buf, offset)
-        start = offset + 8
-        end = start + length
-        if end > len(self._buf):
-            raise ValueError(f"a string at byte {offset} runs past the end of the file")
-        return str(self._buf[start:end], "utf-8"), end
+        strings, offset = self._strings(1, offset)
+        return strings[0], offset
 
     def _value(self, kind: int, offset: int) -> tuple[Any, int]:
         if kind == _STRING:
