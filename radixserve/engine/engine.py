@@ -533,10 +533,6 @@ class Engine:
             ),
         )
 
-    def request(self, request_id: str) -> Request | None:
-        """A live request's state (for benchmarks that time steps of running requests)."""
-        return self._requests.get(request_id)
-
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[GenerationResult]:
