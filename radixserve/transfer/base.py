@@ -210,14 +210,12 @@ class KVTransferAgent(ABC):
         peer: str,
         remote_page_ids: list[int],
         local_page_ids: list[int],
-        notify: bytes = b"",
         timeout_s: float | None = None,
     ) -> TransferHandle:
         """Start pulling `remote_page_ids` of `peer` into `local_page_ids` (same order).
 
-        Every layer's K and V of each page is copied. `notify`, if not empty, is
-        delivered to the peer (see `notifications`) once the read completed. The
-        transfer fails if not done within `timeout_s` (default `default_timeout_s`).
+        Every layer's K and V of each page is copied. The transfer fails if not done
+        within `timeout_s` (default `default_timeout_s`).
         Bad arguments or an unknown peer raise TransferError here; transport failures
         (even ones detected while posting) are reported by `poll`/`wait`.
         """
@@ -238,7 +236,7 @@ class KVTransferAgent(ABC):
         )
         self._active[handle.id] = handle
         try:
-            self._start_read(handle, info, state, remote, local, bytes(notify))
+            self._start_read(handle, info, state, remote, local)
         except TransferError as exc:  # transport trouble: reported by poll/wait
             self._finish(handle, "failed", str(exc))
         return handle
@@ -306,11 +304,6 @@ class KVTransferAgent(ABC):
             if after is not None:
                 after()
 
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """(peer name, message) of reads of our pages completed since the last call."""
-        self._check_open()
-        return self._drain_notifications()
-
     def serve_reads(self) -> None:
         """Drive our side of peers' reads of our pages (cheap; see the module notes)."""
         self._check_open()
@@ -374,7 +367,6 @@ class KVTransferAgent(ABC):
         state: Any,
         remote: list[int],
         local: list[int],
-        notify: bytes,
     ) -> None:
         """Post the read; raise TransferError if it cannot be posted."""
 
@@ -385,10 +377,6 @@ class KVTransferAgent(ABC):
     @abstractmethod
     def _release(self, handle: TransferHandle) -> None:
         """Free backend resources of a finished handle (cancel it if still in flight)."""
-
-    @abstractmethod
-    def _drain_notifications(self) -> list[tuple[str, bytes]]:
-        """Collect notifications peers sent after reading our pages."""
 
     @abstractmethod
     def _shutdown(self) -> None:
