@@ -151,13 +151,11 @@ class Engine:
         return self.allocator.num_pages * self.page_size
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt is empty")
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
         vocab = self.config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
