@@ -112,7 +112,8 @@ def _digest(flags: Sequence[str], extra: str = "") -> str:
     return hashlib.sha256((_SOURCE + " ".join(flags) + extra).encode()).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The kernel's "flags" line of /proc/cpuinfo ("" where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -170,7 +171,7 @@ def _prebuilt() -> ctypes._NamedFuncPointer | None:
     folder = os.environ.get("RADIXSERVE_NATIVE_DIR")
     if not folder:
         return None
-    have = set(_cpu_flags().partition(":")[2].split())
+    have = set(cpu_flags().partition(":")[2].split())
     for variant in variants():
         path = Path(folder) / variant.file_name
         if variant.cpu_flags <= have and path.exists() and (fn := _load(path)) is not None:
@@ -188,7 +189,7 @@ def _built() -> ctypes._NamedFuncPointer | None:
     if cc is None:
         logger.debug("no C compiler to build the int4 dequantizer")
         return None
-    target = _cache_dir() / f"dequant-{_digest(_FLAGS, _cpu_flags())}.so"
+    target = _cache_dir() / f"dequant-{_digest(_FLAGS, cpu_flags())}.so"
     if not target.exists():
         try:
             _compile(cc, _FLAGS, target)
