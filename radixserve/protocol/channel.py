@@ -39,7 +39,9 @@ from radixserve.protocol.security import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
-_SOCKET_NAMES = {zmq.DEALER: "DEALER", zmq.ROUTER: "ROUTER", zmq.PUSH: "PUSH", zmq.PULL: "PULL"}
+_SOCKET_NAMES: dict[int, str] = {
+    zmq.DEALER: "DEALER", zmq.ROUTER: "ROUTER", zmq.PUSH: "PUSH", zmq.PULL: "PULL"
+}  # fmt: skip
 SUPPORTED_SOCKET_TYPES: frozenset[int] = frozenset(_SOCKET_NAMES)
 
 
