@@ -302,17 +302,15 @@ class AsyncEngine:
             else:
                 call.loop.call_soon_threadsafe(_settle, call.result, None, exc)
             return
+        produced = value if isinstance(value, list) else [value]
+        outputs = [v for v in produced if isinstance(v, RequestOutput)]
         if call.loop is None:  # submitted: outputs go where a step's would
-            for output in value if isinstance(value, list) else [value]:
-                if isinstance(output, RequestOutput):
-                    self._deliver(output.request_id, output, output.finished)
+            for output in outputs:
+                self._deliver(output.request_id, output, output.finished)
             return
         if call.watch is not None and call.out is not None:
             watch = _Watch(call.loop, call.out)
-            produced = value if isinstance(value, list) else [value]
-            mine = [
-                v for v in produced if isinstance(v, RequestOutput) and v.request_id == call.watch
-            ]
+            mine = [output for output in outputs if output.request_id == call.watch]
             # fn produced the request's first outputs itself (e.g. activate_remote)
             for output in mine:
                 call.loop.call_soon_threadsafe(call.out.put_nowait, output)

@@ -146,10 +146,6 @@ class Engine:
             self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
         )  # fmt: skip
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.allocator.num_pages * self.page_size
-
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if len(prompt) == 0:
             raise InvalidRequestError("prompt is empty")
@@ -180,11 +176,12 @@ class Engine:
             )
         one = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         need = one + (params.n - 1) * (one - len(prompt_ids))  # choices share the prompt
-        if need > self.capacity_tokens:
+        capacity = self.allocator.num_pages * self.page_size
+        if need > capacity:
             raise CapacityError(
                 f"request needs up to {need} tokens of KV (prompt {len(prompt_ids)} + "
                 f"{params.n} x max_tokens {params.max_tokens}) but the KV pool holds "
-                f"{self.capacity_tokens} tokens; lower max_tokens or raise kv_cache_memory_gib"
+                f"{capacity} tokens; lower max_tokens or raise kv_cache_memory_gib"
             )
         vocab = self.config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]
@@ -564,10 +561,6 @@ class Engine:
                 list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
             ),
         )
-
-    def step_counters(self) -> dict[str, int | float]:
-        """`StepStats` as a flat map (safe to read from another thread)."""
-        return self.step_stats.as_dict()
 
     def cache_stats(self) -> dict[str, int]:
         """Pool pages: used, free, references held outside the cache, and (with the cache)
