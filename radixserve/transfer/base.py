@@ -40,6 +40,7 @@ import torch
 from radixserve.errors import RadixServeError
 from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.network import TransferNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +102,18 @@ class KVTransferAgent(ABC):
         pool: torch.Tensor,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
+        network: TransferNetwork | None = None,
     ) -> None:
-        kv = pool
+        kv = self.kv = pool
         compat.check_tensor(kv)
         self.name = name
-        self.kv = kv
         self.compat = compat
+        self.network = network or TransferNetwork()  # where it listens (loopback by default)
+        self.keys = self.network.keys  # with a cluster secret: sign and check metadata
         self.num_pages = int(kv.shape[2])
         self.num_regions = int(kv.shape[0]) * 2
         self.page_bytes = int(kv[0, 0, 0].numel() * kv.element_size())
         self.default_timeout_s = default_timeout_s
-        self.keys: ClusterKeys | None = None  # set by agents given a network with keys
         self._peers: dict[str, tuple[PeerInfo, Any]] = {}
         self._active: dict[int, TransferHandle] = {}
         self._ids = itertools.count(1)
@@ -319,12 +321,6 @@ class KVTransferAgent(ABC):
             self._finish(handle, "failed", "agent closed")
         self._closed = True
         self._shutdown()
-
-    def __enter__(self) -> KVTransferAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _finish(self, handle: TransferHandle, state: TransferState, error: str | None) -> None:
         handle.state, handle.error = state, error

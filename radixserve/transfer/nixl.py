@@ -118,14 +118,13 @@ class NixlTransferAgent(KVTransferAgent):
         progress_thread: bool = False,
         network: TransferNetwork | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s)
-        self.keys = network.keys if network is not None else None
+        super().__init__(name, pool, compat, default_timeout_s, network)
         nixl_agent, nixl_agent_config, errors = _import_nixl()
         self._errors: tuple[type[Exception], ...] = errors
         self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
         self._dev_id = (self.kv.device.index or 0) if self.kv.is_cuda else 0
         try:
-            ucx_env = (network or TransferNetwork()).ucx_env()
+            ucx_env = self.network.ucx_env()
         except ValueError as exc:
             raise TransferError(f"NIXL agent {name!r}: {exc}") from None
         try:

@@ -96,7 +96,7 @@ class ZmqTransferAgent(KVTransferAgent):
         default_timeout_s: float = 10.0,
         network: TransferNetwork | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s)
+        super().__init__(name, pool, compat, default_timeout_s, network)
         self._pages = (
             self.kv.view(-1)
             .view(torch.uint8)
@@ -107,16 +107,14 @@ class ZmqTransferAgent(KVTransferAgent):
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.SNDHWM, 0)
-        net = network or TransferNetwork()
-        self.keys = net.keys
-        if net.keys is not None:
-            net.keys.secure(self._server, bind=True)
+        if self.keys is not None:
+            self.keys.secure(self._server, bind=True)
         try:
-            port = _bind(self._server, net)
+            port = _bind(self._server, self.network)
         except TransferError:
             self._ctx.destroy(linger=0)
             raise
-        self._endpoint = f"tcp://{url_host(net.advertised)}:{port}"
+        self._endpoint = f"tcp://{url_host(self.network.advertised)}:{port}"
         self._results: dict[int, tuple[TransferState, str | None]] = {}
         self._request_ids = itertools.count(1)
         self._stop = threading.Event()
