@@ -199,8 +199,6 @@ class NixlTransferAgent(KVTransferAgent):
         remote_idx = np.asarray(
             region_page_indices(remote, self.num_regions, info.num_pages), dtype=np.int32
         )
-        if len(local_idx) != len(remote_idx) or len(local_idx) != self.num_regions * len(local):
-            raise TransferError("descriptor count mismatch")  # defensive: never partial
         try:
             xfer = self._agent.make_prepped_xfer(
                 "READ", self._local_dlist, local_idx, state, remote_idx
