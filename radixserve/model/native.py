@@ -9,11 +9,8 @@ ranges of K run on a small thread pool (ctypes releases the GIL), as many as tor
 threads. It links no OpenMP runtime of its own: a second one beside torch's in the same
 process is asking for trouble.
 
-It writes the weight as two bfloat16 matrices, hi = bf16(w) and lo = bf16(w - hi): one
-dense matmul of [x, x] against [hi; lo] then multiplies x by w to within 2^-16 and
-accumulates in float32 like the kernel, so the two paths agree as closely as two dense
-matmuls of different shapes do (a token computed in a prefill chunk and the same token
-computed alone in a cached turn's short delta get the same logits, to float32 rounding).
+It writes the weight as the bfloat16 pair hi = bf16(w), lo = bf16(w - hi) that the
+dense path multiplies by (why a pair: `_KernelLinear.dense_pair`, `radixserve.model.qlinear`).
 
 Where the routine comes from, first found wins (logged once, at INFO):
 

@@ -12,11 +12,8 @@ dequantized rows for an embedding lookup.
   matmul's, while oneDNN's bfloat16 matmul (AMX where present) barely grows, so above
   `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient
   dense matrix and runs the dense matmul instead (prefill chunks); decode steps stay on
-  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`),
-  which moves its crossover from 96 rows (dequantizing with torch ops) down to 16. Without
-  the routine (no compiler, no prebuilt one) the same crossover and the same [hi; lo]
-  pair, bit for bit, are kept, so greedy outputs do not depend on where the server runs:
-  only prefill chunks of 17-96 rows are slower.
+  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`: why the
+  crossover is 16 rows with or without it).
 - `Fp8Linear`: e4m3 weight with per-row scales, activations quantized per row on the
   fly, ``torch._scaled_mm`` (FP8 tensor cores on GPUs that have them).
 """

@@ -9,10 +9,8 @@ The pattern vLLM's NixlConnector uses:
 
 Memory kind follows the tensor: "DRAM" for CPU pools, "VRAM" for CUDA pools.
 
-Network: UCX listens on network interfaces, not on an address. The agent's
-`TransferNetwork` becomes ``UCX_NET_DEVICES`` (the interface holding its bind address;
-none for every interface) and ``UCX_TCP_PORT_RANGE`` while the agent is created (UCX
-reads them then); a ``UCX_*`` variable the process already has wins.
+Network: the UCX variables of `TransferNetwork.ucx_env` (see `radixserve.transfer.network`),
+set while the agent is created (UCX reads them then).
 
 Progress: NIXL's own progress thread busy-polls a CPU core even when idle, so by default
 the agent runs without it (``progress_thread=False``). The reader progresses its read
