@@ -56,12 +56,8 @@ class HostPageIndex:
 
     def match(self, page_hashes: Sequence[int]) -> int:
         """How many leading hashes are stored (no lease, no LRU touch)."""
-        n = 0
-        for h in page_hashes:
-            if h not in self._stored:
-                break
-            n += 1
-        return n
+        stored = self._stored
+        return next((i for i, h in enumerate(page_hashes) if h not in stored), len(page_hashes))
 
     def lease(
         self, owner: str, page_hashes: Sequence[int], deadline: float

@@ -16,6 +16,7 @@ engine thread after every step and call), never the engine's own objects.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -66,8 +67,7 @@ class AsyncEngine:
         on another computes on several threads no faster than on one."""
         self._inbox: queue.Queue[_Call | None] = queue.Queue()
         self._watches: dict[str, _Watch] = {}
-        self._ids = 0
-        self._lock = threading.Lock()
+        self._ids = itertools.count(1)  # next() is atomic: callers on any thread
         self.engine: Engine
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -223,11 +223,7 @@ class AsyncEngine:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
         (e.g. InvalidRequestError) before the first output for input it can't serve.
         `request_id` must be unique among live requests; one is made up if not given."""
-        if request_id is None:
-            with self._lock:
-                self._ids += 1
-                request_id = f"async-{self._ids}"
-        rid = request_id
+        rid = f"async-{next(self._ids)}" if request_id is None else request_id
         _, out = await self.call(lambda e: e.add_request(prompt, params, rid), watch=rid)
         assert out is not None
         async for item in self.outputs(rid, out):

@@ -70,11 +70,7 @@ class GGUFWeights:
     def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
         self._config = config
-        self._tensors = {}
-        for tensor in reader.tensors:
-            name = hf_name(tensor.name)
-            if name is not None:
-                self._tensors[name] = tensor
+        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
 
     def names(self) -> set[str]:
         return set(self._tensors)
