@@ -9,6 +9,7 @@ step():  batch = scheduler.schedule()          # decodes, then prefill chunks
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -51,9 +52,7 @@ logger = logging.getLogger(__name__)
 
 def _describe(plan: Mapping[str, str]) -> str:
     """ "int4" when every matrix is int4, else e.g. "int4 (embed int8)"."""
-    counts: dict[str, int] = {}
-    for scheme in plan.values():
-        counts[scheme] = counts.get(scheme, 0) + 1
+    counts = collections.Counter(plan.values())
     if not counts:
         return "none"
     main = max(counts, key=lambda s: counts[s])
@@ -533,10 +532,7 @@ class Engine:
     ) -> list[GenerationResult]:
         """Run prompts to completion as one continuous batch; results in prompt order
         (with ``params.n`` > 1, every choice of a prompt in index order)."""
-        groups = []
-        for prompt in prompts:
-            rid = self.add_request(prompt, params)
-            groups.append(self._groups[rid])
+        groups = [self._groups[self.add_request(prompt, params)] for prompt in prompts]
         while any(
             r.status is not RequestStatus.FINISHED or not r.forked for g in groups for r in g
         ):
