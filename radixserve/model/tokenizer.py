@@ -180,11 +180,8 @@ class Tokenizer:
         if not tokens or not merges:
             raise ModelLoadError("GGUF file has no tokenizer vocabulary or merges")
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        special = {
-            i
-            for i, (token, kind) in enumerate(zip(tokens, types))
-            if kind in (_CONTROL, _USER_DEFINED)
-        }
+        flagged = (_CONTROL, _USER_DEFINED)
+        special = {i for i, kind in enumerate(types[: len(tokens)]) if kind in flagged}
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab: dict[str, int] = {}
