@@ -24,7 +24,7 @@ from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
 from radixserve.model.llama import weight_layout
 from radixserve.model.model_files import DEFAULT_MODEL, model_kind, resolve_model_path
-from radixserve.model.quant import QuantizedRows, RequantError, Scheme, quantize
+from radixserve.model.quant import QuantizedRows, RequantError, Scheme
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,9 +121,7 @@ class Checkpoint:
         if reader is not None:
             return reader(name, scheme, errors)
         w = self.source.read(name)
-        rows = quantize(w, scheme)
-        errors.add(f"{w.dtype}→{scheme}".replace("torch.", ""), w, rows)
-        return rows
+        return errors.requantize(str(w.dtype).removeprefix("torch."), w, scheme)
 
 
 def load_checkpoint(model: str | Path, progress: bool = True) -> Checkpoint:

@@ -133,10 +133,12 @@ class RequantError:
     worst: float = 0.0
     kinds: set[str] = field(default_factory=set)
 
-    def add(self, kind: str, source: torch.Tensor, rows: QuantizedRows) -> None:
-        """Count the error of `rows` against the float weight it came from."""
-        w = source.float()
-        self.add_sums(kind, float((dequantize(rows) - w).pow(2).sum()), float(w.pow(2).sum()))
+    def requantize(self, kind: str, w: torch.Tensor, scheme: Scheme) -> QuantizedRows:
+        """`w`, stored as ``kind``, quantized to ``scheme``; the error counted."""
+        rows, ref = quantize(w, scheme), w.float()
+        err = float((dequantize(rows) - ref).pow(2).sum())
+        self.add_sums(f"{kind}→{scheme}", err, float(ref.pow(2).sum()))
+        return rows
 
     def add_sums(self, kind: str, err: float, ref: float) -> None:
         self.sum_sq_err += err
