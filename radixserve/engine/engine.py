@@ -210,13 +210,9 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        host_cached_tokens: int = 0,
     ) -> str:
-        """Queue a request; raises RequestError subclasses for input it can never serve.
-        ``host_cached_tokens``: of its cached prefix, how much was just loaded from the
-        host tier (reported in its outputs)."""
+        """Queue a request; raises RequestError subclasses for input it can never serve."""
         req = self._new_request(prompt, params, request_id)
-        req.num_host_cached_tokens = host_cached_tokens
         self._queue(req)
         return req.request_id
 
