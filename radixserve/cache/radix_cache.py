@@ -40,6 +40,7 @@ requests have used it (1: as soon as it is computed). A node handed over is mark
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -131,9 +132,9 @@ class RadixCache:
         self._on_event = on_event
         self._on_spill: SpillCallback | None = None
         self._write_through_uses = 0
-        self._clock = 0
-        self._next_node_id = 0
-        self.root = self._new_node([], [], [], None, 0)
+        self._clock = itertools.count(1)  # `last_access` stamps
+        self._node_ids = itertools.count(1)
+        self.root = RadixNode(next(self._node_ids), [], [], [], None, 0)
         self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
         self._num_cached_pages = 0
         self._num_locked_pages = 0
@@ -173,7 +174,7 @@ class RadixCache:
         tokens = token_ids if type(token_ids) is list else list(token_ids)
         limit = len(tokens) - len(tokens) % self.page_size
         self.num_matches += 1
-        node, num_tokens, pages = self._descend(tokens, limit, self._tick())
+        node, num_tokens, pages = self._descend(tokens, limit, next(self._clock))
         return MatchResult(pages, node, num_tokens, node.last_hash)
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
@@ -203,7 +204,7 @@ class RadixCache:
             raise ValueError(
                 f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self.page_size}"
             )
-        tick = self._tick()
+        tick = next(self._clock)
         node, num_cached, pages = self._descend(tokens, len(tokens), tick)
         if num_cached < len(tokens):
             new_pages = list(page_ids[num_cached // self.page_size :])
@@ -443,7 +444,8 @@ class RadixCache:
         cut = num_pages * page_size
         parent = node.parent
         assert parent is not None and 0 < cut < len(node.key)
-        upper = self._new_node(
+        upper = RadixNode(
+            next(self._node_ids),
             node.key[:cut],
             node.page_ids[:num_pages],
             node.page_hashes[:num_pages],
@@ -468,7 +470,7 @@ class RadixCache:
             raise ValueError("the same page id is given for two pages")
         hashes = page_hashes(key, self.page_size, self.namespace, parent.last_hash)
         self._allocator.incref(pages)
-        leaf = self._new_node(key, pages, hashes, parent, tick)
+        leaf = RadixNode(next(self._node_ids), key, pages, hashes, parent, tick)
         parent.children[tuple(key[: self.page_size])] = leaf
         self._evictable.discard(parent)
         self._evictable.add(leaf)
@@ -497,21 +499,6 @@ class RadixCache:
         if self._on_event is not None:
             self._on_event("removed", list(node.page_hashes))
         return len(node.page_ids)
-
-    def _new_node(
-        self,
-        key: list[int],
-        pages: list[int],
-        hashes: list[int],
-        parent: RadixNode | None,
-        last_access: int,
-    ) -> RadixNode:
-        self._next_node_id += 1
-        return RadixNode(self._next_node_id, key, pages, hashes, parent, last_access)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
 
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self.root and node.parent is None:
