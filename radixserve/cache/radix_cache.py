@@ -117,19 +117,13 @@ class MatchResult:
 class RadixCache:
     """Prefix cache over an allocator's pages; see the module docstring for the layout."""
 
-    def __init__(
-        self,
-        allocator: PageAllocator,
-        page_size: int,
-        namespace: bytes,
-        on_event: EventCallback | None = None,
-    ) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, namespace: bytes) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self._allocator = allocator
         self.page_size = page_size
         self.namespace = namespace
-        self._on_event = on_event
+        self._on_event: EventCallback | None = None  # `set_event_listener`
         self._on_spill: SpillCallback | None = None
         self._write_through_uses = 0
         self._clock = itertools.count(1)  # `last_access` stamps
