@@ -67,7 +67,7 @@ class ReferenceAnswers:
 
     def step_counters(self) -> dict[str, int | float]:
         """The reference engine's `StepStats` (empty until it is built)."""
-        return self._engine.step_counters() if self._engine is not None else {}
+        return self._engine.step_stats.as_dict() if self._engine is not None else {}
 
     def finish(self, timeout_s: float) -> dict[Key, Answer]:
         """Wait until every submitted prompt is answered; every answer. Raises what the

@@ -37,8 +37,9 @@ def measure(engine: Engine, tag: int) -> dict[str, float]:
     for batch in BATCHES:
         rids = [engine.add_request(tok.encode(f"Story {tag}.{i}: once upon a time"), params)
                 for i in range(batch)]  # fmt: skip
-        while any(len(engine.request(r).output_ids) < 2 for r in rids):
-            engine.step()
+        tokens = dict.fromkeys(rids, 0)  # generated so far
+        while min(tokens.values()) < 2:
+            tokens.update((o.request_id, o.completion_tokens) for o in engine.step())
         start = time.perf_counter()
         for _ in range(STEPS):
             engine.step()

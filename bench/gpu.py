@@ -97,8 +97,10 @@ def bench_decode_rate(run: Run, engine, ids: Prompts, graphs: bool) -> None:
         if run.over_budget(f"decode batch {batch}"):
             return
         rids = [engine.add_request(ids(s.decode_prompt), params) for _ in range(batch)]
-        while any(len(engine.request(r).output_ids) < 3 for r in rids):
-            engine.step()  # prefill, and two untimed decode steps (kernel compiles)
+        tokens = dict.fromkeys(rids, 0)  # generated so far
+        while min(tokens.values()) < 3:
+            # prefill, and two untimed decode steps (kernel compiles)
+            tokens.update((o.request_id, o.completion_tokens) for o in engine.step())
         t0 = time.perf_counter()
         for _ in range(s.decode_steps):
             engine.step()  # samples on the host: each step ends synchronised

@@ -50,7 +50,7 @@ def _pattern(num_regions: int, num_pages: int, page_elems: int) -> torch.Tensor:
 def _owner_main(conn: Connection, backend: str, shape: dict[str, int], num_pages: int) -> None:
     """Owner process: fill a pool with `_pattern`, serve it until told to stop."""
     pool, compat = _pool(shape, num_pages)
-    regions, elems = pool.num_layers * 2, pool.kv[0, 0, 0].numel()
+    regions, elems = pool.kv.shape[0] * 2, pool.kv[0, 0, 0].numel()
     pool.kv.view(regions, num_pages, elems).copy_(_pattern(regions, num_pages, elems))
     agent = create_agent(backend, "bench-owner", pool.kv, compat)
     conn.send(agent.metadata())

@@ -23,7 +23,7 @@ Not thread-safe: the kvstore's event loop drives it.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,12 +56,8 @@ class HostPageIndex:
 
     def match(self, page_hashes: Sequence[int]) -> int:
         """How many leading hashes are stored (no lease, no LRU touch)."""
-        n = 0
-        for h in page_hashes:
-            if h not in self._stored:
-                break
-            n += 1
-        return n
+        stored = self._stored
+        return next((i for i, h in enumerate(page_hashes) if h not in stored), len(page_hashes))
 
     def lease(
         self, owner: str, page_hashes: Sequence[int], deadline: float
@@ -167,10 +163,7 @@ class HostPageIndex:
         every = stored + writing + self._free
         if sorted(every) != list(range(self.num_pages)):
             raise AssertionError("a host page is lost or in two states")
-        counted: dict[int, int] = {}
-        for lease in self._leases.values():
-            for page in lease.pages:
-                counted[page] = counted.get(page, 0) + 1
+        counted = Counter(page for lease in self._leases.values() for page in lease.pages)
         if counted != self._readers:
             raise AssertionError("reader counts disagree with the leases")
         if not set(self._readers) <= set(stored):

@@ -37,10 +37,6 @@ class KVPool:
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
         # (L, 2, P, page_size, H_kv, D); zeroed so unused slots never hold NaNs.
         self.kv = torch.zeros(
             (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim),
@@ -70,8 +66,8 @@ class KVPool:
     @staticmethod
     def page_bytes_all_layers(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
         """Bytes one page occupies across all layers, K and V."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return config.kv_bytes_per_token * page_size * element_size
+        layer_bytes = page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+        return 2 * config.num_layers * layer_bytes
 
     @classmethod
     def num_pages_for_budget(

@@ -40,6 +40,7 @@ requests have used it (1: as soon as it is computed). A node handed over is mark
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -116,24 +117,18 @@ class MatchResult:
 class RadixCache:
     """Prefix cache over an allocator's pages; see the module docstring for the layout."""
 
-    def __init__(
-        self,
-        allocator: PageAllocator,
-        page_size: int,
-        namespace: bytes,
-        on_event: EventCallback | None = None,
-    ) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, namespace: bytes) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self._allocator = allocator
-        self._page_size = page_size
-        self._namespace = namespace
-        self._on_event = on_event
+        self.page_size = page_size
+        self.namespace = namespace
+        self._on_event: EventCallback | None = None  # `set_event_listener`
         self._on_spill: SpillCallback | None = None
         self._write_through_uses = 0
-        self._clock = 0
-        self._next_node_id = 0
-        self._root = self._new_node([], [], [], None, 0)
+        self._clock = itertools.count(1)  # `last_access` stamps
+        self._node_ids = itertools.count(1)
+        self.root = RadixNode(next(self._node_ids), [], [], [], None, 0)
         self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
         self._num_cached_pages = 0
         self._num_locked_pages = 0
@@ -141,18 +136,6 @@ class RadixCache:
         # the longest (and its pages still cached) while the version is v
         self.version = 0
         self.num_matches = 0  # `match_prefix` walks, counted (each admission makes one)
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def namespace(self) -> bytes:
-        return self._namespace
-
-    @property
-    def root(self) -> RadixNode:
-        return self._root
 
     @property
     def num_cached_pages(self) -> int:
@@ -167,7 +150,7 @@ class RadixCache:
     @property
     def num_locks(self) -> int:
         """Outstanding ``lock`` calls (every lock counts on the root). O(1)."""
-        return self._root.lock_ref
+        return self.root.lock_ref
 
     @property
     def num_evictable_pages(self) -> int:
@@ -183,9 +166,9 @@ class RadixCache:
         references and no locks. O(len(token_ids)).
         """
         tokens = token_ids if type(token_ids) is list else list(token_ids)
-        limit = len(tokens) - len(tokens) % self._page_size
+        limit = len(tokens) - len(tokens) % self.page_size
         self.num_matches += 1
-        node, num_tokens, pages = self._descend(tokens, limit, self._tick())
+        node, num_tokens, pages = self._descend(tokens, limit, next(self._clock))
         return MatchResult(pages, node, num_tokens, node.last_hash)
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
@@ -211,14 +194,14 @@ class RadixCache:
     ) -> tuple[RadixNode, int, list[int]]:
         """Insert; (the node ending at ``tokens``' end, tokens already cached, the path's
         pages)."""
-        if len(tokens) != len(page_ids) * self._page_size:
+        if len(tokens) != len(page_ids) * self.page_size:
             raise ValueError(
-                f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self._page_size}"
+                f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self.page_size}"
             )
-        tick = self._tick()
+        tick = next(self._clock)
         node, num_cached, pages = self._descend(tokens, len(tokens), tick)
         if num_cached < len(tokens):
-            new_pages = list(page_ids[num_cached // self._page_size :])
+            new_pages = list(page_ids[num_cached // self.page_size :])
             node = self._add_leaf(node, tokens[num_cached:], new_pages, tick)
             pages = pages + new_pages
         return node, num_cached, pages
@@ -246,7 +229,7 @@ class RadixCache:
             current.lock_ref -= 1
             if current.lock_ref == 0:
                 self._num_locked_pages -= len(current.page_ids)
-                if not current.children and current is not self._root:
+                if not current.children and current is not self.root:
                     self._evictable.add(current)
             current = current.parent
 
@@ -296,11 +279,11 @@ class RadixCache:
         """A request starts from the cached prefix ending at ``node``: count the use on the
         path and write the prefix through once it reaches the threshold."""
         threshold = self._write_through_uses
-        if threshold < 1 or node is self._root:
+        if threshold < 1 or node is self.root:
             return
         self._check_attached(node)
         current: RadixNode | None = node
-        while current is not None and current is not self._root:
+        while current is not None and current is not self.root:
             current.uses += 1
             current = current.parent
         if node.uses >= threshold:
@@ -311,7 +294,7 @@ class RadixCache:
         assert self._on_spill is not None
         path: list[RadixNode] = []
         current: RadixNode | None = node
-        while current is not None and current is not self._root:
+        while current is not None and current is not self.root:
             if not current.written:
                 path.append(current)
             current = current.parent
@@ -331,7 +314,7 @@ class RadixCache:
 
     def _nodes(self) -> Iterator[RadixNode]:
         """Every node but the root, each before its children (depth first)."""
-        stack = list(self._root.children.values())
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             yield node
@@ -344,7 +327,7 @@ class RadixCache:
         stamps, the O(1) counters, the evictable set, page ownership (each page owned
         once, refcount >= 1) and every hash against a recomputation. Changes nothing.
         """
-        root = self._root
+        root = self.root
         if root.key or root.page_ids or root.page_hashes or root.parent is not None:
             raise AssertionError("root must be empty and parentless")
         owned: set[int] = set()
@@ -365,9 +348,9 @@ class RadixCache:
 
     def _check_node(self, node: RadixNode, owned: set[int]) -> None:
         """Per-node part of ``check_integrity``; adds the node's pages to ``owned``."""
-        page_size = self._page_size
+        page_size = self.page_size
         num_pages = len(node.page_ids)
-        if node is not self._root and (not node.key or len(node.key) % page_size):
+        if node is not self.root and (not node.key or len(node.key) % page_size):
             raise AssertionError(f"{node!r} key of {len(node.key)} tokens is not page-aligned")
         if num_pages * page_size != len(node.key) or len(node.page_hashes) != num_pages:
             raise AssertionError(f"{node!r} key, page_ids and page_hashes disagree")
@@ -387,7 +370,7 @@ class RadixCache:
                 raise AssertionError(f"owned page {page} is free in the allocator")
             owned.add(page)
         parent_hash = node.parent.last_hash if node.parent is not None else None
-        expected = page_hashes(node.key, page_size, self._namespace, parent_hash)
+        expected = page_hashes(node.key, page_size, self.namespace, parent_hash)
         if node.page_hashes != expected:
             raise AssertionError(f"{node!r} page hashes differ from a recomputation")
 
@@ -399,8 +382,8 @@ class RadixCache:
         Splits the last node if the match ends inside it and stamps ``tick`` on the
         path. Returns (deepest node, matched token count, matched page ids).
         """
-        page_size = self._page_size
-        node = self._root
+        page_size = self.page_size
+        node = self.root
         node.last_access = tick
         pos = 0
         pages: list[int] = []
@@ -429,7 +412,7 @@ class RadixCache:
         Bisects with slice comparisons over ever smaller ranges: O(len(key)) element
         compares in C and O(log pages) Python steps.
         """
-        size = self._page_size
+        size = self.page_size
 
         def same(first: int, stop: int) -> bool:  # pages [first, stop) are equal
             return key[first * size : stop * size] == tokens[pos + first * size : pos + stop * size]
@@ -451,11 +434,12 @@ class RadixCache:
         ``node`` keeps the lower half (and its own locks); the upper half gets the same
         ``lock_ref``. Contents, counters and the evictable set are unchanged.
         """
-        page_size = self._page_size
+        page_size = self.page_size
         cut = num_pages * page_size
         parent = node.parent
         assert parent is not None and 0 < cut < len(node.key)
-        upper = self._new_node(
+        upper = RadixNode(
+            next(self._node_ids),
             node.key[:cut],
             node.page_ids[:num_pages],
             node.page_hashes[:num_pages],
@@ -478,10 +462,10 @@ class RadixCache:
         """Attach a new unlocked leaf, taking one reference on each of its pages."""
         if len(set(pages)) != len(pages):
             raise ValueError("the same page id is given for two pages")
-        hashes = page_hashes(key, self._page_size, self._namespace, parent.last_hash)
+        hashes = page_hashes(key, self.page_size, self.namespace, parent.last_hash)
         self._allocator.incref(pages)
-        leaf = self._new_node(key, pages, hashes, parent, tick)
-        parent.children[tuple(key[: self._page_size])] = leaf
+        leaf = RadixNode(next(self._node_ids), key, pages, hashes, parent, tick)
+        parent.children[tuple(key[: self.page_size])] = leaf
         self._evictable.discard(parent)
         self._evictable.add(leaf)
         self._num_cached_pages += len(pages)
@@ -498,33 +482,18 @@ class RadixCache:
         """Detach an unlocked leaf and drop the tree's references; return its page count."""
         parent = node.parent
         assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[tuple(node.key[: self._page_size])]
+        del parent.children[tuple(node.key[: self.page_size])]
         node.parent = None
         self._evictable.discard(node)
         self._num_cached_pages -= len(node.page_ids)
         self.version += 1
         self._allocator.decref(node.page_ids)
-        if parent is not self._root and not parent.children and parent.lock_ref == 0:
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
             self._evictable.add(parent)
         if self._on_event is not None:
             self._on_event("removed", list(node.page_hashes))
         return len(node.page_ids)
 
-    def _new_node(
-        self,
-        key: list[int],
-        pages: list[int],
-        hashes: list[int],
-        parent: RadixNode | None,
-        last_access: int,
-    ) -> RadixNode:
-        self._next_node_id += 1
-        return RadixNode(self._next_node_id, key, pages, hashes, parent, last_access)
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _check_attached(self, node: RadixNode) -> None:
-        if node is not self._root and node.parent is None:
+        if node is not self.root and node.parent is None:
             raise ValueError(f"{node!r} is no longer in the tree (evicted)")

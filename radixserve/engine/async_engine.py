@@ -16,6 +16,7 @@ engine thread after every step and call), never the engine's own objects.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -66,8 +67,7 @@ class AsyncEngine:
         on another computes on several threads no faster than on one."""
         self._inbox: queue.Queue[_Call | None] = queue.Queue()
         self._watches: dict[str, _Watch] = {}
-        self._ids = 0
-        self._lock = threading.Lock()
+        self._ids = itertools.count(1)  # next() is atomic: callers on any thread
         self.engine: Engine
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -223,11 +223,7 @@ class AsyncEngine:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
         (e.g. InvalidRequestError) before the first output for input it can't serve.
         `request_id` must be unique among live requests; one is made up if not given."""
-        if request_id is None:
-            with self._lock:
-                self._ids += 1
-                request_id = f"async-{self._ids}"
-        rid = request_id
+        rid = f"async-{next(self._ids)}" if request_id is None else request_id
         _, out = await self.call(lambda e: e.add_request(prompt, params, rid), watch=rid)
         assert out is not None
         async for item in self.outputs(rid, out):
@@ -302,17 +298,15 @@ class AsyncEngine:
             else:
                 call.loop.call_soon_threadsafe(_settle, call.result, None, exc)
             return
+        produced = value if isinstance(value, list) else [value]
+        outputs = [v for v in produced if isinstance(v, RequestOutput)]
         if call.loop is None:  # submitted: outputs go where a step's would
-            for output in value if isinstance(value, list) else [value]:
-                if isinstance(output, RequestOutput):
-                    self._deliver(output.request_id, output, output.finished)
+            for output in outputs:
+                self._deliver(output.request_id, output, output.finished)
             return
         if call.watch is not None and call.out is not None:
             watch = _Watch(call.loop, call.out)
-            produced = value if isinstance(value, list) else [value]
-            mine = [
-                v for v in produced if isinstance(v, RequestOutput) and v.request_id == call.watch
-            ]
+            mine = [output for output in outputs if output.request_id == call.watch]
             # fn produced the request's first outputs itself (e.g. activate_remote)
             for output in mine:
                 call.loop.call_soon_threadsafe(call.out.put_nowait, output)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import torch
 
@@ -30,19 +29,9 @@ logger = logging.getLogger(__name__)
 Draw = tuple[Request, int, TokenLogprob | None]
 
 
-class PendingMasks:
-    """The grammar masks of one step's guided rows, being computed."""
-
-    def __init__(self, requests: list[Request], future: Future[torch.Tensor] | None) -> None:
-        self.requests = requests
-        self.future = future
-
-    def result(self) -> dict[int, torch.Tensor]:
-        """id(request) -> bool (V,) allowed tokens."""
-        if self.future is None:
-            return {}
-        masks = self.future.result()  # (G, V)
-        return {id(r): masks[i] for i, r in enumerate(self.requests)}
+#: the grammar masks of one step's guided rows, being computed: called, it waits for them
+#: and gives id(request) -> bool (V,) allowed tokens
+PendingMasks = Callable[[], dict[int, torch.Tensor]]
 
 
 class ChoiceSampler:
@@ -65,7 +54,14 @@ class ChoiceSampler:
             for r, n in zip(batch.requests, batch.num_new_tokens)
             if r.guide is not None and r.num_computed + n == r.num_tokens
         ]
-        return PendingMasks(guided, self.guides.start_masks([r.guide for r in guided]))
+        future = self.guides.start_masks([r.guide for r in guided])
+
+        def result() -> dict[int, torch.Tensor]:
+            if future is None:
+                return {}
+            return {id(r): mask for r, mask in zip(guided, future.result())}  # rows of (G, V)
+
+        return result
 
     def sample(
         self,
@@ -83,7 +79,7 @@ class ChoiceSampler:
             rows.extend([i] * len(group))
             members.extend(group)
         x = logits if len(rows) == len(sampling) else logits[torch.tensor(rows)]  # (M, V)
-        allowed_of = masks.result()
+        allowed_of = masks()
         guided = [k for k, m in enumerate(members) if m.guide is not None]
         allowed = None
         if guided:

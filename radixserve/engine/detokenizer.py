@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from radixserve.errors import InvalidRequestError
-
 _REPLACEMENT = "\ufffd"
 _SLIDE_AT = 8  # window length (tokens) at which the window is cut back to `_KEEP` tokens
 _KEEP = 4  # tokens of decoding context kept after a cut (covers a 4-byte character)
@@ -37,21 +35,14 @@ def _trailing_replacements(text: str) -> int:
 class _TokenTextStream:
     """Token ids in, stable text pieces out; decodes at most ~`_MAX_WINDOW` tokens a step.
 
-    Invariant: the first `_emitted` characters of `decode(_ids)` have been returned (or
-    belong to the prompt context), and decoding `_ids + later` extends that text the same
-    way decoding the whole sequence would.
+    Invariant: the first `_emitted` characters of `decode(_ids)` have been returned, and
+    decoding `_ids + later` extends that text the same way decoding the whole sequence would.
     """
 
-    def __init__(
-        self, tokenizer: TokenDecoder, skip_special_tokens: bool, prompt_ids: Sequence[int]
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[-_KEEP:]) if prompt_ids else []
-        self._emitted = len(self._decode(self._ids)) if self._ids else 0
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self._decode = tokenizer.decode  # special tokens skipped
+        self._ids: list[int] = []
+        self._emitted = 0
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly "")."""
@@ -134,28 +125,17 @@ class IncrementalDetokenizer:
     """Streams one request's generated text, stopping at stop strings.
 
     `add(token_id)` returns the text that is now safe to show. Without a stop match,
-    the deltas of every `add` plus `flush()` concatenate to `tokenizer.decode(ids)`
-    (to `decode(prompt_ids + ids)` minus the prompt's text when `prompt_ids` is given,
-    which keeps tokenizers that strip a leading space from stripping it mid-text).
+    the deltas of every `add` plus `flush()` concatenate to `tokenizer.decode(ids)`.
     When a stop string appears in the generated text, even across token boundaries,
     `stopped` becomes True, `stop_reason` is that string, and `text` ends right before
     it; later `add` calls return "". With several stop strings, the one completing
     first wins. Each `add` decodes a window of at most ~`_MAX_WINDOW` (usually <= 8) tokens.
     """
 
-    def __init__(
-        self,
-        tokenizer: TokenDecoder,
-        stop: Sequence[str] = (),
-        skip_special_tokens: bool = True,
-        *,
-        prompt_ids: Sequence[int] = (),
-    ) -> None:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise InvalidRequestError(f"stop strings must be non-empty strings, got {stops!r}")
-        self._stops = stops
-        self._stream = _TokenTextStream(tokenizer, skip_special_tokens, prompt_ids)
+    def __init__(self, tokenizer: TokenDecoder, stop: Sequence[str] = ()) -> None:
+        """``stop``: non-empty strings (`SamplingParams` checks them)."""
+        self._stops = tuple(stop)
+        self._stream = _TokenTextStream(tokenizer)
         self._held = ""  # decoded text that may be the start of a stop string
         self._parts: list[str] = []
         self._text = ""

@@ -9,12 +9,11 @@ half the bytes), float32 otherwise (emulated bf16 is slower than fp32).
 from __future__ import annotations
 
 import functools
-import platform
-from pathlib import Path
 
 import torch
 
 from radixserve.errors import ConfigurationError
+from radixserve.model.native import cpu_flags
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -48,16 +47,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bfloat16 instructions (from the kernel's CPU flags; False
     where they cannot be read, e.g. not Linux)."""
-    if platform.system() != "Linux":
-        return False
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return bool(_NATIVE_BF16_FLAGS & set(line.split(":", 1)[1].split()))
-    return False
+    return bool(_NATIVE_BF16_FLAGS & set(cpu_flags().partition(":")[2].split()))

@@ -9,6 +9,7 @@ step():  batch = scheduler.schedule()          # decodes, then prefill chunks
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -51,9 +52,7 @@ logger = logging.getLogger(__name__)
 
 def _describe(plan: Mapping[str, str]) -> str:
     """ "int4" when every matrix is int4, else e.g. "int4 (embed int8)"."""
-    counts: dict[str, int] = {}
-    for scheme in plan.values():
-        counts[scheme] = counts.get(scheme, 0) + 1
+    counts = collections.Counter(plan.values())
     if not counts:
         return "none"
     main = max(counts, key=lambda s: counts[s])
@@ -146,18 +145,12 @@ class Engine:
             self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
         )  # fmt: skip
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.allocator.num_pages * self.page_size
-
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt is empty")
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
         vocab = self.config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -182,11 +175,12 @@ class Engine:
             )
         one = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         need = one + (params.n - 1) * (one - len(prompt_ids))  # choices share the prompt
-        if need > self.capacity_tokens:
+        capacity = self.allocator.num_pages * self.page_size
+        if need > capacity:
             raise CapacityError(
                 f"request needs up to {need} tokens of KV (prompt {len(prompt_ids)} + "
                 f"{params.n} x max_tokens {params.max_tokens}) but the KV pool holds "
-                f"{self.capacity_tokens} tokens; lower max_tokens or raise kv_cache_memory_gib"
+                f"{capacity} tokens; lower max_tokens or raise kv_cache_memory_gib"
             )
         vocab = self.config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]
@@ -216,13 +210,9 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        host_cached_tokens: int = 0,
     ) -> str:
-        """Queue a request; raises RequestError subclasses for input it can never serve.
-        ``host_cached_tokens``: of its cached prefix, how much was just loaded from the
-        host tier (reported in its outputs)."""
+        """Queue a request; raises RequestError subclasses for input it can never serve."""
         req = self._new_request(prompt, params, request_id)
-        req.num_host_cached_tokens = host_cached_tokens
         self._queue(req)
         return req.request_id
 
@@ -533,19 +523,12 @@ class Engine:
             ),
         )
 
-    def request(self, request_id: str) -> Request | None:
-        """A live request's state (for benchmarks that time steps of running requests)."""
-        return self._requests.get(request_id)
-
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[GenerationResult]:
         """Run prompts to completion as one continuous batch; results in prompt order
         (with ``params.n`` > 1, every choice of a prompt in index order)."""
-        groups = []
-        for prompt in prompts:
-            rid = self.add_request(prompt, params)
-            groups.append(self._groups[rid])
+        groups = [self._groups[self.add_request(prompt, params)] for prompt in prompts]
         while any(
             r.status is not RequestStatus.FINISHED or not r.forked for g in groups for r in g
         ):
@@ -570,10 +553,6 @@ class Engine:
                 list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None
             ),
         )
-
-    def step_counters(self) -> dict[str, int | float]:
-        """`StepStats` as a flat map (safe to read from another thread)."""
-        return self.step_stats.as_dict()
 
     def cache_stats(self) -> dict[str, int]:
         """Pool pages: used, free, references held outside the cache, and (with the cache)

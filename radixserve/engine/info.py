@@ -72,7 +72,7 @@ class EngineStats:
         cache = engine.cache_stats()
         return cls(
             cache=MappingProxyType(cache),
-            steps=MappingProxyType(engine.step_counters()),
+            steps=MappingProxyType(engine.step_stats.as_dict()),
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
             queued_prompt_tokens=engine.step_stats.queued_prompt_tokens,

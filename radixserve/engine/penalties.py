@@ -61,18 +61,11 @@ def apply_penalties(
 
 def apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """Add every row's logit biases to float32 logits ``x`` (B, V), in place."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
     vocab = x.shape[1]
-    for i, p in enumerate(params):
-        for token_id, bias in p.logit_bias:
-            if token_id < vocab:
-                rows.append(i)
-                cols.append(token_id)
-                vals.append(bias)
-    if not rows:
+    entries = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
+    if not entries:
         return
+    rows, cols, vals = zip(*entries)
     device = x.device
     x.index_put_(
         (

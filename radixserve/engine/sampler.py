@@ -42,18 +42,12 @@ def step_seed(seed: int, index: int, step: int) -> int:
 def step_generator(
     seed: int | None, index: int, step: int, device: torch.device | str
 ) -> torch.Generator | None:
-    """`make_generator` for one draw: seeded from (`seed`, `index`, `step`)."""
-    if seed is None:
-        return None
-    return make_generator(step_seed(seed, index, step), device)
+    """The generator of one draw, seeded from (`seed`, `index`, `step`); None when unseeded."""
+    return None if seed is None else make_generator(step_seed(seed, index, step), device)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator on `device` seeded from `seed` (modulo 2**64), or None when unseeded.
-
-    The engine keeps one per request for the request's whole life and passes it to every
-    `Sampler` call: the same seed then gives the same tokens on the same device and build.
-    """
+    """A generator on `device` seeded from `seed` (modulo 2**64), or None when unseeded."""
     if seed is None:
         return None
     generator = torch.Generator(device=torch.device(device))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 from radixserve.errors import InvalidRequestError
+from radixserve.protocol.wire import is_int
 
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
@@ -29,11 +30,6 @@ MAX_GUIDE_CHARS = 1 << 18
 GUIDE_KINDS = ("", "json_object", "json_schema", "regex", "choice", "lark")
 
 
-def _is_int(value: object) -> bool:
-    """True for ints that are not bools (a JSON `true` must not pass as `1`)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_real(value: object) -> bool:
     """True for real numbers that are not bools."""
     return isinstance(value, Real) and not isinstance(value, bool)
@@ -46,7 +42,7 @@ _FLOAT_FIELDS = (
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if not _is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
+    if not is_int(value) or not lo <= value <= hi:  # type: ignore[operator]
         raise InvalidRequestError(
             f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name
         )
@@ -127,7 +123,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if _is_int(value):
+            if is_int(value):
                 object.__setattr__(self, name, float(value))
         self.validate()
 

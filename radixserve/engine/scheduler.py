@@ -123,7 +123,6 @@ class Scheduler:
             n = min(req.num_pending, self.prefill_chunk_tokens, budget[0])
             if not self._reserve(req, req.num_computed + n, None):
                 self._release(req, cache_kv=False)
-                req.num_computed = 0
                 return  # no pages for it now: nor for those behind it
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -165,7 +164,6 @@ class Scheduler:
         self._admit(req)
         if not self._reserve(req, len(req.prompt_ids), None):
             self._release(req, cache_kv=False)
-            req.num_computed = 0
             return False
         req.status = RequestStatus.AWAITING_KV
         self.awaiting_kv[req.request_id] = req
@@ -269,7 +267,6 @@ class Scheduler:
         self.running.remove(victim)
         self._release(victim, cache_kv=True)
         victim.status = RequestStatus.WAITING
-        victim.num_computed = 0
         self.waiting.appendleft(victim)
         return victim is not req
 
@@ -284,6 +281,7 @@ class Scheduler:
             self.cache.unlock(req.locked_node)
         req.page_ids = []
         req.locked_node = None
+        req.num_computed = 0  # no page: no KV
 
     def _cache_running(self, req: Request) -> None:
         """Insert a running request's full pages and re-point it at the cache's copies,

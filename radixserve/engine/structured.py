@@ -75,11 +75,6 @@ class GuideCompiler:
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (R, 32*W)
         return torch.from_numpy(bits[:, : self.vocab_size].astype(np.bool_))  # (R, V)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
 
 def advance(matcher: Any, token_id: int) -> bool:
     """Feed a sampled token to a matcher; True when the grammar is complete and admits

@@ -50,20 +50,23 @@ def to_logprob(entry: LogprobEntry) -> TokenLogprob:
     return TokenLogprob(entry.token_id, entry.logprob, entry.top_ids, entry.top_logprobs)
 
 
+def _to_logprobs(entries: Sequence[LogprobEntry]) -> list[TokenLogprob] | None:
+    return [to_logprob(e) for e in entries] if entries else None
+
+
+# the fields a `RequestOutput` and its `TokenChunk` share, name for name
+_SHARED_FIELDS = (
+    "request_id", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
+    "completion_tokens", "ttft_ms", "host_cached_tokens", "index",
+)  # fmt: skip
+
+
 def to_chunk(out: RequestOutput) -> TokenChunk:
     """The wire form of one engine step's output for a request."""
     return TokenChunk(
-        request_id=out.request_id,
+        **{name: getattr(out, name) for name in _SHARED_FIELDS},
         token_ids=tuple(out.new_token_ids),
         text=out.new_text,
-        finished=out.finished,
-        finish_reason=out.finish_reason,  # type: ignore[arg-type]
-        prompt_tokens=out.prompt_tokens,
-        cached_tokens=out.cached_tokens,
-        completion_tokens=out.completion_tokens,
-        ttft_ms=out.ttft_ms,
-        host_cached_tokens=out.host_cached_tokens,
-        index=out.index,
         logprobs=to_entries(out.logprobs),
         prompt_logprobs=to_entries(out.prompt_logprobs),
     )
@@ -72,19 +75,9 @@ def to_chunk(out: RequestOutput) -> TokenChunk:
 def to_output(chunk: TokenChunk) -> RequestOutput:
     """The `RequestOutput` ``chunk`` carries (the inverse of `to_chunk`)."""
     return RequestOutput(
-        request_id=chunk.request_id,
+        **{name: getattr(chunk, name) for name in _SHARED_FIELDS},
         new_token_ids=list(chunk.token_ids),
         new_text=chunk.text,
-        finished=chunk.finished,
-        finish_reason=chunk.finish_reason,
-        prompt_tokens=chunk.prompt_tokens,
-        cached_tokens=chunk.cached_tokens,
-        completion_tokens=chunk.completion_tokens,
-        ttft_ms=chunk.ttft_ms,
-        host_cached_tokens=chunk.host_cached_tokens,
-        index=chunk.index,
-        logprobs=[to_logprob(e) for e in chunk.logprobs] if chunk.logprobs else None,
-        prompt_logprobs=(
-            [to_logprob(e) for e in chunk.prompt_logprobs] if chunk.prompt_logprobs else None
-        ),
+        logprobs=_to_logprobs(chunk.logprobs),
+        prompt_logprobs=_to_logprobs(chunk.prompt_logprobs),
     )

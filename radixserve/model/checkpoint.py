@@ -22,8 +22,9 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
+from radixserve.model.llama import weight_layout
 from radixserve.model.model_files import DEFAULT_MODEL, model_kind, resolve_model_path
-from radixserve.model.quant import QuantizedRows, RequantError, Scheme, quantize
+from radixserve.model.quant import QuantizedRows, RequantError, Scheme
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,35 +43,11 @@ class WeightSource(Protocol):
 
 
 def expected_weights(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor a model of `config` needs, as (Hugging Face name, shape), in load order."""
-    h, q = config.hidden_size, config.num_heads * config.head_dim
-    kv, ff = config.num_kv_heads * config.head_dim, config.intermediate_size
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config.vocab_size, h))]
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-        ]
-        if config.attention_bias:
-            out += [
-                (p + "self_attn.q_proj.bias", (q,)),
-                (p + "self_attn.k_proj.bias", (kv,)),
-                (p + "self_attn.v_proj.bias", (kv,)),
-            ]
-        out += [
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "mlp.gate_proj.weight", (ff, h)),
-            (p + "mlp.up_proj.weight", (ff, h)),
-            (p + "mlp.down_proj.weight", (h, ff)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    out.append(("model.norm.weight", (h,)))
-    if not config.tie_word_embeddings:
-        out.append(("lm_head.weight", (config.vocab_size, h)))
-    return out
+    """Every tensor a model of `config` needs, as (Hugging Face name, shape), in load order:
+    the embeddings, each layer's pieces (`weight_layout`), the final norm, the LM head."""
+    layout = weight_layout(config)
+    keys = ["embed", *(key for key in layout if key.startswith("layers.")), "norm", "lm_head"]
+    return [(name, shape) for key in keys for name, _, shape in layout.get(key, ())]
 
 
 @dataclass
@@ -144,9 +121,7 @@ class Checkpoint:
         if reader is not None:
             return reader(name, scheme, errors)
         w = self.source.read(name)
-        rows = quantize(w, scheme)
-        errors.add(f"{w.dtype}→{scheme}".replace("torch.", ""), w, rows)
-        return rows
+        return errors.requantize(str(w.dtype).removeprefix("torch."), w, scheme)
 
 
 def load_checkpoint(model: str | Path, progress: bool = True) -> Checkpoint:

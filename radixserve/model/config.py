@@ -54,8 +54,3 @@ class ModelConfig:
         """The context a server of this model offers: ``requested`` (a setting; None or 0
         for the model's own), never past what the model was trained for."""
         return min(requested or self.max_position_embeddings, self.max_position_embeddings)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token per element byte (multiply by the dtype's size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

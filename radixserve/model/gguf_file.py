@@ -110,12 +110,8 @@ class GGUFFile:
         return values, offset + struct.calcsize("<" + fmt)
 
     def _string(self, offset: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from(self._order + "Q", self._buf, offset)
-        start = offset + 8
-        end = start + length
-        if end > len(self._buf):
-            raise ValueError(f"a string at byte {offset} runs past the end of the file")
-        return str(self._buf[start:end], "utf-8"), end
+        strings, offset = self._strings(1, offset)
+        return strings[0], offset
 
     def _value(self, kind: int, offset: int) -> tuple[Any, int]:
         if kind == _STRING:
@@ -162,12 +158,9 @@ class GGUFFile:
         if start + n_bytes > len(self._map):
             raise ValueError(f"tensor {name!r} runs past the end of the file")
         np_shape = tuple(reversed(dims))
+        raw = self._map[start : start + n_bytes]
         if (dtype := _ELEMENT_DTYPES.get(tensor_type)) is not None:
-            view = self._map[start : start + n_bytes].view(
-                np.dtype(dtype).newbyteorder(self._order)
-            )
-            data = view.reshape(np_shape)
+            data = raw.view(np.dtype(dtype).newbyteorder(self._order)).reshape(np_shape)
         else:
-            shape = quant_shape_to_byte_shape(np_shape, tensor_type)
-            data = self._map[start : start + n_bytes].reshape(shape)
+            data = raw.reshape(quant_shape_to_byte_shape(np_shape, tensor_type))
         return GGUFTensor(name, tensor_type, tuple(dims), n_elements, n_bytes, start, data)

@@ -21,7 +21,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_config import read_gguf
 from radixserve.model.gguf_file import GGUFFile
-from radixserve.model.quant import DIRECT_TYPES, QuantizedRows, RequantError, Scheme, quantize
+from radixserve.model.quant import DIRECT_TYPES, QuantizedRows, RequantError, Scheme
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,11 +70,7 @@ class GGUFWeights:
     def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
         self._config = config
-        self._tensors = {}
-        for tensor in reader.tensors:
-            name = hf_name(tensor.name)
-            if name is not None:
-                self._tensors[name] = tensor
+        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -111,13 +107,9 @@ class GGUFWeights:
         tensor = self._tensors[name]
         kind = tensor.tensor_type.name
         k = int(tensor.shape[0])
-        if DIRECT_TYPES.get(kind) == scheme:
-            rows = read_direct(tensor.data, kind, k, errors)
-        else:
-            w = self.read(name)
-            rows = quantize(w, scheme)
-            errors.add(f"{kind}→{scheme}", w, rows)
-            return rows
+        if DIRECT_TYPES.get(kind) != scheme:
+            return errors.requantize(kind, self.read(name), scheme)
+        rows = read_direct(tensor.data, kind, k, errors)
         if (heads := self._heads(name)) is not None:
             n = rows.shape[0]
             index = torch.from_numpy(_unpermute_rows(np.arange(n), heads).copy())

@@ -61,16 +61,10 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", factor=float(scaling["factor"]))
-    if kind == "llama3":
-        return theta, RopeScaling(
-            "llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings", 8192)
-            ),
-        )
+    if kind == "llama3":  # parameters not given keep RopeScaling's defaults
+        optional = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        given = {k: type(getattr(RopeScaling, k))(scaling[k]) for k in optional if k in scaling}
+        return theta, RopeScaling("llama3", factor=float(scaling["factor"]), **given)
     raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
 
 

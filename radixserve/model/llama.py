@@ -181,10 +181,9 @@ class LlamaModel(nn.Module):
 
     def _weight_targets(self) -> dict[str, tuple[Linear | torch.Tensor, int, tuple[int, ...]]]:
         """Checkpoint name → (layer or parameter, first row, the piece's shape)."""
-        c = self.config
         return {
             name: (self._dest(key), start, shape)
-            for key, pieces in weight_layout(c).items()
+            for key, pieces in weight_layout(self.config).items()
             for name, start, shape in pieces
         }
 

@@ -9,11 +9,8 @@ ranges of K run on a small thread pool (ctypes releases the GIL), as many as tor
 threads. It links no OpenMP runtime of its own: a second one beside torch's in the same
 process is asking for trouble.
 
-It writes the weight as two bfloat16 matrices, hi = bf16(w) and lo = bf16(w - hi): one
-dense matmul of [x, x] against [hi; lo] then multiplies x by w to within 2^-16 and
-accumulates in float32 like the kernel, so the two paths agree as closely as two dense
-matmuls of different shapes do (a token computed in a prefill chunk and the same token
-computed alone in a cached turn's short delta get the same logits, to float32 rounding).
+It writes the weight as the bfloat16 pair hi = bf16(w), lo = bf16(w - hi) that the
+dense path multiplies by (why a pair: `_KernelLinear.dense_pair`, `radixserve.model.qlinear`).
 
 Where the routine comes from, first found wins (logged once, at INFO):
 
@@ -112,7 +109,8 @@ def _digest(flags: Sequence[str], extra: str = "") -> str:
     return hashlib.sha256((_SOURCE + " ".join(flags) + extra).encode()).hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The kernel's "flags" line of /proc/cpuinfo ("" where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -170,7 +168,7 @@ def _prebuilt() -> ctypes._NamedFuncPointer | None:
     folder = os.environ.get("RADIXSERVE_NATIVE_DIR")
     if not folder:
         return None
-    have = set(_cpu_flags().partition(":")[2].split())
+    have = set(cpu_flags().partition(":")[2].split())
     for variant in variants():
         path = Path(folder) / variant.file_name
         if variant.cpu_flags <= have and path.exists() and (fn := _load(path)) is not None:
@@ -188,7 +186,7 @@ def _built() -> ctypes._NamedFuncPointer | None:
     if cc is None:
         logger.debug("no C compiler to build the int4 dequantizer")
         return None
-    target = _cache_dir() / f"dequant-{_digest(_FLAGS, _cpu_flags())}.so"
+    target = _cache_dir() / f"dequant-{_digest(_FLAGS, cpu_flags())}.so"
     if not target.exists():
         try:
             _compile(cc, _FLAGS, target)

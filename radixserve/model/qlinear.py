@@ -12,11 +12,8 @@ dequantized rows for an embedding lookup.
   matmul's, while oneDNN's bfloat16 matmul (AMX where present) barely grows, so above
   `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient
   dense matrix and runs the dense matmul instead (prefill chunks); decode steps stay on
-  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`),
-  which moves its crossover from 96 rows (dequantizing with torch ops) down to 16. Without
-  the routine (no compiler, no prebuilt one) the same crossover and the same [hi; lo]
-  pair, bit for bit, are kept, so greedy outputs do not depend on where the server runs:
-  only prefill chunks of 17-96 rows are slower.
+  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`: why the
+  crossover is 16 rows with or without it).
 - `Fp8Linear`: e4m3 weight with per-row scales, activations quantized per row on the
   fly, ``torch._scaled_mm`` (FP8 tensor cores on GPUs that have them).
 """
@@ -134,10 +131,21 @@ class _KernelLinear(Linear):
         raise NotImplementedError
 
 
-class Int8Linear(_KernelLinear):
+class _RowScaled(Linear):
+    """Codes ``q`` (N, K) and one scale per row (int8, fp8), loaded row range by range."""
+
+    q: torch.Tensor  # (N, K) int8 or float8_e4m3fn
+    scale: torch.Tensor  # (N,) for int8, (1, N) for fp8 (torch._scaled_mm's shape)
+
+    def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
+        r = self._rows_of(weight)
+        end = start + r.shape[0]
+        self.q[start:end].copy_(r.q)
+        self.scale.view(-1)[start:end].copy_(r.scale)
+
+
+class Int8Linear(_KernelLinear, _RowScaled):
     scheme: Scheme = "int8"
-    q: torch.Tensor  # (N, K) int8
-    scale: torch.Tensor  # (N,)
 
     def __init__(
         self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device
@@ -145,12 +153,6 @@ class Int8Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         self.register_buffer("q", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features, dtype=_KERNEL_DTYPE))
-
-    def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
-        r = self._rows_of(weight)
-        end = start + r.shape[0]
-        self.q[start:end].copy_(r.q)
-        self.scale[start:end].copy_(r.scale)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
@@ -232,10 +234,8 @@ class Int4Linear(_KernelLinear):
         raise TypeError("int4 weights do not serve embedding lookups (plan_schemes uses int8)")
 
 
-class Fp8Linear(Linear):
+class Fp8Linear(_RowScaled):
     scheme: Scheme = "fp8"
-    q: torch.Tensor  # (N, K) float8_e4m3fn
-    scale: torch.Tensor  # (1, N) float32
 
     def __init__(
         self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device
@@ -244,12 +244,6 @@ class Fp8Linear(Linear):
         n, k = out_features, in_features
         self.register_buffer("q", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("scale", torch.empty(1, n, dtype=torch.float32, device=device))
-
-    def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
-        r = self._rows_of(weight)
-        end = start + r.shape[0]
-        self.q[start:end].copy_(r.q)
-        self.scale[0, start:end].copy_(r.scale)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         amax = x.abs().amax(-1, keepdim=True).float().clamp_(min=1e-12)  # (T, 1)

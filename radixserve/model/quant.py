@@ -34,8 +34,10 @@ GROUP = 32  # inputs per int4 group (GGUF's block size)
 ROW_BLOCK = 64  # the CPU int4 kernel packs rows in blocks of 64
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # GGUF tensor types kept as int4, and those kept (requantized per row) as int8 by `auto`.
-_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-_INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_K"})
+_AUTO_SCHEMES: dict[str | None, Scheme] = {
+    "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
+    "Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_K": "int8",
+}  # fmt: skip
 _NARROW_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})  # ≤ 5 bits
 DIRECT_TYPES = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # read from blocks
 
@@ -131,10 +133,12 @@ class RequantError:
     worst: float = 0.0
     kinds: set[str] = field(default_factory=set)
 
-    def add(self, kind: str, source: torch.Tensor, rows: QuantizedRows) -> None:
-        """Count the error of `rows` against the float weight it came from."""
-        w = source.float()
-        self.add_sums(kind, float((dequantize(rows) - w).pow(2).sum()), float(w.pow(2).sum()))
+    def requantize(self, kind: str, w: torch.Tensor, scheme: Scheme) -> QuantizedRows:
+        """`w`, stored as ``kind``, quantized to ``scheme``; the error counted."""
+        rows, ref = quantize(w, scheme), w.float()
+        err = float((dequantize(rows) - ref).pow(2).sum())
+        self.add_sums(f"{kind}→{scheme}", err, float(ref.pow(2).sum()))
+        return rows
 
     def add_sums(self, kind: str, err: float, ref: float) -> None:
         self.sum_sq_err += err
@@ -155,14 +159,6 @@ class RequantError:
                 name, self.tensors, ", ".join(sorted(self.kinds)),
                 100 * self.relative_rms, 100 * self.worst,
             )  # fmt: skip
-
-
-def _auto_scheme(kind: str | None) -> Scheme:
-    if kind in _INT4_TYPES:
-        return "int4"
-    if kind in _INT8_TYPES:
-        return "int8"
-    return "none"
 
 
 def _widest(schemes: list[Scheme]) -> Scheme:
@@ -224,7 +220,7 @@ def plan_schemes(
         scheme: Scheme = quantization if quantization != "auto" else "none"
         if quantization == "auto" and device.type == "cpu":
             kinds = [formats.get(name) for name, _ in target.pieces]
-            scheme = _widest([_auto_scheme(kind) for kind in kinds])
+            scheme = _widest([_AUTO_SCHEMES.get(kind, "none") for kind in kinds])
             if target.embedding and not all(kind in _NARROW_TYPES for kind in kinds):
                 scheme = "none"
         if scheme == "int4" and (

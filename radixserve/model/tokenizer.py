@@ -37,10 +37,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
 _NFC_PRE = ("qwen2", "deepseek-r1-qwen")
 
 
@@ -183,11 +180,8 @@ class Tokenizer:
         if not tokens or not merges:
             raise ModelLoadError("GGUF file has no tokenizer vocabulary or merges")
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        special = {
-            i
-            for i, (token, kind) in enumerate(zip(tokens, types))
-            if kind in (_CONTROL, _USER_DEFINED)
-        }
+        flagged = (_CONTROL, _USER_DEFINED)
+        special = {i for i, kind in enumerate(types[: len(tokens)]) if kind in flagged}
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab: dict[str, int] = {}
@@ -218,15 +212,8 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(tokens[i], normalized=False) for i in control])
         backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i in user])
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-        eos_ids = [
-            metadata[key]
-            for key in (
-                "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id",
-            )
-            if metadata.get(key) is not None
-        ]
+        eos_keys = [f"tokenizer.ggml.{kind}_token_id" for kind in ("eos", "eot", "eom")]
+        eos_ids = [metadata[key] for key in eos_keys if metadata.get(key) is not None]
         if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
             cls._install_bos(backend, int(bos_id))
         return cls(
@@ -244,11 +231,6 @@ class Tokenizer:
         )
 
     # -- use --------------------------------------------------------------------------
-
-    @property
-    def backend(self) -> tokenizers.Tokenizer:
-        """The underlying `tokenizers.Tokenizer` (do not mutate it)."""
-        return self._backend
 
     @property
     def vocab_size(self) -> int:

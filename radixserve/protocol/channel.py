@@ -39,13 +39,10 @@ from radixserve.protocol.security import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SOCKET_TYPES: frozenset[int] = frozenset({zmq.DEALER, zmq.ROUTER, zmq.PUSH, zmq.PULL})
 _SOCKET_NAMES: dict[int, str] = {
-    zmq.DEALER: "DEALER",
-    zmq.ROUTER: "ROUTER",
-    zmq.PUSH: "PUSH",
-    zmq.PULL: "PULL",
-}
+    zmq.DEALER: "DEALER", zmq.ROUTER: "ROUTER", zmq.PUSH: "PUSH", zmq.PULL: "PULL"
+}  # fmt: skip
+SUPPORTED_SOCKET_TYPES: frozenset[int] = frozenset(_SOCKET_NAMES)
 
 
 _C = TypeVar("_C", bound="_ChannelBase")
@@ -78,7 +75,9 @@ class _ChannelBase:
             socket.close(linger=0)
             raise
 
-    def __init__(self, socket: zmq.Socket[Any], max_frame_bytes: int) -> None:
+    def __init__(
+        self, socket: zmq.Socket[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         self._socket = socket
         self._type = int(socket.type)
         if self._type not in SUPPORTED_SOCKET_TYPES:
@@ -122,6 +121,16 @@ class _ChannelBase:
             wanted = "recv_from" if self._type == zmq.ROUTER else "recv"
             raise ValueError(f"a {self._name} socket receives with {wanted}()")
 
+    def _message(self, frames: list[bytes] | None) -> Message | None:
+        return None if frames is None else self._parse(frames)[1]
+
+    def _routed(self, frames: list[bytes] | None) -> tuple[bytes, Message] | None:
+        if frames is None:
+            return None
+        identity, msg = self._parse(frames)
+        assert identity is not None
+        return identity, msg
+
     def _parse(self, frames: list[bytes]) -> tuple[bytes | None, Message]:
         """The sender's identity (ROUTER only) and the decoded message of ``frames``."""
         identity: bytes | None = None
@@ -156,11 +165,6 @@ class _ChannelBase:
 class Channel(_ChannelBase):
     """A blocking channel over a `zmq.Context` socket."""
 
-    def __init__(
-        self, socket: zmq.Socket[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    ) -> None:
-        super().__init__(socket, max_frame_bytes)
-
     def __enter__(self) -> Channel:
         return self
 
@@ -178,18 +182,12 @@ class Channel(_ChannelBase):
     def recv(self, timeout_ms: int | None = None) -> Message | None:
         """The next message, or None after ``timeout_ms`` (DEALER, PULL)."""
         self._check_recv(routed=False)
-        frames = self._recv_frames(timeout_ms)
-        return None if frames is None else self._parse(frames)[1]
+        return self._message(self._recv_frames(timeout_ms))
 
     def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:
         """The next ``(identity, message)``, or None after ``timeout_ms`` (ROUTER)."""
         self._check_recv(routed=True)
-        frames = self._recv_frames(timeout_ms)
-        if frames is None:
-            return None
-        identity, msg = self._parse(frames)
-        assert identity is not None
-        return identity, msg
+        return self._routed(self._recv_frames(timeout_ms))
 
     def _send(self, frames: list[bytes], timeout_ms: int | None) -> None:
         if timeout_ms is None:
@@ -215,7 +213,7 @@ class AsyncChannel(_ChannelBase):
     def __init__(
         self, socket: zmq.asyncio.Socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     ) -> None:
-        super().__init__(socket, max_frame_bytes)
+        super().__init__(socket, max_frame_bytes=max_frame_bytes)
         self._asocket = socket
 
     @property
@@ -242,18 +240,12 @@ class AsyncChannel(_ChannelBase):
     async def recv(self, timeout_ms: int | None = None) -> Message | None:
         """The next message, or None after ``timeout_ms`` (DEALER, PULL)."""
         self._check_recv(routed=False)
-        frames = await self._recv_frames(timeout_ms)
-        return None if frames is None else self._parse(frames)[1]
+        return self._message(await self._recv_frames(timeout_ms))
 
     async def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, Message] | None:
         """The next ``(identity, message)``, or None after ``timeout_ms`` (ROUTER)."""
         self._check_recv(routed=True)
-        frames = await self._recv_frames(timeout_ms)
-        if frames is None:
-            return None
-        identity, msg = self._parse(frames)
-        assert identity is not None
-        return identity, msg
+        return self._routed(await self._recv_frames(timeout_ms))
 
     async def _poll(self, timeout_ms: int, flags: int) -> bool:
         # pyzmq's stubs resolve Socket.poll to the Poller signature; the runtime takes flags.

@@ -39,6 +39,7 @@ from radixserve.protocol.wire import (
     StrSpec,
     WireSpec,
     WireStruct,
+    is_int,
     wire_spec,
 )
 
@@ -126,7 +127,7 @@ def _check_version(version: object, present: bool) -> None:
     if (
         not isinstance(version, list)
         or len(version) != 2
-        or not all(_is_int(part) and part >= 0 for part in version)
+        or not all(is_int(part) and part >= 0 for part in version)
     ):
         raise ProtocolError(f"protocol version must be [major, minor], got {version!r:.80}")
     if version[0] != PROTOCOL_VERSION[0]:
@@ -242,7 +243,7 @@ def _check_stats(spec: StatsSpec, value: object, path: str) -> dict[str, int | f
         entry = f"{path}[{name!r}]"
         out[name] = (
             _check_value(spec.value, item, entry)
-            if _is_int(item)
+            if is_int(item)
             else _check_float(spec.float_value, item, entry)
         )
     return out
@@ -277,11 +278,6 @@ def _reject_ext_values(value: object, path: str) -> None:
             pending.extend(item)
         elif isinstance(item, dict):
             pending.extend(item.values())
-
-
-def _is_int(value: object) -> bool:
-    """True for ints that are not bools."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _kind(value: object) -> str:

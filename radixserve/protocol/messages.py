@@ -1,11 +1,8 @@
 """Every message type of the wire protocol, with the bounds of each field.
 
 Messages are frozen dataclasses of plain data (no tensors: KV bytes move through the
-transfer layer). Each field carries a *wire spec* in its metadata (the spec types and the
-base classes are in `radixserve.protocol.wire`): the type and bounds the codec
-(`radixserve.protocol.codec`) enforces on encode and decode. Construction does
-not validate; it only normalises containers (lists become tuples, maps become read-only
-mappings, ints in float fields become floats), so the codec is the single gate.
+transfer layer) whose fields carry wire specs (`radixserve.protocol.wire`). Construction
+only normalises containers; the codec (`radixserve.protocol.codec`) is the single gate.
 
 Compatibility: `PROTOCOL_VERSION` is `(major, minor)`. Peers must share the major
 version. Within a major version, a new field must have a default (old peers omit it) and
@@ -487,33 +484,9 @@ class HostRelease(Message):
     lease_id: int = field(metadata=_spec(IntSpec(1)))
 
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    Hello,
-    HelloAck,
-    Heartbeat,
-    GenerateRequest,
-    PrefillRequest,
-    KVReady,
-    TransferDone,
-    TokenChunk,
-    Abort,
-    RequestFailed,
-    KVEvent,
-    KVResync,
-    IndexQuery,
-    IndexReply,
-    HostAttach,
-    HostAttachAck,
-    SpillOffer,
-    SpillDone,
-    HostLookup,
-    HostLease,
-    HostRelease,
-    Register,
-    Deregister,
-    WatchMembers,
-    MemberList,
-)
+# every message type: the classes above, each a direct subclass of `Message` (checked
+# when the registry is built: a tag missing or used twice is an import-time error)
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(Message.__subclasses__())
 
 
 def _build_registry() -> Mapping[str, type[Message]]:

@@ -107,6 +107,11 @@ WireSpec = (
 TOKEN_ID = IntSpec(0, MAX_TOKEN_ID)
 
 
+def is_int(value: object) -> bool:
+    """True for ints that are not bools (a JSON `true` must not pass as `1`)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def field_spec(spec: WireSpec) -> dict[str, WireSpec]:
     """Field metadata holding the wire spec of one field."""
     return {"wire": spec}

@@ -40,6 +40,7 @@ import torch
 from radixserve.errors import RadixServeError
 from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.network import TransferNetwork
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +102,18 @@ class KVTransferAgent(ABC):
         pool: torch.Tensor,
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
+        network: TransferNetwork | None = None,
     ) -> None:
-        kv = pool
+        kv = self.kv = pool
         compat.check_tensor(kv)
         self.name = name
-        self.kv = kv
         self.compat = compat
+        self.network = network or TransferNetwork()  # where it listens (loopback by default)
+        self.keys = self.network.keys  # with a cluster secret: sign and check metadata
         self.num_pages = int(kv.shape[2])
         self.num_regions = int(kv.shape[0]) * 2
         self.page_bytes = int(kv[0, 0, 0].numel() * kv.element_size())
         self.default_timeout_s = default_timeout_s
-        self.keys: ClusterKeys | None = None  # set by agents given a network with keys
         self._peers: dict[str, tuple[PeerInfo, Any]] = {}
         self._active: dict[int, TransferHandle] = {}
         self._ids = itertools.count(1)
@@ -210,14 +212,12 @@ class KVTransferAgent(ABC):
         peer: str,
         remote_page_ids: list[int],
         local_page_ids: list[int],
-        notify: bytes = b"",
         timeout_s: float | None = None,
     ) -> TransferHandle:
         """Start pulling `remote_page_ids` of `peer` into `local_page_ids` (same order).
 
-        Every layer's K and V of each page is copied. `notify`, if not empty, is
-        delivered to the peer (see `notifications`) once the read completed. The
-        transfer fails if not done within `timeout_s` (default `default_timeout_s`).
+        Every layer's K and V of each page is copied. The transfer fails if not done
+        within `timeout_s` (default `default_timeout_s`).
         Bad arguments or an unknown peer raise TransferError here; transport failures
         (even ones detected while posting) are reported by `poll`/`wait`.
         """
@@ -238,7 +238,7 @@ class KVTransferAgent(ABC):
         )
         self._active[handle.id] = handle
         try:
-            self._start_read(handle, info, state, remote, local, bytes(notify))
+            self._start_read(handle, info, state, remote, local)
         except TransferError as exc:  # transport trouble: reported by poll/wait
             self._finish(handle, "failed", str(exc))
         return handle
@@ -306,11 +306,6 @@ class KVTransferAgent(ABC):
             if after is not None:
                 after()
 
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """(peer name, message) of reads of our pages completed since the last call."""
-        self._check_open()
-        return self._drain_notifications()
-
     def serve_reads(self) -> None:
         """Drive our side of peers' reads of our pages (cheap; see the module notes)."""
         self._check_open()
@@ -326,12 +321,6 @@ class KVTransferAgent(ABC):
             self._finish(handle, "failed", "agent closed")
         self._closed = True
         self._shutdown()
-
-    def __enter__(self) -> KVTransferAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _finish(self, handle: TransferHandle, state: TransferState, error: str | None) -> None:
         handle.state, handle.error = state, error
@@ -374,7 +363,6 @@ class KVTransferAgent(ABC):
         state: Any,
         remote: list[int],
         local: list[int],
-        notify: bytes,
     ) -> None:
         """Post the read; raise TransferError if it cannot be posted."""
 
@@ -385,10 +373,6 @@ class KVTransferAgent(ABC):
     @abstractmethod
     def _release(self, handle: TransferHandle) -> None:
         """Free backend resources of a finished handle (cancel it if still in flight)."""
-
-    @abstractmethod
-    def _drain_notifications(self) -> list[tuple[str, bytes]]:
-        """Collect notifications peers sent after reading our pages."""
 
     @abstractmethod
     def _shutdown(self) -> None:

@@ -5,15 +5,12 @@ The pattern vLLM's NixlConnector uses:
   * a descriptor list of every (region, page) run — descriptor id `r * num_pages + p`,
     `page_bytes` long — is prepared once locally and once per peer (`prep_xfer_dlist`);
   * a read is one `make_prepped_xfer("READ", ...)` over descriptor indices, posted with
-    `transfer` and polled with `check_xfer_state`; the optional notification reaches the
-    page owner (`get_new_notifs`) once the read completed, so it can free the pages.
+    `transfer` and polled with `check_xfer_state`.
 
 Memory kind follows the tensor: "DRAM" for CPU pools, "VRAM" for CUDA pools.
 
-Network: UCX listens on network interfaces, not on an address. The agent's
-`TransferNetwork` becomes ``UCX_NET_DEVICES`` (the interface holding its bind address;
-none for every interface) and ``UCX_TCP_PORT_RANGE`` while the agent is created (UCX
-reads them then); a ``UCX_*`` variable the process already has wins.
+Network: the UCX variables of `TransferNetwork.ucx_env` (see `radixserve.transfer.network`),
+set while the agent is created (UCX reads them then).
 
 Progress: NIXL's own progress thread busy-polls a CPU core even when idle, so by default
 the agent runs without it (``progress_thread=False``). The reader progresses its read
@@ -119,15 +116,13 @@ class NixlTransferAgent(KVTransferAgent):
         progress_thread: bool = False,
         network: TransferNetwork | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s)
-        self.keys = network.keys if network is not None else None
+        super().__init__(name, pool, compat, default_timeout_s, network)
         nixl_agent, nixl_agent_config, errors = _import_nixl()
-        self._notifs: list[tuple[str, bytes]] = []
         self._errors: tuple[type[Exception], ...] = errors
         self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
         self._dev_id = (self.kv.device.index or 0) if self.kv.is_cuda else 0
         try:
-            ucx_env = (network or TransferNetwork()).ucx_env()
+            ucx_env = self.network.ucx_env()
         except ValueError as exc:
             raise TransferError(f"NIXL agent {name!r}: {exc}") from None
         try:
@@ -195,7 +190,6 @@ class NixlTransferAgent(KVTransferAgent):
         state: Any,
         remote: list[int],
         local: list[int],
-        notify: bytes,
     ) -> None:
         local_idx = np.asarray(
             region_page_indices(local, self.num_regions, self.num_pages), dtype=np.int32
@@ -203,11 +197,9 @@ class NixlTransferAgent(KVTransferAgent):
         remote_idx = np.asarray(
             region_page_indices(remote, self.num_regions, info.num_pages), dtype=np.int32
         )
-        if len(local_idx) != len(remote_idx) or len(local_idx) != self.num_regions * len(local):
-            raise TransferError("descriptor count mismatch")  # defensive: never partial
         try:
             xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, local_idx, state, remote_idx, notif_msg=notify
+                "READ", self._local_dlist, local_idx, state, remote_idx
             )
         except self._errors as exc:
             raise TransferError(f"cannot create NIXL read from {info.name!r}: {exc}") from exc
@@ -242,17 +234,9 @@ class NixlTransferAgent(KVTransferAgent):
             logger.warning("NIXL could not release transfer %d: %s", handle.id, exc)
 
     def _serve_reads(self) -> None:
-        # Collecting notifications is the cheapest NIXL call that progresses the UCX
-        # worker; keep what it returns for `notifications`.
-        self._notifs.extend(self._collect_notifications())
-
-    def _drain_notifications(self) -> list[tuple[str, bytes]]:
-        notifs, self._notifs = self._notifs + self._collect_notifications(), []
-        return notifs
-
-    def _collect_notifications(self) -> list[tuple[str, bytes]]:
-        notifs = self._agent.get_new_notifs()
-        return [(_as_str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
+        # Collecting notifications (reads here send none) is the cheapest NIXL call that
+        # progresses the UCX worker.
+        self._agent.get_new_notifs()
 
     def _shutdown(self) -> None:
         if self._had_failures:  # see the module's docstring: failed reads

@@ -10,15 +10,13 @@ Reader side: one DEALER socket per peer. A request is a msgpack map
 ``{"op": "read", "id", "from", "compat", "runs": [[remote_start, count], ...]}`` (no
 pickle). Reply frames are received directly into the destination pool pages
 (`recv_into`) after checking every frame's size; any mismatch, error reply or a
-deadline passing fails the transfer. After a successful read the reader sends
-``{"op": "notify", "from", "msg"}`` if the caller asked for a notification.
+deadline passing fails the transfer.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,7 +75,6 @@ def _bind(sock: zmq.Socket, net: TransferNetwork) -> int:
 class _Request:
     handle: TransferHandle
     runs: list[Run]
-    notify: bytes
 
 
 @dataclass
@@ -99,7 +96,7 @@ class ZmqTransferAgent(KVTransferAgent):
         default_timeout_s: float = 10.0,
         network: TransferNetwork | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s)
+        super().__init__(name, pool, compat, default_timeout_s, network)
         self._pages = (
             self.kv.view(-1)
             .view(torch.uint8)
@@ -110,17 +107,14 @@ class ZmqTransferAgent(KVTransferAgent):
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.SNDHWM, 0)
-        net = network or TransferNetwork()
-        self.keys = net.keys
-        if net.keys is not None:
-            net.keys.secure(self._server, bind=True)
+        if self.keys is not None:
+            self.keys.secure(self._server, bind=True)
         try:
-            port = _bind(self._server, net)
+            port = _bind(self._server, self.network)
         except TransferError:
             self._ctx.destroy(linger=0)
             raise
-        self._endpoint = f"tcp://{url_host(net.advertised)}:{port}"
-        self._notifs: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._endpoint = f"tcp://{url_host(self.network.advertised)}:{port}"
         self._results: dict[int, tuple[TransferState, str | None]] = {}
         self._request_ids = itertools.count(1)
         self._stop = threading.Event()
@@ -150,9 +144,6 @@ class ZmqTransferAgent(KVTransferAgent):
             op = req["op"]
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             logger.warning("ZMQ KV server %r: malformed request dropped", self.name)
-            return
-        if op == "notify":
-            self._notifs.put((str(req["from"]), bytes(req["msg"])))
             return
         reply: dict[str, Any] = {"id": req.get("id"), "ok": False, "error": None}
         if op != "read":
@@ -184,14 +175,6 @@ class ZmqTransferAgent(KVTransferAgent):
                     frames.append(self._pages[region, start : start + count].cpu().numpy())
         return frames
 
-    def _drain_notifications(self) -> list[tuple[str, bytes]]:
-        out: list[tuple[str, bytes]] = []
-        while True:
-            try:
-                out.append(self._notifs.get_nowait())
-            except queue.Empty:
-                return out
-
     def _backend_metadata(self) -> dict[str, Any]:
         return {"endpoint": self._endpoint}
 
@@ -219,7 +202,6 @@ class ZmqTransferAgent(KVTransferAgent):
         state: Any,
         remote: list[int],
         local: list[int],
-        notify: bytes,
     ) -> None:
         runs = page_runs(remote, local)
         request_id = next(self._request_ids)
@@ -234,7 +216,7 @@ class ZmqTransferAgent(KVTransferAgent):
             state.socket.send(msgpack.packb(header), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot send read request to {info.name!r}: {exc}") from exc
-        state.requests[request_id] = _Request(handle, runs, notify)
+        state.requests[request_id] = _Request(handle, runs)
 
     def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:
         known = self._peers.get(handle.peer)
@@ -251,11 +233,7 @@ class ZmqTransferAgent(KVTransferAgent):
                 while peer.socket.getsockopt(zmq.RCVMORE):
                     peer.socket.recv_into(bytearray())
                 continue
-            result = self._receive_pages(peer, header, request)
-            self._results[request.handle.id] = result
-            if result[0] == "done" and request.notify:
-                note = {"op": "notify", "from": self.name, "msg": request.notify}
-                peer.socket.send(msgpack.packb(note), flags=zmq.NOBLOCK)
+            self._results[request.handle.id] = self._receive_pages(peer, header, request)
 
     def _receive_pages(
         self, peer: _Peer, header: dict[str, Any], request: _Request

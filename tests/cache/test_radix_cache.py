@@ -17,8 +17,10 @@ def make_cache(
     num_pages: int = 64, events: list[tuple[str, list[int]]] | None = None
 ) -> tuple[RadixCache, PageAllocator]:
     allocator = PageAllocator(num_pages)
-    on_event = None if events is None else (lambda kind, hashes: events.append((kind, hashes)))
-    return RadixCache(allocator, PAGE, NAMESPACE, on_event=on_event), allocator
+    cache = RadixCache(allocator, PAGE, NAMESPACE)
+    if events is not None:
+        cache.set_event_listener(lambda kind, hashes: events.append((kind, hashes)))
+    return cache, allocator
 
 
 def run_request(cache: RadixCache, allocator: PageAllocator, tokens: list[int]) -> list[int]:

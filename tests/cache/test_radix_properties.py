@@ -64,7 +64,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.size = page_size
         self.allocator = PageAllocator(num_pages)
         self.live_hashes: Counter[int] = Counter()
-        self.cache = RadixCache(self.allocator, page_size, NAMESPACE, on_event=self._on_event)
+        self.cache = RadixCache(self.allocator, page_size, NAMESPACE)
+        self.cache.set_event_listener(self._on_event)
         self.model: dict[tuple[int, ...], int] = {}
         self.requests: list[Request] = []
         self.locks: list[Lock] = []

@@ -115,7 +115,7 @@ def test_an_engine_steps_on_its_share_of_the_cores(tmp_path):
                     assert out.request_id == rid
                     tokens += out.new_token_ids
                 seen.add(torch.get_num_threads())
-                assert engine.step_counters()["cpu_threads"] == torch.get_num_threads()
+                assert engine.step_stats.cpu_threads == torch.get_num_threads()
             runs.append(tokens)
             threads.append(seen)
             assert engine.cores.busy_workers() == (1 if busy else 0)  # released when done
@@ -139,7 +139,7 @@ def test_an_engine_loads_its_weights_on_its_share_of_the_cores(tmp_path):
     try:
         other.say("busy")
         engine = make_engine(model, core_board=str(path), num_threads=2)
-        assert engine.step_counters()["cpu_threads"] == 1  # its share while it loaded
+        assert engine.step_stats.cpu_threads == 1  # its share while it loaded
         assert engine.cores is not None and engine.cores.busy_workers() == 1  # the other only
     finally:
         other.kill()

@@ -147,7 +147,7 @@ def test_stale_prebuilt_file_is_never_loaded(fresh, prebuilt, tmp_path, caplog):
 
 def test_a_cpu_without_the_extensions_gets_the_baseline(fresh, prebuilt, caplog):
     """The best variant whose CPU flags are all listed: here none but the baseline's."""
-    fresh.setattr("radixserve.model.native._cpu_flags", lambda: "flags\t\t: fpu sse sse2")
+    fresh.setattr("radixserve.model.native.cpu_flags", lambda: "flags\t\t: fpu sse sse2")
     fresh.setenv("RADIXSERVE_NATIVE_DIR", str(prebuilt))
     fresh.setenv("CC", "/nonexistent")
     with caplog.at_level(logging.INFO, logger="radixserve.model.native"):

@@ -2,7 +2,7 @@
 
 `PeerProcess` spawns `run_peer` (multiprocessing "spawn"): it builds a small pool, fills
 it with `fill_pattern(seed)`, creates a transfer agent and sends its metadata back over
-a pipe, then answers "notifs" / "stop" commands until told to stop (or killed).
+a pipe, then serves reads of its pages until told to stop (or killed).
 `TransferSuite` holds the backend-independent tests; each backend's test module
 subclasses it with `backend = "..."`.
 """
@@ -64,13 +64,6 @@ def run_peer(
             command = conn.recv()
             if command == "stop":
                 break
-            if command == "notifs":
-                deadline = time.monotonic() + 5.0
-                notes = agent.notifications()
-                while not notes and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                    notes = agent.notifications()
-                conn.send(notes)
     finally:
         agent.close()
         conn.close()
@@ -98,12 +91,6 @@ class PeerProcess:
             self.kill()
             raise RuntimeError(f"peer {name!r} did not start")
         self.metadata: bytes = self._conn.recv()
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        self._conn.send("notifs")
-        assert self._conn.poll(10.0), "peer did not answer"
-        result: list[tuple[str, bytes]] = self._conn.recv()
-        return result
 
     def kill(self) -> None:
         self.process.kill()
@@ -155,13 +142,12 @@ class TransferSuite:
     ) -> None:
         peer = spawn("owner", seed=1)
         reader.add_peer("owner", 1, peer.metadata)
-        reader.wait(reader.read_pages("owner", self.REMOTE, self.LOCAL, notify=b"req-1"))
+        reader.wait(reader.read_pages("owner", self.REMOTE, self.LOCAL))
         expected, _ = make_pool()
         fill_pattern(expected.kv, 1)
         assert torch.equal(_pages(reader.kv, self.LOCAL), _pages(expected.kv, self.REMOTE))
         others = [p for p in range(NUM_PAGES) if p not in self.LOCAL]
         assert bool((_pages(reader.kv, others) == -1.0).all())
-        assert peer.notifications() == [("reader", b"req-1")]
 
     def test_incompatible_peer_is_refused(self, reader: KVTransferAgent, spawn: Any) -> None:
         peer = spawn("owner", seed=1, head_dim=16)
