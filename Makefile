@@ -6,8 +6,6 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# make test's pytest-xdist workers (0: one process); tests/conftest.py groups the tests
-TEST_WORKERS ?= 2
 
 .PHONY: setup serve chat test test-docker bench-test lint format bench clean
 
@@ -32,7 +30,7 @@ chat: $(STAMP)
 	$(BIN)/radixserve chat
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The images, the compose file (with Prometheus) and the Kubernetes commands run for real
 # in Docker (tests/deploy/test_docker.py; needs a running Docker engine and, where Docker

@@ -2,10 +2,9 @@
 and the clusters test modules share.
 
 A module that sets ``SHARED_CLUSTER = "<name>"`` gets that cluster from the ``cluster``
-fixture: started once for every module naming it (they run one after another, on one
-worker under xdist: see `tests/conftest.py`) and stopped before any other module runs, so
-at most one shared cluster is up per worker and none idles beside a test that starts its
-own."""
+fixture: started once for every module naming it (they run one after another: see
+`pytest_collection_modifyitems`) and stopped before any other module runs, so at most one
+shared cluster is up at a time and none idles beside a test that starts its own."""
 
 from __future__ import annotations
 
@@ -41,6 +40,19 @@ _running: dict[str, TestCluster] = {}
 def _stop_shared(keep: str | None = None) -> None:
     for name in [n for n in _running if n != keep]:
         _running.pop(name).stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules sharing a cluster run next to each other (the order is otherwise kept)."""
+
+    def group(item: pytest.Item) -> str:
+        module = getattr(item, "module", None)
+        return getattr(module, "SHARED_CLUSTER", None) or getattr(module, "__name__", "")
+
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(group(item), i)
+    items.sort(key=lambda item: first[group(item)])
 
 
 @pytest.fixture(scope="module", autouse=True)

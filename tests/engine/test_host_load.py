@@ -21,7 +21,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 @pytest.fixture(scope="module")
 def source():
     """An engine that computed the prompt: its cached pages are the 'host tier'."""
-    return make_engine(TINY, kv_cache_memory_gib=0.05)
+    engine = make_engine(TINY, kv_cache_memory_gib=0.05)
+    engine.generate([prompt_ids(engine)], GREEDY)
+    return engine
 
 
 def fresh():
