@@ -50,12 +50,16 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
         "the index to rebuild from both workers after the kvstore restarted",
     )
     assert cluster.supervisor.restarts["kvstore"] >= 1
-    # its host tier came back empty, and both workers attached to it again
-    cluster.wait(
-        lambda: all(cluster.workers()[w].get("host_attached") for w in ("prefill-0", "decode-0")),
-        30,
-        "the workers to attach to the restarted host tier",
-    )
+
+    # its host tier came back empty, and both workers attached to it again (each side's
+    # heartbeat arrives on its own: the kvstore reports its tier from the first attach on)
+    def attached() -> bool:
+        w = cluster.workers()
+        return "host_pages_stored" in w["kvstore"] and all(
+            w[name].get("host_attached") for name in ("prefill-0", "decode-0")
+        )
+
+    cluster.wait(attached, 30, "the workers to attach to the restarted host tier")
     assert cluster.workers()["kvstore"]["host_pages_stored"] == 0
     cluster.ask(chat(QUESTIONS[3]), 8)
     cluster.wait_clean()
