@@ -44,7 +44,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.scenario == "host-tier":
         from radixserve.bench.host_tier import run_host_tier_bench
 
-        return run_host_tier_bench(quick=args.quick, out_path=args.out)
+        return run_host_tier_bench(
+            quick=args.quick, out_path=args.out, model=args.model or "default"
+        )
     if args.scenario == "autoscale":
         from radixserve.bench.autoscale import run_autoscale_bench
 

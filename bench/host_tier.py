@@ -74,12 +74,18 @@ def _turn(client: httpx.Client, doc: str, question: str) -> dict[str, Any]:
     return stream_turn(client, messages, 4)
 
 
-def run_host_tier_bench(quick: bool = False, out_path: str | None = None) -> int:
+def run_host_tier_bench(
+    quick: bool = False, out_path: str | None = None, model: str = "default"
+) -> int:
+    """``model``: the checkpoint the worker serves (``--model``; the pool is sized by its
+    pages). The documents are sized with SmolLM2's tokenizer, so a model of another
+    tokenizer gets prefixes of other lengths."""
     prefix, rounds = (1024, 1) if quick else (4096, 3)
-    config = open_model("default").config
-    page_bytes = KVPool.page_bytes_all_layers(config, 16, torch.float32)  # fp32, 16-token pages
+    shape = open_model(model).config
+    page_bytes = KVPool.page_bytes_all_layers(shape, 16, torch.float32)  # fp32, 16-token pages
     pool_gib = (prefix * 1.7 / 16) * page_bytes / (1 << 30)  # one document, not three
     env = {
+        "RADIXSERVE_MODEL": model,
         "RADIXSERVE_DEVICE": "cpu",
         "RADIXSERVE_DTYPE": "float32",
         "RADIXSERVE_KV_CACHE_MEMORY_GIB": f"{pool_gib:.4f}",

@@ -102,6 +102,10 @@ def _stream(front, prompt, params, on_output) -> None:  # type: ignore[no-untype
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = build_params(args)  # validate before the (slow) model load
+    if not args.prompt:
+        from radixserve.errors import InvalidRequestError
+
+        raise InvalidRequestError("prompt is empty")
     front = _front(build_settings(args))
     try:
         prompt = args.prompt
