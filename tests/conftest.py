@@ -24,3 +24,16 @@ def hf_smol():
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The engine tests' tiny random model (`engine_helpers.TINY`: two layers, the
+    default model's tokenizer and chat template) as a Hugging Face directory that worker
+    processes load by path: for the process tests whose subject is the machinery
+    (membership, faults, tier capacity, scaling), at a hundredth of the default model's
+    cost per step. Tests of what users read (`radixserve up`, the CLI, the wheel, the
+    images, the OpenAI features) keep the default model."""
+    from tests.engine.engine_helpers import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-smollm2"))

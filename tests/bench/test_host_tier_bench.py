@@ -3,7 +3,9 @@
 The speed ratio is the benchmark's to report (bench/README.md), not this test's to
 assert; the test checks that each path is what it claims: the recompute turn caches
 nothing, the device turn hits the device, and the host turn's prefix comes from the
-host tier (its tokens counted under ``tier="host"``, pages read by the worker).
+host tier (its tokens counted under ``tier="host"``, pages read by the worker). It runs
+the tiny random model (``--model``): the paths are the subject, not the model's text,
+and the pool is sized by the served model's pages.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from pathlib import Path
 from radixserve.cli import main
 
 
-def test_host_tier_bench_quick(tmp_path: Path, capsys) -> None:
+def test_host_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
     out = tmp_path / "host-tier.json"
-    assert main(["bench", "--scenario", "host-tier", "--quick", "--out", str(out)]) == 0
+    argv = ["bench", "--scenario", "host-tier", "--quick", "--model", tiny_model]
+    assert main([*argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["scenario"] == "host-tier" and result["prefix_tokens"] == 1024
     (row,) = result["rows"]
@@ -29,6 +32,8 @@ def test_host_tier_bench_quick(tmp_path: Path, capsys) -> None:
     )
     assert row["host_load_pages"] * 16 >= row["host_cached_tokens"]
     assert row["host_load_bytes"] == row["host_load_pages"] * row["page_bytes"]
+    # the worker served --model: its fp32 16-token page (2 layers x K,V x 2 heads x 16)
+    assert row["page_bytes"] == 2 * 2 * 2 * 16 * 16 * 4
     for key in ("recompute", "device", "host"):
         assert result["median_ms"][key] > 0
     assert "host / recompute" in capsys.readouterr().out

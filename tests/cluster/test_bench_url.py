@@ -1,5 +1,6 @@
 """`radixserve bench --url`: the benchmark suite run against a cluster already up (the
-shared ``default`` cluster; the suite's own local runs are tests/bench/test_suite.py)."""
+shared ``default-tiny`` cluster, the tiny model: the subject is the benchmark's
+measuring; the suite's own local runs are tests/bench/test_suite.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from radixserve.bench.report import plot_paths
 from radixserve.cli import main
 
-SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
+SHARED_CLUSTER = "default-tiny"  # shared with other modules: tests/cluster/conftest.py
 
 
 def test_suite_against_url(cluster, tmp_path, capsys):

@@ -1,31 +1,41 @@
-"""Faults on the real cluster end cleanly: every test ends with no live request, no
-locked page, no lease and no task on the workers that are up (`/debug/cache`).
+"""Faults and overload on the real cluster (processes, NIXL, HTTP) end cleanly: every
+test ends with no live request, no locked page, no lease and no task on the workers that
+are up (`/debug/cache`). The cluster serves the tiny model (the `tiny_model` fixture):
+the subject is the machinery, and its answers are compared with the same weights run in
+one process.
 
 - a client that disconnects mid-stream, or while its prompt is on the prefill worker,
   has its request aborted on the decode and the prefill worker;
 - `kill -9` of the only decode worker mid-stream: the stream continues once the
   supervisor has restarted it, with the uninterrupted answer's text;
 - `kill -9` of the prefill worker while it holds a request: the decode worker recomputes
-  the prompt itself (``on_transfer_failure=recompute``) and the answer is still exact.
+  the prompt itself (``on_transfer_failure=recompute``) and the answer is still exact;
+- 64 concurrent streams complete with the single-process answers; with 64 in flight,
+  requests over the bound are refused at once (429), not queued, and when those 64
+  clients hang up, nothing is left held.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import threading
 
-from tests.cluster.cluster_helpers import TestCluster
-from tests.cluster.prompts import SYSTEM, chat
+import httpx
 
-SHARED_CLUSTER = "remote"  # shared with other modules: tests/cluster/conftest.py
+from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+
+SHARED_CLUSTER = "remote-tiny"  # tests/cluster/conftest.py
 
 
 def long_chat(tag: str) -> list[dict[str, str]]:
-    """About 850 prompt tokens nobody has cached: seconds of prefill on one thread."""
-    return chat("Which floor is quiet?", system=f"[{tag}] " + SYSTEM * 3)
+    """About 6,600 prompt tokens nobody has cached: over half a second of the tiny model's
+    prefill on one thread, several heartbeats of the prefill worker's."""
+    return chat("Which floor is quiet?", system=f"[{tag}] " + SYSTEM * 26)
 
 
 def stream_body(messages, max_tokens: int) -> dict:
@@ -86,7 +96,7 @@ def test_kill_9_of_the_only_decode_worker_mid_stream_continues_after_its_restart
     cluster.wait_clean()
     old_generation = cluster.workers()["decode-0"]["generation"]
     events: list[dict] = []
-    body = stream_body(chat("Tell me a story about a library."), 64)
+    body = stream_body(chat("Tell me a story about a library."), 300)  # seconds of stream
 
     def read() -> None:
         with cluster.http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -112,7 +122,7 @@ def test_kill_9_of_the_only_decode_worker_mid_stream_continues_after_its_restart
     cluster.wait_clean()
 
 
-def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat):
+def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, tiny_reference_chat):
     cluster.wait_clean()
     old_generation = cluster.workers()["prefill-0"]["generation"]
     failures_before = cluster.workers()["decode-0"].get("remote_prefill_failures_total", 0)
@@ -132,7 +142,81 @@ def test_kill_9_prefill_mid_request_recomputes_on_decode(cluster, reference_chat
         thread.join(timeout=180)
     resp = result["resp"]
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["message"]["content"] == reference_chat(messages, 8)
+    assert resp.json()["choices"][0]["message"]["content"] == tiny_reference_chat(messages, 8)
     cluster.wait_restarted("prefill-0", old_generation)
     state = cluster.wait_clean()
     assert state["workers"]["decode-0"]["remote_prefill_failures_total"] > failures_before
+
+
+async def _stream_chat(client: httpx.AsyncClient, messages, max_tokens: int) -> tuple[int, str]:
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    text = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return resp.status_code, resp.text
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                if event["choices"]:
+                    text.append(event["choices"][0]["delta"].get("content") or "")
+    return 200, "".join(text)
+
+
+def test_64_concurrent_streams_complete_and_overload_is_refused_fast(cluster, tiny_reference_chat):
+    conversations = [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(64)]
+
+    async def burst(messages_list, max_tokens):
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as client:
+            return await asyncio.gather(
+                *(_stream_chat(client, m, max_tokens) for m in messages_list)
+            )
+
+    # 12 tokens: the tiny model's first few tokens barely depend on the prompt; by the
+    # twelfth the eight questions' answers all differ, so a mixed-up stream shows
+    results = asyncio.run(burst(conversations, 12))
+    for messages, (status, text) in zip(conversations, results):
+        assert status == 200
+        assert text == tiny_reference_chat(messages, 12)
+    cluster.wait_clean(60)
+
+    # over the bound (64 in flight): the surplus is refused at once with 429; then the 64
+    # clients hang up mid-stream, and every worker lets go of their requests
+    async def hold(client: httpx.AsyncClient, messages, statuses: list[int]) -> None:
+        body = {"model": "default", "messages": messages, "max_tokens": 4000,
+                "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            statuses.append(resp.status_code)
+            await asyncio.Event().wait()  # until cancelled: the connection closes
+
+    async def overload():
+        loop = asyncio.get_running_loop()
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        statuses: list[int] = []
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as client:
+            held = [asyncio.create_task(hold(client, chat(QUESTIONS[i % 8]), statuses))
+                    for i in range(64)]  # fmt: skip
+            deadline = loop.time() + 60
+            while (await client.get("/debug/cache")).json()["gateway_in_flight"] < 64:
+                assert loop.time() < deadline, "the 64 streams were never all in flight"
+                await asyncio.sleep(0.02)  # until the 64 are admitted
+            started = loop.time()
+            extra = await asyncio.gather(*(_stream_chat(client, chat("Hi"), 4) for _ in range(8)))
+            refused_in = loop.time() - started
+            while len(statuses) < 64:  # every held stream under way
+                assert loop.time() < deadline, f"{len(statuses)} of 64 streams began"
+                await asyncio.sleep(0.02)
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            return extra, refused_in, statuses
+
+    extra, refused_in, statuses = asyncio.run(overload())
+    assert all(status == 429 for status, _ in extra), extra
+    assert '"rate_limit_error"' in extra[0][1]
+    assert refused_in < 5.0  # refused, not queued behind the running requests
+    assert statuses == [200] * 64
+    cluster.wait_clean(60)

@@ -1,5 +1,13 @@
 """The kvstore's host-memory tier on the real cluster (processes, NIXL or ZMQ, HTTP).
 
+The clusters serve the tiny model (the `tiny_model` fixture): the subject is the
+machinery (eviction, spill, host loads, the tier's bound), which the model's size does
+not change, and its answers are compared with the same weights run in one process. The
+tiny model reads the same tokenizer, so prompts fill the same pages; a page is 8 KiB
+against the default model's 720 KiB, so the pools are sized in pages (`gib`), and each
+test checks the sizes the workers report. Answers are 16 tokens (`MAX_TOKENS`), long
+enough that no two conversations' answers are the same.
+
 * A device pool too small for every conversation: returning to an evicted one loads its
   prefix from the host tier (``tier="host"`` hits, pages read by the workers) instead of
   recomputing it, and the answer is the single-process engine's.
@@ -8,6 +16,10 @@
 * A bounded load with a host tier smaller than the conversations: it stays within its
   capacity (evicting), answers do not change with the tier, and afterwards no lease, no
   host page reader and no spill buffer page is left held.
+
+The two tests keep a cluster each: the first needs a host tier that holds the evicted
+conversation, the second one smaller than the conversations, and they cover the host
+tier over both transports (NIXL, ZMQ).
 """
 
 from __future__ import annotations
@@ -17,9 +29,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tests.cluster.cluster_helpers import TestCluster, index_query, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
+from tests.engine.engine_helpers import tiny_checkpoint
 
-MAX_TOKENS = 8
+#: answers long enough to tell every conversation's apart: the random model's first tokens
+#: hardly depend on the prompt (at 8 tokens, three of the capacity test's six conversations
+#: read the same; from the 12th token on, each reads its own)
+MAX_TOKENS = 16
 PAGE = 16
+#: one page of the tiny model's KV: 16 tokens x 2 layers x (K, V) x 2 KV heads x 16 x 4 B
+PAGE_BYTES = 8192
+DEVICE_PAGES = 36  # each worker's pool: room for two of these prompts (17 full pages each)
+HOST_PAGES = 29  # the capacity test's host tier: less than the conversations
+
+
+def gib(pages: int) -> float:
+    """A budget in GiB of ``pages`` of the tiny model's pages (and half a page, so that
+    its decimal form, which the workers parse, still rounds down to them)."""
+    return (pages + 0.5) * PAGE_BYTES / (1 << 30)
+
+
+def assert_pools(cluster: TestCluster, pages: int) -> None:
+    """Every engine's pool is ``pages`` pages of the tiny model's, as the worker states."""
+    engines = {n: w for n, w in cluster.workers().items() if "pages_total" in w}
+    assert len(engines) == 2, engines
+    for name, worker in engines.items():
+        assert (worker["page_bytes"], worker["pages_total"]) == (PAGE_BYTES, pages), name
 
 
 def branch_system(i: int) -> str:
@@ -35,13 +69,15 @@ def host_hits(cluster: TestCluster) -> float:
     return metric_value(cluster.metrics(), "radixserve_cached_tokens_total", tier="host")
 
 
-def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, reference_engine):
+def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_reference_chat):
     cluster = TestCluster(
         transport="nixl",
+        model=tiny_model,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # the prefill worker computes every prompt
-        kv_cache_memory_gib=0.025,  # 36 pages: room for two of these conversations
+        kv_cache_memory_gib=gib(DEVICE_PAGES),
     )
     try:
+        assert_pools(cluster, DEVICE_PAGES)
         cluster.wait_host_tier()  # spills before the attach would be dropped
         first = cluster.ask(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
         prompt = first["usage"]["prompt_tokens"]
@@ -49,7 +85,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         for i in range(1, 4):  # three more conversations push the first out of every pool
             cluster.ask(chat(QUESTIONS[i], branch_system(i)), MAX_TOKENS)
         full_pages = (prompt - 1) // PAGE
-        ids = reference_engine.tokenizer.encode_chat(chat(QUESTIONS[0], branch_system(0)))
+        ids = tiny_checkpoint().tokenizer.encode_chat(chat(QUESTIONS[0], branch_system(0)))
 
         def spilled() -> bool:  # the index sees it in the host tier, on no device
             reply = index_query(cluster, ids[: full_pages * PAGE])
@@ -63,7 +99,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         assert host_hits(cluster) - before == full_pages * PAGE
         text = again["choices"][0]["message"]["content"]
         assert text == first["choices"][0]["message"]["content"]
-        assert text == reference_chat(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
+        assert text == tiny_reference_chat(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
         cluster.wait(
             lambda: cluster.workers()["prefill-0"].get("host_load_pages_total", 0) >= full_pages,
             10,
@@ -75,14 +111,18 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(reference_chat, r
         cluster.stop()
 
 
-def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(reference_chat):
+def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
+    tiny_model, tiny_reference_chat
+):
     cluster = TestCluster(
         transport="zmq",
-        kv_cache_memory_gib=0.025,
-        kvstore={"HOST_CAPACITY_GIB": "0.02"},  # 29 pages: less than the conversations
+        model=tiny_model,
+        kv_cache_memory_gib=gib(DEVICE_PAGES),
+        kvstore={"HOST_CAPACITY_GIB": str(gib(HOST_PAGES))},
         gateway={"MAX_QUEUED_REQUESTS": "64"},
     )
     try:
+        assert_pools(cluster, DEVICE_PAGES)
         cluster.wait_host_tier()
         conversations = [chat(QUESTIONS[i % len(QUESTIONS)], branch_system(i)) for i in range(6)]
         with ThreadPoolExecutor(3) as pool:
@@ -93,7 +133,7 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(refere
         texts = [[a["choices"][0]["message"]["content"] for a in r] for r in rounds]
         assert texts[0] == texts[1]  # whichever tier served the second round
         for i in (0, 5):
-            assert texts[0][i] == reference_chat(conversations[i], MAX_TOKENS)
+            assert texts[0][i] == tiny_reference_chat(conversations[i], MAX_TOKENS)
         deadline = time.monotonic() + 30
         while True:
             workers = cluster.workers()
@@ -106,7 +146,8 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(refere
         assert idle, "spill buffers still held"
         assert len(buffers) == 2
         page_bytes = workers["decode-0"]["page_bytes"]  # the engine's geometry, as it states it
-        assert store["host_pages_total"] == int(0.02 * (1 << 30)) // page_bytes
+        assert store["host_pages_total"] == int(gib(HOST_PAGES) * (1 << 30)) // page_bytes
+        assert store["host_pages_total"] == HOST_PAGES and page_bytes == PAGE_BYTES
         assert store["host_pages_used"] <= store["host_pages_total"]
         assert store["host_stored_pages_total"] > store["host_pages_total"]
         assert store["host_evictions_total"] > 0  # the bound was reached and held

@@ -1,6 +1,7 @@
 """The kvstore's cluster-wide index on the real cluster: workers' cache events reach it,
 it survives being killed (serving goes on, the index rebuilds from resyncs, the workers
-attach to its new, empty host tier), and a killed worker's entries leave it."""
+attach to its new, empty host tier), and a killed worker's entries leave it. The
+cluster serves the tiny model: the subject is the index, not the answers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.cluster.prompts import QUESTIONS, chat
 PAGE = 16
 
 
-SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
+SHARED_CLUSTER = "default-tiny"  # shared with other modules: tests/cluster/conftest.py
 
 
 def index_of(cluster: TestCluster, prompt_ids: list[int]) -> dict[str, int]:

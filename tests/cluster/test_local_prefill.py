@@ -1,10 +1,11 @@
-"""The decode worker's own choice of route, on the real cluster over ZMQ (the ``default``
-cluster: `local_prefill_max_tokens` at its default): a long first turn prefills on the
+"""The decode worker's own choice of route, on the real cluster over ZMQ (the
+``default-tiny`` cluster: `local_prefill_max_tokens` at its default; the tiny model, the
+same weights in one process for the reference): a long first turn prefills on the
 prefill worker, and a short delta on a known prefix prefills locally with nothing moved;
 both answers equal the single-process engine's.
 
 The system prompt is new to the cluster each run (the cluster is shared with
-test_kvstore and test_openai_features), and counters are read as deltas."""
+test_kvstore and test_bench_url), and counters are read as deltas."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 MAX_TOKENS = 12
 PAGE = 16
 
-SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
+SHARED_CLUSTER = "default-tiny"  # shared with other modules: tests/cluster/conftest.py
 
 
 def decode_counters(cluster: TestCluster) -> dict[str, float]:
@@ -26,7 +27,7 @@ def decode_counters(cluster: TestCluster) -> dict[str, float]:
     return {key: float(decode.get(key, 0)) for key in keys}
 
 
-def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, reference_chat):
+def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, tiny_reference_chat):
     system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM}"
     start = decode_counters(cluster)
     # first sight of the system prompt: over 256 uncached tokens -> remote prefill
@@ -42,7 +43,7 @@ def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, refere
     assert after_second["kv_transfer_pages_total"] == after_first["kv_transfer_pages_total"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 8
     for answer, question in ((first, QUESTIONS[0]), (second, QUESTIONS[1])):
-        want = reference_chat(chat(question, system), MAX_TOKENS)
+        want = tiny_reference_chat(chat(question, system), MAX_TOKENS)
         assert answer["choices"][0]["message"]["content"] == want
 
 

@@ -16,6 +16,17 @@ One cluster, in order:
    known, and they are listed again once it is back;
 5. SIGTERM of `radixserve up` stops every process it started and exits 0.
 No request fails along the way, and no worker is left holding anything.
+
+Every process serves the tiny model (the `tiny_model` fixture, as ``RADIXSERVE_MODEL`` in
+the environment of `radixserve up` and of the joined workers): the subject is the
+machinery, and the migrated streams are compared with reruns on the same weights. The
+default model's compute was most of this test's cost; the tiny one decodes a token in
+milliseconds, so the streams that the kill and the SIGTERM must land in are long
+(``ignore_eos``). Its random logits are nearly flat, so its seeded streams draw from the
+top 8 tokens (``top_k``): at temperature 0.8 over the whole vocabulary, the float32
+rounding by which the recomputed prompt of a migrated stream differs would reorder
+near-equal tokens and change a draw; among 8 it does not, and most draws still differ
+from the greedy token.
 """
 
 from __future__ import annotations
@@ -52,12 +63,12 @@ ENV = {
 
 class Proc:
     """A child process whose output lines are collected on a thread. A command line is
-    run as a shell would (``KEY=value`` words first are its environment), but without
+    run as a shell would (``KEY=value`` words first are added to ``env``), but without
     one, so signals reach the process itself."""
 
-    def __init__(self, cmd: list[str] | str) -> None:
+    def __init__(self, cmd: list[str] | str, env: dict[str, str]) -> None:
         argv = shlex.split(cmd) if isinstance(cmd, str) else cmd
-        env = dict(ENV)
+        env = dict(env)
         while argv and "=" in argv[0] and not argv[0].startswith("/"):
             key, _, value = argv.pop(0).partition("=")
             env[key] = value
@@ -124,8 +135,8 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
     Each stream's text equals the same request run after, uninterrupted."""
     bodies = [
         {"model": "default", "messages": chat(QUESTIONS[i % 3], f"[migrate {i}] " + SYSTEM),
-         "max_tokens": 96, "ignore_eos": True,
-         **({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 11 + i})}
+         "max_tokens": 128, "ignore_eos": True,
+         **({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_k": 8, "seed": 11 + i})}
         for i in range(4)
     ]  # fmt: skip
     texts: dict[int, str] = {}
@@ -137,8 +148,9 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
-    # (long enough that streams on both workers overlap however the 2 cores are shared:
-    # with 48 tokens the first could finish before the last began, and nothing then)
+    # (long enough that streams on both workers overlap however the 2 cores are shared,
+    # and that decode-0's still run when the kill lands, a heartbeat after the gateway saw
+    # them: on 2 cores that was 0.25-0.45 s in, with at most 14 of the 128 tokens sent)
     wait(lambda: sum(p[0] >= 2 for p in progress) >= 2 and workers()["decode-0"].get(
         "live_requests", 0) > 0 and workers()[other].get("live_requests", 0) > 0, 120,
         "streams running on both decode workers")  # fmt: skip
@@ -176,7 +188,13 @@ def cached_turn_counts(http: httpx.Client) -> None:
                       "max_tokens": 24, "temperature": 0})  # fmt: skip
     assert first.status_code == 200, first.text
     answer = first.json()["choices"][0]["message"]["content"]
-    wait(lambda: state()["workers"]["decode-0"].get("live_requests") == 0, 10, "turn 1 done")
+    beats = state()["workers"]["decode-0"].get("heartbeats_total", 0)
+
+    def settled() -> bool:  # a heartbeat sent after turn 1 ended (a whole turn of the tiny
+        d = state()["workers"]["decode-0"]  # model can fit between two heartbeats)
+        return d.get("heartbeats_total", 0) >= beats + 2 and d.get("live_requests") == 0
+
+    wait(settled, 10, "turn 1 done")
     before = state()
     messages += [{"role": "assistant", "content": answer},
                  {"role": "user", "content": "And three more?"}]  # fmt: skip
@@ -206,9 +224,10 @@ def cached_turn_counts(http: httpx.Client) -> None:
     assert delta("prefill-0", "prefill_requests_total") == 0
 
 
-def test_workers_join_leave_and_drain_in_a_running_cluster():
+def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
+    env = {**ENV, "RADIXSERVE_MODEL": tiny_model}  # every process: up's and the joined ones
     port = free_port()
-    up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)])
+    up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)], env)
     joined: list[Proc] = []
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
 
@@ -227,8 +246,8 @@ def test_workers_join_leave_and_drain_in_a_running_cluster():
         cached_turn_counts(http)
 
         # 1. two workers join by the printed command
-        new_prefill = Proc(join)
-        new_decode = Proc(join.replace(" prefill --join", " decode --join"))
+        new_prefill = Proc(join, env)
+        new_decode = Proc(join.replace(" prefill --join", " decode --join"), env)
         joined += [new_prefill, new_decode]
         names = {}
         for role, proc in (("prefill", new_prefill), ("decode", new_decode)):
@@ -267,12 +286,13 @@ def test_workers_join_leave_and_drain_in_a_running_cluster():
         for q in QUESTIONS[:2]:
             ask(http, q, system="[after kill] " + SYSTEM)
 
-        # 3. SIGTERM of the joined decode worker while it streams
+        # 3. SIGTERM of the joined decode worker while it streams (long enough to outlast
+        # the drain's notice and the request sent during it)
         results: dict[str, int] = {}
 
         def stream(tag: str) -> None:
             body = {"model": "default", "messages": chat("Tell me about the library.",
-                    f"[{tag}] " + SYSTEM), "max_tokens": 120, "temperature": 0,
+                    f"[{tag}] " + SYSTEM), "max_tokens": 160, "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -289,10 +309,12 @@ def test_workers_join_leave_and_drain_in_a_running_cluster():
              "a stream on the joined decode worker")  # fmt: skip
         new_decode.proc.send_signal(signal.SIGTERM)
         wait(lambda: workers()[names["decode"]].get("draining"), 5, "the gateway to see it drain")
+        draining = workers()[names["decode"]]
+        assert draining["draining"] and draining["live_requests"] > 0, draining  # mid-stream
         ask(http, QUESTIONS[3], system="[during drain] " + SYSTEM)  # goes to decode-0
         for t in streams:
             t.join(120)
-        assert results == {"s0": 120, "s1": 120}
+        assert results == {"s0": 160, "s1": 160}
         assert new_decode.proc.wait(60) == 0, "".join(new_decode.lines)
         wait(lambda: names["decode"] not in workers(), 15, "the drained worker leaving")
 

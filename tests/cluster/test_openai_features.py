@@ -1,7 +1,7 @@
 """The new API shapes through the real cluster (gateway, prefill, decode processes,
-ZMQ): the official `openai` client parses logprobs (both endpoints), n choices, echo
-with prompt logprobs, batched prompts and JSON mode, streamed and not. Prompts over
-256 tokens prefill on the prefill worker, so the first token's log-probabilities, the
+NIXL; the default model): the official `openai` client parses logprobs (both endpoints), n choices, echo
+with prompt logprobs, batched prompts and JSON mode, streamed and not. Every prompt
+prefills on the prefill worker (the ``remote`` cluster), so the first token's log-probabilities, the
 prompt's, and every choice's first token come back from it: they equal the
 single-process engine's, and n = 4 computes the prompt once."""
 
@@ -20,7 +20,7 @@ from tests.cluster.prompts import SYSTEM
 TOL = 1e-4
 
 
-SHARED_CLUSTER = "default"  # shared with other modules: tests/cluster/conftest.py
+SHARED_CLUSTER = "remote"  # shared with other modules: tests/cluster/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,14 @@ workers, a shared system prompt is computed once cluster-wide while requests com
 at a time (they go where the prefix is cached), and a concurrent burst spreads over both
 workers once the queue on the caching one costs more than recomputing the prefix.
 
-The cluster is shared with test_host_tier (prefixes written through to the host tier):
-counters are read as deltas."""
+The cluster serves the tiny model (the shared ``two-prefill-tiny`` cluster): the subject
+is the routing, not the model's text. The tiny model computes a prompt in milliseconds,
+so the burst is made concurrent by construction rather than by the model's slowness:
+the prefill workers are stopped (SIGSTOP) until the decode worker has sent every prompt
+of the burst, so each is routed with the earlier ones still queued.
+
+The cluster is shared with test_host_tier_reuse (prefixes written through to the host
+tier): counters are read as deltas."""
 
 from __future__ import annotations
 
@@ -12,27 +18,29 @@ import asyncio
 
 import httpx
 
-from tests.cluster.cluster_helpers import TestCluster, metric_value
+from tests.cluster.cluster_helpers import TestCluster, metric_value, stopped, wait_workers
 from tests.cluster.prompts import QUESTIONS, chat
+from tests.engine.engine_helpers import tiny_checkpoint
 
-SHARED_CLUSTER = "two-prefill"  # shared with other modules: tests/cluster/conftest.py
+SHARED_CLUSTER = "two-prefill-tiny"  # shared with other modules: tests/cluster/conftest.py
+PREFILLS = ("prefill-0", "prefill-1")
 
 
 def prefill_counter(cluster: TestCluster, key: str) -> dict[str, float]:
     workers = cluster.workers()
-    return {name: workers[name].get(key, 0) for name in ("prefill-0", "prefill-1")}
+    return {name: workers[name].get(key, 0) for name in PREFILLS}
 
 
 def delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: now[name] - before[name] for name in now}
 
 
-def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster, reference_engine):
+def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster):
     cluster.wait_clean()
     computed_before = prefill_counter(cluster, "prefill_computed_tokens_total")
     served_before = prefill_counter(cluster, "prefill_requests_total")
     gateway_before = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
-    prompts = [reference_engine.tokenizer.encode_chat(chat(q)) for q in QUESTIONS[:4]]
+    prompts = [tiny_checkpoint().tokenizer.encode_chat(chat(q)) for q in QUESTIONS[:4]]
     for question in QUESTIONS[:4]:  # one at a time
         body = {"messages": chat(question), "max_tokens": 4, "temperature": 0}
         assert cluster.http.post("/v1/chat/completions", json=body).status_code == 200
@@ -48,16 +56,25 @@ def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster, reference_
     assert gateway_computed - gateway_before == sum(computed.values())
 
     # a concurrent burst: the caching worker's queue soon outweighs its cache hit
+    bodies = [
+        {"messages": chat(f"{QUESTIONS[i % 8]} (visitor {i})"), "max_tokens": 4,
+         "temperature": 0}
+        for i in range(6)
+    ]  # fmt: skip
+
     async def burst():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as client:
-            bodies = [
-                {"messages": chat(f"{QUESTIONS[i % 8]} (visitor {i})"), "max_tokens": 4,
-                 "temperature": 0}
-                for i in range(6)
-            ]  # fmt: skip
-            return await asyncio.gather(
-                *(client.post("/v1/chat/completions", json=b) for b in bodies)
-            )
+            with stopped(cluster, PREFILLS):  # until every prompt is sent to one of them
+                posts = [
+                    asyncio.ensure_future(client.post("/v1/chat/completions", json=b))
+                    for b in bodies
+                ]
+                await wait_workers(
+                    client,
+                    lambda w: w["decode-0"].get("awaiting_kv", 0) == len(bodies),
+                    "the decode worker to send every prompt to a prefill worker",
+                )
+            return await asyncio.gather(*posts)
 
     replies = asyncio.run(burst())
     assert all(r.status_code == 200 for r in replies)
