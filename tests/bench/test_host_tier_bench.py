@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from radixserve.cache.kv_pool import KVPool
 from radixserve.cli import main
+from tests.engine.engine_helpers import tiny_checkpoint
 
 
 def test_host_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
@@ -32,8 +36,10 @@ def test_host_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
     )
     assert row["host_load_pages"] * 16 >= row["host_cached_tokens"]
     assert row["host_load_bytes"] == row["host_load_pages"] * row["page_bytes"]
-    # the worker served --model: its fp32 16-token page (2 layers x K,V x 2 heads x 16)
-    assert row["page_bytes"] == 2 * 2 * 2 * 16 * 16 * 4
+    # the worker served --model: the tiny model's fp32 16-token page (8 KiB, not 720)
+    assert row["page_bytes"] == KVPool.page_bytes_all_layers(
+        tiny_checkpoint().config, 16, torch.float32
+    )
     for key in ("recompute", "device", "host"):
         assert result["median_ms"][key] > 0
     assert "host / recompute" in capsys.readouterr().out

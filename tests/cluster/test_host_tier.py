@@ -27,6 +27,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+from radixserve.cache.kv_pool import KVPool
 from tests.cluster.cluster_helpers import TestCluster, index_query, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 from tests.engine.engine_helpers import tiny_checkpoint
@@ -36,8 +39,8 @@ from tests.engine.engine_helpers import tiny_checkpoint
 #: read the same; from the 12th token on, each reads its own)
 MAX_TOKENS = 16
 PAGE = 16
-#: one page of the tiny model's KV: 16 tokens x 2 layers x (K, V) x 2 KV heads x 16 x 4 B
-PAGE_BYTES = 8192
+#: one page of the tiny model's KV in float32 (8 KiB), as the engine computes it
+PAGE_BYTES = KVPool.page_bytes_all_layers(tiny_checkpoint().config, PAGE, torch.float32)
 DEVICE_PAGES = 36  # each worker's pool: room for two of these prompts (17 full pages each)
 HOST_PAGES = 29  # the capacity test's host tier: less than the conversations
 
