@@ -43,9 +43,11 @@ test: $(STAMP)
 
 # The images, the compose file (with Prometheus) and the Kubernetes commands run for real
 # in Docker (tests/deploy/test_docker.py; needs a running Docker engine and, where Docker
-# Hub is out of reach, root for debootstrap). .ci/run starts one when it can.
+# Hub is out of reach, root for debootstrap). .ci/run starts one when it can. The compose
+# file's services as local processes (tests/deploy/test_compose_run.py) run first.
 test-docker: $(STAMP)
-	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_docker.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_compose_run.py \
+		tests/deploy/test_docker.py $(PYTEST_ARGS)
 
 # The end-to-end runs too long for make test (marked benchmark), e.g. 60 s of chaos.
 bench-test: $(STAMP)

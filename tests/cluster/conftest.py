@@ -115,9 +115,15 @@ def reference_chat(reference_engine) -> Reference:
 
 
 @pytest.fixture(scope="session")
-def tiny_reference_chat() -> Reference:
-    """`reference_chat` for clusters of the `tiny_model`: the same weights in-process."""
-    return _memoised_chat(make_engine(TINY, kv_cache_memory_gib=0.05, prefix_cache=False))
+def tiny_reference_engine():
+    """`reference_engine` for clusters of the `tiny_model`: the same weights in-process."""
+    return make_engine(TINY, kv_cache_memory_gib=0.05, prefix_cache=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_chat(tiny_reference_engine) -> Reference:
+    """`reference_chat` for clusters of the `tiny_model`."""
+    return _memoised_chat(tiny_reference_engine)
 
 
 def _memoised_chat(reference_engine) -> Reference:

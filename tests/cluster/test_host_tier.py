@@ -52,9 +52,16 @@ def gib(pages: int) -> float:
 
 
 def assert_pools(cluster: TestCluster, pages: int) -> None:
-    """Every engine's pool is ``pages`` pages of the tiny model's, as the worker states."""
-    engines = {n: w for n, w in cluster.workers().items() if "pages_total" in w}
-    assert len(engines) == 2, engines
+    """Every engine's pool is ``pages`` pages of the tiny model's, as the worker states
+    (in its stats, which reach the gateway with a heartbeat after the worker is up)."""
+    engines: dict[str, dict] = {}
+
+    def reported() -> bool:
+        nonlocal engines
+        engines = {n: w for n, w in cluster.workers().items() if "pages_total" in w}
+        return len(engines) == 2
+
+    cluster.wait(reported, 10, "both engines' pool sizes at the gateway")
     for name, worker in engines.items():
         assert (worker["page_bytes"], worker["pages_total"]) == (PAGE_BYTES, pages), name
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 
+from radixserve.engine.sampling_params import SamplingParams
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
@@ -47,19 +48,40 @@ def test_remote_then_local_prefill_over_zmq_equal_single_process(cluster, tiny_r
         assert answer["choices"][0]["message"]["content"] == want
 
 
-def test_a_second_turn_prefills_its_short_delta_locally_and_moves_nothing(cluster):
+def test_a_second_turn_prefills_its_short_delta_locally_and_moves_nothing(
+    cluster, tiny_reference_engine
+):
     messages = chat("Can I bring my dog?", f"[{uuid.uuid4().hex[:8]}] {SYSTEM}")
     turn1 = cluster.ask(messages, 20)
+    # turn 1's tokens, as the single process computes them (its text is the cluster's)
+    tokenizer = tiny_reference_engine.tokenizer
+    prompt_ids = tokenizer.encode_chat(messages)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    answer = tiny_reference_engine.generate([prompt_ids], greedy)[0]
+    assert turn1["choices"][0]["message"]["content"] == answer.text
     before = decode_counters(cluster)
     messages += [
-        {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+        {"role": "assistant", "content": answer.text},
         {"role": "user", "content": "And my cat?"},
     ]
     turn2 = cluster.ask(messages, 8)
     after = decode_counters(cluster)
-    p1, a1 = turn1["usage"]["prompt_tokens"], turn1["usage"]["completion_tokens"]
-    # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache
-    decode_has = (p1 + a1 - 1) // PAGE
-    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] == decode_has * PAGE
+    # decode kept turn 1 (prompt + answer, less the unwritten last token) in its cache; a
+    # second turn reuses the full pages it shares with that. The random model's answer
+    # text need not encode back to the tokens it was made of, so what is shared is
+    # counted on the tokens, not assumed to be all of turn 1
+    held = prompt_ids + answer.token_ids[:-1]
+    shared = common_prefix(held, tokenizer.encode_chat(messages))
+    assert shared >= len(prompt_ids)  # at least the whole first prompt
+    cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == shared // PAGE * PAGE
     assert after["local_prefills_total"] == before["local_prefills_total"] + 1
     assert after["kv_transfer_pages_total"] == before["kv_transfer_pages_total"]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -18,6 +18,11 @@ serves. One test walks what a user of the compose file sees:
    name only metrics those scrapes have;
 6. SIGTERM drains the decode worker: unready (/health 503) but live while a stream on it
    completes, then it exits 0.
+
+Marked ``benchmark`` (half a minute of the default model in six processes, where the
+suite has a bound): ``make test-docker`` runs it beside tests/deploy/test_docker.py,
+which runs the same file in Docker; it needs no Docker engine itself (``make bench-test``
+runs it too).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,6 +107,7 @@ def value(scraped: dict[Any, float], name: str, **labels: str) -> float:
                and labels.items() <= dict(lab).items())  # fmt: skip
 
 
+@pytest.mark.benchmark
 def test_compose_services_make_a_working_cluster(tmp_path: Path) -> None:
     run = ComposeRun(compose_services(DOT_ENV), tmp_path)
     try:
