@@ -95,6 +95,14 @@ class EngineSettings(BaseSettings):
         "(CPU only; `radixserve up` sets it, and --num-threads turns it off).",
     )
     load_progress: bool = Field(True, description="Show a progress bar while the model loads.")
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel size: the engine's process is rank 0 and starts tp - 1 "
+        "rank processes, each holding a slice of every layer and of the KV pool (on CUDA, "
+        "device i for rank i); kv_cache_memory_gib is per rank.",
+    )
 
     @field_validator("attention_backend")
     @classmethod

@@ -20,6 +20,7 @@ import torch
 
 from radixserve.errors import CapacityError
 from radixserve.model.config import ModelConfig
+from radixserve.model.tp import TPShard
 
 
 class KVPool:
@@ -56,25 +57,37 @@ class KVPool:
         num_pages: int,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPShard | None = None,
     ) -> KVPool:
-        """A pool shaped for `config`'s layers and KV heads."""
+        """A pool shaped for `config`'s layers and KV heads (those of tensor-parallel
+        rank ``tp``: `TPShard.kv_heads`)."""
         return cls(
-            config.num_layers, config.num_kv_heads, config.head_dim,
+            config.num_layers, (tp or TPShard()).kv_heads(config), config.head_dim,
             page_size, num_pages, dtype, device,
         )  # fmt: skip
 
     @staticmethod
-    def page_bytes_all_layers(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page occupies across all layers, K and V."""
-        layer_bytes = page_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    def page_bytes_all_layers(
+        config: ModelConfig, page_size: int, dtype: torch.dtype, tp: TPShard | None = None
+    ) -> int:
+        """Bytes one page occupies across all layers, K and V (on rank ``tp``: its
+        heads' share; None: the whole page, as the tiers below the device hold it)."""
+        heads = (tp or TPShard()).kv_heads(config)
+        layer_bytes = page_size * heads * config.head_dim * dtype.itemsize
         return 2 * config.num_layers * layer_bytes
 
     @classmethod
     def num_pages_for_budget(
-        cls, config: ModelConfig, page_size: int, dtype: torch.dtype, budget_bytes: int
+        cls,
+        config: ModelConfig,
+        page_size: int,
+        dtype: torch.dtype,
+        budget_bytes: int,
+        tp: TPShard | None = None,
     ) -> int:
-        """The most pages that fit in `budget_bytes`; at least one page must fit."""
-        per_page = cls.page_bytes_all_layers(config, page_size, dtype)
+        """The most pages that fit in `budget_bytes` (of one rank ``tp``'s pages); at
+        least one page must fit."""
+        per_page = cls.page_bytes_all_layers(config, page_size, dtype, tp)
         num_pages = budget_bytes // per_page
         if num_pages < 1:
             raise CapacityError(

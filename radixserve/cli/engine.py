@@ -15,11 +15,14 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 
 # the engine flags' `EngineSettings` fields (each read from RADIXSERVE_<FIELD> by the services)
 _ENGINE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib",
-                  "page_size", "prefix_cache")  # fmt: skip
+                  "page_size", "prefix_cache", "tp")  # fmt: skip
 
 
-def engine_args(p: argparse.ArgumentParser, quantization: bool = True) -> None:
+def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool = True) -> None:
     g = p.add_argument_group("engine")
+    if tp:  # one engine's own (the cluster's workers take none yet)
+        g.add_argument("--tp", type=int, help="tensor-parallel size: ranks (processes, one "
+                       "device each) this engine's model is split over (default 1)")  # fmt: skip
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])

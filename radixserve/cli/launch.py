@@ -209,7 +209,7 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--drain-timeout-s", type=float, default=60.0,
                     help="a removed worker is killed if still running this long after "
                     "SIGTERM (default 60)")  # fmt: skip
-    engine_args(up)
+    engine_args(up, tp=False)
     up.set_defaults(func=cmd_up)
 
     probe = sub.add_parser("probe", help="check a service's health URL: exit 0 on 200 "

@@ -249,6 +249,8 @@ class AsyncEngine:
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # -- the engine thread -----------------------------------------------------------
 

@@ -21,7 +21,6 @@ from typing import TypeVar
 import torch
 
 from radixserve.cache.block_hash import hash_namespace
-from radixserve.cache.kv_pool import KVPool
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
@@ -32,6 +31,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
+from radixserve.engine.model_shard import ModelShard, copy_page
 from radixserve.engine.outputs import GenerationResult, RequestOutput, TokenLogprob
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampler import Sampler
@@ -39,11 +39,10 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
 from radixserve.engine.step_stats import StepStats
 from radixserve.engine.structured import GuideCompiler, advance
+from radixserve.engine.tp_group import TPGroup, threads_per_rank
 from radixserve.errors import CapacityError, InvalidRequestError
-from radixserve.model.attention import make_attention_backend
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
-from radixserve.model.llama import LlamaModel, checkpoint_schemes, quant_targets
-from radixserve.model.quant import plan_schemes
+from radixserve.model.tp import TPShard
 from radixserve.settings import EngineSettings
 
 T = TypeVar("T")
@@ -69,43 +68,43 @@ class Engine:
         """``checkpoint``: an opened checkpoint to serve instead of ``settings.model`` (for
         instance random weights of a given shape, `radixserve.bench.random_checkpoint`)."""
         self.settings = settings
-        if settings.num_threads:
-            torch.set_num_threads(settings.num_threads)
+        tp = TPShard(0, settings.tp)
         self.device = resolve_device(settings.device)
+        if settings.num_threads or (tp.size > 1 and self.device.type == "cpu"):
+            torch.set_num_threads(threads_per_rank(settings))
         self.cores: CoreBoard | None = None  # the host's cores, shared with other workers
-        if settings.core_board and self.device.type == "cpu":
+        if settings.core_board and self.device.type == "cpu" and tp.size == 1:
             self.cores = CoreBoard(settings.core_board, settings.num_threads or os.cpu_count() or 1)
         self._last_step_s = 0.0
         self.step_stats = StepStats()
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        if checkpoint is not None and tp.size > 1:
+            raise ValueError("a tensor-parallel engine's ranks load settings.model themselves: "
+                             "it cannot serve a checkpoint object")  # fmt: skip
         if checkpoint is None:
             checkpoint = load_checkpoint(settings.model, progress=settings.load_progress)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.max_model_len = self.config.max_model_len(settings.max_model_len)
-        attention = make_attention_backend(settings.attention_backend, self.device)
-        plan = plan_schemes(
-            settings.quantization, self.device, quant_targets(self.config), checkpoint.formats()
-        )
-        self.model = LlamaModel(
-            self.config,
-            self.dtype,
-            self.device,
-            max_positions=self.max_model_len,
-            attention=attention,
-            ops=attention.ops,
-            plan=plan,
-        )
-        weights = checkpoint.iter_weights(self.dtype, checkpoint_schemes(self.config, plan))
-        self.model.load_weights(self._sharing_cores(weights))
+        tp.check(self.config)  # before any rank starts: a split that cannot be is refused
+        # ranks 1..tp-1 (processes) load their shards while this one loads its own
+        self.tp_group = TPGroup(settings, self.device) if tp.size > 1 else None
+        try:
+            shard = ModelShard.build(
+                settings, checkpoint, self.device, self.dtype, self.max_model_len, tp,
+                self.tp_group.comm if self.tp_group else None, pace=self._sharing_cores,
+            )  # fmt: skip
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.ready(False, 0)  # raises, having stopped the ranks
+            raise
+        if self.tp_group is not None:
+            self.tp_group.ready(True, shard.kv_pool.num_pages)
         self.idle()
-        self.quantization = _describe(plan)
+        self.model, attention, self.kv_pool = shard.model, shard.attention, shard.kv_pool
+        self.quantization = _describe(shard.plan)
         self.page_size = settings.page_size
-        budget = int(settings.kv_cache_memory_gib * (1 << 30))
-        num_pages = KVPool.num_pages_for_budget(self.config, self.page_size, self.dtype, budget)
-        self.kv_pool = KVPool.from_config(
-            self.config, self.page_size, num_pages, self.dtype, self.device
-        )
+        num_pages = self.kv_pool.num_pages
         self.allocator = PageAllocator(num_pages)
         self.namespace = hash_namespace(self.config.name, settings.cache_salt)
         self.cache = (
@@ -121,11 +120,13 @@ class Engine:
             settings.max_num_seqs,
             settings.prefill_chunk_tokens,
         )
-        graphs = make_decode_graphs(
-            self.model, self.kv_pool, attention.name, self.max_model_len,
-            settings.cuda_graph_max_batch_size, self.device,
-        )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, graphs)
+        graphs = None
+        if self.tp_group is None:  # a captured graph would replay without the ranks
+            graphs = make_decode_graphs(
+                self.model, self.kv_pool, attention.name, self.max_model_len,
+                settings.cuda_graph_max_batch_size, self.device,
+            )  # fmt: skip
+        self.runner = ModelRunner(self.model, self.kv_pool, self.device, graphs, self.tp_group)
         self.sampler = Sampler()
         eos = self.config.eos_token_ids
         self.guides = GuideCompiler(
@@ -138,11 +139,13 @@ class Engine:
         self.leases = LeaseTable(self.allocator)
         self._host_loads: dict[str, HostLoad] = {}
         logger.info(
-            "engine ready: %s on %s/%s, weights %s (%.1f MiB), %s kernels, %d KV pages of %d "
-            "tokens (%.2f GiB), prefix cache %s",
-            self.config.name, self.device, self.dtype, self.quantization,
-            self.model.weight_bytes / (1 << 20), attention.name, num_pages, self.page_size,
-            self.kv_pool.size_bytes / (1 << 30), "on" if self.cache else "off",
+            "engine ready: %s on %s/%s%s, weights %s (%.1f MiB%s), %s kernels, %d KV pages of "
+            "%d tokens (%.2f GiB%s), prefix cache %s",
+            self.config.name, self.device, self.dtype,
+            f" x {tp.size} ranks (tensor parallel)" if tp.size > 1 else "", self.quantization,
+            self.model.weight_bytes / (1 << 20), " per rank" if tp.size > 1 else "",
+            attention.name, num_pages, self.page_size, self.kv_pool.size_bytes / (1 << 30),
+            " per rank" if tp.size > 1 else "", "on" if self.cache else "off",
         )  # fmt: skip
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -453,8 +456,14 @@ class Engine:
         return children
 
     def _copy_page(self, src: int, dst: int) -> None:
-        kv = self.kv_pool.kv  # (L, 2, P, page_size, H, D)
-        kv[:, :, dst].copy_(kv[:, :, src])
+        if self.tp_group is not None:
+            self.tp_group.copy_page(src, dst)
+        copy_page(self.kv_pool, src, dst)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (the engine computes no more)."""
+        if self.tp_group is not None:
+            self.tp_group.stop()
 
     def _append(
         self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None

@@ -8,7 +8,8 @@ from radixserve.cache.kv_pool import KVPool
 from radixserve.engine.cuda_graph import DecodeGraphs
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import ScheduledBatch
-from radixserve.model.forward_batch import SequenceChunk, build_forward_batch
+from radixserve.engine.tp_group import TPGroup
+from radixserve.model.forward_batch import SequenceChunk, forward_batch_of, pack_step
 from radixserve.model.llama import LlamaModel
 
 
@@ -19,8 +20,10 @@ class ModelRunner:
         kv_pool: KVPool,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         self.model = model
+        self.tp_group = tp_group  # sent each step before this rank computes it
         self.kv_pool = kv_pool
         self.page_size = kv_pool.page_size
         self.device = device
@@ -51,7 +54,10 @@ class ModelRunner:
                 scored.append((req, lo, k))
         logits = self.graphs.run(chunks) if self.graphs is not None else None
         if logits is None:
-            fb = build_forward_batch(chunks, self.page_size, self.device)
+            packed = pack_step(chunks, self.page_size)
+            if self.tp_group is not None:
+                self.tp_group.forward(packed)
+            fb = forward_batch_of(packed, self.device)
             logits = self.model(
                 fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
             )

@@ -110,6 +110,83 @@ class _HostStep:
         return torch.tensor(flat, dtype=torch.int64), [len(x) for x in sections]
 
 
+@dataclass(frozen=True)
+class PackedStep:
+    """A step's inputs on the host: the one int64 buffer and what its sections are. Its
+    `header` (a fixed number of ints) and the buffer are all a tensor-parallel rank is
+    sent to rebuild the same `ForwardBatch` (`from_header`)."""
+
+    host: torch.Tensor  # (buffer_len,) int64
+    sizes: tuple[int, ...]  # the 8 sections' lengths, in buffer order
+    num_seqs: int
+    width: int  # page-table width
+    num_extends: int
+    num_extend_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+    HEADER_LEN = 14
+
+    def header(self) -> list[int]:
+        return [*self.sizes, self.num_seqs, self.width, self.num_extends,
+                self.num_extend_tokens, self.max_query_len, self.max_seq_len]  # fmt: skip
+
+    @classmethod
+    def from_header(cls, header: Sequence[int], host: torch.Tensor) -> PackedStep:
+        h = [int(x) for x in header]
+        assert len(h) == cls.HEADER_LEN and sum(h[:8]) == host.numel(), (h, host.numel())
+        return cls(host, tuple(h[:8]), *h[8:])
+
+
+def pack_step(
+    chunks: Sequence[SequenceChunk],
+    page_size: int,
+    pad_to: int | None = None,
+    table_width: int | None = None,
+) -> PackedStep:
+    """Pack `chunks` (extends first) into one host buffer (see `build_forward_batch`)."""
+    step = _HostStep(page_size)
+    for c in chunks:
+        step.add(c, c.wants_logits or pad_to is not None)
+    if pad_to is not None:
+        assert step.num_extends == 0 and len(chunks) <= pad_to, "only decodes are padded"
+        assert not step.scored_rows, "padded rows' logits are in row order: nothing scored"
+        for _ in range(pad_to - len(chunks)):
+            step.add_padding()
+    width = max((len(r) for r in step.rows), default=0) if table_width is None else table_width
+    host, sizes = step.pack(width)
+    return PackedStep(
+        host, tuple(sizes), len(step.seq_lens), width, step.num_extends,
+        step.num_extend_tokens, step.max_query_len,
+        max(step.seq_lens, default=0) if table_width is None else width * page_size,
+    )  # fmt: skip
+
+
+def forward_batch_of(
+    packed: PackedStep, device: torch.device, out: torch.Tensor | None = None
+) -> ForwardBatch:
+    """Device views of a packed step (copied once; into ``out`` when given)."""
+    if out is not None:
+        out.copy_(packed.host, non_blocking=True)
+        buf = out
+    else:
+        host = packed.host
+        buf = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    ids, positions, slots, logits, cu, prefix_lens, seq_lens, table = buf.split(packed.sizes)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu,
+        prefix_lens=prefix_lens,
+        seq_lens=seq_lens,
+        page_table=table.view(packed.num_seqs, packed.width),
+        slot_mapping=slots,
+        num_extends=packed.num_extends,
+        num_extend_tokens=packed.num_extend_tokens,
+        max_query_len=packed.max_query_len,
+        max_seq_len=packed.max_seq_len,
+    )
+    return ForwardBatch(input_ids=ids, positions=positions, logits_indices=logits, attn=meta)
+
+
 def build_forward_batch(
     chunks: Sequence[SequenceChunk],
     page_size: int,
@@ -125,31 +202,4 @@ def build_forward_batch(
     max_seq_len becomes its reach). out: a device buffer of exactly `buffer_len` elements
     to copy into (a CUDA graph's static input); otherwise a new one is made.
     """
-    step = _HostStep(page_size)
-    for c in chunks:
-        step.add(c, c.wants_logits or pad_to is not None)
-    if pad_to is not None:
-        assert step.num_extends == 0 and len(chunks) <= pad_to, "only decodes are padded"
-        assert not step.scored_rows, "padded rows' logits are in row order: nothing scored"
-        for _ in range(pad_to - len(chunks)):
-            step.add_padding()
-    width = max((len(r) for r in step.rows), default=0) if table_width is None else table_width
-    host, sizes = step.pack(width)
-    if out is not None:
-        out.copy_(host, non_blocking=True)
-        buf = out
-    else:
-        buf = host if device.type == "cpu" else host.to(device, non_blocking=True)
-    ids, positions, slots, logits, cu, prefix_lens, seq_lens, table = buf.split(sizes)
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu,
-        prefix_lens=prefix_lens,
-        seq_lens=seq_lens,
-        page_table=table.view(len(step.seq_lens), width),
-        slot_mapping=slots,
-        num_extends=step.num_extends,
-        num_extend_tokens=step.num_extend_tokens,
-        max_query_len=step.max_query_len,
-        max_seq_len=max(step.seq_lens, default=0) if table_width is None else width * page_size,
-    )
-    return ForwardBatch(input_ids=ids, positions=positions, logits_indices=logits, attn=meta)
+    return forward_batch_of(pack_step(chunks, page_size, pad_to, table_width), device, out)

@@ -24,10 +24,14 @@ from radixserve.kernels.ops import KernelOps
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.config import ModelConfig
 from radixserve.model.qlinear import Linear, make_linear
-from radixserve.model.quant import QuantizedRows, Scheme, Target
+from radixserve.model.quant import QuantizedRows, Scheme, Target, quantize
 from radixserve.model.rope import RotaryEmbedding
+from radixserve.model.tp import Take, TPComm, TPShard, take
 
 Plan = dict[str, Scheme]  # model weight ("embed", "layers.3.qkv", ...) → scheme
+#: a model weight's piece on one rank: (checkpoint name, first row in the model weight,
+#: the piece's shape there, the slice of the checkpoint tensor it is, None: all of it)
+Piece = tuple[str, int, tuple[int, ...], Take | None]
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -37,14 +41,23 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, plan: Plan, index: int
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        plan: Plan,
+        index: int,
+        tp: TPShard,
+        comm: TPComm | None,
     ) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        # this rank's heads and MLP rows (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads, self.head_dim = tp.q_heads(c), tp.kv_heads(c), c.head_dim
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
         self.eps = c.rms_norm_eps
+        self.comm = comm  # sums the row-parallel o and down outputs over the ranks
         param = partial(_param, dtype=dtype, device=device)
 
         def linear(name: str, out_features: int, in_features: int) -> Linear:
@@ -56,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = param(self.q_size + 2 * self.kv_size) if c.attention_bias else None
         self.o_proj = linear("o_proj", c.hidden_size, self.q_size)
         self.post_norm = param(c.hidden_size)
-        self.gate_up = linear("gate_up", 2 * c.intermediate_size, c.hidden_size)
-        self.down = linear("down", c.hidden_size, c.intermediate_size)
+        self.gate_up = linear("gate_up", 2 * tp.ff(c), c.hidden_size)
+        self.down = linear("down", c.hidden_size, tp.ff(c))
 
     def forward(
         self,
@@ -80,11 +93,15 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         ops.rope(q, k, positions, rope.cos, rope.sin)  # in place
         o = attn.forward(q, k, v, caches[0], caches[1], meta)  # (T, H, D)
-        h, residual = ops.rmsnorm(
-            self.o_proj(o.reshape(t, self.q_size)), self.post_norm, self.eps, residual
-        )
+        attn_out = self.o_proj(o.reshape(t, self.q_size))
+        if self.comm is not None:
+            self.comm.all_reduce(attn_out)
+        h, residual = ops.rmsnorm(attn_out, self.post_norm, self.eps, residual)
         up = ops.silu_and_mul(self.gate_up(h))  # (T, I)
-        return self.down(up), residual
+        out = self.down(up)
+        if self.comm is not None:
+            self.comm.all_reduce(out)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -99,15 +116,24 @@ class LlamaModel(nn.Module):
         attention: AttentionBackend,
         ops: KernelOps,
         plan: Plan | None = None,
+        tp: TPShard | None = None,
+        comm: TPComm | None = None,
     ) -> None:
+        """``tp``: the rank of a tensor-parallel group this model is the shard of (None:
+        the whole model), and ``comm`` its collectives (needed when the group has more
+        than one rank)."""
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TPShard()
+        assert (comm is not None) == (tp.size > 1), "a shard needs its group's collectives"
+        self.comm = comm
+        tp.check(config)
         plan = plan or {}
         param = partial(_param, dtype=dtype, device=device)
-        v, h = config.vocab_size, config.hidden_size
+        v, h = tp.vocab_rows(config), config.hidden_size  # this rank's vocabulary rows
         self.embed = make_linear(plan.get("embed", "none"), v, h, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, device, plan, i) for i in range(config.num_layers)
+            DecoderLayer(config, dtype, device, plan, i, tp, comm) for i in range(config.num_layers)
         )
         self.norm = param(config.hidden_size)
         self.lm_head = (
@@ -131,7 +157,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # (N,) rows of T whose next-token logits are wanted
     ) -> torch.Tensor:
-        x = self.embed.rows(input_ids)  # (T, hidden)
+        x = self._embed(input_ids)  # (T, hidden)
         residual = None
         for i, layer in enumerate(self.decoder_layers):
             x, residual = layer(
@@ -146,7 +172,22 @@ class LlamaModel(nn.Module):
             residual.index_select(0, logits_indices),
         )
         head = self.embed if self.lm_head is None else self.lm_head
-        return head(x).float()  # (N, vocab)
+        logits = head(x)  # (N, this rank's vocabulary rows)
+        if self.comm is not None:  # every rank's slice, then the padding rows cut off
+            logits = self.comm.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()  # (N, vocab)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.embed.rows(input_ids)
+        # vocab-parallel: this rank's rows for its tokens, zeros for the others; summed
+        lo, hi = self.tp.vocab_range(self.config)
+        local = input_ids - lo
+        mine = (local >= 0) & (local < hi - lo)
+        x = self.embed.rows(torch.where(mine, local, 0))
+        x = x * mine.unsqueeze(-1).to(x.dtype)
+        self.comm.all_reduce(x)
+        return x
 
     @property
     def weight_bytes(self) -> int:
@@ -163,11 +204,13 @@ class LlamaModel(nn.Module):
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise ModelLoadError(f"unexpected weight {name!r} for {self.config.architecture}")
-            dest, start, shape = targets[name]
+            dest, start, shape, how = targets[name]
             if tuple(weight.shape) != shape:
                 raise ModelLoadError(
                     f"weight {name!r} has shape {tuple(weight.shape)}, expected {shape}"
                 )
+            weight = take(weight, how, name)  # this rank's slice
+            shape = tuple(weight.shape)
             if isinstance(dest, Linear):
                 dest.load(start, weight)
             else:
@@ -178,13 +221,31 @@ class LlamaModel(nn.Module):
             raise ModelLoadError(
                 f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
             )
+        self._zero_vocab_padding()
 
-    def _weight_targets(self) -> dict[str, tuple[Linear | torch.Tensor, int, tuple[int, ...]]]:
-        """Checkpoint name → (layer or parameter, first row, the piece's shape)."""
+    def _zero_vocab_padding(self) -> None:
+        """The rows past the vocabulary that the last rank's slices hold: zeros (their
+        logits are cut off, and no token looks them up)."""
+        lo, hi = self.tp.vocab_range(self.config)
+        pad = self.tp.vocab_rows(self.config) - (hi - lo)
+        for layer in (self.embed, self.lm_head):
+            if pad and layer is not None:
+                zeros = torch.zeros(pad, self.config.hidden_size)
+                layer.load(
+                    hi - lo, zeros if layer.scheme == "none" else quantize(zeros, layer.scheme)
+                )
+
+    def _weight_targets(
+        self,
+    ) -> dict[str, tuple[Linear | torch.Tensor, int, tuple[int, ...], Take | None]]:
+        """Checkpoint name → (layer or parameter, first row there, the checkpoint's shape,
+        the slice of it this rank keeps)."""
+        full = {name: shape for pieces in weight_layout(self.config).values()
+                for name, _, shape in pieces}  # fmt: skip
         return {
-            name: (self._dest(key), start, shape)
-            for key, pieces in weight_layout(self.config).items()
-            for name, start, shape in pieces
+            name: (self._dest(key), start, full[name], how)
+            for key, pieces in shard_layout(self.config, self.tp).items()
+            for name, start, _, how in pieces
         }
 
     def _dest(self, key: str) -> Linear | torch.Tensor:
@@ -222,15 +283,51 @@ def weight_layout(c: ModelConfig) -> dict[str, list[tuple[str, int, tuple[int, .
     return out
 
 
-def quant_targets(c: ModelConfig) -> dict[str, Target]:
-    """The matrices `plan_schemes` chooses a scheme for (norms and biases stay float)."""
+def shard_layout(c: ModelConfig, tp: TPShard) -> dict[str, list[Piece]]:
+    """`weight_layout` on rank ``tp.rank`` of ``tp.size``: each model weight's pieces as
+    that rank holds them, and the slice of the checkpoint tensor each is
+    (`radixserve.model.tp` says which split each weight takes)."""
+    full = weight_layout(c)
+    if tp.size == 1:
+        return {key: [(n, s, shape, None) for n, s, shape in p] for key, p in full.items()}
+    d, h = c.head_dim, c.hidden_size
+    q, q0 = tp.q_heads(c) * d, tp.rank * tp.q_heads(c) * d
+    kv, kv0 = tp.kv_heads(c) * d, tp.kv_head_start(c) * d
+    ff, ff0 = tp.ff(c), tp.rank * tp.ff(c)
+    v0, v1 = tp.vocab_range(c)
+    out: dict[str, list[Piece]] = {}
+    for key, pieces in full.items():
+        kind = key.rsplit(".", 1)[-1]
+        names = [name for name, _, _ in pieces]
+        rest = pieces[0][2][1:]  # a matrix's inputs; () for a bias
+        if kind in ("embed", "lm_head"):  # vocab-parallel
+            out[key] = [(names[0], 0, (v1 - v0, h), (0, v0, v1))]
+        elif kind in ("qkv", "qkv_bias"):  # column-parallel: this rank's heads
+            out[key] = [(names[0], 0, (q, *rest), (0, q0, q0 + q)),
+                        (names[1], q, (kv, *rest), (0, kv0, kv0 + kv)),
+                        (names[2], q + kv, (kv, *rest), (0, kv0, kv0 + kv))]  # fmt: skip
+        elif kind == "o_proj":  # row-parallel: this rank's heads' inputs
+            out[key] = [(names[0], 0, (h, q), (1, q0, q0 + q))]
+        elif kind == "gate_up":  # column-parallel: this rank's intermediate rows of each
+            out[key] = [(names[0], 0, (ff, h), (0, ff0, ff0 + ff)),
+                        (names[1], ff, (ff, h), (0, ff0, ff0 + ff))]  # fmt: skip
+        elif kind == "down":  # row-parallel
+            out[key] = [(names[0], 0, (h, ff), (1, ff0, ff0 + ff))]
+        else:  # norms: every rank holds them whole
+            out[key] = [(n, s, shape, None) for n, s, shape in pieces]
+    return out
+
+
+def quant_targets(c: ModelConfig, tp: TPShard | None = None) -> dict[str, Target]:
+    """The matrices `plan_schemes` chooses a scheme for (norms and biases stay float), as
+    rank ``tp`` holds them."""
     return {
         key: Target(
-            tuple((name, shape[0]) for name, _, shape in pieces),
+            tuple((name, shape[0]) for name, _, shape, _ in pieces),
             pieces[0][2][1],
             embedding=key == "embed",
         )
-        for key, pieces in weight_layout(c).items()
+        for key, pieces in shard_layout(c, tp or TPShard()).items()
         if len(pieces[0][2]) == 2
     }
 

@@ -298,6 +298,16 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
     from radixserve.settings import EngineSettings
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
+    engine_settings = EngineSettings(**from_env)
+    if engine_settings.tp > 1:
+        # the KV transfer agents and the host tier move rank 0's pool only: with heads on
+        # other ranks, pages would move incomplete
+        raise SystemExit(
+            f"radixserve {worker_cls.__name__}: RADIXSERVE_TP={engine_settings.tp} is not "
+            "supported by prefill and decode workers yet (their KV transfers and host tier "
+            "move one rank's pool); tensor parallelism runs in `radixserve serve`, "
+            "`generate` and `chat`"
+        )
     # built on the engine thread, where it steps
-    worker = worker_cls(settings, AsyncEngine(EngineSettings(**from_env)))
+    worker = worker_cls(settings, AsyncEngine(engine_settings))
     return serve_until_signalled(worker.run, worker.begin_drain)

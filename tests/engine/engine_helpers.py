@@ -25,11 +25,14 @@ TINY = "tiny"
 
 
 @functools.cache
-def tiny_checkpoint() -> Checkpoint:
+def tiny_checkpoint(num_heads: int = 4, num_kv_heads: int = 2) -> Checkpoint:
+    """Two layers of random weights, the default model's tokenizer; 4 query and 2 KV
+    heads unless asked for others (the tensor-parallel tests split 8 and 4)."""
     real = load_checkpoint("default", progress=False)  # config and tokenizer; no weights read
     config = dataclasses.replace(
         real.config, name="tiny-smollm2", hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+        num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
+        tie_word_embeddings=False,
     )  # fmt: skip
     source = RandomWeights(config, seed=0, device=torch.device("cpu"), fan_in=True)
     return Checkpoint(config, real.tokenizer, source.path, source, progress=False)
@@ -107,13 +110,13 @@ def assert_greedy_matches_transformers(engine: Engine, hf_model, prompts: list[l
         assert result.token_ids == out[0, len(prompt) :].tolist()
 
 
-def write_tiny_model(root: Path) -> Path:
-    """`tiny_checkpoint()` saved as a Hugging Face directory (config.json, safetensors, the
-    default model's tokenizer and chat template) that worker processes load by path: the
-    cluster tests whose subject is the machinery (membership, faults, drain, tier
-    capacity), not the model's text. Same prompts, same pages, same answers as the
-    in-process tiny engine."""
-    ckpt = tiny_checkpoint()
+def write_tiny_model(root: Path, ckpt: Checkpoint | None = None) -> Path:
+    """`tiny_checkpoint()` (or ``ckpt``) saved as a Hugging Face directory (config.json,
+    safetensors, the default model's tokenizer and chat template) that worker processes
+    load by path: the cluster tests whose subject is the machinery (membership, faults,
+    drain, tier capacity), not the model's text. Same prompts, same pages, same answers
+    as the in-process tiny engine."""
+    ckpt = ckpt or tiny_checkpoint()
     config, tokenizer = ckpt.config, ckpt.tokenizer
     root.mkdir(parents=True, exist_ok=True)
     hf_config = {
