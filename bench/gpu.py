@@ -1,7 +1,8 @@
 """The kernels' GPU benchmark (`radixserve.kernels.bench`) and, in the same run, the
 engine end to end on random weights of the same 8B-class shape: uncached prefill
 tokens/s, cached-prefix TTFT for a 32-token delta after 4k/16k/32k tokens against the
-delta alone, decode tokens/s at batch 1/32/128 with CUDA graphs off and on.
+delta alone, decode tokens/s at batch 1/32/128 with CUDA graphs off and on, and with two
+GPUs or more a TP=2 engine against TP=1 (8 of the layers, saved once for the ranks).
 
     python -m radixserve.bench.gpu [--out gpu-bench.json]    # a CUDA machine
     python -m radixserve.bench.gpu --dry-run                 # tiny shapes, CPU
@@ -125,10 +126,73 @@ def bench_engine(run: Run) -> None:
         for batch in run.shapes.decode_batches:
             run.rows.append(Row("engine", f"decode B={batch} graphs on",
                                 achieved="n/a: CUDA graphs need a GPU"))  # fmt: skip
+        bench_tp_engine(run)
         return
     torch.cuda.empty_cache()
     if not run.over_budget("decode with CUDA graphs"):
         bench_decode_rate(run, make_engine(run, graphs=True), ids, graphs=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if not run.over_budget("tensor parallelism"):
+        bench_tp_engine(run)
+
+
+def bench_tp_engine(run: Run) -> None:
+    """The same random weights at ``tp_layers`` layers, saved once and loaded by every
+    rank: uncached prefill and decode at TP=2 against TP=1 (each rank's KV budget as
+    TP=1's). On one GPU: a row saying it was skipped."""
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    from radixserve.bench.random_checkpoint import random_checkpoint, save_model
+    from radixserve.engine.engine import Engine
+    from radixserve.engine.sampling_params import SamplingParams
+    from radixserve.settings import EngineSettings
+
+    gpus = torch.cuda.device_count() if run.device.type == "cuda" else 0
+    if run.device.type == "cuda" and gpus < 2:
+        run.rows.append(Row("engine", "TP=2 vs TP=1", achieved=f"skipped: {gpus} GPU here "
+                            "(tensor parallelism needs two or more)"))  # fmt: skip
+        return
+    s = dataclasses.replace(run.shapes, layers=run.shapes.tp_layers)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    batch, steps = max(s.decode_batches), s.decode_steps
+    decode = SamplingParams(max_tokens=steps + 2, min_tokens=steps + 2, temperature=0.0)
+    rates: dict[int, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        save_model(random_checkpoint(bench_config(s), device=run.device), Path(root), run.dtype)
+        for tp in (1, 2):
+            settings = EngineSettings.model_validate({
+                "model": root, "device": run.device.type, "tp": tp,
+                "dtype": str(run.dtype).removeprefix("torch."), "page_size": s.page_size,
+                "kv_cache_memory_gib": s.kv_cache_gib / 4, "max_model_len": s.max_model_len,
+                "max_num_batched_tokens": s.batched_tokens, "max_num_seqs": batch,
+                "load_progress": False,
+            })  # fmt: skip
+            engine = Engine(settings)
+            try:
+                ids = Prompts(s.vocab)
+                engine.generate([ids(256)], SamplingParams(max_tokens=4, temperature=0.0))
+                count, length = s.prefill
+                t0 = time.perf_counter()
+                engine.generate([ids(length) for _ in range(count)], one)
+                prefill = count * length / (time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                engine.generate([ids(s.decode_prompt) for _ in range(batch)], decode)
+                rates[tp] = (prefill, batch * (steps + 2) / (time.perf_counter() - t0))
+            finally:
+                engine.close()
+                del engine
+                gc.collect()
+    (p1, d1), (p2, d2) = rates[1], rates[2]
+    run.rows.append(Row(
+        "engine", f"TP=2 vs TP=1, {s.layers} layers",
+        achieved=f"prefill {num(p2)} vs {num(p1)} tok/s ({p2 / p1:.2f}x); decode B={batch} "
+        f"{num(d2)} vs {num(d1)} tok/s ({d2 / d1:.2f}x)",
+        extra={"prefill_tokens_per_s": {"tp1": p1, "tp2": p2},
+               "decode_tokens_per_s": {"tp1": d1, "tp2": d2}},
+    ))  # fmt: skip
 
 
 def engine_targets(run: Run) -> list[Row]:

@@ -9,11 +9,13 @@ vocabulary `<0>`, `<1>`, ... that decodes every id; prompts are given as token i
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
 import tokenizers
 import torch
+from safetensors.torch import save_file
 
 from radixserve.model.checkpoint import Checkpoint, expected_weights
 from radixserve.model.config import ModelConfig
@@ -62,3 +64,41 @@ def random_checkpoint(
     """Random weights of `config`'s shape; pass it to `Engine(settings, checkpoint)`."""
     source = RandomWeights(config, seed, torch.device(device))
     return Checkpoint(config, random_tokenizer(config.vocab_size), source.path, source, False)
+
+
+def save_model(checkpoint: Checkpoint, root: Path, dtype: torch.dtype | None = None) -> Path:
+    """``checkpoint`` written as a Hugging Face directory (config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json with its chat template) that processes load by
+    path (``--model root``): random weights for tensor-parallel ranks and worker
+    processes, which load the model themselves. ``dtype``: the tensors' (default: as
+    the source makes them)."""
+    config, tokenizer = checkpoint.config, checkpoint.tokenizer
+    root.mkdir(parents=True, exist_ok=True)
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+    }  # fmt: skip
+    (root / "config.json").write_text(json.dumps(hf_config, indent=1))
+    source = checkpoint.source
+    weights = {}
+    for name in source.names():
+        tensor = source.read(name)
+        weights[name] = (tensor if dtype is None else tensor.to(dtype)).cpu().contiguous()
+    save_file(weights, root / "model.safetensors")
+    (root / "tokenizer.json").write_text(tokenizer.to_json())
+
+    def text(token: int | None) -> str | None:
+        return None if token is None else tokenizer.decode([token], skip_special_tokens=False)
+
+    tok_config = {"bos_token": text(config.bos_token_id),
+                  "eos_token": text(config.eos_token_ids[0] if config.eos_token_ids else None),
+                  "chat_template": tokenizer.chat_template}  # fmt: skip
+    (root / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
+    return root

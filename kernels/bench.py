@@ -12,6 +12,9 @@ them, end to end, in the same run).
    fraction of the ceiling. FP8 projections (`quantization=fp8`) at the model's shapes
    against the dense bf16 matmul (the "triton" column is the FP8 layer, "torch ref" the
    dense one).
+3. Tensor parallelism (`bench_tp.py`), with two GPUs or more: all-reduce bus bandwidth
+   at a decode step's and a prefill chunk's hidden states, against the GPU-to-GPU copy
+   rate; one row saying it was skipped on one GPU.
 
 Prints one table and the targets; writes JSON. `--dry-run` runs the same code at tiny
 shapes on CPU (torch kernels and the Triton interpreter) so that it cannot rot; its
@@ -79,6 +82,7 @@ class Shapes:
     decode_prompt: int = 512
     decode_steps: int = 32
     graph_max_batch: int = 128
+    tp_layers: int = 8  # the engine's TP=2 vs TP=1 comparison: weights every rank loads
     budget_s: float = 450.0  # later cases are skipped past this
 
 
@@ -88,6 +92,7 @@ DRY = Shapes(
     (2, 21, 5)), tokens=(8,), pack_pages=4, kv_cache_gib=0.01, max_model_len=512,
     batched_tokens=256, prefill=(2, 48), ttft_contexts=(64, 128), delta=8,
     decode_batches=(1, 4), decode_prompt=16, decode_steps=3, graph_max_batch=4, budget_s=120.0,
+    tp_layers=2,
     linear_rows=(1, 5),
 )  # fmt: skip
 
@@ -426,6 +431,26 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def bench_tp(run: Run) -> None:
+    """All-reduce over the GPUs (`bench_tp.measure_all_reduce`) at a decode step's and a
+    prefill chunk's hidden states."""
+    from radixserve.kernels.bench_tp import measure_all_reduce
+
+    s = run.shapes
+    found = measure_all_reduce(run.device, run.dtype, s.hidden,
+                               [max(s.decode_batches), s.batched_tokens])  # fmt: skip
+    if isinstance(found, str):
+        run.rows.append(Row("tp", "all-reduce", achieved=found))
+        return
+    for m in found:
+        link = f" (link {num(m.link_gbps)} GB/s)" if m.link_gbps else ""
+        run.rows.append(Row(
+            "tp", f"all-reduce {m.rows} x {s.hidden} over {m.ranks} ranks", reference_us=m.us,
+            achieved=f"{num(m.bus_gbps)} GB/s bus{link}",
+            of_ceiling=m.bus_gbps / m.link_gbps if m.link_gbps else None, extra=asdict(m),
+        ))  # fmt: skip
+
+
 def guarded(run: Run, name: str, fn: Callable[[], None]) -> None:
     """A failing section is recorded in the table; the others still run."""
     try:
@@ -464,6 +489,7 @@ def main(
     )
     guarded(run, "ceilings", lambda: measure_ceilings(run))
     bench_kernels(run, load_ops("triton"), reference.OPS)
+    guarded(run, "tp", lambda: bench_tp(run))
     if more is not None and not args.no_engine:
         guarded(run, "engine", lambda: more(run))
     run.rows += targets(run) + (more_targets(run) if more_targets is not None else [])

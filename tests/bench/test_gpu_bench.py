@@ -1,6 +1,7 @@
 """`python -m radixserve.bench.gpu --dry-run` (the kernels' benchmark and the engine on
 them) runs end to end on CPU (tiny shapes, the Triton interpreter, the engine on random
-weights), so the GPU benchmark cannot rot unseen."""
+weights; the tensor-parallel section on two CPU ranks over gloo), so the GPU benchmark
+cannot rot unseen."""
 
 from __future__ import annotations
 
@@ -34,4 +35,11 @@ def test_dry_run_covers_every_section(tmp_path):
     cached = [r for r in rows if r["extra"].get("cached_tokens")]
     assert [r["extra"]["cached_tokens"] for r in cached] == [64, 128]
     assert sum(r["section"] == "target" for r in rows) == 3
+    # tensor parallelism: all-reduce on two gloo ranks, and the engine at TP=2 vs TP=1
+    reduces = [r for r in rows if r["section"] == "tp"]
+    assert len(reduces) == 2 and all(r["extra"]["ranks"] == 2 for r in reduces), reduces
+    assert all(r["reference_us"] > 0 and r["extra"]["bus_gbps"] > 0 for r in reduces)
+    [tp] = [r for r in rows if r["case"].startswith("TP=2 vs TP=1")]
+    rates = (tp["extra"]["prefill_tokens_per_s"], tp["extra"]["decode_tokens_per_s"])
+    assert all(r[k] > 0 for r in rates for k in ("tp1", "tp2")), tp
     assert "| section | case |" in proc.stdout and "dry run" in proc.stdout

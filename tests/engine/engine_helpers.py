@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from radixserve.bench.random_checkpoint import RandomWeights
+from radixserve.bench.random_checkpoint import RandomWeights, save_model
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
@@ -116,26 +114,4 @@ def write_tiny_model(root: Path, ckpt: Checkpoint | None = None) -> Path:
     load by path: the cluster tests whose subject is the machinery (membership, faults,
     drain, tier capacity), not the model's text. Same prompts, same pages, same answers
     as the in-process tiny engine."""
-    ckpt = ckpt or tiny_checkpoint()
-    config, tokenizer = ckpt.config, ckpt.tokenizer
-    root.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
-    }  # fmt: skip
-    (root / "config.json").write_text(json.dumps(hf_config, indent=1))
-    weights = {name: ckpt.source.read(name).contiguous() for name in ckpt.source.names()}
-    save_file(weights, root / "model.safetensors")
-    (root / "tokenizer.json").write_text(tokenizer.to_json())
-    eos = tokenizer.decode([config.eos_token_ids[0]], skip_special_tokens=False)
-    bos = tokenizer.decode([config.bos_token_id], skip_special_tokens=False)
-    tok_config = {"bos_token": bos, "eos_token": eos, "chat_template": tokenizer.chat_template}
-    (root / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
-    return root
+    return save_model(ckpt or tiny_checkpoint(), root)
