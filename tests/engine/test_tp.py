@@ -8,8 +8,8 @@ step budget), and again from the prefix cache (the second pass over the same pro
 
 - split: a tiny random model with 8 query and 4 KV heads at TP=2 (4 and 2 per rank),
   and at TP=4 (marked ``benchmark``: ``make bench-test``);
-- replicated: the tiny model with 4 query and 2 KV heads at TP=4 (each KV head on two
-  ranks);
+- replicated: 4 query heads and one KV head at TP=2 (the KV head on both ranks), and the
+  tiny model with 4 query and 2 KV heads at TP=4 (each on two ranks; ``benchmark``);
 - the default model (9 query, 3 KV heads) at TP=3 (marked ``benchmark``: the default
   model loaded by four processes; ``make bench-test``), and TP=2 refused at start, naming
   its head counts;
@@ -157,7 +157,17 @@ def test_split_kv_heads_at_tp_4_give_the_single_rank_tokens(model_8_4):
     assert _run(_settings(model_8_4, 4)) == _run(_settings(model_8_4, 1))
 
 
-def test_replicated_kv_heads_give_the_single_rank_tokens(tiny_model):
+@pytest.fixture(scope="module")
+def model_4_1(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-4-1", tiny_checkpoint(4, 1)))
+
+
+def test_replicated_kv_heads_give_the_single_rank_tokens(model_4_1):
+    assert _run(_settings(model_4_1, 2)) == _run(_settings(model_4_1, 1))
+
+
+@pytest.mark.benchmark  # four processes: make bench-test
+def test_replicated_kv_heads_at_tp_4_give_the_single_rank_tokens(tiny_model):
     assert _run(_settings(tiny_model, 4)) == _run(_settings(tiny_model, 1))
 
 
