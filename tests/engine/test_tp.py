@@ -6,10 +6,9 @@ starts (`radixserve.engine.tp_group`). Greedy tokens must be identical to one ra
 float32 without quantization, for prompts that are computed whole, in chunks (a 48-token
 step budget), and again from the prefix cache (the second pass over the same prompts).
 
-- split: a tiny random model with 8 query and 4 KV heads at TP=2 (4 and 2 per rank),
-  and at TP=4 (marked ``benchmark``: ``make bench-test``);
-- replicated: 4 query heads and one KV head at TP=2 (the KV head on both ranks), and the
-  tiny model with 4 query and 2 KV heads at TP=4 (each on two ranks; ``benchmark``);
+- split: a tiny random model with 8 query and 4 KV heads at TP=2 (4 and 2 per rank);
+- replicated: 4 query heads and one KV head at TP=2 (the KV head on both ranks);
+- at TP=4 both (marked ``benchmark``: four processes; ``make bench-test``);
 - the default model (9 query, 3 KV heads) at TP=3 (marked ``benchmark``: the default
   model loaded by four processes; ``make bench-test``), and TP=2 refused at start, naming
   its head counts;
@@ -26,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -144,31 +144,34 @@ def _run(settings: EngineSettings, texts: list[str] = PROMPTS) -> list[list[int]
 
 
 @pytest.fixture(scope="module")
-def model_8_4(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-8-4", tiny_checkpoint(8, 4)))
+def tiny_models(tmp_path_factory) -> Callable[[int, int], str]:
+    """The tiny model with ``heads`` query and ``kv`` KV heads, written once each."""
+    written: dict[tuple[int, int], str] = {}
+
+    def path(heads: int, kv: int) -> str:
+        if (heads, kv) not in written:
+            root = tmp_path_factory.mktemp("tp") / f"tiny-{heads}-{kv}"
+            written[heads, kv] = str(write_tiny_model(root, tiny_checkpoint(heads, kv)))
+        return written[heads, kv]
+
+    return path
 
 
-def test_split_kv_heads_give_the_single_rank_tokens(model_8_4):
-    assert _run(_settings(model_8_4, 2)) == _run(_settings(model_8_4, 1))
+FOUR_RANKS = pytest.mark.benchmark  # four processes: make bench-test
 
 
-@pytest.mark.benchmark  # four processes: make bench-test
-def test_split_kv_heads_at_tp_4_give_the_single_rank_tokens(model_8_4):
-    assert _run(_settings(model_8_4, 4)) == _run(_settings(model_8_4, 1))
-
-
-@pytest.fixture(scope="module")
-def model_4_1(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny-4-1", tiny_checkpoint(4, 1)))
-
-
-def test_replicated_kv_heads_give_the_single_rank_tokens(model_4_1):
-    assert _run(_settings(model_4_1, 2)) == _run(_settings(model_4_1, 1))
-
-
-@pytest.mark.benchmark  # four processes: make bench-test
-def test_replicated_kv_heads_at_tp_4_give_the_single_rank_tokens(tiny_model):
-    assert _run(_settings(tiny_model, 4)) == _run(_settings(tiny_model, 1))
+@pytest.mark.parametrize(
+    ("heads", "kv", "tp"),
+    [
+        (8, 4, 2),  # split: 4 query and 2 KV heads per rank
+        (4, 1, 2),  # replicated: the one KV head on both ranks
+        pytest.param(8, 4, 4, marks=FOUR_RANKS),  # split: 2 and 1
+        pytest.param(4, 2, 4, marks=FOUR_RANKS),  # replicated: each KV head on two ranks
+    ],
+)
+def test_greedy_tokens_equal_the_single_rank_ones(tiny_models, heads, kv, tp):
+    model = tiny_models(heads, kv)
+    assert _run(_settings(model, tp)) == _run(_settings(model, 1))
 
 
 @pytest.mark.benchmark  # 16 s of the default model on four processes: make bench-test
