@@ -13,8 +13,7 @@ them, end to end, in the same run).
    against the dense bf16 matmul (the "triton" column is the FP8 layer, "torch ref" the
    dense one).
 3. Tensor parallelism (`bench_tp.py`), with two GPUs or more: all-reduce bus bandwidth
-   at a decode step's and a prefill chunk's hidden states, against the GPU-to-GPU copy
-   rate; one row saying it was skipped on one GPU.
+   against the GPU-to-GPU copy rate; on one GPU a row saying it was skipped.
 
 Prints one table and the targets; writes JSON. `--dry-run` runs the same code at tiny
 shapes on CPU (torch kernels and the Triton interpreter) so that it cannot rot; its
@@ -432,23 +431,12 @@ def table(rows: list[Row]) -> str:
 
 
 def bench_tp(run: Run) -> None:
-    """All-reduce over the GPUs (`bench_tp.measure_all_reduce`) at a decode step's and a
-    prefill chunk's hidden states."""
-    from radixserve.kernels.bench_tp import measure_all_reduce
+    """All-reduce over the GPUs at a decode step's and a prefill chunk's hidden states."""
+    from radixserve.kernels.bench_tp import measure_all_reduce, rows_of
 
-    s = run.shapes
-    found = measure_all_reduce(run.device, run.dtype, s.hidden,
-                               [max(s.decode_batches), s.batched_tokens])  # fmt: skip
-    if isinstance(found, str):
-        run.rows.append(Row("tp", "all-reduce", achieved=found))
-        return
-    for m in found:
-        link = f" (link {num(m.link_gbps)} GB/s)" if m.link_gbps else ""
-        run.rows.append(Row(
-            "tp", f"all-reduce {m.rows} x {s.hidden} over {m.ranks} ranks", reference_us=m.us,
-            achieved=f"{num(m.bus_gbps)} GB/s bus{link}",
-            of_ceiling=m.bus_gbps / m.link_gbps if m.link_gbps else None, extra=asdict(m),
-        ))  # fmt: skip
+    s, rows = run.shapes, [max(run.shapes.decode_batches), run.shapes.batched_tokens]
+    found = measure_all_reduce(run.device, run.dtype, s.hidden, rows)
+    run.rows += [Row("tp", **row) for row in rows_of(found, s.hidden, num)]
 
 
 def guarded(run: Run, name: str, fn: Callable[[], None]) -> None:

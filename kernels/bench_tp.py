@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -108,3 +109,19 @@ def measure_all_reduce(
         AllReduce(r, size, n * element, us, 2 * (size - 1) / size * n * element / us / 1e3, link)
         for r, n, us in zip(rows, sizes, times)
     ]
+
+
+def rows_of(found: list[AllReduce] | str, hidden: int, num: Callable[[float], str]) -> list[dict]:
+    """The benchmark table's rows (`bench.Row` fields but the section) of a measurement."""
+    if isinstance(found, str):
+        return [{"case": "all-reduce", "achieved": found}]
+    rows = []
+    for m in found:
+        link = f" (link {num(m.link_gbps)} GB/s)" if m.link_gbps else ""
+        rows.append({
+            "case": f"all-reduce {m.rows} x {hidden} over {m.ranks} ranks", "reference_us": m.us,
+            "achieved": f"{num(m.bus_gbps)} GB/s bus{link}",
+            "of_ceiling": m.bus_gbps / m.link_gbps if m.link_gbps else None,
+            "extra": asdict(m),
+        })  # fmt: skip
+    return rows
