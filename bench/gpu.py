@@ -31,19 +31,25 @@ def bench_config(s: Shapes):
     )  # fmt: skip
 
 
-def make_engine(run: Run, graphs: bool):
-    from radixserve.bench.random_checkpoint import random_checkpoint
-    from radixserve.engine.engine import Engine
+def engine_settings(run: Run, **overrides: object):
+    """The engines' settings at the run's shapes (``overrides`` on top)."""
     from radixserve.settings import EngineSettings
 
     s = run.shapes
-    settings = EngineSettings.model_validate({
+    return EngineSettings.model_validate({
         "device": run.device.type, "dtype": str(run.dtype).removeprefix("torch."),
         "page_size": s.page_size, "kv_cache_memory_gib": s.kv_cache_gib,
         "max_model_len": s.max_model_len, "max_num_batched_tokens": s.batched_tokens,
-        "max_num_seqs": max(s.decode_batches), "load_progress": False,
-        "cuda_graph_max_batch_size": s.graph_max_batch if graphs else 0,
+        "max_num_seqs": max(s.decode_batches), "load_progress": False, **overrides,
     })  # fmt: skip
+
+
+def make_engine(run: Run, graphs: bool):
+    from radixserve.bench.random_checkpoint import random_checkpoint
+    from radixserve.engine.engine import Engine
+
+    s = run.shapes
+    settings = engine_settings(run, cuda_graph_max_batch_size=s.graph_max_batch if graphs else 0)
     return Engine(settings, random_checkpoint(bench_config(s), device=run.device))
 
 
@@ -148,7 +154,6 @@ def bench_tp_engine(run: Run) -> None:
     from radixserve.bench.random_checkpoint import random_checkpoint, save_model
     from radixserve.engine.engine import Engine
     from radixserve.engine.sampling_params import SamplingParams
-    from radixserve.settings import EngineSettings
 
     gpus = torch.cuda.device_count() if run.device.type == "cuda" else 0
     if run.device.type == "cuda" and gpus < 2:
@@ -163,14 +168,9 @@ def bench_tp_engine(run: Run) -> None:
     with tempfile.TemporaryDirectory() as root:
         save_model(random_checkpoint(bench_config(s), device=run.device), Path(root), run.dtype)
         for tp in (1, 2):
-            settings = EngineSettings.model_validate({
-                "model": root, "device": run.device.type, "tp": tp,
-                "dtype": str(run.dtype).removeprefix("torch."), "page_size": s.page_size,
-                "kv_cache_memory_gib": s.kv_cache_gib / 4, "max_model_len": s.max_model_len,
-                "max_num_batched_tokens": s.batched_tokens, "max_num_seqs": batch,
-                "load_progress": False,
-            })  # fmt: skip
-            engine = Engine(settings)
+            engine = Engine(
+                engine_settings(run, model=root, tp=tp, kv_cache_memory_gib=s.kv_cache_gib / 4)
+            )
             try:
                 ids = Prompts(s.vocab)
                 engine.generate([ids(256)], SamplingParams(max_tokens=4, temperature=0.0))

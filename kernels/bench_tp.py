@@ -11,7 +11,6 @@ GPU 0 -> GPU 1 copy rate measured here. Skipped, with a row saying so, on one GP
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,21 +22,16 @@ import torch.multiprocessing as mp
 REPS = 20
 
 
-def _address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 def _rank(
-    rank: int, size: int, address: str, sizes: list[int], dtype: torch.dtype, cuda: bool, out
+    rank: int, size: int, port: int, sizes: list[int], dtype: torch.dtype, cuda: bool, out
 ) -> None:
-    """One rank: join, time an all-reduce of each size; rank 0 reports µs per size."""
+    """One rank: join (the caller serves the store on ``port``), time an all-reduce of
+    each size; rank 0 reports µs per size."""
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=address, rank=rank,
-                            world_size=size)  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size)
     try:
         times = []
         for numel in sizes:
@@ -93,8 +87,8 @@ def measure_all_reduce(
     sizes = [r * hidden for r in rows]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    address = _address()
-    procs = [ctx.Process(target=_rank, args=(r, size, address, sizes, dtype, gpus > 0, out))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port: any
+    procs = [ctx.Process(target=_rank, args=(r, size, store.port, sizes, dtype, gpus > 0, out))
              for r in range(size)]  # fmt: skip
     for p in procs:
         p.start()

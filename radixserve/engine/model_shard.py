@@ -48,7 +48,6 @@ class ModelShard:
         """Rank ``tp``'s model (weights loaded; ``pace`` wraps their iterator) and KV pool
         (``settings.kv_cache_memory_gib`` of this rank's heads' pages)."""
         config = checkpoint.config
-        tp.check(config)
         attention = make_attention_backend(settings.attention_backend, device)
         plan = plan_schemes(
             settings.quantization, device, quant_targets(config, tp), checkpoint.formats()

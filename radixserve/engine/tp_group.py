@@ -21,7 +21,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,8 +40,8 @@ OP_STOP, OP_FORWARD, OP_COPY_PAGE = 0, 1, 2
 HEADER_LEN = 2 + PackedStep.HEADER_LEN  # op, then (buffer length, step header) or (src, dst)
 #: how long ranks wait for each other: joining, loading, and any one collective
 TIMEOUT_S = 600
-ENV_RANK, ENV_ADDRESS, ENV_SETTINGS = (
-    "RADIXSERVE_TP_RANK", "RADIXSERVE_TP_ADDRESS", "RADIXSERVE_TP_SETTINGS",
+ENV_RANK, ENV_PORT, ENV_SETTINGS = (
+    "RADIXSERVE_TP_RANK", "RADIXSERVE_TP_PORT", "RADIXSERVE_TP_SETTINGS",
 )  # fmt: skip
 
 
@@ -72,15 +71,21 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def join(rank: int, size: int, address: str, device: torch.device) -> DistComm:
+def rendezvous(rank: int, size: int, port: int = 0) -> dist.TCPStore:
+    """The group's store on loopback: rank 0 serves it (``port`` 0: one the system picks,
+    read back as ``.port``), the other ranks connect to ``port``."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
+                         timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False)  # fmt: skip
+
+
+def join(rank: int, size: int, store: dist.Store, device: torch.device) -> DistComm:
     """Join the group (blocks until every rank has)."""
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=address, rank=rank, world_size=size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     return DistComm(size)
 
 
@@ -93,12 +98,6 @@ def report_ready(ok: bool, num_pages: int, size: int) -> list[tuple[int, int]]:
     return [(int(t[0]), int(t[1])) for t in every]
 
 
-def _free_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-
-
 class TPGroup:
     """Rank 0's end of the group: starts the rank processes, sends them each step."""
 
@@ -106,8 +105,8 @@ class TPGroup:
         """Start ranks 1..tp-1 and join them (they load the model meanwhile); call
         `ready` once rank 0's own shard is loaded."""
         self.size = settings.tp
-        address = _free_address()
-        env = {**os.environ, ENV_ADDRESS: address, ENV_SETTINGS: settings.model_dump_json()}
+        store = rendezvous(0, self.size)
+        env = {**os.environ, ENV_PORT: str(store.port), ENV_SETTINGS: settings.model_dump_json()}
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "radixserve.engine.tp_rank"], env={**env, ENV_RANK: str(r)}
@@ -117,7 +116,7 @@ class TPGroup:
         self._stopping = False
         atexit.register(self.stop)
         try:
-            self.comm = join(0, self.size, address, device)
+            self.comm = join(0, self.size, store, device)
         except BaseException:
             self._kill()
             raise

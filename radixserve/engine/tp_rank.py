@@ -1,7 +1,8 @@
 """``python -m radixserve.engine.tp_rank``: rank 1..N-1 of a worker's tensor-parallel
 group, started by its rank 0 (`radixserve.engine.tp_group.TPGroup`) with the engine's
-settings, its rank and the group's address in the environment. It loads its shard of
-the model and of the KV pool, then runs every step rank 0 sends until told to stop."""
+settings, its rank and the port of the group's store in the environment. It loads its
+shard of the model and of the KV pool, then runs every step rank 0 sends until told to
+stop."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from radixserve.engine.device import resolve_device, resolve_dtype
 from radixserve.engine.model_shard import ModelShard, copy_page
 from radixserve.engine.tp_group import (
-    ENV_ADDRESS,
+    ENV_PORT,
     ENV_RANK,
     ENV_SETTINGS,
     HEADER_LEN,
@@ -26,9 +27,10 @@ from radixserve.engine.tp_group import (
     OP_STOP,
     join,
     rank_device,
+    rendezvous,
     report_ready,
     threads_per_rank,
-)  # fmt: skip
+)
 from radixserve.logging import setup_logging
 from radixserve.model.checkpoint import load_checkpoint
 from radixserve.model.forward_batch import PackedStep, forward_batch_of
@@ -58,7 +60,7 @@ def main() -> int:
     device = rank_device(resolve_device(settings.device), rank)
     if device.type == "cpu":
         torch.set_num_threads(threads_per_rank(settings))
-    comm = join(rank, size, os.environ[ENV_ADDRESS], device)
+    comm = join(rank, size, rendezvous(rank, size, int(os.environ[ENV_PORT])), device)
     shard: ModelShard | None = None
     try:
         checkpoint = load_checkpoint(settings.model, progress=False)

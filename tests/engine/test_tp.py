@@ -38,6 +38,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.llama import shard_layout, weight_layout
 from radixserve.model.tp import TPShard, take
 from radixserve.settings import EngineSettings
+from tests.cluster.test_up import _gone
 from tests.engine.engine_helpers import tiny_checkpoint, write_tiny_model
 
 PROMPTS = [
@@ -211,13 +212,14 @@ def _start_holder(settings: EngineSettings) -> tuple[subprocess.Popen, list[int]
     return proc, ranks
 
 
-def _gone(pids: list[int], timeout_s: float) -> bool:
+def _all_gone(pids: list[int], timeout_s: float) -> bool:
+    """Whether every one of ``pids`` has exited (a zombie has) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
-            return True
+    while not all(_gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 def test_a_dead_rank_takes_its_engine_down_and_no_process_is_left(tiny_model):
@@ -227,7 +229,7 @@ def test_a_dead_rank_takes_its_engine_down_and_no_process_is_left(tiny_model):
         assert proc.wait(timeout=30) == 1
         stderr = proc.stderr.read() if proc.stderr else ""
         assert f"tensor-parallel rank 1 (pid {ranks[0]}) exited" in stderr, stderr
-        assert _gone(ranks, 10)
+        assert _all_gone(ranks, 10)
     finally:
         proc.kill()
         proc.wait()
@@ -238,10 +240,10 @@ def test_the_ranks_of_a_killed_engine_exit(tiny_model):
     try:
         proc.kill()  # kill -9 of rank 0: nobody tells the ranks
         proc.wait()
-        assert _gone(ranks, 10), "a rank outlived its engine"
+        assert _all_gone(ranks, 10), "a rank outlived its engine"
     finally:
         for pid in ranks:
-            if psutil.pid_exists(pid):
+            if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
