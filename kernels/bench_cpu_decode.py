@@ -8,6 +8,12 @@ layers, one plan each) and prints one table of microseconds per layer and the ra
 reference / new; `--json` writes the rows.
 
     .venv/bin/python kernels/bench_cpu_decode.py [--threads N] [--json out.json]
+
+``--layouts`` instead times the choice of pool layout (radixserve/transfer/compat.py): one
+sequence's contiguous run of pages attended in place, as the (page, slot, head, dim) pool
+allows, against the (page, head, slot, dim) pool, in which a head slice of a page is one
+contiguous read but a run of pages is no longer one (tokens, head, dim) view: its keys and
+values are copied to (head, tokens, dim) first.
 """
 
 from __future__ import annotations
@@ -61,13 +67,45 @@ def time_us(fn, args, budget_s: float) -> float:
     return (time.perf_counter() - start) / reps / LAYERS * 1e6
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def layouts(budget_s: float) -> None:
+    """Microseconds per layer of one decode query over a contiguous run of pages, in the
+    pool's layout and in the head-major one (see the module notes), batch 1, float32."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn((1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), generator=gen)
+
+    def in_place(k: torch.Tensor, v: torch.Tensor) -> None:
+        for _ in range(LAYERS):
+            kt, vt = (x.view(-1, KV_HEADS, HEAD_DIM).transpose(0, 1)[None] for x in (k, v))
+            _flash(q, kt, vt)
+
+    def head_major(k: torch.Tensor, v: torch.Tensor) -> None:
+        for _ in range(LAYERS):
+            kt, vt = (x.transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[None] for x in (k, v))
+            _flash(q, kt, vt)
+
+    print(f"{'ctx':>6} {'(P,S,H,D) us':>13} {'(P,H,S,D) us':>13} {'ratio':>6}")
+    for ctx in (1024, 4096, 16384):
+        k, v = (torch.randn((ctx // PAGE, PAGE, KV_HEADS, HEAD_DIM), generator=gen) for _ in "kv")
+        hk, hv = (x.permute(0, 2, 1, 3).contiguous() for x in (k, v))
+        ours = time_us(in_place, (k, v), budget_s)
+        theirs = time_us(head_major, (hk, hv), budget_s)
+        print(f"{ctx:>6} {ours:>13.0f} {theirs:>13.0f} {theirs / ours:>5.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--budget-s", type=float, default=0.3, help="timing per cell and op")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--layouts", action="store_true", help="time the pool layouts instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.layouts:
+        layouts(args.budget_s)
+        return
     gen = torch.Generator().manual_seed(0)
     rows = []
     print(f"{'dtype':8} {'layout':10} {'B':>3} {'ctx':>5} {'ref us':>9} {'new us':>9} {'ratio':>6}")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     )
     from radixserve.transfer.compat import PoolCompat
     from radixserve.transfer.network import TransferNetwork
+    from radixserve.transfer.shards import KVShard
 
 BACKENDS = ("nixl", "zmq")
 
@@ -30,12 +31,13 @@ BACKENDS = ("nixl", "zmq")
 # that never move a page — the gateway among them — and must not pull in torch.
 _LAZY = {
     "KVTransferAgent": "base", "TransferError": "base", "TransferHandle": "base",
-    "TransferState": "base", "peer_compat": "base", "PoolCompat": "compat",
+    "TransferState": "base", "peer_compat": "base", "PoolCompat": "compat", "KVShard": "shards",
     "TransferNetwork": "network",
 }  # fmt: skip
 
 __all__ = [
     "BACKENDS",
+    "KVShard",
     "KVTransferAgent",
     "PoolCompat",
     "TransferError",
@@ -62,22 +64,24 @@ def create_agent(
     default_timeout_s: float = 10.0,
     nixl_progress_thread: bool = False,
     network: TransferNetwork | None = None,
+    shard: KVShard | None = None,
 ) -> KVTransferAgent:
     """An agent of `backend` ("nixl" or "zmq"); raises TransferError if unavailable.
 
     ``nixl_progress_thread`` gives a NIXL agent its own progress thread (busy-polling a
     core); without it, the page owner calls `serve_reads` while peers read. ``network``:
-    where it listens and what it advertises (default: loopback, any port)."""
+    where it listens and what it advertises (default: loopback, any port); ``shard``: the
+    KV heads ``pool`` holds (default: every head)."""
     if backend == "nixl":
         from radixserve.transfer.nixl import NixlTransferAgent
 
         return NixlTransferAgent(
-            name, pool, compat, default_timeout_s, nixl_progress_thread, network
+            name, pool, compat, default_timeout_s, nixl_progress_thread, network, shard
         )
     if backend == "zmq":
         from radixserve.transfer.zmq import ZmqTransferAgent
 
-        return ZmqTransferAgent(name, pool, compat, default_timeout_s, network)
+        return ZmqTransferAgent(name, pool, compat, default_timeout_s, network, shard)
     from radixserve.transfer.base import TransferError
 
     raise TransferError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")

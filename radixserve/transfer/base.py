@@ -21,6 +21,10 @@ Contracts:
     forever) makes progress only inside agent calls. An asyncio reader waits with
     `wait_async`.
   * Agents are not thread-safe: use one from a single thread.
+  * Tensor parallelism: an agent holds one rank's pool, the KV heads of its `KVShard`
+    (metadata carries it). `read_pages` reads the given model heads (default: all of
+    ours, which the peer must hold), so a rank reads from each peer rank just the heads
+    it needs (`radixserve.transfer.shards.head_sources`); each such read is one transfer.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from radixserve.errors import RadixServeError
 from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork
+from radixserve.transfer.shards import KVShard
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +71,23 @@ class TransferHandle:
 
 
 @dataclass(frozen=True)
+class HeadCut:
+    """A read of some heads of each page: the peer's pool heads [remote, remote + count)
+    into ours [local, local + count) (offsets within each pool's heads)."""
+
+    remote: int
+    local: int
+    count: int
+
+
+@dataclass(frozen=True)
 class PeerInfo:
     """A peer as decoded from its `metadata()` plus the generation the caller gave."""
 
     name: str
     generation: int
     compat: PoolCompat
+    shard: KVShard
     num_pages: int
     page_bytes: int
     backend_md: dict[str, Any]
@@ -91,7 +107,54 @@ def peer_compat(metadata: bytes, keys: ClusterKeys | None = None) -> PoolCompat:
         raise TransferError(f"malformed transfer metadata: {exc}") from None
 
 
-class KVTransferAgent(ABC):
+class EventLoopWaits:
+    """An agent's asyncio loops, over its own `poll`, `remove_peer` and `serve_reads` (a
+    `KVTransferAgent`'s, or a tensor-parallel worker's `GroupAgent`'s)."""
+
+    def poll(self, handle: Any) -> TransferState:
+        raise NotImplementedError
+
+    def remove_peer(self, name: str) -> None:
+        raise NotImplementedError
+
+    def serve_reads(self) -> None:
+        raise NotImplementedError
+
+    async def wait_async(self, handle: Any, period_s: float = 0.0005) -> TransferState:
+        """Poll ``handle`` from an event loop until it is done or failed; its final state.
+
+        If the caller is cancelled meanwhile, the peer is removed first, which fails the
+        read, so that it can never land in pages the caller frees next."""
+        try:
+            while self.poll(handle) == "pending":
+                await asyncio.sleep(period_s)
+        except asyncio.CancelledError:
+            self.remove_peer(handle.peer)
+            raise
+        return handle.state  # type: ignore[no-any-return]
+
+    async def serve_reads_while(
+        self,
+        busy: Callable[[], bool],
+        wake: asyncio.Event,
+        after: Callable[[], None] | None = None,
+        period_s: float = 0.0002,
+    ) -> None:
+        """Forever: call `serve_reads` every ``period_s`` while ``busy()`` (peers may be
+        reading our pages), then ``after()``; otherwise sleep until ``wake`` is set (set it
+        whenever ``busy()`` may have become true). Run it as the page owner's task."""
+        while True:
+            if not busy():
+                wake.clear()
+                await wake.wait()
+                continue
+            self.serve_reads()
+            await asyncio.sleep(period_s)
+            if after is not None:
+                after()
+
+
+class KVTransferAgent(EventLoopWaits, ABC):
     """Moves whole KV pages between this process's pool and peers' pools."""
 
     backend_name: ClassVar[str]
@@ -103,9 +166,11 @@ class KVTransferAgent(ABC):
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
         network: TransferNetwork | None = None,
+        shard: KVShard | None = None,
     ) -> None:
         kv = self.kv = pool
-        compat.check_tensor(kv)
+        self.shard = shard or KVShard.whole(compat.num_kv_heads)
+        compat.check_tensor(kv, self.shard)
         self.name = name
         self.compat = compat
         self.network = network or TransferNetwork()  # where it listens (loopback by default)
@@ -129,6 +194,7 @@ class KVTransferAgent(ABC):
             "name": self.name,
             "compat": self.compat.to_dict(),
             "compat_hash": self.compat.digest,
+            "shard": self.shard.to_list(),
             "num_pages": self.num_pages,
             "page_bytes": self.page_bytes,
             "backend_md": self._backend_metadata(),
@@ -183,6 +249,7 @@ class KVTransferAgent(ABC):
                 name=name,
                 generation=generation,
                 compat=compat,
+                shard=KVShard.from_list(env["shard"]),
                 num_pages=int(env["num_pages"]),
                 page_bytes=int(env["page_bytes"]),
                 backend_md=dict(env["backend_md"]),
@@ -199,9 +266,10 @@ class KVTransferAgent(ABC):
         if env.get("compat_hash") != compat.digest or compat.digest != self.compat.digest:
             diff = "; ".join(self.compat.mismatches(compat)) or "compat hash differs"
             raise TransferError(f"peer {name!r} has an incompatible KV pool: {diff}")
-        if info.page_bytes != self.page_bytes:
+        if info.page_bytes * self.shard.count != self.page_bytes * info.shard.count:
             raise TransferError(
-                f"peer {name!r} page is {info.page_bytes} bytes, ours {self.page_bytes}"
+                f"peer {name!r} page is {info.page_bytes} bytes for {info.shard.count} KV "
+                f"heads, ours {self.page_bytes} for {self.shard.count}"
             )
         return info
 
@@ -213,11 +281,13 @@ class KVTransferAgent(ABC):
         remote_page_ids: list[int],
         local_page_ids: list[int],
         timeout_s: float | None = None,
+        heads: range | None = None,
     ) -> TransferHandle:
         """Start pulling `remote_page_ids` of `peer` into `local_page_ids` (same order).
 
-        Every layer's K and V of each page is copied. The transfer fails if not done
-        within `timeout_s` (default `default_timeout_s`).
+        Every layer's K and V of each page is copied: the model's KV heads ``heads``
+        (default: all of ours), which both pools must hold. The transfer fails if not
+        done within `timeout_s` (default `default_timeout_s`).
         Bad arguments or an unknown peer raise TransferError here; transport failures
         (even ones detected while posting) are reported by `poll`/`wait`.
         """
@@ -228,6 +298,7 @@ class KVTransferAgent(ABC):
         remote, local = _validate_ids(
             remote_page_ids, local_page_ids, info.num_pages, self.num_pages
         )
+        cut = self._cut(info, self.shard.heads if heads is None else heads)
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         handle = TransferHandle(
             id=next(self._ids),
@@ -238,10 +309,20 @@ class KVTransferAgent(ABC):
         )
         self._active[handle.id] = handle
         try:
-            self._start_read(handle, info, state, remote, local)
+            self._start_read(handle, info, state, remote, local, cut)
         except TransferError as exc:  # transport trouble: reported by poll/wait
             self._finish(handle, "failed", str(exc))
         return handle
+
+    def _cut(self, info: PeerInfo, heads: range) -> HeadCut | None:
+        """The head cut reading ``heads`` from ``info`` takes; None for whole pages."""
+        for side, shard in (("ours", self.shard), (f"peer {info.name!r}'s", info.shard)):
+            if not heads or heads.start < shard.first or heads.stop > shard.heads.stop:
+                raise TransferError(f"KV heads {heads.start}..{heads.stop - 1} are not all "
+                                    f"in {side} ({shard.first}..{shard.heads.stop - 1})")  # fmt: skip
+        if len(heads) == self.shard.count == info.shard.count:
+            return None
+        return HeadCut(heads.start - info.shard.first, heads.start - self.shard.first, len(heads))
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """Non-blocking: "pending", "done" or "failed" (reason in `handle.error`)."""
@@ -272,39 +353,6 @@ class KVTransferAgent(ABC):
             self._idle(min(remaining, 0.05))
         if handle.state == "failed":
             raise TransferError(handle.error or "transfer failed")
-
-    async def wait_async(self, handle: TransferHandle, period_s: float = 0.0005) -> TransferState:
-        """Poll ``handle`` from an event loop until it is done or failed; its final state.
-
-        If the caller is cancelled meanwhile, the peer is removed first, which fails the
-        read, so that it can never land in pages the caller frees next."""
-        try:
-            while self.poll(handle) == "pending":
-                await asyncio.sleep(period_s)
-        except asyncio.CancelledError:
-            self.remove_peer(handle.peer)
-            raise
-        return handle.state
-
-    async def serve_reads_while(
-        self,
-        busy: Callable[[], bool],
-        wake: asyncio.Event,
-        after: Callable[[], None] | None = None,
-        period_s: float = 0.0002,
-    ) -> None:
-        """Forever: call `serve_reads` every ``period_s`` while ``busy()`` (peers may be
-        reading our pages), then ``after()``; otherwise sleep until ``wake`` is set (set it
-        whenever ``busy()`` may have become true). Run it as the page owner's task."""
-        while True:
-            if not busy():
-                wake.clear()
-                await wake.wait()
-                continue
-            self.serve_reads()
-            await asyncio.sleep(period_s)
-            if after is not None:
-                after()
 
     def serve_reads(self) -> None:
         """Drive our side of peers' reads of our pages (cheap; see the module notes)."""
@@ -363,8 +411,10 @@ class KVTransferAgent(ABC):
         state: Any,
         remote: list[int],
         local: list[int],
+        cut: HeadCut | None,
     ) -> None:
-        """Post the read; raise TransferError if it cannot be posted."""
+        """Post the read (of the heads ``cut``, or whole pages); raise TransferError if it
+        cannot be posted."""
 
     @abstractmethod
     def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:

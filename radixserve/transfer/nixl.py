@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from radixserve.transfer.base import (
+    HeadCut,
     KVTransferAgent,
     PeerInfo,
     TransferError,
@@ -46,6 +47,7 @@ from radixserve.transfer.base import (
 )
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork
+from radixserve.transfer.shards import KVShard
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +117,9 @@ class NixlTransferAgent(KVTransferAgent):
         default_timeout_s: float = 10.0,
         progress_thread: bool = False,
         network: TransferNetwork | None = None,
+        shard: KVShard | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s, network)
+        super().__init__(name, pool, compat, default_timeout_s, network, shard)
         nixl_agent, nixl_agent_config, errors = _import_nixl()
         self._errors: tuple[type[Exception], ...] = errors
         self._mem_type = "VRAM" if self.kv.is_cuda else "DRAM"
@@ -190,17 +193,29 @@ class NixlTransferAgent(KVTransferAgent):
         state: Any,
         remote: list[int],
         local: list[int],
+        cut: HeadCut | None,
     ) -> None:
-        local_idx = np.asarray(
-            region_page_indices(local, self.num_regions, self.num_pages), dtype=np.int32
-        )
-        remote_idx = np.asarray(
-            region_page_indices(remote, self.num_regions, info.num_pages), dtype=np.int32
-        )
         try:
-            xfer = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, local_idx, state, remote_idx
-            )
+            if cut is None:  # whole pages: the prepared descriptors
+                local_idx = np.asarray(
+                    region_page_indices(local, self.num_regions, self.num_pages), dtype=np.int32
+                )
+                remote_idx = np.asarray(
+                    region_page_indices(remote, self.num_regions, info.num_pages),
+                    dtype=np.int32,
+                )
+                xfer = self._agent.make_prepped_xfer(
+                    "READ", self._local_dlist, local_idx, state, remote_idx
+                )
+            else:  # some heads of each slot: descriptors made for this read
+                xfer = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(self._cut_table(local, cut), self._mem_type),
+                    self._agent.get_xfer_descs(
+                        self._cut_table(remote, cut, info), str(info.backend_md["mem_type"])
+                    ),
+                    info.name,
+                )
         except self._errors as exc:
             raise TransferError(f"cannot create NIXL read from {info.name!r}: {exc}") from exc
         self._xfers[handle.id] = xfer
@@ -210,6 +225,41 @@ class NixlTransferAgent(KVTransferAgent):
             raise TransferError(f"cannot post NIXL read from {info.name!r}: {exc}") from exc
         if status == "ERR":
             raise TransferError(f"NIXL refused the read from {info.name!r}")
+
+    def _cut_table(
+        self, pages: list[int], cut: HeadCut, peer: PeerInfo | None = None
+    ) -> np.ndarray:
+        """Descriptors of ``cut``'s heads in each slot of ``pages``, every region (in
+        region, page, slot order), in our pool or in ``peer``'s."""
+        if peer is None:
+            base, dev, num_pages, heads = (
+                self.kv.data_ptr(),
+                self._dev_id,
+                self.num_pages,
+                self.shard.count,
+            )
+            first = cut.local
+        else:
+            md = peer.backend_md
+            base, dev, num_pages, heads = (
+                int(md["base_addr"]),
+                int(md["dev_id"]),
+                peer.num_pages,
+                peer.shard.count,
+            )
+            first = cut.remote
+        slots, row = self.compat.page_size, self.compat.head_dim * self.kv.element_size()
+        region = np.arange(self.num_regions, dtype=np.uint64)[:, None, None]
+        page = np.asarray(pages, dtype=np.uint64)[None, :, None]
+        slot = np.arange(slots, dtype=np.uint64)[None, None, :]
+        addr = ((region * np.uint64(num_pages) + page) * np.uint64(slots) + slot) * np.uint64(
+            heads * row
+        )
+        table = np.empty((addr.size, 3), dtype=np.uint64)
+        table[:, 0] = np.uint64(base + first * row) + addr.reshape(-1)
+        table[:, 1] = cut.count * row
+        table[:, 2] = dev
+        return table
 
     def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:
         try:

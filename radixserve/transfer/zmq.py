@@ -7,8 +7,10 @@ where a run is a stretch of pages consecutive on *both* sides. Frames are sent s
 from pool memory (`copy=False`); a CUDA pool is staged through host memory.
 
 Reader side: one DEALER socket per peer. A request is a msgpack map
-``{"op": "read", "id", "from", "compat", "runs": [[remote_start, count], ...]}`` (no
-pickle). Reply frames are received directly into the destination pool pages
+``{"op": "read", "id", "from", "compat", "runs": [[remote_start, count], ...], "heads"}``
+(no pickle); ``heads`` is ``[first, count]`` of the owner's pool heads for a read of some
+heads of each slot (a tensor-parallel rank's), staged into one contiguous frame per run,
+or nil for whole pages. Reply frames are received directly into the destination pool pages
 (`recv_into`) after checking every frame's size; any mismatch, error reply or a
 deadline passing fails the transfer.
 """
@@ -27,6 +29,7 @@ import torch
 import zmq
 
 from radixserve.transfer.base import (
+    HeadCut,
     KVTransferAgent,
     PeerInfo,
     TransferError,
@@ -35,6 +38,7 @@ from radixserve.transfer.base import (
 )
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork, url_host
+from radixserve.transfer.shards import KVShard
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ def _bind(sock: zmq.Socket, net: TransferNetwork) -> int:
 class _Request:
     handle: TransferHandle
     runs: list[Run]
+    cut: HeadCut | None = None
 
 
 @dataclass
@@ -95,8 +100,9 @@ class ZmqTransferAgent(KVTransferAgent):
         compat: PoolCompat,
         default_timeout_s: float = 10.0,
         network: TransferNetwork | None = None,
+        shard: KVShard | None = None,
     ) -> None:
-        super().__init__(name, pool, compat, default_timeout_s, network)
+        super().__init__(name, pool, compat, default_timeout_s, network, shard)
         self._pages = (
             self.kv.view(-1)
             .view(torch.uint8)
@@ -152,7 +158,10 @@ class ZmqTransferAgent(KVTransferAgent):
             reply["error"] = f"incompatible KV pool (compat hash of {self.name!r} differs)"
         else:
             try:
-                frames = self._serve_runs([(int(s), int(n)) for s, n in req["runs"]])
+                runs = [(int(s), int(n)) for s, n in req["runs"]]
+                heads = req.get("heads")
+                frames = (self._serve_runs(runs) if heads is None
+                          else self._serve_cut(runs, int(heads[0]), int(heads[1])))  # fmt: skip
             except (ValueError, KeyError, TypeError) as exc:
                 reply["error"] = f"bad read request: {exc}"
             else:
@@ -174,6 +183,25 @@ class ZmqTransferAgent(KVTransferAgent):
                 else:
                     frames.append(self._pages[region, start : start + count].cpu().numpy())
         return frames
+
+    def _slots(self) -> torch.Tensor:
+        """The pool's bytes as (region, page, slot, head, head bytes)."""
+        return self._pages.view(self.num_regions, self.num_pages, self.compat.page_size,
+                                self.shard.count, -1)  # fmt: skip
+
+    def _serve_cut(self, runs: list[tuple[int, int]], first: int, count: int) -> list[Any]:
+        """One staged buffer per (region, run): heads [first, first + count) of each slot."""
+        if count < 1 or first < 0 or first + count > self.shard.count:
+            raise ValueError(f"heads [{first}, {first + count}) out of range")
+        for start, n in runs:
+            if n < 1 or start < 0 or start + n > self.num_pages:
+                raise ValueError(f"page run [{start}, {start + n}) out of range")
+        slots = self._slots()
+        return [
+            slots[region, start : start + n, :, first : first + count].contiguous().cpu().numpy()
+            for region in range(self.num_regions)
+            for start, n in runs
+        ]
 
     def _backend_metadata(self) -> dict[str, Any]:
         return {"endpoint": self._endpoint}
@@ -202,6 +230,7 @@ class ZmqTransferAgent(KVTransferAgent):
         state: Any,
         remote: list[int],
         local: list[int],
+        cut: HeadCut | None,
     ) -> None:
         runs = page_runs(remote, local)
         request_id = next(self._request_ids)
@@ -211,12 +240,13 @@ class ZmqTransferAgent(KVTransferAgent):
             "from": self.name,
             "compat": self.compat.digest,
             "runs": [[r, n] for r, _, n in runs],
+            "heads": None if cut is None else [cut.remote, cut.count],
         }
         try:
             state.socket.send(msgpack.packb(header), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise TransferError(f"cannot send read request to {info.name!r}: {exc}") from exc
-        state.requests[request_id] = _Request(handle, runs)
+        state.requests[request_id] = _Request(handle, runs, cut)
 
     def _progress(self, handle: TransferHandle) -> tuple[TransferState, str | None]:
         known = self._peers.get(handle.peer)
@@ -248,7 +278,10 @@ class ZmqTransferAgent(KVTransferAgent):
                 error = error or "peer sent more frames than requested"
                 continue
             region, (_, local_start, count) = expected[received]
-            error = self._receive_frame(peer.socket, region, local_start, count)
+            if request.cut is None:
+                error = self._receive_frame(peer.socket, region, local_start, count)
+            else:
+                error = self._receive_cut(peer.socket, region, local_start, count, request.cut)
             received += 1
         if error is None and received != len(expected):
             error = f"peer sent {received} of {len(expected)} page runs"
@@ -264,7 +297,19 @@ class ZmqTransferAgent(KVTransferAgent):
             got = len(frame.buffer)
             if got == want:
                 src = torch.from_numpy(np.frombuffer(frame.buffer, dtype=np.uint8).copy())
-                self._pages[region, start : start + count].copy_(src.view(count, -1))
+                with torch.inference_mode():  # the pool may be an inference tensor
+                    self._pages[region, start : start + count].copy_(src.view(count, -1))
+        return None if got == want else f"page run frame of {got} bytes, expected {want}"
+
+    def _receive_cut(
+        self, sock: zmq.Socket, region: int, start: int, count: int, cut: HeadCut
+    ) -> str | None:
+        dst = self._slots()[region, start : start + count, :, cut.local : cut.local + cut.count]
+        staged = np.empty(dst.numel(), dtype=np.uint8)
+        want, got = staged.size, sock.recv_into(staged.data)  # got: the frame's whole size
+        if got == want:
+            with torch.inference_mode():  # the pool may be an inference tensor
+                dst.copy_(torch.from_numpy(staged).view(dst.shape))
         return None if got == want else f"page run frame of {got} bytes, expected {want}"
 
     def _release(self, handle: TransferHandle) -> None:
