@@ -37,7 +37,7 @@ from radixserve.bench.chaos_faults import ClusterMonitor, FaultInjector
 from radixserve.bench.chaos_load import ChatLoad, Messages
 from radixserve.bench.chaos_reference import ReferenceAnswers
 from radixserve.bench.chaos_report import build_report, format_table, held
-from radixserve.bench.chaos_schedule import build_schedule
+from radixserve.bench.chaos_schedule import KINDS, TP_KINDS, build_schedule
 from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.workload import MultiTurnSize, MultiTurnWorkload, build_multi_turn
 from radixserve.engine.engine import Engine
@@ -57,6 +57,7 @@ class ChaosOptions:
     out_path: Path | None = None
     num_prefill: int = 2
     num_decode: int = 2
+    decode_tp: int = 1  # > 1: the decode workers' ranks are killed too (kill-rank)
     transport: str = "nixl"
     concurrency: int = 4  # chats at once
     hang_s: float = 60.0  # no byte for this long: a hang
@@ -82,6 +83,7 @@ def cluster_config(options: ChaosOptions) -> ClusterConfig:
     return ClusterConfig(
         num_prefill=options.num_prefill,
         num_decode=options.num_decode,
+        decode_tp=options.decode_tp,
         transport=options.transport,
         port=free_port(),
         host_tier_gib=options.kv_cache_gib,
@@ -127,9 +129,10 @@ def run_chaos_bench(options: ChaosOptions) -> dict[str, Any]:
     started = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     reference = ReferenceAnswers(lambda: reference_engine(options))  # loads meanwhile
-    schedule = build_schedule(options.seconds, options.seed)
+    kinds = TP_KINDS if options.decode_tp > 1 else KINDS
+    schedule = build_schedule(options.seconds, options.seed, kinds=kinds)
     print(f"chaos: starting {options.num_prefill} prefill + {options.num_decode} decode "
-          f"workers, then {options.seconds:g} s of load and {len(schedule)} events ...",
+          f"{f'(TP={options.decode_tp}) ' if options.decode_tp > 1 else ''}workers, then {options.seconds:g} s of load and {len(schedule)} events ...",
           file=sys.stderr)  # fmt: skip
     with LocalCluster(cluster_config(options)) as cluster:
         timings = {"cluster_start_s": time.monotonic() - started}

@@ -7,6 +7,8 @@ Each `PlannedEvent` runs at its time, in order, once it has a target:
   role (so the pool always has one worker serving: what a dead worker's requests could
   move to);
 - a kill of the kvstore needs it up and untouched;
+- a kill of a rank targets a decode worker as a kill of the worker does, and SIGKILLs
+  one of its tensor-parallel rank processes (`rank_pids`): the worker exits with it;
 - a client drop needs a stream that has sent text.
 
 An event without a target waits (``max_postpone_s`` at most, then it is skipped with
@@ -39,7 +41,24 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.25
 _SIGNALS = {"kill-prefill": signal.SIGKILL, "kill-decode": signal.SIGKILL,
-            "kill-kvstore": signal.SIGKILL, "drain": signal.SIGTERM, "pause": signal.SIGSTOP}  # fmt: skip
+            "kill-kvstore": signal.SIGKILL, "drain": signal.SIGTERM, "pause": signal.SIGSTOP,
+            "kill-rank": signal.SIGKILL}  # fmt: skip
+
+
+def rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel rank processes (`radixserve.engine.tp_rank`) ``worker_pid``
+    started, from /proc (empty where there are none)."""
+    pids = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{worker_pid}/task"):
+            with open(f"/proc/{worker_pid}/task/{task}/children") as f:
+                pids += [int(pid) for pid in f.read().split()]
+    ranks = []
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"radixserve.engine.tp_rank" in f.read():
+                ranks.append(pid)
+    return sorted(ranks)
 
 
 @dataclass
@@ -166,15 +185,22 @@ class FaultInjector:
         if target is None or pid is None:
             record.skipped = f"no {planned.role} to take down (keeping one serving)"
             return False
+        victim = pid
+        if planned.kind == "kill-rank":
+            ranks = rank_pids(pid)
+            if not ranks:
+                record.skipped = f"{target} has no tensor-parallel rank to kill"
+                return False
+            victim = ranks[min(int(planned.pick * len(ranks)), len(ranks) - 1)]
         record.target, record.skipped = target, None
         generation = self.monitor.generation(target)
         self._disturbed.add(target)
         sig = _SIGNALS[planned.kind]
-        os.kill(pid, sig)
+        os.kill(victim, sig)
         record.at_s = self.clock()
         if sig == signal.SIGSTOP:
             self._paused.add(pid)
-        logger.warning("chaos: %s of %s (pid %d) at %.1f s", planned.kind, target, pid,
+        logger.warning("chaos: %s of %s (pid %d) at %.1f s", planned.kind, target, victim,
                        record.at_s)  # fmt: skip
         watch = self._watch_pause(record, pid) if sig == signal.SIGSTOP else None
         watch = watch or self._watch_restart(record, pid, generation)

@@ -33,7 +33,7 @@ from typing import Any
 from radixserve.bench.chaos_client import RequestRecord
 from radixserve.bench.chaos_faults import EventRecord
 from radixserve.bench.chaos_reference import Answer, Key
-from radixserve.bench.chaos_schedule import KINDS
+from radixserve.bench.chaos_schedule import KINDS, TP_KINDS
 
 HELD_KEYS = (
     "page_refs_outside_cache",  # page references held by anything but the radix cache
@@ -149,6 +149,7 @@ def build_report(
     if final.get("gateway_in_flight"):
         leftover["gateway"] = {"in_flight": int(final["gateway_in_flight"])}
     applied = Counter(e.kind for e in events if e.at_s is not None)
+    kinds = TP_KINDS if any(e.kind == "kill-rank" for e in events) else KINDS  # as scheduled
     return {
         **header,
         "requests": {
@@ -164,7 +165,7 @@ def build_report(
         "failures_by_cause": {o: dict(c) for o, c in causes.items()},
         "problems": [{**by_id[i].summary(), "problem": p} for i, p in sorted(problems.items())],
         "failed_requests": [r.summary() for r in failed],
-        "events_applied": {k: applied.get(k, 0) for k in KINDS},
+        "events_applied": {k: applied.get(k, 0) for k in kinds},
         "events": [e.as_dict() for e in events],
         "recovery_by_kind": _recovery_by_kind(events),
         "held_at_end": held_now,

@@ -1,9 +1,12 @@
 """The chaos benchmark's fault schedule: which event happens when, from a seed.
 
-Six kinds of event (`KINDS`):
+Six kinds of event (`KINDS`), and a seventh with tensor-parallel decode workers
+(`TP_KINDS`):
 
     kill-prefill   SIGKILL of a prefill worker          (the supervisor restarts it)
     kill-decode    SIGKILL of a decode worker           (restarted)
+    kill-rank      SIGKILL of one rank process of a tensor-parallel decode worker: the
+                   worker exits with it (and is restarted)
     kill-kvstore   SIGKILL of the kvstore               (restarted)
     drain          SIGTERM of a prefill or decode worker: it drains, exits 0, and the
                    supervisor starts it again (a rolling restart)
@@ -27,7 +30,9 @@ import random
 from dataclasses import dataclass
 
 KINDS = ("kill-prefill", "kill-decode", "kill-kvstore", "drain", "pause", "client-drop")
-ROLE_OF = {"kill-prefill": "prefill", "kill-decode": "decode", "kill-kvstore": "kvstore"}
+TP_KINDS = (*KINDS, "kill-rank")
+ROLE_OF = {"kill-prefill": "prefill", "kill-decode": "decode", "kill-kvstore": "kvstore",
+           "kill-rank": "decode"}  # fmt: skip
 _JITTER = 0.15
 
 
@@ -46,7 +51,9 @@ class PlannedEvent:
         return ordered[min(int(self.pick * len(ordered)), len(ordered) - 1)]
 
 
-def round_gap_s(seconds: float, start_s: float, quiet_tail_s: float, gap_s: float) -> float:
+def round_gap_s(
+    seconds: float, start_s: float, quiet_tail_s: float, gap_s: float, kinds: int = len(KINDS)
+) -> float:
     """The mean gap between events: ``gap_s``, or less if one round would not fit
     between ``start_s`` and ``seconds - quiet_tail_s`` with the largest jitter."""
     window = seconds - start_s - quiet_tail_s
@@ -55,7 +62,7 @@ def round_gap_s(seconds: float, start_s: float, quiet_tail_s: float, gap_s: floa
             f"a {seconds:g} s run leaves no time for events (they start at {start_s:g} s and "
             f"stop {quiet_tail_s:g} s before the end)"
         )
-    fits = window / ((len(KINDS) - 1) * (1 + _JITTER))
+    fits = window / ((kinds - 1) * (1 + _JITTER))
     return min(gap_s, fits)
 
 
@@ -66,25 +73,27 @@ def build_schedule(
     start_s: float = 4.0,
     quiet_tail_s: float = 8.0,
     gap_s: float = 12.0,
+    kinds: tuple[str, ...] = KINDS,
 ) -> list[PlannedEvent]:
-    """The events of a ``seconds``-long load, seeded by ``seed`` (see the module doc)."""
+    """The events of a ``seconds``-long load, seeded by ``seed`` (see the module doc),
+    rounds of ``kinds`` (`TP_KINDS` where decode workers have ranks to kill)."""
     rng = random.Random(f"chaos-schedule-{seed}")
-    gap = round_gap_s(seconds, start_s, quiet_tail_s, gap_s)
+    gap = round_gap_s(seconds, start_s, quiet_tail_s, gap_s, len(kinds))
     last_s = seconds - quiet_tail_s
     events: list[PlannedEvent] = []
     at = start_s
     while True:
-        for kind, role in _round(rng):
+        for kind, role in _round(rng, kinds):
             if at > last_s:
                 return events
             events.append(PlannedEvent(round(at, 3), kind, role, rng.random()))
             at += gap * rng.uniform(1 - _JITTER, 1 + _JITTER)
 
 
-def _round(rng: random.Random) -> list[tuple[str, str | None]]:
+def _round(rng: random.Random, of: tuple[str, ...]) -> list[tuple[str, str | None]]:
     """Every kind once with its role, in a seeded order; the round's drain and pause
     target different roles."""
-    kinds = list(KINDS)
+    kinds = list(of)
     rng.shuffle(kinds)
     roles = ["prefill", "decode"]
     rng.shuffle(roles)

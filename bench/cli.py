@@ -19,6 +19,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                "perplexity only")  # fmt: skip
     if args.seconds is not None and args.scenario != "chaos":
         raise UsageError("--seconds applies to --scenario chaos only")
+    if args.decode_tp is not None and args.scenario != "chaos":
+        raise UsageError("--decode-tp applies to --scenario chaos only")
     for flag in ("config", "ctx", "chunks", "text"):
         if getattr(args, flag) is not None and args.scenario != "perplexity":
             raise UsageError(f"--{flag} applies to --scenario perplexity only")
@@ -139,7 +141,7 @@ _NOT_FOR_PEER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None
 # Flags `--scenario chaos` does not take (flag, its default): it sizes its own chats.
 _NOT_FOR_CHAOS = (("kv_cache_memory_gib", None), ("page_size", None), ("prefix_cache", None),
                   ("concurrency", None), ("conversations", None), ("rounds", None),
-                  ("users", None), ("url", None), ("quick", False), ("model", None))  # fmt: skip
+                  ("users", None), ("url", None), ("quick", False))  # fmt: skip
 
 
 def _run_chaos(args: argparse.Namespace) -> int:
@@ -147,7 +149,7 @@ def _run_chaos(args: argparse.Namespace) -> int:
 
     from radixserve.bench.chaos import ChaosOptions, run_chaos_bench
 
-    _refuse_flags(args, _NOT_FOR_CHAOS, "--scenario chaos runs its own chats on the default model")
+    _refuse_flags(args, _NOT_FOR_CHAOS, "--scenario chaos runs its own chats")
     seconds = 300.0 if args.seconds is None else args.seconds
     if not 30 <= seconds <= 86400:
         raise UsageError(f"--seconds must be in [30, 86400], not {seconds:g}")
@@ -157,11 +159,15 @@ def _run_chaos(args: argparse.Namespace) -> int:
         if count < 2:
             raise UsageError(f"--{role} must be at least 2 for chaos (an event takes one "
                                f"worker down and leaves another serving), not {count}")  # fmt: skip
-    env = engine_env(args, ("device", "dtype", "quantization", "log_level"))
+    decode_tp = 1 if args.decode_tp is None else args.decode_tp
+    if decode_tp < 1:
+        raise UsageError(f"--decode-tp must be 1 or more, not {decode_tp}")
+    env = engine_env(args, ("model", "device", "dtype", "quantization", "log_level"))
     out = Path(args.out or f"bench/results/chaos-{seconds:g}s-seed{args.seed}.json")
     report = run_chaos_bench(ChaosOptions(
         seconds=seconds, seed=args.seed, out_path=out, num_prefill=workers["prefill"],
-        num_decode=workers["decode"], transport=args.transport, engine_env=env,
+        num_decode=workers["decode"], decode_tp=decode_tp, transport=args.transport,
+        engine_env=env,
     ))  # fmt: skip
     q = report["requests"]
     bad = q["wrong_answers"] + q["unclean_failures"] + q["hangs"] + bool(report["left_held"])
@@ -314,8 +320,11 @@ def add_command(sub: Any) -> None:
     peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
                       "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
     chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
-                                     "--transport, --device, --dtype apply too)")  # fmt: skip
+                                     "--transport, --model, --device, --dtype apply too)")  # fmt: skip
     chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")
+    chaos.add_argument("--decode-tp", type=int,
+                       help="tensor-parallel size of each decode worker (default 1; above 1 "
+                       "the schedule kills single ranks too: kill-rank)")  # fmt: skip
     perp = bench.add_argument_group("perplexity (--scenario perplexity; --model, --device, "
                                     "--dtype and the --peer-* flags apply too)")  # fmt: skip
     bench.add_argument("--quantization", metavar="Q[,Q...]",

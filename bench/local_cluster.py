@@ -16,6 +16,7 @@ from radixserve.launch.cluster import (
     build_cluster,
     gateway_healthy,
 )
+from radixserve.transfer.shards import tp_pair_error
 
 WORKER_ROLES = ("prefill", "decode")
 
@@ -78,6 +79,8 @@ class LocalCluster:
         return self.processes.control.url if self.processes.control else None
 
     def _decode_links_up(self) -> bool:
+        if tp_pair_error(self.config.prefill_tp, self.config.decode_tp):
+            return True  # the decode workers refuse those links (and prefill themselves)
         decodes = [w for w in self.workers().values() if w["role"] == "decode"]
         return all(w.get("prefills_up", 0) >= self.config.num_prefill for w in decodes)
 

@@ -45,7 +45,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.runtime.service import Service
-from radixserve.transfer import PoolCompat
+from radixserve.transfer import KVShard, PoolCompat
 
 MODEL = "fake-model"
 NAMESPACE = hash_namespace(MODEL)
@@ -113,6 +113,7 @@ class FakeEngine:
             prefix_cache=False,
             hash_namespace=NAMESPACE,
             geometry=PoolCompat.of(kv, MODEL),
+            kv_shard=KVShard.whole(1),
             kv=kv,
             tokenizer=None,  # type: ignore[arg-type]  # no service here reads it
         )
@@ -227,7 +228,9 @@ class FakeEngine:
     def resync_cache(self, emit: Callable[[str, list[int]], None]) -> None:
         self._record("resync_cache", "")
 
-    def listen_spills(self, on_spill: Any, write_through_uses: int = 0) -> None:
+    def listen_spills(
+        self, on_spill: Any, write_through_uses: int = 0, buffer: Any = None, path: Any = None
+    ) -> None:
         self._record("listen_spills", "")
 
     def close(self) -> None:

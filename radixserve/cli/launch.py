@@ -33,6 +33,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         transport=args.transport,
         kvstore=args.kvstore,
         host_tier_gib=args.host_tier_gib,
@@ -46,7 +48,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
     )
     print(
-        f"radixserve: starting {config.num_prefill} prefill and {config.num_decode} decode "
+        f"radixserve: starting {config.num_prefill} prefill{_tp(config.prefill_tp)} and "
+        f"{config.num_decode} decode{_tp(config.decode_tp)} "
         f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
         f"(KV transfer over {config.transport}) ...",
         flush=True,
@@ -63,6 +66,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             shared = dataclasses.replace(config, core_board=cluster.core_board)
             print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore)}  "
                   "(or decode instead of prefill)", flush=True)  # fmt: skip
+            if config.decode_tp != config.prefill_tp:  # the decode command differs by --tp
+                print(f"radixserve: add a decode worker: "
+                      f"{join_command(shared, cluster.kvstore, 'decode')}", flush=True)  # fmt: skip
             print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
                   f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip
 
@@ -77,6 +83,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
     print("radixserve: cluster stopped", flush=True)
     return code
+
+
+def _tp(size: int) -> str:
+    return f" (TP={size})" if size > 1 else ""
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -113,7 +123,7 @@ def _service_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
                       ("host", "host"), ("advertise_host", "advertise_host"),
-                      ("transport", "transfer_backend")):  # fmt: skip
+                      ("transport", "transfer_backend"), ("tp", "tp")):  # fmt: skip
         if getattr(args, flag, None) is not None:
             overrides[key] = getattr(args, flag)
     return overrides
@@ -186,6 +196,12 @@ def add_commands(sub: Any) -> None:
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    up.add_argument("--prefill-tp", type=int, default=1,
+                    help="tensor-parallel size of each prefill worker: ranks (processes, one "
+                    "device each) its model is split over (default 1)")  # fmt: skip
+    up.add_argument("--decode-tp", type=int, default=1,
+                    help="tensor-parallel size of each decode worker (default 1; KV pages "
+                    "move between the pools when one size divides the other)")  # fmt: skip
     up.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
                     help="how KV pages move between workers (default nixl)")  # fmt: skip
     up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
@@ -242,6 +258,9 @@ def add_commands(sub: Any) -> None:
                                  "(tcp://host:port; as `radixserve up` prints it)")  # fmt: skip
             service.add_argument("--transport", choices=["nixl", "zmq"],
                                  help="KV transfer backend (the cluster's)")  # fmt: skip
+            service.add_argument("--tp", type=int,
+                                 help="tensor-parallel size: ranks (processes, one device "
+                                 "each) the model is split over (default 1)")  # fmt: skip
         if name in ("prefill", "decode", "kvstore"):
             service.add_argument("--name", help="name in the cluster (default <role>-<port>)")
             service.add_argument("--host", help="listen address (default 127.0.0.1)")

@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from radixserve.engine.admission import Admission, HostPlan
 from radixserve.engine.engine import Engine
 from radixserve.engine.info import EngineInfo, EngineStats
@@ -171,19 +173,30 @@ class AsyncEngine:
         self,
         on_spill: Callable[[list[int], list[int]], None] | None,
         write_through_uses: int = 0,
+        buffer: torch.Tensor | None = None,
+        buffer_path: str | None = None,
     ) -> None:
         """Hand pages the cache evicts (and, with ``write_through_uses``, prefixes used
         that often) to ``on_spill(hashes, page_ids)`` on the engine thread; None stops.
-        Starting forgets what was handed over before (the tier it went to is new)."""
+        Starting forgets what was handed over before (the tier it went to is new).
+        ``buffer`` (whole pages; a file at ``buffer_path`` with tensor parallelism, so
+        every rank maps it) is where `copy_out` copies them."""
 
         def listen(e: Engine) -> None:
             if e.cache is None:
                 return
             if on_spill is not None:
                 e.cache.clear_written()
+                if buffer is not None:
+                    e.set_spill_buffer(buffer, buffer_path)
             e.cache.set_spill_listener(on_spill, write_through_uses)
 
         self.submit(listen)
+
+    def copy_out(self, page_ids: list[int], slots: list[int]) -> None:
+        """Copy pages into ``slots`` of the spill buffer (`listen_spills`), on every rank.
+        Only on the engine thread: from ``on_spill``, before the cache lets them go."""
+        self.engine.copy_out(page_ids, slots)
 
     async def call(
         self, fn: Callable[[Engine], T], watch: str | None = None

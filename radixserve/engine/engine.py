@@ -31,7 +31,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
-from radixserve.engine.model_shard import ModelShard, copy_page
+from radixserve.engine.model_shard import ModelShard, copy_out, copy_page
 from radixserve.engine.outputs import GenerationResult, RequestOutput, TokenLogprob
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampler import Sampler
@@ -102,6 +102,8 @@ class Engine:
             self.tp_group.ready(True, shard.kv_pool.num_pages)
         self.idle()
         self.model, attention, self.kv_pool = shard.model, shard.attention, shard.kv_pool
+        self.kv_shard = shard.kv_shard
+        self._spill_buffer: torch.Tensor | None = None
         self.quantization = _describe(shard.plan)
         self.page_size = settings.page_size
         num_pages = self.kv_pool.num_pages
@@ -459,6 +461,28 @@ class Engine:
         if self.tp_group is not None:
             self.tp_group.copy_page(src, dst)
         copy_page(self.kv_pool, src, dst)
+
+    def start_rank_agents(self, request: dict[str, object]) -> None:
+        """Have ranks 1..N-1 start their KV transfer agents (`radixserve.transfer.group`):
+        ``request`` as `radixserve.engine.tp_rank.run_call`'s "agent" reads it."""
+        assert self.tp_group is not None, "no tensor-parallel ranks"
+        self.tp_group.call({**request, "op": "agent"})
+
+    def set_spill_buffer(self, buffer: torch.Tensor, path: str | None) -> None:
+        """Where `copy_out` copies spilled pages: a host tensor of whole pages, which
+        every rank maps from the file ``path`` when there are ranks."""
+        self._spill_buffer = buffer
+        if self.tp_group is not None:
+            assert path is not None, "a tensor-parallel worker's spill buffer is a file"
+            self.tp_group.call({"op": "spill_buffer", "path": path, "shape": list(buffer.shape),
+                                "dtype": str(buffer.dtype).removeprefix("torch.")})  # fmt: skip
+
+    def copy_out(self, page_ids: list[int], slots: list[int]) -> None:
+        """Pages ``page_ids`` into ``slots`` of the spill buffer, each rank its heads."""
+        assert self._spill_buffer is not None, "set_spill_buffer first"
+        copy_out(self.kv_pool, self.kv_shard, page_ids, self._spill_buffer, slots)
+        if self.tp_group is not None:
+            self.tp_group.call({"op": "spill", "pages": page_ids, "slots": slots})
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the engine computes no more)."""

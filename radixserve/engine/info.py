@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.model.model_files import served_model_id
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.shards import KVShard
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 class EngineInfo:
     """What an engine serves. ``geometry`` is the page geometry peers must share (checked
     at every handshake); ``kv`` the pool's memory, (L, 2, P, page_size, H, D), which
-    transfer agents register and the host tier's spill copies from on the engine thread."""
+    transfer agents register (rank 0's heads of it, ``kv_shard``, with tensor
+    parallelism: ``kv_shard.size`` ranks)."""
 
     model_name: str
     served_name: str
@@ -35,6 +37,7 @@ class EngineInfo:
     prefix_cache: bool
     hash_namespace: bytes  # the radix cache's page-hash namespace (model and cache salt)
     geometry: PoolCompat
+    kv_shard: KVShard  # the KV heads ``kv`` holds (rank 0's, with tensor parallelism)
     kv: torch.Tensor = field(repr=False)
     tokenizer: Tokenizer = field(repr=False)
 
@@ -48,7 +51,10 @@ class EngineInfo:
             page_size=engine.page_size,
             prefix_cache=engine.cache is not None,
             hash_namespace=engine.namespace,
-            geometry=PoolCompat.of(engine.kv_pool.kv, engine.config.name),
+            geometry=PoolCompat.of(
+                engine.kv_pool.kv, engine.config.name, engine.config.num_kv_heads
+            ),
+            kv_shard=engine.kv_shard,
             kv=engine.kv_pool.kv,
             tokenizer=engine.tokenizer,
         )

@@ -22,6 +22,7 @@ from radixserve.model.llama import LlamaModel, Plan, checkpoint_schemes, quant_t
 from radixserve.model.quant import plan_schemes
 from radixserve.model.tp import TPComm, TPShard
 from radixserve.settings import EngineSettings
+from radixserve.transfer.shards import KVShard
 
 T = TypeVar("T")
 
@@ -32,6 +33,7 @@ class ModelShard:
     plan: Plan
     attention: AttentionBackend
     kv_pool: KVPool
+    kv_shard: KVShard  # the model's KV heads this rank's pool holds
 
     @classmethod
     def build(
@@ -61,10 +63,24 @@ class ModelShard:
         budget = int(settings.kv_cache_memory_gib * (1 << 30))
         num_pages = KVPool.num_pages_for_budget(config, settings.page_size, dtype, budget, tp)
         kv_pool = KVPool.from_config(config, settings.page_size, num_pages, dtype, device, tp)
-        return cls(model, plan, attention, kv_pool)
+        kv_shard = KVShard(tp.size, tp.rank, tp.kv_head_start(config), tp.kv_heads(config))
+        return cls(model, plan, attention, kv_pool, kv_shard)
 
 
 def copy_page(kv_pool: KVPool, src: int, dst: int) -> None:
     """Page ``dst`` becomes a copy of page ``src`` (every layer, K and V)."""
     kv = kv_pool.kv  # (L, 2, P, page_size, H, D)
     kv[:, :, dst].copy_(kv[:, :, src])
+
+
+def copy_out(kv_pool: KVPool, shard: KVShard, page_ids: list[int], buffer: torch.Tensor,
+             slots: list[int]) -> None:  # fmt: skip
+    """Pages ``page_ids`` into ``slots`` of ``buffer``, a host tensor of whole pages (L, 2,
+    N, page_size, every KV head, D): this rank's heads of them."""
+    kv = kv_pool.kv
+    pages = kv.index_select(2, torch.tensor(page_ids, device=kv.device)).to("cpu")
+    dst = torch.tensor(slots)
+    if shard.count == buffer.shape[4]:
+        buffer.index_copy_(2, dst, pages)
+    else:
+        buffer[:, :, dst, :, shard.first : shard.first + shard.count] = pages

@@ -7,7 +7,10 @@ Only rank 0 schedules. Before each forward it broadcasts the step (`PackedStep`:
 fixed-size header, then one int64 buffer of token ids, positions, slots and page table);
 every rank rebuilds the same `ForwardBatch` from it and runs its shard, and the shards'
 collectives (`DistComm`) meet inside the forward. Page ids are the same on every rank,
-so the only other message is a page copy (choices of ``n`` sharing a prompt page).
+so the only other messages are a page copy (choices of ``n`` sharing a prompt page) and
+`call`s: a JSON request every rank runs before rank 0 goes on (a worker's ranks starting
+their KV transfer agents, copying their heads of spilled pages into the host tier's
+buffer; `radixserve.engine.tp_rank`).
 
 Failure: a rank that exits (or is killed) takes its worker down: rank 0 watches its rank
 processes and, when one exits unasked, logs which and exits (the supervisor restarts the
@@ -18,6 +21,7 @@ worker and the gateway migrates its streams, as for any dead worker); a rank who
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -36,7 +40,7 @@ from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_FORWARD, OP_COPY_PAGE = 0, 1, 2
+OP_STOP, OP_FORWARD, OP_COPY_PAGE, OP_CALL = 0, 1, 2, 3
 HEADER_LEN = 2 + PackedStep.HEADER_LEN  # op, then (buffer length, step header) or (src, dst)
 #: how long ranks wait for each other: joining, loading, and any one collective
 TIMEOUT_S = 600
@@ -150,6 +154,21 @@ class TPGroup:
         header.zero_()
         header[0], header[1], header[2] = OP_COPY_PAGE, src, dst
         dist.broadcast(header, src=0)
+
+    def call(self, request: dict[str, object]) -> None:
+        """Have ranks 1..N-1 run ``request`` (`radixserve.engine.tp_rank.run_call`), and wait
+        until all have; RuntimeError if any failed (its error is in its log)."""
+        data = torch.frombuffer(bytearray(json.dumps(request).encode()), dtype=torch.uint8)
+        header = self._header
+        header.zero_()
+        header[0], header[1] = OP_CALL, data.numel()
+        dist.broadcast(header, src=0)
+        dist.broadcast(data, src=0)
+        failed = torch.zeros(1, dtype=torch.int64)
+        dist.all_reduce(failed)
+        if int(failed):
+            raise RuntimeError(f"{int(failed)} tensor-parallel rank(s) failed "
+                               f"{request.get('op')!r} (see their log)")  # fmt: skip
 
     def stop(self) -> None:
         """Tell the ranks to exit, and wait for them (killing any that does not)."""

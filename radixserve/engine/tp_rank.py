@@ -2,11 +2,15 @@
 group, started by its rank 0 (`radixserve.engine.tp_group.TPGroup`) with the engine's
 settings, its rank and the port of the group's store in the environment. It loads its
 shard of the model and of the KV pool, then runs every step rank 0 sends until told to
-stop."""
+stop, and the calls of a worker (`run_call`): start this rank's KV transfer agent, which
+rank 0's `GroupAgent` drives, and copy this rank's heads of spilled pages into the host
+tier's buffer, shared with rank 0 through a file."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -16,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from radixserve.engine.device import resolve_device, resolve_dtype
-from radixserve.engine.model_shard import ModelShard, copy_page
+from radixserve.engine.model_shard import ModelShard, copy_out, copy_page
 from radixserve.engine.tp_group import (
     ENV_PORT,
     ENV_RANK,
     ENV_SETTINGS,
     HEADER_LEN,
+    OP_CALL,
     OP_COPY_PAGE,
     OP_FORWARD,
     OP_STOP,
@@ -35,7 +40,10 @@ from radixserve.logging import setup_logging
 from radixserve.model.checkpoint import load_checkpoint
 from radixserve.model.forward_batch import PackedStep, forward_batch_of
 from radixserve.model.tp import TPShard
+from radixserve.protocol.security import keys_from
 from radixserve.settings import EngineSettings
+from radixserve.transfer import PoolCompat, TransferNetwork, create_agent
+from radixserve.transfer.group import serve_rank
 
 logger = logging.getLogger("radixserve.engine.tp_rank")
 
@@ -74,16 +82,53 @@ def main() -> int:
     report_ready(shard is not None, shard.kv_pool.num_pages if shard else 0, size)
     if shard is None:
         return 1
-    serve(shard, device)
+    serve(shard, device, PoolCompat.of(shard.kv_pool.kv, config.name, config.num_kv_heads))
     dist.destroy_process_group()
     return 0
 
 
+class RankState:
+    """What a rank's calls set up: its shard, its pool's compat, the host tier's buffer."""
+
+    def __init__(self, shard: ModelShard, compat: PoolCompat) -> None:
+        self.shard, self.compat = shard, compat
+        self.spill_buffer: torch.Tensor | None = None
+
+
+def run_call(state: RankState, request: dict) -> None:
+    """One `TPGroup.call` of rank 0 (the same on every rank)."""
+    op = request["op"]
+    if op == "agent":  # this rank's KV transfer agent, driven by rank 0's GroupAgent
+        net = request["network"]
+        network = TransferNetwork(net["bind"], net["advertise"], net["port_min"],
+                                  net["port_max"], keys_from(net["secret"]))  # fmt: skip
+        shard = state.shard.kv_shard
+        agent = create_agent(request["backend"], f"{request['name']}.tp{shard.rank}",
+                             state.shard.kv_pool.kv, state.compat, request["timeout_s"],
+                             request["nixl_progress_thread"], network, shard)  # fmt: skip
+        serve_rank(agent, request["endpoint"], shard.rank)
+    elif op == "spill_buffer":  # rank 0's host-tier spill buffer, mapped from its file
+        shape = request["shape"]
+        state.spill_buffer = torch.from_file(
+            request["path"],
+            shared=True,
+            size=math.prod(shape),
+            dtype=getattr(torch, request["dtype"]),
+        ).view(shape)
+    elif op == "spill":
+        assert state.spill_buffer is not None, "spill before spill_buffer"
+        copy_out(state.shard.kv_pool, state.shard.kv_shard, request["pages"],
+                 state.spill_buffer, request["slots"])  # fmt: skip
+    else:
+        raise ValueError(f"unknown tensor-parallel call {op!r}")
+
+
 @torch.inference_mode()
-def serve(shard: ModelShard, device: torch.device) -> None:
-    """Run rank 0's steps until it says stop."""
+def serve(shard: ModelShard, device: torch.device, compat: PoolCompat) -> None:
+    """Run rank 0's steps and calls until it says stop."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     pool = shard.kv_pool
+    state = RankState(shard, compat)
     while True:
         dist.broadcast(header, src=0)
         op = int(header[0])
@@ -91,6 +136,17 @@ def serve(shard: ModelShard, device: torch.device) -> None:
             return
         if op == OP_COPY_PAGE:
             copy_page(pool, int(header[1]), int(header[2]))
+            continue
+        if op == OP_CALL:
+            data = torch.empty(int(header[1]), dtype=torch.uint8)
+            dist.broadcast(data, src=0)
+            failed = torch.zeros(1, dtype=torch.int64)
+            try:
+                run_call(state, json.loads(bytes(data.numpy())))
+            except Exception:
+                logger.exception("tensor-parallel rank %d: call failed", shard.kv_shard.rank)
+                failed += 1
+            dist.all_reduce(failed)
             continue
         assert op == OP_FORWARD, f"unknown tensor-parallel op {op}"
         host = torch.empty(int(header[1]), dtype=torch.int64)

@@ -49,6 +49,8 @@ class ClusterConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1  # tensor-parallel ranks (processes, one device each) per prefill worker
+    decode_tp: int = 1  # ... per decode worker
     kvstore: bool = True  # start the kvstore (the cluster-wide cache index and host tier)
     host_tier_gib: float | None = None  # the kvstore's host tier (None: its default)
     transport: str = "nixl"
@@ -69,6 +71,8 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one decode worker (--decode 1)")
         if self.num_prefill < 0:
             raise ValueError("--prefill must be 0 or more")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("--prefill-tp and --decode-tp must be 1 or more")
         if self.transport not in ("nixl", "zmq"):
             raise ValueError(f"--transport must be nixl or zmq, not {self.transport!r}")
         if self.host_tier_gib is not None and self.host_tier_gib < 0:
@@ -96,7 +100,8 @@ def base_env(config: ClusterConfig) -> dict[str, str]:
     elif config.core_board:
         threads = os.cpu_count() or 1
     else:
-        threads = max(1, (os.cpu_count() or 1) // (config.num_prefill + config.num_decode))
+        ranks = config.num_prefill * config.prefill_tp + config.num_decode * config.decode_tp
+        threads = max(1, (os.cpu_count() or 1) // ranks)
     return {
         "RADIXSERVE_LOAD_PROGRESS": "false",
         "RADIXSERVE_NUM_THREADS": str(threads),
@@ -119,8 +124,10 @@ def worker_spec(
     ``prefill_addrs``."""
     name, port, prefix = f"{role}-{index}", free_port(), f"RADIXSERVE_{role.upper()}_"
     extra = config.prefill_env if role == "prefill" else config.decode_env
+    tp = config.prefill_tp if role == "prefill" else config.decode_tp
     env = {
         **base_env(config),
+        **({f"{prefix}TP": str(tp)} if tp > 1 else {}),
         **({f"{prefix}KVSTORE": kvstore} if kvstore else {}),
         f"{prefix}NAME": name,
         f"{prefix}PORT": str(port),
@@ -176,6 +183,9 @@ def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> 
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "radixserve" else None
     argv = [program] if program else [sys.executable, "-m", "radixserve.cli"]
     argv += [role, "--join", kvstore]
+    tp = config.prefill_tp if role == "prefill" else config.decode_tp
+    if tp > 1:
+        argv += ["--tp", str(tp)]
     if config.transport != "nixl":
         argv += ["--transport", config.transport]
     extra = config.prefill_env if role == "prefill" else config.decode_env

@@ -105,8 +105,10 @@ class HelloAck(Message):
     """Answer to `Hello` with the responder's identity; ``accepted`` False refuses the peer.
 
     A worker also says what it serves (``model_name``, ``max_model_len``) and its page
-    geometry (``page_size``, ``hash_namespace``, ``pool_digest``: a link whose peer pages
-    differ from its own is refused, `radixserve.runtime.links.PageGeometry`) and, if it owns KV pages peers may read, the agent's opaque
+    geometry (``page_size``, ``hash_namespace``, ``pool_digest``, and ``tp_size``, the
+    ranks its pool is split over: a link whose peer pages differ from its own, or whose
+    TP size cannot exchange pages with its own, is refused,
+    `radixserve.runtime.links.PageGeometry`) and, if it owns KV pages peers may read, the agent's opaque
     ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a
     compatible pool before its first transfer.
     """
@@ -122,6 +124,7 @@ class HelloAck(Message):
     page_size: int = field(default=0, metadata=_spec(COUNT))
     hash_namespace: bytes = field(default=b"", metadata=_spec(BytesSpec(64)))
     pool_digest: str = field(default="", metadata=_spec(StrSpec(64)))
+    tp_size: int = field(default=0, metadata=_spec(COUNT))
     transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
 
 

@@ -24,7 +24,11 @@ docs/architecture.md §9 (the host tier).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import os
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -49,11 +53,29 @@ from radixserve.runtime.links import Link
 from radixserve.runtime.network import transfer_network
 from radixserve.runtime.settings import WorkerSettings
 from radixserve.transfer import KVTransferAgent, TransferError, create_agent
+from radixserve.transfer.group import GroupAgent
 
 logger = logging.getLogger(__name__)
 
 _MAX_PAGES_PER_OFFER = 4096
 _QUARANTINE_S = 120.0  # > the kvstore's read deadline (host_transfer_timeout_s <= 100 s)
+
+
+def shared_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    """A zeroed host tensor backed by a new file, which other processes map by its path:
+    (path, tensor). In /dev/shm when it has room (a container's is often 64 MiB), else in
+    the temporary directory."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    where = None
+    with contextlib.suppress(OSError):
+        stat = os.statvfs("/dev/shm")
+        if stat.f_bavail * stat.f_frsize > 2 * nbytes:
+            where = "/dev/shm"
+    fd, path = tempfile.mkstemp(prefix="radixserve-spill-", dir=where)
+    os.ftruncate(fd, nbytes)
+    os.close(fd)
+    return path, torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
 class HostTierClient:
@@ -65,7 +87,7 @@ class HostTierClient:
         generation: int,
         settings: WorkerSettings,
         engine: AsyncEngine,
-        agent: KVTransferAgent,
+        agent: GroupAgent,
         device_hashes: Set[int],
     ) -> None:
         """``agent`` is the worker's own (it reads host pages into the pool);
@@ -73,11 +95,17 @@ class HostTierClient:
         self.name, self.generation, self.settings = name, generation, settings
         self.engine, self.agent, self.device_hashes = engine, agent, device_hashes
         geometry = engine.info.geometry
-        kv = engine.info.kv  # (L, 2, P, page_size, H, D)
+        kv = engine.info.kv  # (L, 2, P, page_size, H, D): H of rank 0 only, with TP
         self.page_bytes = geometry.page_bytes
         num_pages = max(1, settings.host_spill_buffer_mib * (1 << 20) // self.page_bytes)
-        shape = (kv.shape[0], 2, num_pages, *kv.shape[3:])  # (L, 2, buffer pages, S, H, D)
-        self.buffer = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
+        # whole pages, (L, 2, buffer pages, S, every KV head, D); with tensor parallelism
+        # in a file every rank maps, each copying its heads of a spilled page
+        shape = (kv.shape[0], 2, num_pages, kv.shape[3], geometry.num_kv_heads, kv.shape[5])
+        self.buffer_path: str | None = None
+        if engine.info.kv_shard.size > 1:
+            self.buffer_path, self.buffer = shared_buffer(shape, kv.dtype)
+        else:
+            self.buffer = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
         self.buffer_agent: KVTransferAgent = create_agent(
             settings.transfer_backend,
             f"{name}.spill",
@@ -115,6 +143,9 @@ class HostTierClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._notices.close()
         self.buffer_agent.close()
+        if self.buffer_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.buffer_path)
 
     # -- the link to the kvstore --------------------------------------------------------
 
@@ -168,7 +199,8 @@ class HostTierClient:
         self.kvstore_agent = link.name
         self.attached = True
         # a (re)attached tier holds nothing of ours yet: listening starts afresh
-        self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses)
+        self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses,
+                                  self.buffer, self.buffer_path)  # fmt: skip
         logger.info("%s: attached to the host tier of %s (%d pages)", self.name, link.label,
                     ack.num_pages)  # fmt: skip
 
@@ -182,10 +214,7 @@ class HostTierClient:
             self.counters["host_spill_dropped_pages_total"] += len(page_ids) - n
         if not n:
             return
-        kv = self.engine.info.kv  # on the engine thread: no step runs meanwhile
-        src = torch.tensor(page_ids[:n], device=kv.device)
-        dst = torch.tensor(slots)
-        self.buffer.index_copy_(2, dst, kv.index_select(2, src).to("cpu"))
+        self.engine.copy_out(page_ids[:n], slots)  # on the engine thread: no step runs
         with self._lock:
             self.counters["host_spills_total"] += 1
             self.counters["host_spill_pages_total"] += n

@@ -61,6 +61,7 @@ from radixserve.protocol import (
 )
 from radixserve.protocol.messages import Role
 from radixserve.protocol.security import ClusterKeys
+from radixserve.transfer.shards import tp_pair_error
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +135,13 @@ class LinkIdentity:
 class PageGeometry:
     """What must match for two processes to share KV pages by hash: the page size, the
     page-hash namespace (`radixserve.cache.block_hash.hash_namespace`) and, between two
-    KV pools, their layout (`PoolCompat.digest`; "" where this side has no pool)."""
+    KV pools, their layout (`PoolCompat.digest`; "" where this side has no pool) and
+    tensor-parallel sizes that can exchange pages (`tp_pair_error`; 0: no pool)."""
 
     page_size: int
     hash_namespace: bytes
     pool_digest: str = ""
+    tp_size: int = 0
 
     def mismatch(self, ack: HelloAck) -> str:
         """Why a peer's `HelloAck` does not match; "" if it does."""
@@ -148,6 +151,8 @@ class PageGeometry:
             return "its page hashes have another namespace (model name or cache_salt)"
         if self.pool_digest and ack.pool_digest and ack.pool_digest != self.pool_digest:
             return "its KV pool has another layout (dtype, layers, KV heads or head size)"
+        if self.tp_size and ack.tp_size:
+            return tp_pair_error(self.tp_size, ack.tp_size)
         return ""
 
 

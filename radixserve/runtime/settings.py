@@ -139,6 +139,14 @@ class WorkerSettings(ServiceSettings, TransferSettings):
         "registers there (so routers find it) and publishes its cache events; none = a "
         "worker known only by static addresses.",
     )
+    tp: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Tensor-parallel size of this worker: rank processes (one device each) "
+        "its model is split over; none = the engine's RADIXSERVE_TP (default 1). Pages move "
+        "between prefill and decode workers when one size divides the other.",
+    )
     host_tier: bool = Field(
         True,
         description="Spill evicted pages into the kvstore's host tier and load prefixes "

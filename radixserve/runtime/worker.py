@@ -44,7 +44,8 @@ from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
 from radixserve.runtime.service import Service, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings
-from radixserve.transfer import KVTransferAgent, create_agent
+from radixserve.transfer import create_agent
+from radixserve.transfer.group import GroupAgent
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Worker(Service):
         super().__init__(settings)
         self.engine = engine
         self.page_size = engine.info.page_size
-        self.agent: KVTransferAgent | None = None
+        self.agent: GroupAgent | None = None
         self.kvstore: LinkSet | None = None
         self.host: HostTierClient | None = None
         self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
@@ -70,14 +71,23 @@ class Worker(Service):
     async def start(self) -> None:
         s = self.settings
         info = self.engine.info
-        self.agent = create_agent(
-            s.transfer_backend,
-            self.name,
-            info.kv,
-            info.geometry,
-            nixl_progress_thread=s.nixl_progress_thread,
-            network=transfer_network(s),
-        )
+        network = transfer_network(s)
+        local = create_agent(s.transfer_backend, self.name, info.kv, info.geometry,
+                             nixl_progress_thread=s.nixl_progress_thread, network=network,
+                             shard=info.kv_shard)  # fmt: skip
+        self.agent = GroupAgent(local, info.kv_shard.size)
+        if info.kv_shard.size > 1:  # the other ranks' agents, which ours drives
+            secret = s.cluster_secret.get_secret_value() if s.cluster_secret else None
+            request = {
+                "backend": s.transfer_backend, "name": self.name, "endpoint": self.agent.endpoint,
+                "timeout_s": local.default_timeout_s,
+                "nixl_progress_thread": s.nixl_progress_thread,
+                "network": {"bind": network.bind_host, "advertise": network.advertise_host,
+                            "port_min": network.port_min, "port_max": network.port_max,
+                            "secret": secret},
+            }  # fmt: skip
+            await self.engine.call(lambda e: e.start_rank_agents(request))
+            await asyncio.to_thread(self.agent.wait_ranks)
         if not s.kvstore:
             return
         assert self.context is not None
@@ -166,6 +176,7 @@ class Worker(Service):
             page_size=info.page_size,
             hash_namespace=info.hash_namespace,
             pool_digest=info.geometry.digest,
+            tp_size=info.kv_shard.size,
             transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
         )
 
@@ -299,15 +310,8 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
     engine_settings = EngineSettings(**from_env)
-    if engine_settings.tp > 1:
-        # the KV transfer agents and the host tier move rank 0's pool only: with heads on
-        # other ranks, pages would move incomplete
-        raise SystemExit(
-            f"radixserve {worker_cls.__name__}: RADIXSERVE_TP={engine_settings.tp} is not "
-            "supported by prefill and decode workers yet (their KV transfers and host tier "
-            "move one rank's pool); tensor parallelism runs in `radixserve serve`, "
-            "`generate` and `chat`"
-        )
+    if settings.tp is not None:  # the worker's own size (RADIXSERVE_PREFILL_TP, ..._DECODE_TP)
+        engine_settings = engine_settings.model_copy(update={"tp": settings.tp})
     # built on the engine thread, where it steps
     worker = worker_cls(settings, AsyncEngine(engine_settings))
     return serve_until_signalled(worker.run, worker.begin_drain)

@@ -99,7 +99,9 @@ class DecodeWorker(Worker):
             self.identity(),
             on_message=self._from_prefill,
             on_down=self._prefill_down,
-            pages=PageGeometry(info.page_size, info.hash_namespace, info.geometry.digest),
+            pages=PageGeometry(
+                info.page_size, info.hash_namespace, info.geometry.digest, info.kv_shard.size
+            ),  # fmt: skip
         )
         self.view = MemberView({"prefill": self.prefills})
         await super().start()  # the kvstore link: membership starts arriving

@@ -27,7 +27,7 @@ from radixserve.bench.chaos_client import RequestRecord, send_chat
 from radixserve.bench.chaos_faults import EventRecord
 from radixserve.bench.chaos_reference import Answer
 from radixserve.bench.chaos_report import attribute, build_report, check, format_table
-from radixserve.bench.chaos_schedule import KINDS, build_schedule
+from radixserve.bench.chaos_schedule import KINDS, TP_KINDS, build_schedule
 from radixserve.cli import main
 
 
@@ -37,6 +37,32 @@ def test_sixty_seconds_of_chaos(tmp_path: Path, capsys) -> None:
     out = tmp_path / "chaos.json"
     code = main(["bench", "--scenario", "chaos", "--seconds", "60", "--out", str(out)])
     report = json.loads(out.read_text())
+    assert_served_through(report)
+    assert set(report["events_applied"]) == set(KINDS)
+    assert code == 0
+    assert "| kill-decode |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.benchmark  # ~100 s on 2 cores
+def test_sixty_seconds_of_chaos_with_tensor_parallel_decode_workers(
+    tmp_path: Path, tiny_model: str, capsys
+) -> None:
+    """Decode workers of TP=2 (the tiny model: one KV head per rank), and kill-rank among
+    the events: a worker whose rank is killed exits, its streams move, none is wrong."""
+    out = tmp_path / "chaos.json"
+    code = main(["bench", "--scenario", "chaos", "--seconds", "60", "--decode-tp", "2",
+                 "--model", tiny_model, "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert_served_through(report)
+    assert report["events_applied"]["kill-rank"] >= 1, report["events"]
+    assert code == 0
+    assert "| kill-rank |" in capsys.readouterr().out
+
+
+def assert_served_through(report: dict) -> None:
+    """No wrong answer, hang or unclean failure; every event applied and recovered from;
+    nothing held at the end."""
     q = report["requests"]
     failures = report["failed_requests"] + report["problems"]
     assert q["wrong_answers"] == 0, report["problems"]
@@ -46,15 +72,13 @@ def test_sixty_seconds_of_chaos(tmp_path: Path, capsys) -> None:
                                           "decode-1"}  # fmt: skip
     assert all(n >= 1 for n in report["events_applied"].values()), report["events"]
     decode_causes = {cause: n for outcome in report["failures_by_cause"].values()
-                     for cause, n in outcome.items() if "decode" in cause}  # fmt: skip
+                     for cause, n in outcome.items() if "decode" in cause or "rank" in cause}  # fmt: skip
     assert sum(decode_causes.values()) == 0, (decode_causes, report["failed_requests"])
     assert q["checked"] == q["completed"] >= 10
     assert q["client_drops"] >= 1
     # every killed or drained process came back under a new generation, a paused one resumed
     assert all(e["back_up_s"] is not None for e in report["events"]
                if e["at_s"] is not None and e["kind"] != "client-drop"), report["events"]  # fmt: skip
-    assert code == 0
-    assert "| kill-decode |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -64,6 +88,7 @@ def test_sixty_seconds_of_chaos(tmp_path: Path, capsys) -> None:
         (["--seconds", "10"], "--seconds must be in [30, 86400]"),
         (["--quick"], "--quick: --scenario chaos runs its own chats"),
         (["--kv-cache-gib", "1"], "--kv-cache-gib: --scenario chaos runs its own chats"),
+        (["--decode-tp", "0"], "--decode-tp must be 1 or more"),
     ],
 )
 def test_chaos_refuses_what_it_does_not_take(flags: list[str], message: str, capsys) -> None:
@@ -79,17 +104,19 @@ def test_seconds_only_with_chaos(capsys) -> None:
 # --- the schedule -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kinds", [KINDS, TP_KINDS])
 @pytest.mark.parametrize("seed", range(8))
-def test_a_sixty_second_schedule_holds_every_kind(seed: int) -> None:
-    events = build_schedule(60, seed)
-    assert sorted(e.kind for e in events[: len(KINDS)]) == sorted(KINDS)
-    assert len(KINDS) <= len(events) <= len(KINDS) + 1
+def test_a_sixty_second_schedule_holds_every_kind(seed: int, kinds: tuple[str, ...]) -> None:
+    events = build_schedule(60, seed, kinds=kinds)
+    assert sorted(e.kind for e in events[: len(kinds)]) == sorted(kinds)
+    assert len(kinds) <= len(events) <= len(kinds) + 1
     assert all(4.0 <= e.at_s <= 52.0 for e in events)
     assert [e.at_s for e in events] == sorted(e.at_s for e in events)
-    roles = {e.kind: e.role for e in events[: len(KINDS)]}
+    roles = {e.kind: e.role for e in events[: len(kinds)]}
     assert {roles["drain"], roles["pause"]} == {"prefill", "decode"}
     assert roles["kill-decode"] == "decode" and roles["client-drop"] is None
-    assert build_schedule(60, seed) == events  # seeded
+    assert roles.get("kill-rank", "decode") == "decode"
+    assert build_schedule(60, seed, kinds=kinds) == events  # seeded
 
 
 def test_a_long_schedule_repeats_rounds_about_twelve_seconds_apart() -> None:

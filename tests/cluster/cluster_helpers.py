@@ -74,6 +74,8 @@ class TestCluster(LocalCluster):
         transport: str = "nixl",
         num_prefill: int = 1,
         num_decode: int = 1,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
         decode: dict[str, str] | None = None,
         gateway: dict[str, str] | None = None,
         prefill: dict[str, str] | None = None,
@@ -85,6 +87,8 @@ class TestCluster(LocalCluster):
         config = ClusterConfig(
             num_prefill=num_prefill,
             num_decode=num_decode,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
             transport=transport,
             # one thread per worker, fixed, as these tests were sized for on 2 cores: under
             # their load (a tiny pool spilling to the host tier) the shared cores lost to it

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -45,6 +47,7 @@ from tests.deploy.deploy_files import (
     dockerfile_exposed,
     env_example,
     interpolate,
+    kubectl,
     objects_of,
     pod_env,
     render_overlay,
@@ -290,14 +293,21 @@ def test_compose_ports_probes_and_scrapes_agree(monkeypatch: pytest.MonkeyPatch)
     assert not re.fullmatch(drop["regex"], "radixserve_ttft_seconds_bucket")
 
 
-def test_compose_cuda_override_requests_gpus() -> None:
-    cuda = compose_document(path=COMPOSE / "docker-compose.cuda.yml")["services"]
+@pytest.mark.parametrize("sizes", [{}, {"RADIXSERVE_PREFILL_TP": "2", "RADIXSERVE_DECODE_TP": "4"}])
+def test_compose_cuda_override_requests_gpus(sizes: dict[str, str]) -> None:
+    """Each prefill (decode) replica gets RADIXSERVE_PREFILL_TP (_DECODE_TP) GPUs, default
+    1, and splits its model over them (the worker's setting of that name)."""
+    values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"], **sizes}
+    cuda = compose_document(values, path=COMPOSE / "docker-compose.cuda.yml")["services"]
     for name in RADIXSERVE_SERVICES:
         assert cuda[name]["image"] == "radixserve:cuda"
         assert cuda[name]["build"]["dockerfile"] == "compose/Dockerfile.cuda"
     for name in DRAIN_SERVICES:
         [device] = cuda[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        variable = f"RADIXSERVE_{name.upper()}_TP"
+        tp = sizes.get(variable, "1")
+        assert str(device["count"]) == tp and cuda[name]["environment"][variable] == tp
     base = compose_services()
     assert {base[n]["build"]["dockerfile"] for n in RADIXSERVE_SERVICES} == {"compose/Dockerfile"}
 
@@ -484,6 +494,25 @@ def test_overlays_run_the_model_they_say() -> None:
                        if m["name"] == volume["name"]]  # fmt: skip
             assert env["RADIXSERVE_MODEL"].startswith(mount["mountPath"] + "/")
         assert env["RADIXSERVE_DEVICE"] == "cuda"
+
+
+def test_gpu_overlay_sizes_each_pool_from_its_tensor_parallel_setting(tmp_path) -> None:
+    """tensor-parallel.yaml's one value per pool is its pods' GPUs and RADIXSERVE_TP (and
+    stays out of what is applied)."""
+    shutil.copytree(COMPOSE / "k8s", tmp_path / "k8s")
+    sizes = tmp_path / "k8s" / "overlays" / "gpu" / "tensor-parallel.yaml"
+    sizes.write_text(sizes.read_text().replace('prefill: "1"', 'prefill: "2"')
+                     .replace('decode: "1"', 'decode: "4"'))  # fmt: skip
+    out = subprocess.run([kubectl(), "kustomize", str(tmp_path / "k8s" / "overlays" / "gpu")],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    assert "radixserve-tensor-parallel" not in objects_of(objects, "ConfigMap")
+    deployments = {component(d): d for d in objects_of(objects, "Deployment").values()}
+    for name, tp in (("prefill", 2), ("decode", 4)):
+        c = container(deployments[name])
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == tp
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert pod_env(objects, deployments[name])["RADIXSERVE_TP"] == str(tp)
 
 
 def test_interpolation_follows_compose() -> None:

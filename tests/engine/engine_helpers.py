@@ -23,12 +23,14 @@ TINY = "tiny"
 
 
 @functools.cache
-def tiny_checkpoint(num_heads: int = 4, num_kv_heads: int = 2) -> Checkpoint:
+def tiny_checkpoint(
+    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128
+) -> Checkpoint:
     """Two layers of random weights, the default model's tokenizer; 4 query and 2 KV
     heads unless asked for others (the tensor-parallel tests split 8 and 4)."""
     real = load_checkpoint("default", progress=False)  # config and tokenizer; no weights read
     config = dataclasses.replace(
-        real.config, name="tiny-smollm2", hidden_size=64, intermediate_size=128,
+        real.config, name="tiny-smollm2", hidden_size=64, intermediate_size=intermediate_size,
         num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16,
         tie_word_embeddings=False,
     )  # fmt: skip

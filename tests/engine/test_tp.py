@@ -245,15 +245,3 @@ def test_the_ranks_of_a_killed_engine_exit(tiny_model):
         for pid in ranks:
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def test_cluster_workers_refuse_tensor_parallelism_by_name(monkeypatch):
-    """Until their KV transfers and host tier move every rank's heads, a prefill or decode
-    worker asked for TP > 1 stops at start, saying so (before loading anything)."""
-    from radixserve.runtime.worker import run_worker
-    from radixserve.services.prefill import PrefillSettings, PrefillWorker
-
-    monkeypatch.setenv("RADIXSERVE_TP", "2")
-    with pytest.raises(SystemExit) as stop:
-        run_worker(PrefillWorker, PrefillSettings())
-    assert "RADIXSERVE_TP=2 is not supported by prefill and decode workers" in str(stop.value)

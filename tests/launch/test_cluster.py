@@ -92,10 +92,27 @@ def test_join_command_carries_what_a_worker_must_share():
     assert f"RADIXSERVE_CORE_BOARD=/tmp/board RADIXSERVE_NUM_THREADS={os.cpu_count()} " in line
 
 
+def test_each_pool_has_its_tensor_parallel_size_and_a_replica_is_a_worker(monkeypatch):
+    """--prefill-tp / --decode-tp: every worker of the pool gets its pool's size (its own
+    setting, which its process builds its engine with); the pools still count workers
+    (replicas), whatever their ranks, and the threads per rank share the cores."""
+    config = ClusterConfig(num_prefill=1, num_decode=2, prefill_tp=2, decode_tp=1)
+    envs = {s.name: dict(s.env) for s in cluster_specs(config)}
+    assert [n for n in envs if n.startswith(("prefill", "decode"))] == [
+        "prefill-0", "decode-0", "decode-1"]  # fmt: skip
+    assert _settings_of(envs["prefill-0"], PrefillSettings, monkeypatch).tp == 2
+    assert _settings_of(envs["decode-0"], DecodeSettings, monkeypatch).tp is None
+    assert envs["decode-0"]["RADIXSERVE_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 4))
+    assert join_command(config, "tcp://127.0.0.1:5000").endswith("prefill --join "
+                                                                 "tcp://127.0.0.1:5000 --tp 2")  # fmt: skip
+    assert "--tp" not in join_command(config, "tcp://127.0.0.1:5000", "decode")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"num_decode": 0}, "at least one decode worker"),
+        ({"decode_tp": 0}, "--prefill-tp and --decode-tp must be 1 or more"),
         ({"num_prefill": -1}, "--prefill"),
         ({"transport": "tcp"}, "--transport"),
         ({"autoscale": True, "kvstore": False}, "--autoscale needs the kvstore"),

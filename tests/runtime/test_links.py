@@ -1,6 +1,6 @@
 """A link set given a page geometry refuses a worker whose pages differ (another page
-size, another page-hash namespace, another pool layout): their page hashes or bytes
-would not match ours. It logs why once and takes the worker back once it is fixed."""
+size, another page-hash namespace, another pool layout, a tensor-parallel size pages
+cannot move to or from): their page hashes or bytes would not match ours. It logs why once and takes the worker back once it is fixed."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ NS = b"n" * 32
 ME = LinkIdentity("gw", "gateway", 1, interval_s=1.0, peer_timeout_s=5.0)
 
 
-def ack(generation: int, page_size: int = 16, namespace: bytes = NS, pool: str = "") -> HelloAck:
+def ack(
+    generation: int, page_size: int = 16, namespace: bytes = NS, pool: str = "mine", tp: int = 1
+) -> HelloAck:
     return HelloAck("d0", "decode", generation, page_size=page_size, hash_namespace=namespace,
-                    pool_digest=pool)  # fmt: skip
+                    pool_digest=pool, tp_size=tp)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -27,6 +29,7 @@ def ack(generation: int, page_size: int = 16, namespace: bytes = NS, pool: str =
         (ack(1, page_size=32), "32 tokens"),
         (ack(1, namespace=b"o" * 32), "namespace"),
         (ack(1, pool="other"), "layout"),
+        (ack(1, tp=3), "this side is TP=2, the peer TP=3"),
     ],
 )
 def test_a_worker_with_other_pages_is_refused(
@@ -36,7 +39,7 @@ def test_a_worker_with_other_pages_is_refused(
     ups: list[str] = []
     links = LinkSet(
         context, ["tcp://127.0.0.1:9"], ME, on_message=lambda link, msg: None,
-        on_up=lambda link: ups.append(link.name), pages=PageGeometry(16, NS, "mine"),
+        on_up=lambda link: ups.append(link.name), pages=PageGeometry(16, NS, "mine", 2),
     )  # fmt: skip
     [link] = links.links
     try:
@@ -46,7 +49,7 @@ def test_a_worker_with_other_pages_is_refused(
         assert not link.up and ups == []
         [record] = caplog.records  # logged once, not at every hello
         assert why in record.getMessage()
-        links._acked(link, ack(2, pool="mine"))  # restarted, fixed
+        links._acked(link, ack(2, tp=4))  # restarted, fixed (TP=4 pages move to TP=2)
         assert link.up and ups == ["d0"]
         # and restarted again with the wrong pages: down at once
         links._acked(link, ack(3, page_size=8))
