@@ -23,9 +23,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama / Mistral / Qwen2 / SmolLM2 decoder."""
+    """Shape and hyper-parameters of a Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 decoder."""
 
-    architecture: str  # "llama", "mistral", "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

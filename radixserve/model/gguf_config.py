@@ -19,7 +19,7 @@ from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> RopeScaling | None:
@@ -97,6 +97,7 @@ def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: To
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(meta, arch, reader, head_dim, theta),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,

@@ -4,7 +4,7 @@ Weights are memory-mapped by `GGUFFile` and dequantised one tensor at a time
 (`gguf.quants.dequantize`) under Hugging Face Llama names. llama.cpp's converter
 permutes the rows of Q and K (and their biases) for llama-arch models from Hugging
 Face's rotate-half layout to interleaved pairs; `_unpermute_rows` undoes that, so the
-weights work with rotate-half RoPE. qwen2-arch files are stored unpermuted.
+weights work with rotate-half RoPE. qwen2- and qwen3-arch files are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")

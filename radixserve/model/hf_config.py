@@ -1,7 +1,8 @@
 """A Hugging Face model directory's config.json and tokenizer files (no weights, no torch:
 the gateway reads these alone).
 
-Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM. RoPE
+Supported architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM. RoPE
 parameters are read from either the transformers 4 layout (`rope_theta` and
 `rope_scaling`) or the transformers 5 one (`rope_parameters`).
 """
@@ -25,6 +26,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -80,7 +82,18 @@ def parse_config(cfg: Mapping[str, Any], name: str, eos_extra: list[int]) -> Mod
         raise ModelLoadError("MLP biases (mlp_bias=true) are not supported")
     window = cfg.get("sliding_window")
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    if window and window < max_pos and (arch != "qwen2" or cfg.get("use_sliding_window")):
+    if arch == "qwen3" and cfg.get("use_sliding_window"):  # served wrong if ignored
+        raise ModelLoadError(f"use_sliding_window={cfg['use_sliding_window']!r} is not "
+                             "supported for Qwen3 (sliding-window attention)")  # fmt: skip
+    if (
+        window
+        and window < max_pos
+        and arch not in ("qwen2", "qwen3")
+        or arch == "qwen2"
+        and window
+        and window < max_pos
+        and cfg.get("use_sliding_window")
+    ):
         logger.warning("sliding_window=%s is ignored: attention is global", window)
     theta, scaling = _rope(cfg)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -98,6 +111,7 @@ def parse_config(cfg: Mapping[str, Any], name: str, eos_extra: list[int]) -> Mod
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id") if isinstance(cfg.get("bos_token_id"), int) else None,
         eos_token_ids=tuple(dict.fromkeys(_ids(cfg.get("eos_token_id")) + eos_extra)),

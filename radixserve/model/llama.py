@@ -67,6 +67,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = param(c.hidden_size)
         self.qkv = linear("qkv", self.q_size + 2 * self.kv_size, c.hidden_size)
         self.qkv_bias = param(self.q_size + 2 * self.kv_size) if c.attention_bias else None
+        self.q_norm = param(c.head_dim) if c.qk_norm else None  # per head, before RoPE
+        self.k_norm = param(c.head_dim) if c.qk_norm else None
         self.o_proj = linear("o_proj", c.hidden_size, self.q_size)
         self.post_norm = param(c.hidden_size)
         self.gate_up = linear("gate_up", 2 * tp.ff(c), c.hidden_size)
@@ -91,6 +93,9 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
+            k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(k)
         ops.rope(q, k, positions, rope.cos, rope.sin)  # in place
         o = attn.forward(q, k, v, caches[0], caches[1], meta)  # (T, H, D)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
@@ -272,6 +277,9 @@ def weight_layout(c: ModelConfig) -> dict[str, list[tuple[str, int, tuple[int, .
         out[key + "qkv"] = [(f"{p}self_attn.{n}_proj.weight", s, (r, h)) for n, s, r in attn]
         if c.attention_bias:
             out[key + "qkv_bias"] = [(f"{p}self_attn.{n}_proj.bias", s, (r,)) for n, s, r in attn]
+        if c.qk_norm:
+            out[key + "q_norm"] = [(f"{p}self_attn.q_norm.weight", 0, (c.head_dim,))]
+            out[key + "k_norm"] = [(f"{p}self_attn.k_norm.weight", 0, (c.head_dim,))]
         out[key + "o_proj"] = [(f"{p}self_attn.o_proj.weight", 0, (h, q))]
         out[key + "gate_up"] = [
             (f"{p}mlp.gate_proj.weight", 0, (ff, h)),

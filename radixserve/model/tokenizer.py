@@ -293,10 +293,13 @@ class Tokenizer:
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the chat template. The template writes
-        its own special tokens, so none are added on top (no second BOS)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (``kwargs``: extra
+        template variables). The template writes its own special tokens, so none are
+        added on top (no second BOS)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
     def __repr__(self) -> str:

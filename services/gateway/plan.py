@@ -153,7 +153,8 @@ def chat_plan(
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
-    ids = client.tokenizer.encode_chat(req.template_messages())  # InvalidRequestError if malformed
+    # InvalidRequestError if malformed
+    ids = client.tokenizer.encode_chat(req.template_messages(), **req.template_kwargs())
     room = _room(client, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(req.requested_max_tokens, default_max_tokens, room, param)

@@ -96,7 +96,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt))
+        text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt),
+                                             **req.template_kwargs())  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = tokenizer.encode(req.prompt or "", add_special_tokens=bool(req.add_special_tokens))

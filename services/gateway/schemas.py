@@ -178,7 +178,29 @@ class ChatMessage(_Body):
         return out
 
 
-class ChatCompletionRequest(GenerationRequest):
+#: template variables a request may not set: the ones the server passes itself
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+class TemplateKwargs(_Body):
+    """``chat_template_kwargs``: extra variables for the model's chat template (e.g.
+    Qwen3's ``enable_thinking``), as transformers' `apply_chat_template` takes them."""
+
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=16)] | None = Field(
+        None, description='Extra variables of the chat template, e.g. {"enable_thinking": false}.'
+    )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        given = self.chat_template_kwargs or {}
+        for name in given:
+            if not name.isidentifier() or name in _RESERVED_TEMPLATE_VARIABLES:
+                raise OpenAIError(400, f"chat_template_kwargs: {name!r} cannot be set (the "
+                                  "server sets it, or it is not a template variable name)",
+                                  "chat_template_kwargs")  # fmt: skip
+        return dict(given)
+
+
+class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
     """`POST /v1/chat/completions`. max_completion_tokens wins over max_tokens."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
@@ -213,7 +235,7 @@ class ChatCompletionRequest(GenerationRequest):
         return [m.to_template() for m in self.messages]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(TemplateKwargs):
     """`POST /tokenize` (vLLM's shape): a prompt, or messages through the chat template."""
 
     model: str | None = Field(None, max_length=256)

@@ -32,6 +32,8 @@ VARIANTS = {
     },
     "qwen2-qkv-bias": {"arch": "qwen2", "tie": False},
     "mistral": {"arch": "mistral", "tie": False},
+    # q/k norms per head; head_dim 32, not hidden / heads = 16
+    "qwen3-qk-norm": {"arch": "qwen3", "tie": False, "head_dim": 32},
 }
 
 

@@ -138,6 +138,11 @@ def test_tokenize_detokenize_version_openapi(http, refs, serve_app):
     assert t["max_model_len"] > 0
     chat = http.post("/tokenize", json={"messages": CHAT_MESSAGES}).json()
     assert chat["count"] == refs.chat.prompt_tokens
+    # template variables pass through (this model's template has no use for this one)
+    extra = {"messages": CHAT_MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post("/tokenize", json=extra).json()["tokens"] == chat["tokens"]
+    bad = http.post("/tokenize", json={**extra, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
     d = http.post("/detokenize", json={"tokens": refs.completion_prompt_ids}).json()
     assert d["prompt"] == COMPLETION_PROMPT
     assert http.post("/detokenize", json={"tokens": [10**8]}).status_code == 400

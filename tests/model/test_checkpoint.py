@@ -249,6 +249,7 @@ GGUF_VARIANTS = {
     "llama-tied-f16": {"arch": "llama", "tie": True, "f16": True},
     "llama-llama3": {"arch": "llama", "tie": False, "rope_scaling": LLAMA31},
     "qwen2-linear": {"arch": "qwen2", "tie": False, "rope_scaling": LINEAR},
+    "qwen3": {"arch": "qwen3", "tie": False, "head_dim": 32},
 }
 
 
@@ -265,9 +266,11 @@ def test_tiny_gguf_round_trips(tmp_path, variant):
         512,
         2,
     )
-    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (4, 2, 16, 128)
+    head_dim = kwargs.get("head_dim", 16)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (4, 2, head_dim, 128)
     assert c.tie_word_embeddings == kwargs["tie"]
     assert c.attention_bias == (kwargs["arch"] == "qwen2")
+    assert c.qk_norm == (kwargs["arch"] == "qwen3")
     assert (
         c.rope_scaling
         == {

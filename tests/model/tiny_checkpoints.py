@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints (safetensors + tokenizer.json) for fast tests.
 
-`write_tiny_checkpoint` saves a small random Llama / Qwen2 / Mistral causal LM with
+`write_tiny_checkpoint` saves a small random Llama / Qwen2 / Qwen3 / Mistral causal LM with
 `transformers` and a matching small byte-level BPE tokenizer (trained in code on a fixed
 corpus, so it is deterministic) whose ids 0, 1, 2 are `<|endoftext|>`, `<|im_start|>`
 (bos) and `<|im_end|>` (eos), and a ChatML chat template. `write_tiny_gguf` writes the
@@ -42,6 +42,7 @@ _ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
 
@@ -159,6 +160,8 @@ _GGUF_BLOCK = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -210,15 +213,17 @@ def write_tiny_gguf(
     seed: int = 0,
     f16: bool = False,
     quant: str | None = None,
+    **config_overrides: Any,
 ) -> Path:
     """Write the `build_tiny_model` weights (same arguments) as a llama.cpp-style GGUF.
 
-    `arch` is "llama" (Q/K rows permuted as llama.cpp does) or "qwen2" (not permuted).
+    `arch` is "llama" (Q/K rows permuted as llama.cpp does), "qwen2" or "qwen3" (not
+    permuted; Qwen3's q/k norms as `attn_q_norm`/`attn_k_norm`).
     Linear RoPE scaling goes in metadata; llama3 scaling as a `rope_freqs` tensor. With
     `f16` the 2-D weights are stored as F16 (norms and biases stay F32); with `quant`
     ("Q4_0", "Q4_1", "Q8_0") they are quantized by gguf's own quantizer.
     """
-    model = build_tiny_model(arch, tie, rope_scaling, vocab_size, seed)
+    model = build_tiny_model(arch, tie, rope_scaling, vocab_size, seed, **config_overrides)
     cfg = model.config
     tokenizer = build_tiny_tokenizer(vocab_size)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -234,7 +239,9 @@ def write_tiny_gguf(
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
