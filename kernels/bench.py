@@ -14,6 +14,7 @@ them, end to end, in the same run).
    dense one).
 3. Tensor parallelism (`bench_tp.py`), with two GPUs or more: all-reduce bus bandwidth
    against the GPU-to-GPU copy rate; on one GPU a row saying it was skipped.
+4. Fused MoE (`bench_moe.py`) against its reference at a Qwen3-30B-A3B-like layer.
 
 Prints one table and the targets; writes JSON. `--dry-run` runs the same code at tiny
 shapes on CPU (torch kernels and the Triton interpreter) so that it cannot rot; its
@@ -52,21 +53,15 @@ class Shapes:
     page_size: int = 16
     copy_mib: int = 2048
     matmul_n: int = 8192
-    decode: tuple[tuple[int, int], ...] = (
-        (1, 1024),
-        (1, 32768),
-        (32, 4096),
-        (32, 32768),
-        (128, 4096),
-        (256, 1024),
-    )  # (batch, context)
+    decode: tuple[tuple[int, int], ...] = ((1, 1024), (1, 32768), (32, 4096), (32, 32768),
+                                           (128, 4096), (256, 1024))  # fmt: skip
     extend: tuple[tuple[int, int, int], ...] = (
         (1, 0, 4096),
         (1, 4096, 32),
         (1, 32768, 32),
         (8, 0, 1024),
         (1, 16384, 512),
-    )  # (B, prefix, new)
+    )  # (B, prefix, new); decode: (batch, context)
     tokens: tuple[int, ...] = (256, 4096)  # elementwise ops
     linear_rows: tuple[int, ...] = (1, 32, 256, 4096)  # fp8 vs dense projections
     pack_pages: int = 256
@@ -91,8 +86,7 @@ DRY = Shapes(
     (2, 21, 5)), tokens=(8,), pack_pages=4, kv_cache_gib=0.01, max_model_len=512,
     batched_tokens=256, prefill=(2, 48), ttft_contexts=(64, 128), delta=8,
     decode_batches=(1, 4), decode_prompt=16, decode_steps=3, graph_max_batch=4, budget_s=120.0,
-    tp_layers=2,
-    linear_rows=(1, 5),
+    tp_layers=2, linear_rows=(1, 5),
 )  # fmt: skip
 
 
@@ -382,6 +376,9 @@ def bench_kernels(run: Run, ops, ref) -> None:
     jobs += [partial(elementwise_cases, run, ops, ref, t) for t in s.tokens]
     jobs.append(partial(page_cases, run, ops, ref))
     jobs += [partial(linear_cases, run, rows) for rows in s.linear_rows]
+    from radixserve.kernels.bench_moe import moe_cases
+
+    jobs.append(lambda: [Case(**fields) for fields in moe_cases(run, ops, ref)])
     for job in jobs:
         guarded(run, "kernel case", partial(_measure_all, run, job))
         if run.device.type == "cuda":

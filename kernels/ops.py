@@ -34,6 +34,7 @@ class KernelOps:
     rmsnorm: Callable[..., Any]
     rope: Callable[..., None]
     silu_and_mul: Callable[..., Any]
+    fused_moe: Callable[..., Any]  # a mixture-of-experts MLP over routed tokens
 
 
 def load_ops(name: str) -> KernelOps:

@@ -3,6 +3,7 @@
 from radixserve.kernels.ops import KernelOps
 from radixserve.kernels.reference.decode_attention import decode_attention
 from radixserve.kernels.reference.extend_attention import extend_attention
+from radixserve.kernels.reference.fused_moe import fused_moe
 from radixserve.kernels.reference.pack_pages import pack_pages, unpack_pages
 from radixserve.kernels.reference.rmsnorm import rmsnorm
 from radixserve.kernels.reference.rope import rope
@@ -19,6 +20,7 @@ OPS = KernelOps(
     rmsnorm=rmsnorm,
     rope=rope,
     silu_and_mul=silu_and_mul,
+    fused_moe=fused_moe,
 )
 
 __all__ = ["OPS"]

@@ -9,6 +9,7 @@ from radixserve.kernels.ops import KernelOps
 from radixserve.kernels.triton.checks import INTERPRETED
 from radixserve.kernels.triton.decode_attention import decode_attention
 from radixserve.kernels.triton.extend_attention import extend_attention
+from radixserve.kernels.triton.fused_moe import fused_moe
 from radixserve.kernels.triton.pack_pages import pack_pages, unpack_pages
 from radixserve.kernels.triton.rmsnorm import rmsnorm
 from radixserve.kernels.triton.rope import rope
@@ -25,6 +26,7 @@ OPS = KernelOps(
     rmsnorm=rmsnorm,
     rope=rope,
     silu_and_mul=silu_and_mul,
+    fused_moe=fused_moe,
 )
 
 __all__ = ["INTERPRETED", "OPS"]

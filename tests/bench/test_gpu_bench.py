@@ -25,7 +25,7 @@ def test_dry_run_covers_every_section(tmp_path):
     rows = result["rows"]
     sections = {r["section"] for r in rows}
     ops = {"decode_attention", "extend_attention", "rmsnorm+residual", "rope", "silu_and_mul",
-           "store_kv", "pack_pages", "unpack_pages", "fp8_linear"}  # fmt: skip
+           "store_kv", "pack_pages", "unpack_pages", "fp8_linear", "fused_moe"}  # fmt: skip
     assert ops <= sections and "engine" in sections and "error" not in sections
     for r in rows:
         if r["section"] in ops:
