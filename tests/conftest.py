@@ -1,12 +1,37 @@
 """Set-up that must come before any test module is imported.
 
+Hugging Face's `kernels` package (a dependency of transformers >= 5.25, which imports it)
+first: this checkout's top-level `kernels/` folder (installed as `radixserve.kernels`)
+is on the path of the test process, ahead of site-packages, and would be found in its
+place (`_import_hf_kernels`).
+
 The Triton kernels' tests need triton imported in the interpreter mode on CPU, and
 transformers imports triton as a side effect: see `tests/kernels/interpreter.py`.
 """
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.kernels.interpreter import import_kernels
+
+def _import_hf_kernels() -> None:
+    """Import the installed `kernels` distribution, if there is one, with this checkout
+    off the path, so that later `import kernels` get it and not the folder."""
+    root = Path(__file__).resolve().parent.parent
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        if importlib.util.find_spec("kernels") is not None:
+            importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+_import_hf_kernels()
+
+from tests.kernels.interpreter import import_kernels  # noqa: E402
 
 import_kernels()
 
