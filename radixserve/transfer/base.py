@@ -107,18 +107,21 @@ def peer_compat(metadata: bytes, keys: ClusterKeys | None = None) -> PoolCompat:
         raise TransferError(f"malformed transfer metadata: {exc}") from None
 
 
-class EventLoopWaits:
+class EventLoopWaits(ABC):
     """An agent's asyncio loops, over its own `poll`, `remove_peer` and `serve_reads` (a
     `KVTransferAgent`'s, or a tensor-parallel worker's `GroupAgent`'s)."""
 
+    @abstractmethod
     def poll(self, handle: Any) -> TransferState:
-        raise NotImplementedError
+        """Non-blocking: "pending", "done" or "failed"."""
 
+    @abstractmethod
     def remove_peer(self, name: str) -> None:
-        raise NotImplementedError
+        """Forget peer ``name``; its pending transfers fail."""
 
+    @abstractmethod
     def serve_reads(self) -> None:
-        raise NotImplementedError
+        """Drive our side of peers' reads of our pages."""
 
     async def wait_async(self, handle: Any, period_s: float = 0.0005) -> TransferState:
         """Poll ``handle`` from an event loop until it is done or failed; its final state.
@@ -154,7 +157,7 @@ class EventLoopWaits:
                 after()
 
 
-class KVTransferAgent(EventLoopWaits, ABC):
+class KVTransferAgent(EventLoopWaits):
     """Moves whole KV pages between this process's pool and peers' pools."""
 
     backend_name: ClassVar[str]
