@@ -320,14 +320,6 @@ class GroupAgent(EventLoopWaits):
                 self._forget(peer)
         logger.warning("KV transfer from %r failed: %s", handle.peer, error)
 
-    def wait(self, handle: GroupHandle) -> None:
-        """Block until ``handle`` is done; TransferError if it failed."""
-        while self.poll(handle) == "pending":
-            self.local.serve_reads()
-            time.sleep(0.0005)
-        if handle.state == "failed":
-            raise TransferError(handle.error or "transfer failed")
-
     def serve_reads(self) -> None:
         """Drive every rank's side of peers' reads of our pages."""
         self.local.serve_reads()

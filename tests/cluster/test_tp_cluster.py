@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from radixserve.bench.chaos_faults import rank_pids
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
@@ -40,13 +40,6 @@ def tp_cluster(tiny_model: str) -> Iterator[TestCluster]:
     )  # fmt: skip
     yield cluster
     cluster.stop()
-
-
-def rank_pids(worker_pid: int) -> list[int]:
-    """The tensor-parallel rank processes ``worker_pid`` started."""
-    out = subprocess.run(["pgrep", "-P", str(worker_pid), "-f", "radixserve.engine.tp_rank"],
-                         capture_output=True, text=True, check=False)  # fmt: skip
-    return [int(pid) for pid in out.stdout.split()]
 
 
 def counter(cluster: TestCluster, worker: str, key: str) -> float:
