@@ -9,8 +9,10 @@ Layout::
     k_cache, v_cache (num_pages, page_size, H_kv, D), one layer of the pool
 
 The new tokens' own K/V are already in the pages (`store_kv` runs first). Query i of b, at
-position prefix_lens[b] + i, sees keys 0..prefix_lens[b] + i (causal, bottom-right). H is
-a multiple of H_kv (grouped-query attention: q head h reads kv head h // (H // H_kv)).
+position p = prefix_lens[b] + i, sees keys 0..p (causal, bottom-right); with a sliding
+`window` w > 0 only keys p - w < j <= p, its last w positions itself included (0: all).
+Scores are q k^T * `scale` (None: 1 / sqrt(D)). H is a multiple of H_kv (grouped-query
+attention: q head h reads kv head h // (H // H_kv)).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     page_table: torch.Tensor,
     max_query_len: int,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """(T, H, D) attention output; `max_query_len` (the longest b's new tokens) sizes a
     kernel's grid and does not change the result."""
@@ -41,22 +45,40 @@ def extend_attention(
     for b, prefix in enumerate(prefix_lens.tolist()):
         s, e = starts[b], starts[b + 1]
         seq_len = prefix + e - s
-        pages = page_table[b, : -(-seq_len // page_size)]
-        k = gather_tokens(k_cache, pages, seq_len)  # (S, H_kv, D)
-        v = gather_tokens(v_cache, pages, seq_len)
-        parts.append(_causal_sdpa(q[s:e], k, v, prefix))
+        # pages wholly before the first query's window are not read
+        first = max(0, prefix - window + 1) // page_size if window else 0
+        pages = page_table[b, first : -(-seq_len // page_size)]
+        key_start = first * page_size
+        k = gather_tokens(k_cache, pages, seq_len - key_start)  # (S, H_kv, D)
+        v = gather_tokens(v_cache, pages, seq_len - key_start)
+        parts.append(_causal_sdpa(q[s:e], k, v, prefix, key_start, window, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+def _causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    key_start: int,
+    window: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """q (n, H, D) at positions prefix.., over k, v (S, H_kv, D) at positions key_start.."""
     # The batch dimension matters on CPU: 3-D inputs take the unfused math path, ~5x slower.
     q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if prefix == 0:  # square causal mask: SDPA's fused (flash) path
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    n = q.shape[0]
+    if prefix == 0 and (window == 0 or window >= n):  # square causal mask: SDPA's flash path
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
-        n = q.shape[0]
-        key_pos = torch.arange(prefix + n, device=q.device)
-        query_pos = torch.arange(prefix, prefix + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # (n, prefix + n)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+        key_pos = torch.arange(key_start, prefix + n, device=q.device)
+        query_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
+        mask = key_pos <= query_pos  # (n, S)
+        if window:
+            mask &= key_pos > query_pos - window
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1)  # (n, H, D)

@@ -19,6 +19,8 @@ Accumulates in float32 and rounds once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -31,22 +33,40 @@ def fused_moe(
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
     """(T, H): the experts' outputs of each token, weighted and summed."""
-    tokens, top_k = topk_ids.shape
     inter = w_down.shape[2]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = rows @ w_gate_up[e].T  # (n, 2 I)
+        act = F.silu(h[:, :inter].float()) * h[:, inter:].float()
+        return act.to(x.dtype) @ w_down[e].T  # (n, H)
+
+    return by_expert(x, topk_ids, topk_weights, w_gate_up.shape[0], expert)
+
+
+def by_expert(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """(T, H): sum over k of topk_weights[t, k] * expert(topk_ids[t, k], x_t), with one
+    call of ``expert(e, rows)`` per expert that has tokens (rows: its tokens of x, in
+    token order), the weighted outputs added in expert order in float32, rounded once.
+    Also the shape of a layer whose experts are quantized `Linear`s."""
+    top_k = topk_ids.shape[1]
     flat = topk_ids.flatten()
     order = torch.argsort(flat, stable=True)  # (T K,) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     weights = topk_weights.flatten()[order].float()
     rows = order // top_k  # each pair's token
-    out = torch.zeros((tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
     start = 0
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if not count:
             continue
         pick = slice(start, start + count)
-        h = x[rows[pick]] @ w_gate_up[expert].T  # (n, 2 I)
-        act = F.silu(h[:, :inter].float()) * h[:, inter:].float()
-        y = act.to(x.dtype) @ w_down[expert].T  # (n, H)
+        y = expert(e, x[rows[pick]])
         out.index_add_(0, rows[pick], y.float() * weights[pick, None])
         start += count
     return out.to(x.dtype)

@@ -4,13 +4,15 @@ Layout as `radixserve.kernels.reference.decode_attention`: q (B, H, D); page_tab
 seq_lens (B,), 0 for a padding row (output 0); caches (num_pages, page_size, H_kv, D).
 
 Stage 1, program (b, kv_head, split): the q heads sharing that kv head (a GQA group,
-padded to 16 rows for tl.dot) attend to the split's share of b's tokens, ceil(seq_len /
-num_splits) of them, each found through the page table; it writes the partial output and
-its log-sum-exp (log2 domain) to float32 scratch. Stage 2, program (b, head): merges the
-splits, weighting each by exp2(lse - max lse). Splitting lets one long context use the
-whole GPU; the grid depends only on B and num_splits, never on lengths, so it can be
-captured in a CUDA graph; num_splits is a run-time argument, so changing it does not
-compile a new kernel (the merge's block is its next power of two).
+padded to 16 rows for tl.dot) attend to the split's share of the n tokens b's query sees,
+ceil(n / num_splits) of them, each found through the page table (n = seq_len; with a
+sliding window w, the last min(w, seq_len): the splits divide the window alone and no key
+before it is loaded); it writes the partial output and its log-sum-exp (log2 domain) to
+float32 scratch. Stage 2, program (b, head): merges the splits, weighting each by
+exp2(lse - max lse). Splitting lets one long context use the whole GPU; the grid depends
+only on B and num_splits, never on lengths, so it can be captured in a CUDA graph;
+num_splits and the window are run-time arguments, so changing them does not compile a
+new kernel (the merge's block is num_splits' next power of two).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    stride_qb, stride_qh, stride_table, qk_scale, num_splits,
+    stride_qb, stride_qh, stride_table, qk_scale, num_splits, window,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
@@ -40,9 +42,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, num_splits)
-    start = (split * split_len).to(tl.int32)  # 32-bit loop bounds
-    end = tl.minimum(split * split_len + split_len, seq_len).to(tl.int32)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first key it sees
+    split_len = tl.cdiv(seq_len - first, num_splits)
+    start = (first + split * split_len).to(tl.int32)  # 32-bit loop bounds
+    end = tl.minimum(first + split * split_len + split_len, seq_len).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP
@@ -64,6 +67,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_block(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_mask,
             n_mask[None, :], offs_d, d_mask, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+            False,
         )  # fmt: skip
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -113,8 +117,11 @@ def decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     num_splits: int | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """(B, H, D) attention of each sequence's one query over tokens 0..seq_lens[b] - 1."""
+    """(B, H, D) attention of each sequence's one query over tokens 0..seq_lens[b] - 1, or
+    its last `window` of them."""
     op = "decode_attention"
     page_size, kv_heads = check_attention(op, q, k_cache, v_cache)
     batch, heads, dim = q.shape
@@ -123,6 +130,8 @@ def decode_attention(
     splits = num_splits if num_splits is not None else 8
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"{op}: num_splits {splits} is outside [1, {MAX_SPLITS}]")
+    if window < 0:
+        raise ValueError(f"{op}: window {window} is negative (0 means none)")
     out = torch.empty_like(q)  # (B, H, D)
     if batch == 0:
         return out
@@ -132,7 +141,8 @@ def decode_attention(
     block_d = block(dim, least=16)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
-        q.stride(0), q.stride(1), page_table.stride(0), _LOG2E / math.sqrt(dim), splits,
+        q.stride(0), q.stride(1), page_table.stride(0),
+        _LOG2E * (scale if scale is not None else 1 / math.sqrt(dim)), splits, window,
         GROUP=group, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE_SIZE=page_size,
         BLOCK_H=block(group, least=16), BLOCK_N=64, BLOCK_D=block_d,
         DOT_F32=dot_in_f32(q.dtype),

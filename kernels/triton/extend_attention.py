@@ -6,7 +6,11 @@ Layout as `radixserve.kernels.reference.extend_attention`: q (T, H, D); cu_seqle
 Program (m, b, h) takes BLOCK_M new tokens of sequence b and q head h and walks b's keys
 0 .. min(seq_len, prefix + (m + 1) * BLOCK_M) in BLOCK_N steps, finding each key's slot
 through the page table (page_table[b, j // page_size] * page_size + j % page_size), with
-an online softmax in float32. Nothing past a sequence's length is ever loaded.
+an online softmax in float32. Nothing past a sequence's length is ever loaded. With a
+sliding window w > 0 (query p sees keys p - w < j <= p) the walk starts at the BLOCK_N
+boundary at or below the block's first query's window: blocks wholly before it are not
+loaded, and keys before a row's window are masked. Window 0 compiles the kernel without
+any of that (SLIDING is a compile-time switch).
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_ptr, prefix_ptr, table_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, qk_scale, window,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     m_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -59,20 +63,41 @@ def _extend_kernel(
     # keys before the block's first query position are visible to all its rows: no
     # causal test there; the rest, up to `end`, is masked per row
     full = tl.minimum(prefix + m_block * BLOCK_M, end.to(tl.int64)).to(tl.int32)
-    for start in range(0, full, BLOCK_N):
+    if SLIDING:
+        # [lo, mid): from the BLOCK_N boundary below the first row's window start to the
+        # last row's (keys from there on are in every row's window), masked per row; a row
+        # may see none of a block here, hence EMPTY_ROWS
+        lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        mid = tl.minimum(tl.maximum(end - window, lo.to(tl.int32)), full)
+        for start in range(lo.to(tl.int32), mid, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < mid
+            visible = n_mask[None, :] & (offs_n[None, :] > query_pos[:, None] - window)
+            m_i, l_i, acc = attend_block(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_mask,
+                visible, offs_d, d_mask, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+                True,
+            )  # fmt: skip
+    else:
+        mid = 0
+    for start in range(mid, full, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < full
         m_i, l_i, acc = attend_block(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_mask,
             n_mask[None, :], offs_d, d_mask, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+            False,
         )  # fmt: skip
     for start in range(full, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         visible = n_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
+        if SLIDING:
+            visible &= offs_n[None, :] > query_pos[:, None] - window
         m_i, l_i, acc = attend_block(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_n, n_mask,
             visible, offs_d, d_mask, qk_scale, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_F32,
+            SLIDING,
         )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -89,6 +114,8 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     page_table: torch.Tensor,
     max_query_len: int,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """(T, H, D) attention output; `max_query_len` bounds the grid (no device sync)."""
     op = "extend_attention"
@@ -98,6 +125,8 @@ def extend_attention(
     batch = prefix_lens.shape[0]
     check_index(op, "cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     check_index(op, "page_table", page_table, (batch, None))
+    if window < 0:
+        raise ValueError(f"{op}: window {window} is negative (0 means none)")
     out = torch.empty_like(q)  # (T, H, D)
     if tokens == 0 or batch == 0 or max_query_len < 1:
         return out
@@ -108,9 +137,9 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, prefix_lens, page_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        _LOG2E / math.sqrt(dim),
+        _LOG2E * (scale if scale is not None else 1 / math.sqrt(dim)), window,
         GROUP=heads // kv_heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block(dim, least=16),
-        DOT_F32=dot_in_f32(q.dtype), num_warps=8 if block_m == 128 else 4,
+        DOT_F32=dot_in_f32(q.dtype), SLIDING=window > 0, num_warps=8 if block_m == 128 else 4,
     )  # fmt: skip
     return out

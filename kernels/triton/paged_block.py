@@ -19,11 +19,13 @@ def attend_block(
     q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, offs_n, n_mask,
     visible, offs_d, d_mask, qk_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, EMPTY_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Fold keys `offs_n` (BLOCK_N,) into the rows of q (BLOCK_M, BLOCK_D). Only keys in
     `n_mask` are loaded; `visible` (broadcast to BLOCK_M x BLOCK_N) says which query sees
-    which of them, and every row must see at least one key of its first block."""
+    which of them. Without EMPTY_ROWS every row must see at least one key of its first
+    block; with it a row may see none of a block before its first visible key (a sliding
+    window's start), at the cost of a guard on the running maximum."""
     page = tl.load(table_row_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0)
     slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
     kv_off = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + offs_d[None, :]
@@ -34,8 +36,11 @@ def attend_block(
     qk = _dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N)
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_sub = m_new
+    if EMPTY_ROWS:  # a row that has seen no key: -inf - -inf would be NaN, subtract 0
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     if DOT_F32:

@@ -42,7 +42,9 @@ class AttentionBackend:
 
     Contract: `forward` first stores k/v at `meta.slot_mapping` in the caches, then returns
     (T, H, D) where each token attends causally to its sequence's earlier tokens (from the
-    cache) and to itself. It touches no cache slot outside slot_mapping.
+    cache) and to itself; with a sliding `window` w > 0 only to its last w positions,
+    itself included (a local layer). Scores are q k^T * `scale` (None: 1 / sqrt(D)). It
+    touches no cache slot outside slot_mapping.
     """
 
     name: ClassVar[str]
@@ -62,6 +64,8 @@ class AttentionBackend:
         k_cache: torch.Tensor,  # (num_pages, page_size, H_kv, D)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int = 0,
+        scale: float | None = None,
     ) -> torch.Tensor:
         ops = self.ops
         ops.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
@@ -77,13 +81,24 @@ class AttentionBackend:
                     meta.prefix_lens[:e],
                     meta.page_table[:e],
                     meta.max_query_len,
+                    window=window,
+                    scale=scale,
                 )  # fmt: skip
             )
         if et < q.shape[0]:
-            splits = self.num_splits(q.shape[0] - et, k_cache.shape[2], meta.max_seq_len)
+            # a local layer's query sees at most `window` keys: split that many, not more
+            reach = min(meta.max_seq_len, window) if window else meta.max_seq_len
+            splits = self.num_splits(q.shape[0] - et, k_cache.shape[2], reach)
             parts.append(
                 ops.decode_attention(
-                    q[et:], k_cache, v_cache, meta.page_table[e:], meta.seq_lens[e:], splits
+                    q[et:],
+                    k_cache,
+                    v_cache,
+                    meta.page_table[e:],
+                    meta.seq_lens[e:],
+                    splits,
+                    window=window,
+                    scale=scale,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

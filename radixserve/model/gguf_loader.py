@@ -2,9 +2,16 @@
 
 Weights are memory-mapped by `GGUFFile` and dequantised one tensor at a time
 (`gguf.quants.dequantize`) under Hugging Face Llama names. llama.cpp's converter
-permutes the rows of Q and K (and their biases) for llama-arch models from Hugging
-Face's rotate-half layout to interleaved pairs; `_unpermute_rows` undoes that, so the
-weights work with rotate-half RoPE. qwen2- and qwen3-arch files are stored unpermuted.
+permutes the rows of Q and K (and their biases) for llama-arch models (Mixtral
+included) from Hugging Face's rotate-half layout to interleaved pairs;
+`_unpermute_rows` undoes that, so the weights work with rotate-half RoPE. qwen2-, qwen3-
+and qwen3moe-arch files are stored unpermuted.
+
+A mixture-of-experts layer stores its experts stacked, one tensor per projection
+(``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: (E, rows, inputs)) and its router
+as ``ffn_gate_inp``; each expert's slice is served under its Hugging Face name
+(Mixtral's ``block_sparse_moe.experts.{e}.w1``, Qwen3-MoE's ``mlp.experts.{e}.gate_proj``)
+and read by itself, quantized blocks included.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from gguf.quants import dequantize
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_config import read_gguf
-from radixserve.model.gguf_file import GGUFFile
+from radixserve.model.gguf_file import GGUFFile, GGUFTensor
 from radixserve.model.quant import DIRECT_TYPES, QuantizedRows, RequantError, Scheme
 from radixserve.model.tokenizer import Tokenizer
 
@@ -44,20 +51,47 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# MoE tensors: GGUF part → (Mixtral's name, Qwen3-MoE's name) under the layer's block
+_EXPERT_NAMES = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
+                 "ffn_down_exps": ("w2", "down_proj")}  # fmt: skip
+# Gemma's norms around the attention and the MLP (its ffn_norm is the MLP's input norm)
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for tensors we do not use."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = {**_BLOCK_NAMES, **_GEMMA_NAMES} if architecture == "gemma3" else _BLOCK_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
         return None
     if (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
+
+
+def _moe_names(gguf_name: str, config: ModelConfig) -> list[str]:
+    """The Hugging Face names a MoE tensor serves: the router's one, or one per expert
+    of a stacked projection ([] for any other tensor)."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or not config.moe_layers:
+        return []
+    layer, part, _ = m.groups()
+    mixtral = config.architecture == "mixtral"
+    block = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    if part == "ffn_gate_inp":
+        return [f"{block}.gate.weight"]
+    if part not in _EXPERT_NAMES:
+        return []
+    proj = _EXPERT_NAMES[part][0 if mixtral else 1]
+    return [f"{block}.experts.{e}.{proj}.weight" for e in range(config.num_experts)]
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -72,7 +106,15 @@ class GGUFWeights:
     def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
         self._config = config
-        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
+        arch = config.architecture
+        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name, arch)) is not None}
+        self._expert: dict[str, int] = {}  # an expert's name → its index in its stack
+        for t in reader.tensors:
+            names = _moe_names(t.name, config)
+            for e, name in enumerate(names):
+                self._tensors[name] = t
+                if len(t.shape) == 3:
+                    self._expert[name] = e
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -84,7 +126,7 @@ class GGUFWeights:
     def _heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp permuted in `name`, or None."""
         cfg = self._config
-        if cfg.architecture == "llama":
+        if cfg.architecture in ("llama", "mixtral"):
             if ".self_attn.q_proj." in name:
                 return cfg.num_heads
             if ".self_attn.k_proj." in name:
@@ -93,9 +135,9 @@ class GGUFWeights:
 
     def read(self, name: str) -> torch.Tensor:
         """The float32 CPU tensor `name` in Hugging Face layout (KeyError if absent)."""
-        tensor = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        tensor, raw = self._raw(name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))[-raw.ndim :]  # an expert's 2
+        data = dequantize(raw, tensor.tensor_type).reshape(shape)
         if (heads := self._heads(name)) is not None:
             data = _unpermute_rows(data, heads)
         data = np.ascontiguousarray(data, dtype=np.float32)
@@ -106,17 +148,23 @@ class GGUFWeights:
     def read_quantized(self, name: str, scheme: Scheme, errors: RequantError) -> QuantizedRows:
         """The 2-D tensor `name` in `scheme`: Q4_0/Q4_1 as int4 and Q8_0 as int8 from
         their blocks; anything else dequantized and quantized (the error counted)."""
-        tensor = self._tensors[name]
+        tensor, raw = self._raw(name)
         kind = tensor.tensor_type.name
         k = int(tensor.shape[0])
         if DIRECT_TYPES.get(kind) != scheme:
             return errors.requantize(kind, self.read(name), scheme)
-        rows = read_direct(tensor.data, kind, k, errors)
+        rows = read_direct(raw, kind, k, errors)
         if (heads := self._heads(name)) is not None:
             n = rows.shape[0]
             index = torch.from_numpy(_unpermute_rows(np.arange(n), heads).copy())
             rows = rows.take_rows(index)
         return rows
+
+    def _raw(self, name: str) -> tuple[GGUFTensor, np.ndarray]:
+        """The tensor `name` is in, and its data (an expert's slice of a stack)."""
+        tensor = self._tensors[name]
+        e = self._expert.get(name)
+        return tensor, tensor.data if e is None else tensor.data[e]
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, GGUFWeights]:

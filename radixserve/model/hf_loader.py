@@ -20,10 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 class SafetensorsWeights:
-    """Lazy access to the tensors of a directory's `*.safetensors` files."""
+    """Lazy access to the tensors of a directory's `*.safetensors` files. With
+    ``norm_offset`` (Gemma, whose norms multiply by 1 + w) a norm's weight is read as
+    1 + w, in float32: the model's norms all multiply by their weight, as GGUF files of
+    Gemma store it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, norm_offset: bool = False) -> None:
         self.path = root
+        self._norm_offset = norm_offset
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{root} holds no *.safetensors files")
@@ -46,9 +50,12 @@ class SafetensorsWeights:
         """The tensor `name` as stored (KeyError if absent)."""
         file, handle = self._where[name]
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read tensor {name}: {exc}") from exc
+        if self._norm_offset and name.endswith("norm.weight"):
+            return tensor.float() + 1.0
+        return tensor
 
 
 def load_hf_dir(root: Path) -> tuple[ModelConfig, Tokenizer, SafetensorsWeights]:
@@ -59,7 +66,7 @@ def load_hf_dir(root: Path) -> tuple[ModelConfig, Tokenizer, SafetensorsWeights]
     """
     config, tokenizer, cfg = read_hf_dir(root)
     index = root / "model.safetensors.index.json"
-    weights = SafetensorsWeights(root)
+    weights = SafetensorsWeights(root, norm_offset=config.architecture == "gemma3")
     if "tie_word_embeddings" not in cfg and "lm_head.weight" not in weights.names():
         logger.warning("%s: no tie_word_embeddings and no lm_head.weight; tying them", root)
         config = dataclasses.replace(config, tie_word_embeddings=True)

@@ -1,4 +1,17 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV pool.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, the
+mixture-of-experts Qwen3-MoE and Mixtral: `radixserve.model.moe`, and Gemma 3) over a
+paged KV pool.
+
+Gemma 3 is this decoder with its options on (`ModelConfig`): a sliding window on five of
+six layers (their RoPE of another base), norms after the attention and after the MLP as
+well as before them, a GELU (tanh) gated MLP, embeddings scaled by sqrt(hidden), and a
+softmax scale of its own. Its norms multiply by (1 + w) in the checkpoint's terms; the
+loaders give the model 1 + w (GGUF files store it so already), so every norm here is
+the same op. The KV pool stores every position of every layer, sliding ones included:
+the window is applied by the attention kernels, which skip what lies before it, so the
+pages, the radix cache and the transfers are the same as for any model (a cached prefix
+longer than the window is simply read from the window on) at the memory cost of the
+positions a sliding layer no longer reads.
 
 Projections are fused at load time — q/k/v into one `qkv` matrix and gate/up into one
 `gate_up` — because on CPU (and GPU) one large GEMM beats three small ones. Each matrix
@@ -12,17 +25,20 @@ with the residual add fused in, rope, silu * up, attention) come from one kernel
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.errors import ModelLoadError
 from radixserve.kernels.ops import KernelOps
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.config import ModelConfig
+from radixserve.model.moe import MoE
 from radixserve.model.qlinear import Linear, make_linear
 from radixserve.model.quant import QuantizedRows, Scheme, Target, quantize
 from radixserve.model.rope import RotaryEmbedding
@@ -57,6 +73,9 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
         self.eps = c.rms_norm_eps
+        self.window = c.sliding_window if index in c.sliding_layers else 0
+        self.scale = c.attention_scale
+        self.gelu = c.hidden_act == "gelu_tanh"
         self.comm = comm  # sums the row-parallel o and down outputs over the ranks
         param = partial(_param, dtype=dtype, device=device)
 
@@ -70,9 +89,20 @@ class DecoderLayer(nn.Module):
         self.q_norm = param(c.head_dim) if c.qk_norm else None  # per head, before RoPE
         self.k_norm = param(c.head_dim) if c.qk_norm else None
         self.o_proj = linear("o_proj", c.hidden_size, self.q_size)
-        self.post_norm = param(c.hidden_size)
-        self.gate_up = linear("gate_up", 2 * tp.ff(c), c.hidden_size)
-        self.down = linear("down", c.hidden_size, tp.ff(c))
+        self.post_norm = param(c.hidden_size)  # before the MLP
+        self.attn_out_norm = param(c.hidden_size) if c.post_norms else None
+        self.mlp_out_norm = param(c.hidden_size) if c.post_norms else None
+        self.moe: MoE | None = None
+        if index in c.moe_layers:  # the experts instead of the dense MLP
+            schemes = [
+                (plan.get(f"layers.{index}.moe.gate_up.{e}", "none"),
+                 plan.get(f"layers.{index}.moe.down.{e}", "none"))
+                for e in range(c.num_experts)
+            ]  # fmt: skip
+            self.moe = MoE(c, tp.moe_ff(c), schemes, dtype, device)
+        else:
+            self.gate_up = linear("gate_up", 2 * tp.ff(c), c.hidden_size)
+            self.down = linear("down", c.hidden_size, tp.ff(c))
 
     def forward(
         self,
@@ -97,16 +127,31 @@ class DecoderLayer(nn.Module):
             q = ops.rmsnorm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view_as(q)
             k = ops.rmsnorm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view_as(k)
         ops.rope(q, k, positions, rope.cos, rope.sin)  # in place
-        o = attn.forward(q, k, v, caches[0], caches[1], meta)  # (T, H, D)
+        o = attn.forward(
+            q, k, v, caches[0], caches[1], meta, window=self.window, scale=self.scale
+        )  # (T, H, D)
         attn_out = self.o_proj(o.reshape(t, self.q_size))
         if self.comm is not None:
             self.comm.all_reduce(attn_out)
+        if self.attn_out_norm is not None:
+            attn_out = ops.rmsnorm(attn_out, self.attn_out_norm, self.eps)[0]
         h, residual = ops.rmsnorm(attn_out, self.post_norm, self.eps, residual)
-        up = ops.silu_and_mul(self.gate_up(h))  # (T, I)
-        out = self.down(up)
+        if self.moe is not None:
+            out = self.moe(h, ops)
+        else:
+            out = self.down(self._act(self.gate_up(h), ops))  # via (T, I)
         if self.comm is not None:
             self.comm.all_reduce(out)
+        if self.mlp_out_norm is not None:
+            out = ops.rmsnorm(out, self.mlp_out_norm, self.eps)[0]
         return out, residual
+
+    def _act(self, gate_up: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """act(gate) * up of a (T, 2 I) gate/up output."""
+        if not self.gelu:
+            return ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class LlamaModel(nn.Module):
@@ -147,6 +192,12 @@ class LlamaModel(nn.Module):
             else make_linear(plan.get("lm_head", "none"), v, h, dtype, device)
         )
         self.rope = RotaryEmbedding(config, max_positions, device)
+        self.rope_local = None  # the sliding layers' own RoPE (Gemma), if they have one
+        if config.rope_local_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.rope_local_theta, rope_scaling=None
+            )
+            self.rope_local = RotaryEmbedding(local, max_positions, device)
         self.attention = attention
         self.ops = ops
 
@@ -165,8 +216,9 @@ class LlamaModel(nn.Module):
         x = self._embed(input_ids)  # (T, hidden)
         residual = None
         for i, layer in enumerate(self.decoder_layers):
+            rope = self.rope_local if layer.window and self.rope_local else self.rope
             x, residual = layer(
-                x, residual, positions, self.ops, self.rope, self.attention, kv_caches[i], meta
+                x, residual, positions, self.ops, rope, self.attention, kv_caches[i], meta
             )
         assert residual is not None
         # The LM head is the costliest matmul for a small model: apply it only where needed.
@@ -180,9 +232,17 @@ class LlamaModel(nn.Module):
         logits = head(x)  # (N, this rank's vocabulary rows)
         if self.comm is not None:  # every rank's slice, then the padding rows cut off
             logits = self.comm.all_gather(logits)[:, : self.config.vocab_size]
+        if (cap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()  # (N, vocab)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(input_ids)
+        if self.config.embed_scale:  # as the float32 scalar, rounded to the dtype
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        return x
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
             return self.embed.rows(input_ids)
         # vocab-parallel: this rank's rows for its tokens, zeros for the others; summed
@@ -281,13 +341,44 @@ def weight_layout(c: ModelConfig) -> dict[str, list[tuple[str, int, tuple[int, .
             out[key + "q_norm"] = [(f"{p}self_attn.q_norm.weight", 0, (c.head_dim,))]
             out[key + "k_norm"] = [(f"{p}self_attn.k_norm.weight", 0, (c.head_dim,))]
         out[key + "o_proj"] = [(f"{p}self_attn.o_proj.weight", 0, (h, q))]
-        out[key + "gate_up"] = [
-            (f"{p}mlp.gate_proj.weight", 0, (ff, h)),
-            (f"{p}mlp.up_proj.weight", ff, (ff, h)),
-        ]
-        out[key + "down"] = [(f"{p}mlp.down_proj.weight", 0, (h, ff))]
+        if i in c.moe_layers:
+            out.update(_moe_layout(c, p, key))
+        else:
+            out[key + "gate_up"] = [
+                (f"{p}mlp.gate_proj.weight", 0, (ff, h)),
+                (f"{p}mlp.up_proj.weight", ff, (ff, h)),
+            ]
+            out[key + "down"] = [(f"{p}mlp.down_proj.weight", 0, (h, ff))]
         out[key + "input_norm"] = [(f"{p}input_layernorm.weight", 0, (h,))]
-        out[key + "post_norm"] = [(f"{p}post_attention_layernorm.weight", 0, (h,))]
+        if c.post_norms:  # Gemma: post_attention_layernorm is the attention output's
+            out[key + "attn_out_norm"] = [(f"{p}post_attention_layernorm.weight", 0, (h,))]
+            out[key + "post_norm"] = [(f"{p}pre_feedforward_layernorm.weight", 0, (h,))]
+            out[key + "mlp_out_norm"] = [(f"{p}post_feedforward_layernorm.weight", 0, (h,))]
+        else:
+            out[key + "post_norm"] = [(f"{p}post_attention_layernorm.weight", 0, (h,))]
+    return out
+
+
+def _moe_layout(
+    c: ModelConfig, p: str, key: str
+) -> dict[str, list[tuple[str, int, tuple[int, ...]]]]:
+    """A mixture-of-experts layer's router and experts, by each family's checkpoint names:
+    Mixtral's ``block_sparse_moe`` with w1 (gate), w3 (up), w2 (down), Qwen3-MoE's
+    ``mlp`` with gate_proj, up_proj, down_proj."""
+    h, ff = c.hidden_size, c.moe_intermediate_size
+    block, (gate, up, down) = (
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+        if c.architecture == "mixtral"
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
+    out: dict[str, list[tuple[str, int, tuple[int, ...]]]] = {
+        key + "moe.router": [(f"{p}{block}.gate.weight", 0, (c.num_experts, h))]
+    }
+    for e in range(c.num_experts):
+        x = f"{p}{block}.experts.{e}."
+        out[f"{key}moe.gate_up.{e}"] = [(f"{x}{gate}.weight", 0, (ff, h)),
+                                        (f"{x}{up}.weight", ff, (ff, h))]  # fmt: skip
+        out[f"{key}moe.down.{e}"] = [(f"{x}{down}.weight", 0, (h, ff))]
     return out
 
 
@@ -301,11 +392,14 @@ def shard_layout(c: ModelConfig, tp: TPShard) -> dict[str, list[Piece]]:
     d, h = c.head_dim, c.hidden_size
     q, q0 = tp.q_heads(c) * d, tp.rank * tp.q_heads(c) * d
     kv, kv0 = tp.kv_heads(c) * d, tp.kv_head_start(c) * d
-    ff, ff0 = tp.ff(c), tp.rank * tp.ff(c)
     v0, v1 = tp.vocab_range(c)
     out: dict[str, list[Piece]] = {}
     for key, pieces in full.items():
         kind = key.rsplit(".", 1)[-1]
+        ff = tp.ff(c)
+        if kind.isdigit():  # an expert's projection ("layers.3.moe.gate_up.7")
+            kind, ff = key.rsplit(".", 2)[-2], tp.moe_ff(c)
+        ff0 = tp.rank * ff
         names = [name for name, _, _ in pieces]
         rest = pieces[0][2][1:]  # a matrix's inputs; () for a bias
         if kind in ("embed", "lm_head"):  # vocab-parallel
@@ -327,8 +421,8 @@ def shard_layout(c: ModelConfig, tp: TPShard) -> dict[str, list[Piece]]:
 
 
 def quant_targets(c: ModelConfig, tp: TPShard | None = None) -> dict[str, Target]:
-    """The matrices `plan_schemes` chooses a scheme for (norms and biases stay float), as
-    rank ``tp`` holds them."""
+    """The matrices `plan_schemes` chooses a scheme for (norms, biases and MoE routers
+    stay float), as rank ``tp`` holds them."""
     return {
         key: Target(
             tuple((name, shape[0]) for name, _, shape, _ in pieces),
@@ -336,7 +430,7 @@ def quant_targets(c: ModelConfig, tp: TPShard | None = None) -> dict[str, Target
             embedding=key == "embed",
         )
         for key, pieces in shard_layout(c, tp or TPShard()).items()
-        if len(pieces[0][2]) == 2
+        if len(pieces[0][2]) == 2 and not key.endswith("router")
     }
 
 
@@ -346,5 +440,5 @@ def checkpoint_schemes(c: ModelConfig, plan: Plan) -> dict[str, Scheme]:
         name: plan.get(key, "none")
         for key, pieces in weight_layout(c).items()
         for name, _, _ in pieces
-        if len(pieces[0][2]) == 2
+        if len(pieces[0][2]) == 2 and not key.endswith("router")
     }

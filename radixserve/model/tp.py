@@ -67,6 +67,8 @@ class TPShard:
             )
         if c.intermediate_size % n:
             problems.append(f"its MLP's {c.intermediate_size} rows do not divide by {n}")
+        if c.moe_layers and c.moe_intermediate_size % n:
+            problems.append(f"its experts' {c.moe_intermediate_size} rows do not divide by {n}")
         if problems:
             raise ModelLoadError(
                 f"tensor-parallel size {n} does not fit {c.name} ({c.num_heads} query heads, "
@@ -88,6 +90,10 @@ class TPShard:
 
     def ff(self, c: ModelConfig) -> int:
         return c.intermediate_size // self.size
+
+    def moe_ff(self, c: ModelConfig) -> int:
+        """Each expert's intermediate rows on this rank."""
+        return c.moe_intermediate_size // self.size
 
     def vocab_rows(self, c: ModelConfig) -> int:
         """Rows of the vocabulary each rank holds (the last may hold padding)."""

@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ import zmq
 
 from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.engine.sampling_params import SamplingParams
 from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
@@ -180,3 +182,21 @@ def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> 
         return None
     assert isinstance(reply, IndexReply) and reply.query_id == query_id
     return reply
+
+
+Reference = Callable[[list[dict[str, str]], int], str]
+
+
+def memoised_chat(reference_engine) -> Reference:
+    """The greedy answer text of `reference_engine` (one process) to a chat, memoised."""
+    memo: dict[tuple, str] = {}
+
+    def answer(messages: list[dict[str, str]], max_tokens: int) -> str:
+        key = (tuple((m["role"], m["content"]) for m in messages), max_tokens)
+        if key not in memo:
+            ids = reference_engine.tokenizer.encode_chat(messages)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            memo[key] = reference_engine.generate([ids], params)[0].text
+        return memo[key]
+
+    return answer

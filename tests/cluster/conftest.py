@@ -8,12 +8,9 @@ shared cluster is up at a time and none idles beside a test that starts its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
-from radixserve.engine.sampling_params import SamplingParams
-from tests.cluster.cluster_helpers import PATIENT, TestCluster
+from tests.cluster.cluster_helpers import PATIENT, Reference, TestCluster, memoised_chat
 from tests.engine.engine_helpers import TINY, make_engine
 
 SHARED = {
@@ -94,9 +91,6 @@ def cluster(request: pytest.FixtureRequest) -> TestCluster:
     return _running[name]
 
 
-Reference = Callable[[list[dict[str, str]], int], str]
-
-
 @pytest.fixture(scope="session")
 def reference_engine():
     """SmolLM2 fp32 on CPU with float32 weights (quantization=none), prefix cache off: what
@@ -111,7 +105,7 @@ def reference_engine():
 @pytest.fixture(scope="session")
 def reference_chat(reference_engine) -> Reference:
     """Greedy answer text of the single-process engine to a chat, memoised."""
-    return _memoised_chat(reference_engine)
+    return memoised_chat(reference_engine)
 
 
 @pytest.fixture(scope="session")
@@ -123,18 +117,4 @@ def tiny_reference_engine():
 @pytest.fixture(scope="session")
 def tiny_reference_chat(tiny_reference_engine) -> Reference:
     """`reference_chat` for clusters of the `tiny_model`."""
-    return _memoised_chat(tiny_reference_engine)
-
-
-def _memoised_chat(reference_engine) -> Reference:
-    memo: dict[tuple, str] = {}
-
-    def answer(messages: list[dict[str, str]], max_tokens: int) -> str:
-        key = (tuple((m["role"], m["content"]) for m in messages), max_tokens)
-        if key not in memo:
-            ids = reference_engine.tokenizer.encode_chat(messages)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            memo[key] = reference_engine.generate([ids], params)[0].text
-        return memo[key]
-
-    return answer
+    return memoised_chat(tiny_reference_engine)

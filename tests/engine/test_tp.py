@@ -112,6 +112,34 @@ def test_the_ranks_slices_put_together_are_the_checkpoint(size):
         assert tuple(weight.shape) == full[name]
 
 
+def test_experts_split_by_their_rows_and_the_router_is_whole(tmp_path):
+    """Qwen3-MoE at TP=2: each expert's gate/up rows and down inputs split like the
+    dense MLP's (every rank holds every expert), the router whole on each rank."""
+    from radixserve.model.checkpoint import load_checkpoint
+    from tests.engine.test_families import FAMILIES
+    from tests.model.tiny_checkpoints import write_tiny_checkpoint
+
+    checkpoint = load_checkpoint(
+        str(write_tiny_checkpoint(tmp_path, **FAMILIES["qwen3_moe"])), progress=False
+    )
+    config, source = checkpoint.config, checkpoint.source
+    slices: dict[str, list[torch.Tensor]] = {}
+    for rank in range(2):
+        for pieces in shard_layout(config, TPShard(rank, 2)).values():
+            for name, _, shape, how in pieces:
+                piece = take(source.read(name), how, name)
+                assert tuple(piece.shape) == shape
+                slices.setdefault(name, []).append(piece)
+    experts = [n for n in slices if ".experts." in n]
+    assert len(experts) == 2 * 3 * config.num_experts  # two sparse layers, three projections
+    for name in experts:
+        dim = 1 if name.endswith("down_proj.weight") else 0
+        assert slices[name][0].shape[dim] == config.moe_intermediate_size // 2
+        assert torch.equal(torch.cat(slices[name], dim=dim), source.read(name)), name
+    for name in (n for n in slices if n.endswith("mlp.gate.weight")):
+        assert all(torch.equal(p, source.read(name)) for p in slices[name]), name
+
+
 # --- rank processes ------------------------------------------------------------------
 
 
@@ -173,6 +201,17 @@ FOUR_RANKS = pytest.mark.benchmark  # four processes: make bench-test
 def test_greedy_tokens_equal_the_single_rank_ones(tiny_models, heads, kv, tp):
     model = tiny_models(heads, kv)
     assert _run(_settings(model, tp)) == _run(_settings(model, 1))
+
+
+def test_experts_at_tp_2_give_the_single_rank_tokens(tmp_path):
+    """Qwen3-MoE (sparse, dense, sparse layers) split over two ranks: each rank's share of
+    every expert, the partial sums all-reduced."""
+    from tests.engine.test_families import FAMILIES
+    from tests.model.tiny_checkpoints import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path, **FAMILIES["qwen3_moe"]))
+    texts = PROMPTS[1:3]
+    assert _run(_settings(model, 2), texts) == _run(_settings(model, 1), texts)
 
 
 @pytest.mark.benchmark  # 16 s of the default model on four processes: make bench-test

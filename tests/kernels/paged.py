@@ -75,6 +75,41 @@ def make_paged_batch(
     )
 
 
+def dense_attention(
+    q: torch.Tensor,
+    batch: PagedBatch,
+    b: int,
+    positions: list[int],
+    window: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Queries q (n, H, D) of sequence b at `positions`, by one dense masked softmax in
+    float64 on CPU (n, H, D): the query at p sees key j iff j <= p and, with a window w,
+    j > p - w. Independent of the kernels: reads token by token through `batch.slot`, only
+    the keys some query sees."""
+    heads, dim = q.shape[1:]
+    keys = range(max(0, min(positions) - window + 1) if window else 0, max(positions) + 1)
+    slots = [batch.slot(b, j) for j in keys]
+    group = heads // batch.k_cache.shape[2]
+    k = batch.k_cache.flatten(0, 1)[slots].cpu().double().repeat_interleave(group, 1)  # (S, H, D)
+    v = batch.v_cache.flatten(0, 1)[slots].cpu().double().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,shd->hns", q.cpu().double(), k)
+    scores *= dim**-0.5 if scale is None else scale
+    key = torch.tensor(list(keys))[None, :]
+    query = torch.tensor(positions)[:, None]
+    seen = key <= query  # (n, S)
+    if window:
+        seen &= key > query - window
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)  # (H, n, S)
+    return torch.einsum("hns,shd->nhd", weights, v)
+
+
+def assert_close_to_dense(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """A kernel's output against `dense_attention`'s float64, at the kernel dtype's tolerance."""
+    tol = TOLERANCE[actual.dtype]
+    torch.testing.assert_close(actual.cpu().double(), expected, atol=tol, rtol=tol)
+
+
 def randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(dtype).to(device)

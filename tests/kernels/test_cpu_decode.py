@@ -1,7 +1,9 @@
 """The CPU decode attention of the torch set against the reference, on pools poisoned
 with NaN outside what each sequence owns: pages in one run each (read in place), scattered
 (gathered), and long runs broken by lone pages (both, merged by log-sum-exp); ragged
-lengths (1, mid-page, whole pages, a padding row), GQA, float32 and bfloat16."""
+lengths (1, mid-page, whole pages, a padding row), GQA, float32 and bfloat16. Sliding
+windows and a non-default scale against the reference and a dense masked softmax, with
+the pages wholly before each window poisoned too."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ import pytest
 import torch
 
 from radixserve.kernels import reference as ref
-from tests.kernels.paged import PagedBatch, assert_close, index, make_paged_batch, randn
+from tests.kernels.paged import (
+    PagedBatch,
+    assert_close,
+    assert_close_to_dense,
+    dense_attention,
+    index,
+    make_paged_batch,
+    randn,
+)
 
 cpu = importlib.import_module("radixserve.kernels.cpu.decode_attention")
 CPU = torch.device("cpu")
@@ -76,6 +86,65 @@ def test_cpu_decode_equals_reference(monkeypatch, layout, dtype, group):
     out = cpu.decode_attention(*call)
     assert_close(out, ref.decode_attention(*call))
     assert not out[3].any()  # the padding row
+
+
+@pytest.mark.parametrize("layout", ["scattered", "contiguous", "broken"])
+@pytest.mark.parametrize(
+    "window,scale,dtype",
+    [
+        pytest.param(1, None, torch.float32, id="window1"),
+        pytest.param(5, 0.2, torch.bfloat16, id="window5-scale-bfloat16"),
+        pytest.param(29, None, torch.float32, id="window29"),  # a view cut at its start
+        pytest.param(1000, None, torch.float32, id="window-past-the-end"),
+    ],
+)
+def test_cpu_decode_with_a_window(monkeypatch, layout, window, scale, dtype):
+    """Windows of 1, not a multiple of the page, cutting a run or a gathered page at its
+    start, and longer than every sequence (the same as none); pages wholly before a
+    window hold NaN."""
+    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)
+    cpu.forget_plan()
+    batch = make_paged_batch(SEQ_LENS, PAGE, 2, 8, dtype, CPU, seed=7)
+    if layout != "scattered":
+        batch = _relaid(batch, _tables(SEQ_LENS, layout))
+    for b, n in enumerate(SEQ_LENS):
+        before = [batch.slot(b, j) for j in range(max(0, n - window) // PAGE * PAGE)]
+        batch.k_cache.flatten(0, 1)[before] = float("nan")
+        batch.v_cache.flatten(0, 1)[before] = float("nan")
+    q = randn((len(SEQ_LENS), 6, 8), dtype, CPU, seed=8)
+    call = (q, batch.k_cache, batch.v_cache, batch.page_table, index(SEQ_LENS, CPU))
+    out = cpu.decode_attention(*call, window=window, scale=scale)
+    assert_close(out, ref.decode_attention(*call, window=window, scale=scale))
+    for b, n in enumerate(SEQ_LENS):
+        if n:
+            dense = dense_attention(q[b : b + 1], batch, b, [n - 1], window, scale)
+            assert_close_to_dense(out[b : b + 1], dense)
+    assert not out[3].any()  # the padding row
+    if window >= max(SEQ_LENS):
+        assert_close(out, cpu.decode_attention(*call, scale=scale))
+
+
+def test_local_and_global_layers_keep_a_plan_each(monkeypatch):
+    """Alternating windows (a model's local and global layers) plan once per window, and
+    a plan serves only its own window."""
+    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)
+    cpu.forget_plan()
+    made = []  # the window of each plan made
+    make = cpu._make_plan
+
+    def counted(*args):
+        made.append(args[-1])
+        return make(*args)
+
+    monkeypatch.setattr(cpu, "_make_plan", counted)
+    batch = _relaid(make_paged_batch(SEQ_LENS, PAGE, 2, 8, torch.float32, CPU, seed=9),
+                    _tables(SEQ_LENS, "broken"))  # fmt: skip
+    q = randn((len(SEQ_LENS), 2, 8), torch.float32, CPU, seed=10)
+    call = (q, batch.k_cache, batch.v_cache, batch.page_table, index(SEQ_LENS, CPU))
+    for window in (0, 13, 0, 13):
+        out = cpu.decode_attention(*call, window=window)
+        assert_close(out, ref.decode_attention(*call, window=window))
+    assert made == [0, 13]
 
 
 def test_plan_follows_the_page_table_and_lengths():

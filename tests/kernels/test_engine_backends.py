@@ -1,7 +1,7 @@
 """The engine's greedy outputs are identical on the torch and the triton kernel sets
 (interpreted on CPU here), on a tiny random Llama with 3 q heads per kv head and
 llama3 rope scaling: a prefill after a cached prefix, a step mixing a prefill with
-running decodes, and decodes."""
+running decodes, and decodes; and on Gemma 3 (sliding windows) and Qwen3-MoE (experts)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.engine.engine_helpers import assert_no_leaks, make_engine
 from tests.model.tiny_checkpoints import write_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=5, min_tokens=5, temperature=0.0)
+THREE = SamplingParams(max_tokens=3, min_tokens=3, temperature=0.0)
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 
@@ -93,3 +94,28 @@ def test_cpu_decode_keeps_the_reference_greedy_outputs(checkpoint, monkeypatch):
     engine = make_engine(str(checkpoint), attention_backend="torch", **common)
     assert engine.model.ops.decode_attention is reference.decode_attention
     assert _scenario(engine) == fast_run
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_model_families_identical_on_both_kernel_sets(family, tmp_path, device):
+    """Gemma 3's sliding layers (a window of 8, shorter than the cached context) through
+    each set's windowed attention, and Qwen3-MoE's experts through each set's fused MoE."""
+    from tests.engine.test_families import FAMILIES
+
+    # two layers (a sliding one and a global one; a sparse one and a dense one): the
+    # interpreter runs each op at Python speed
+    two = {"gemma3": {"layer_types": ["sliding_attention", "full_attention"]},
+           "qwen3_moe": {"mlp_only_layers": [1]}}[family]  # fmt: skip
+    path = str(
+        write_tiny_checkpoint(tmp_path, **{**FAMILIES[family], "num_hidden_layers": 2, **two})
+    )
+    common = {"page_size": 4, "kv_cache_memory_gib": 0.01, "device": device.type}
+    runs = []
+    for backend in ("torch", "triton"):
+        engine = make_engine(path, attention_backend=backend, **common)
+        context = _prompt(13, 1)  # then a prefix of 12 cached: longer than Gemma's window
+        first = engine.generate([context + _prompt(3, 2)], THREE)[0]
+        cached = engine.generate([context + _prompt(6, 3)], THREE)[0]
+        assert cached.cached_tokens == 12
+        runs.append((first.token_ids, cached.token_ids))
+    assert runs[0] == runs[1]

@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import ModelLoadError
+from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.gguf_loader import GGUFWeights
@@ -187,8 +188,8 @@ def test_k_quants_are_requantized_with_the_error_counted(tmp_path, kind, scheme,
             .reshape(*blocks.shape[:2], 2)
         )
     reader = _write_one_tensor(tmp_path / "k.gguf", "blk.0.ffn_down.weight", raw, qtype)
-    weights = GGUFWeights(tmp_path / "k.gguf", reader, None)  # type: ignore[arg-type]
-    weights._config = type("C", (), {"architecture": "qwen2"})()
+    config = ModelConfig("qwen2", 100, 512, 64, 1, 4, 4, 128, 1e-6, 1e4, 128, False)
+    weights = GGUFWeights(tmp_path / "k.gguf", reader, config)
     assert weights.formats() == {"model.layers.0.mlp.down_proj.weight": kind}
     errors = RequantError()
     rows = weights.read_quantized("model.layers.0.mlp.down_proj.weight", scheme, errors)

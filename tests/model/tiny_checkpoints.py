@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints (safetensors + tokenizer.json) for fast tests.
 
-`write_tiny_checkpoint` saves a small random Llama / Qwen2 / Qwen3 / Mistral causal LM with
+`write_tiny_checkpoint` saves a small random Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE /
+Mixtral / Gemma 3 causal LM with
 `transformers` and a matching small byte-level BPE tokenizer (trained in code on a fixed
 corpus, so it is deterministic) whose ids 0, 1, 2 are `<|endoftext|>`, `<|im_start|>`
 (bos) and `<|im_end|>` (eos), and a ChatML chat template. `write_tiny_gguf` writes the
@@ -43,7 +44,12 @@ _ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+# the GGUF architecture each is written as (Mixtral: llama with experts)
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
@@ -71,7 +77,8 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Make norms and biases non-trivial so a mis-mapped tensor changes the logits."""
+    """Make norms and biases non-trivial so a mis-mapped tensor changes the logits, and
+    MoE routers decisive (a token's experts differ clearly from the others)."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -79,6 +86,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # a router (dense MLPs have gate_proj)
+                param.copy_(torch.randn(param.shape, generator=gen))
 
 
 def build_tiny_model(
@@ -162,6 +171,14 @@ _GGUF_BLOCK = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+}
+# Gemma's norms: its post_attention_layernorm is the attention output's, ffn_norm the
+# MLP's input norm
+_GGUF_GEMMA = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -170,11 +187,32 @@ _GGUF_GLOBAL = {
 }
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors as a GGUF stores them: transformers 5's fused experts
+    (`mlp.experts.gate_up_proj` (E, 2 I, H), `down_proj`) as llama.cpp's three stacks
+    (named here `mlp.experts.{gate,up,down}_exps`)."""
+    out = []
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out += [(name.replace("gate_up_proj", "gate_exps"), gate),
+                    (name.replace("gate_up_proj", "up_exps"), up)]  # fmt: skip
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((name.replace("down_proj", "down_exps"), tensor))
+        else:
+            out.append((name, tensor))
+    return out
+
+
+def _gguf_name(name: str, arch: str = "llama") -> str:
+    if ".mlp.experts." in name:  # model.layers.N.mlp.experts.gate_exps
+        _, _, layer, _, _, part = name.split(".")
+        return f"blk.{layer}.ffn_{part}.weight"
     stem, kind = name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, part = stem.split(".", 3)
-        return f"blk.{layer}.{_GGUF_BLOCK[part]}.{kind}"
+        names = {**_GGUF_BLOCK, **_GGUF_GEMMA} if arch == "gemma3" else _GGUF_BLOCK
+        return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_GGUF_GLOBAL[stem]}.{kind}"
 
 
@@ -218,7 +256,11 @@ def write_tiny_gguf(
     """Write the `build_tiny_model` weights (same arguments) as a llama.cpp-style GGUF.
 
     `arch` is "llama" (Q/K rows permuted as llama.cpp does), "qwen2" or "qwen3" (not
-    permuted; Qwen3's q/k norms as `attn_q_norm`/`attn_k_norm`).
+    permuted; Qwen3's q/k norms as `attn_q_norm`/`attn_k_norm`), "gemma3" (norms stored
+    as 1 + w, as llama.cpp's converter does; its window and RoPE bases), "qwen3_moe" (GGUF
+    `qwen3moe`) or "mixtral" (GGUF `llama` with experts, Q/K permuted): experts stacked as
+    `ffn_gate_exps`/`ffn_up_exps`/`ffn_down_exps`, routers as `ffn_gate_inp`, and a dense
+    layer of Qwen3-MoE (`mlp_only_layers`) as `ffn_gate`/`ffn_up`/`ffn_down`.
     Linear RoPE scaling goes in metadata; llama3 scaling as a `rope_freqs` tensor. With
     `f16` the 2-D weights are stored as F16 (norms and biases stay F32); with `quant`
     ("Q4_0", "Q4_1", "Q8_0") they are quantized by gguf's own quantizer.
@@ -230,6 +272,8 @@ def write_tiny_gguf(
     tokens = sorted(vocab, key=vocab.get)
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
     path = Path(path)
+    permuted = arch in ("llama", "mixtral")
+    arch = _GGUF_ARCH.get(arch, arch)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     writer.add_vocab_size(vocab_size)
@@ -243,8 +287,27 @@ def write_tiny_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
+    if arch == "gemma3":
+        full = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_float32("gemma3.rope.freq_base_swa",
+                           cfg.rope_parameters["sliding_attention"]["rope_theta"])  # fmt: skip
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch in ("qwen3moe", "llama") and getattr(cfg, "num_experts_per_tok", 0):
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_weights_norm(getattr(cfg, "norm_topk_prob", True))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens)
@@ -261,22 +324,25 @@ def write_tiny_gguf(
         writer.add_rope_scaling_factor(rope_scaling["factor"])
     elif rope_scaling and rope_scaling["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope_scaling, head_dim, 1e4))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _gguf_tensors(model):
         if tie and name == "lm_head.weight":
             continue
         data = tensor.float().numpy()
-        if arch == "llama" and ".q_proj." in name:
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        if permuted and ".q_proj." in name:
             data = llamacpp_permute(data, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             data = llamacpp_permute(data, cfg.num_key_value_heads)
         if f16 and data.ndim == 2:
             data = data.astype(np.float16)
-        if quant and data.ndim == 2:
+        if quant and data.ndim >= 2:
             kind = gguf.GGMLQuantizationType[quant]
             packed = gguf.quants.quantize(np.ascontiguousarray(data), kind)
-            writer.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+            writer.add_tensor(_gguf_name(name, arch), packed, raw_shape=packed.shape,
+                              raw_dtype=kind)  # fmt: skip
             continue
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
+        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
