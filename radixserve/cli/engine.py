@@ -41,6 +41,15 @@ def served_name_arg(p: argparse.ArgumentParser) -> None:
                    help="model ids clients may send (default: from the checkpoint's name)")  # fmt: skip
 
 
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
+def tool_parser_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-parser", choices=TOOL_PARSERS,
+                   help="how tool calls are found in replies (default auto: from the chat "
+                   "template)")  # fmt: skip
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -214,7 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
-    keys = ("host", "port", "max_queued_requests", "api_keys")
+    keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
@@ -253,5 +262,6 @@ def add_commands(sub: Any) -> None:
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
     served_name_arg(srv)
+    tool_parser_arg(srv)
     engine_args(srv)
     srv.set_defaults(func=cmd_serve)

@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from radixserve.cli.engine import engine_args, engine_env, served_name_arg
+from radixserve.cli.engine import engine_args, engine_env, served_name_arg, tool_parser_arg
 from radixserve.errors import UsageError
 
 
@@ -30,6 +30,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_env = {}
     if args.served_model_name:
         gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
+    if args.tool_parser:
+        gateway_env["RADIXSERVE_GATEWAY_TOOL_PARSER"] = args.tool_parser
     config = ClusterConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -212,6 +214,7 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     served_name_arg(up)
+    tool_parser_arg(up)
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,

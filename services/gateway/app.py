@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
-from radixserve.services.gateway.choices import ChoiceBook, Generation
+from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import (
     OpenAIError,
@@ -47,6 +47,7 @@ from radixserve.services.gateway.responses import (
 )
 from radixserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.gateway.tools import ToolFormat
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,27 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
+def _chat_deltas(
+    index: int, c: Choice, text: str, reason: str | None, logprobs: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """A chat choice's chunks for new text: its content, or with tools what the
+    `ToolCallStream` lets out (the calls when the choice finishes); the last chunk
+    carries the finish reason ("tool_calls" when calls were found), the first the
+    tokens' log-probabilities."""
+    if c.tools is None:
+        deltas = [{"content": text}] if text else []
+    else:
+        deltas = c.tools.feed(text)
+        if reason is not None:
+            deltas += c.tools.finish()
+            reason = "tool_calls" if c.tools.calls else reason
+    if not deltas and (reason or (logprobs and logprobs["content"])):
+        deltas = [{}]
+    return [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": reason if i == len(deltas) - 1 else None}
+            for i, delta in enumerate(deltas)]  # fmt: skip
+
+
 class Gateway:
     """State and handlers behind the routes (`routes.create_app` lays them out)."""
 
@@ -87,6 +109,8 @@ class Gateway:
         self.model_names = aliases.split(",") if aliases else [client.served_name]
         self.model_name = self.model_names[0]
         self.formatter = LogprobFormatter(client.tokenizer)
+        self.tool_format = ToolFormat.for_template(client.tokenizer.chat_template,
+                                                   settings.tool_parser)  # fmt: skip
         self.in_flight = 0
 
     # -- admission, auth, body -------------------------------------------------------
@@ -161,7 +185,8 @@ class Gateway:
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
         s = self.settings
-        plan = chat_plan(req, self.client, s.default_max_tokens, s.max_choices_per_request)
+        plan = chat_plan(req, self.client, s.default_max_tokens, s.max_choices_per_request,
+                         self.tool_format)  # fmt: skip
         return await self.generate(request, plan)
 
     async def generate(self, request: Request, plan: Plan) -> Response:
@@ -255,25 +280,17 @@ class Gateway:
         lps = [] if dropped else (out.logprobs or [])
         text = "" if dropped else out.new_text
         reason = c.finish_reason if out.finish_reason is not None else None
-        if text or reason or (plan.top_logprobs is not None and ids):
-            if plan.kind == "chat":
-                choices.append(
-                    {
-                        "index": index,
-                        "delta": {"content": text} if text else {},
-                        "logprobs": book.chat_logprobs(lps),
-                        "finish_reason": reason,
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": index,
-                        "text": text,
-                        "finish_reason": reason,
-                        "logprobs": book.completion_logprobs(job, key, ids, lps, False),
-                    }
-                )
+        if plan.kind == "chat":
+            choices.extend(_chat_deltas(index, c, text, reason, book.chat_logprobs(lps)))
+        elif text or reason or (plan.top_logprobs is not None and ids):
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": reason,
+                    "logprobs": book.completion_logprobs(job, key, ids, lps, False),
+                }
+            )
         return choices  # fmt: skip
 
     # -- operations ------------------------------------------------------------------

@@ -22,6 +22,7 @@ from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.metrics import RequestTimer, ServingMetrics
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan
+from radixserve.services.gateway.tool_calls import ToolCallStream, split_message
 
 _DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
 
@@ -119,6 +120,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False
+    tools: ToolCallStream | None = None  # with tools: the reply's calls, found as it streams
 
 
 class ChoiceBook:
@@ -135,7 +137,10 @@ class ChoiceBook:
         return job * self.plan.n + choice
 
     def add(self, job: int, out: RequestOutput) -> Choice:
-        c = self.choices.setdefault((job, out.index), Choice())
+        c = self.choices.get((job, out.index))
+        if c is None:
+            tools = self.plan.tools.stream() if self.plan.tools else None
+            c = self.choices[(job, out.index)] = Choice(tools=tools)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[job] = out.prompt_logprobs
         if not self.plan.drop_generated:
@@ -196,8 +201,13 @@ class ChoiceBook:
                 result.append({"index": index, "text": self.echo_text(key[0]) + text,
                                "logprobs": logprobs, "finish_reason": c.finish_reason})  # fmt: skip
             else:
-                result.append({"index": index,
-                               "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = c.finish_reason
+                if c.tools is not None:
+                    message["content"], calls = split_message(c.tools, text)
+                    if calls:
+                        message["tool_calls"], reason = calls, "tool_calls"
+                result.append({"index": index, "message": message,
                                "logprobs": self.chat_logprobs(c.logprobs),
-                               "finish_reason": c.finish_reason})  # fmt: skip
+                               "finish_reason": reason})  # fmt: skip
         return result

@@ -27,6 +27,7 @@ from radixserve.services.gateway.schemas import (
     CompletionRequest,
     GenerationRequest,
 )
+from radixserve.services.gateway.tools import ToolFormat, ToolPlan, template_inputs, tool_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -51,6 +52,7 @@ class Plan:
     drop_generated: bool = False  # max_tokens 0 with echo: score the prompt only
     stream: bool = False
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with tools: replies are searched for calls
 
 
 def _room(client: EngineClient, prompt_ids: list[int]) -> int:
@@ -76,9 +78,11 @@ def _max_tokens(requested: int | None, default: int, room: int, param: str) -> i
     return requested
 
 
-def _params(req: GenerationRequest, max_tokens: int, **extra: object) -> SamplingParams:
-    kind, guide = req.guide()
-    if kind:
+def _params(
+    req: GenerationRequest, max_tokens: int, tool_guide: str = "", **extra: object
+) -> SamplingParams:
+    kind, guide = ("json_schema", tool_guide) if tool_guide else req.guide()
+    if kind and not tool_guide:  # a tool guide was checked by `ToolRequest.guide`
         grammar_for(kind, guide)  # refuse a malformed guide before routing
     return SamplingParams(
         max_tokens=max_tokens,
@@ -149,18 +153,26 @@ def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: i
 
 
 def chat_plan(
-    req: ChatCompletionRequest, client: EngineClient, default_max_tokens: int, max_choices: int
+    req: ChatCompletionRequest,
+    client: EngineClient,
+    default_max_tokens: int,
+    max_choices: int,
+    tool_format: ToolFormat,
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
+    tools = tool_request(req)
+    messages, template_kwargs = template_inputs(req, tools, tool_format)
     # InvalidRequestError if malformed
-    ids = client.tokenizer.encode_chat(req.template_messages(), **req.template_kwargs())
+    ids = client.tokenizer.encode_chat(messages, **template_kwargs)
     room = _room(client, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(req.requested_max_tokens, default_max_tokens, room, param)
     if max_tokens < 1:
         raise InvalidRequestError(f"{param} must be >= 1", param=param)
     k = req.num_top_logprobs()
-    params = _params(req, max_tokens, n=n, logprobs=k)
+    guide = tools.guide() if tools is not None and tools.forced else ""
+    params = _params(req, max_tokens, guide, n=n, logprobs=k)
     return Plan("chat", [Job(ids, params)], n, n, top_logprobs=k, stream=bool(req.stream),
-                include_usage=req.include_usage)  # fmt: skip
+                include_usage=req.include_usage,
+                tools=tools.plan(tool_format) if tools else None)  # fmt: skip

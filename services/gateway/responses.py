@@ -111,16 +111,28 @@ class ChatLogprobs(_Doc):
     refusal: None = None
 
 
+class FunctionCallOut(_Doc):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Doc):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Doc):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ChatCompletionResponse(_Doc):

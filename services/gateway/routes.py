@@ -95,7 +95,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
-        messages = [m.to_template() for m in req.messages]
+        messages = [m.to_template(i) for i, m in enumerate(req.messages)]
         text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt),
                                              **req.template_kwargs())  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)

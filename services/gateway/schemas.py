@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from radixserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from radixserve.services.gateway.errors import OpenAIError
@@ -161,22 +161,111 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=256)] | None
-    name: str | None = Field(None, max_length=256)
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=1 << 20, description="The arguments as JSON text.")
+
+
+class ToolCall(_Body):
+    """A call an earlier assistant message made (conversation history)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it (text parts joined)."""
+        """As templates read it: arguments holding a JSON object become that object
+        (Qwen's and Hermes' templates write ``arguments | tojson``), as vLLM passes them."""
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            args = self.function.arguments
+        function = {"name": self.function.name, "arguments": args}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+def _content_documented_required(schema: dict[str, Any]) -> None:
+    # documented as OpenAI's: present (null for an assistant message with tool_calls);
+    # an assistant message leaving it out is accepted too
+    schema["required"] = [*schema.get("required", []), "content"]
+
+
+class ChatMessage(_Body):
+    model_config = ConfigDict(**_Body.model_config, json_schema_extra=_content_documented_required)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = Field(
+        None, description="An assistant message's calls (its content may then be null)."
+    )
+    tool_call_id: str | None = Field(
+        None, max_length=256, description="A tool message: the call it answers."
+    )
+
+    def to_template(self, index: int = 0) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined, tool calls with
+        their arguments as objects); raises `OpenAIError` for a message missing what its
+        role needs."""
+        where = f"messages[{index}]"
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        if "content" not in self.model_fields_set and not (
+            self.role == "assistant" and self.tool_calls
+        ):
+            raise OpenAIError(400, f"{where}.content is missing: only an assistant message "
+                              "with tool_calls may leave it out", f"{where}.content")  # fmt: skip
+        if self.tool_calls is not None and self.role != "assistant":
+            raise OpenAIError(400, f"{where}.tool_calls is only for assistant messages",
+                              f"{where}.tool_calls")  # fmt: skip
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise OpenAIError(400, f"{where}.tool_call_id is required for a tool message and "
+                              "only allowed there", f"{where}.tool_call_id")  # fmt: skip
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
+
+_FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+#: the documented shapes of `tools` and `tool_choice`; `tools.tool_request` checks them
+#: itself, so that a mistake is refused with a sentence naming the field
+TOOLS_SCHEMA = {
+    "type": "array",
+    "maxItems": 128,
+    "items": {
+        "type": "object",
+        "required": ["type", "function"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": _FUNCTION_NAME,
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"},
+                    "strict": {"type": "boolean"},
+                },
+            },
+        },
+    },
+}
+TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": _FUNCTION_NAME}}}}]}  # fmt: skip
 
 #: template variables a request may not set: the ones the server passes itself
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -207,10 +296,19 @@ class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
     max_completion_tokens: TOKEN_COUNT | None = None
     logprobs: bool | None = Field(False, description="Return the tokens' log-probabilities.")
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
-        None, description="Not supported for this model: must be empty."
+    tools: Annotated[list[dict[str, Any]], WithJsonSchema(TOOLS_SCHEMA)] | None = Field(
+        None,
+        description='Functions the model may call: {"type": "function", "function": '
+        '{"name", "description", "parameters" (a JSON schema)}}.',
     )
-    tool_choice: Literal["none"] | None = Field(None, description="Only 'none'.")
+    tool_choice: Annotated[str | dict[str, Any], WithJsonSchema(TOOL_CHOICE_SCHEMA)] | None = Field(
+        None,
+        description='"none", "auto" (the default with tools), "required", or '
+        '{"type": "function", "function": {"name": ...}}.',
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="Whether a reply may hold several calls (false: at most one)."
+    )
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = Field(
         None, description="Ignored."
     )
@@ -232,7 +330,7 @@ class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.to_template() for m in self.messages]
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
 
 
 class TokenizeRequest(TemplateKwargs):

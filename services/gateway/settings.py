@@ -6,6 +6,8 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -98,4 +100,10 @@ class GatewaySettings(PeerSettings):
         le=1 << 20,
         description="Chat completions without max_tokens generate up to this many tokens "
         "(capped by the context left).",
+    )
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How tool calls are found in a reply: hermes (<tool_call>{json}"
+        '</tool_call>), llama3_json ({"name", "parameters"}), mistral ([TOOL_CALLS][...]); '
+        "auto = the chat template's own format (hermes when it renders no tools).",
     )

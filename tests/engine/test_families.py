@@ -252,3 +252,28 @@ def test_gemma3_chat_template_renders_as_transformers(tmp_path):
     assert want.count("<start_of_turn>model") == 2
     with pytest.raises(InvalidRequestError, match="roles must alternate"):  # a 400
         ours.apply_chat_template(messages[:2] + messages[1:2], True)
+
+
+def test_configs_as_transformers_4_writes_them():
+    """The published configs' layout (transformers 4): Qwen3-MoE's `num_experts` and
+    `decoder_sparse_step`, Gemma 3's `rope_theta` / `rope_local_base_freq` /
+    `rope_scaling` and `sliding_window_pattern`."""
+    from radixserve.model.hf_config import parse_config
+
+    common = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 256}  # fmt: skip
+    moe = parse_config({**common, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                        "decoder_sparse_step": 2, "mlp_only_layers": [5],
+                        "norm_topk_prob": True}, "m", [])  # fmt: skip
+    assert (moe.num_experts, moe.moe_layers, moe.norm_topk_prob) == (8, (1, 3), True)
+    gemma = parse_config({**common, "architectures": ["Gemma3ForCausalLM"],
+                          "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512,
+                          "sliding_window_pattern": 3, "rope_theta": 1e6,
+                          "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 16,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "g", [])  # fmt: skip
+    assert gemma.sliding_layers == (0, 1, 3, 4) and gemma.sliding_window == 512
+    assert (gemma.rope_theta, gemma.rope_local_theta) == (1e6, 1e4)
+    assert gemma.rope_scaling is not None and gemma.rope_scaling.factor == 8.0
+    assert gemma.tie_word_embeddings and gemma.embed_scale and gemma.post_norms

@@ -73,7 +73,7 @@ BAD_CHATS = {
     "top_logprobs without logprobs": {**OK_CHAT, "top_logprobs": 2},
     "top_logprobs above 20": {**OK_CHAT, "logprobs": True, "top_logprobs": 21},
     "n above 128": {**OK_CHAT, "n": 129},
-    "tool role": {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+    "tool role without tool_call_id": {"messages": [{"role": "tool", "content": "x"}]},
 }
 
 
@@ -147,8 +147,8 @@ def test_fields_openai_ignores_are_ignored_and_unknown_ones_refused(http):
             error = assert_openai_error(http.post(path, json={**body, name: value}), 400)
             assert error["param"] == name and name in error["message"]
     for name, value in (
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
+        ("tools", [{"type": "retrieval"}]),
+        ("tool_choice", "auto"),  # without tools
         ("store", True),
         ("modalities", ["audio"]),
     ):
