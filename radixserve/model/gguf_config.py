@@ -136,8 +136,9 @@ def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: To
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     layers = int(need("block_count"))
+    # a qwen3moe file names its architecture qwen3_moe in `_moe` (qwen3 if it has no experts)
     extra = {"architecture": "qwen3" if arch == "qwen3moe" else arch,
-           **_moe(meta, arch, names, layers)}  # fmt: skip
+             **_moe(meta, arch, names, layers)}  # fmt: skip
     if arch == "gemma3":
         extra.update(_gemma3(meta, layers, hidden, heads, head_dim))
     return ModelConfig(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from typing import Any
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig, RopeScaling
 from radixserve.model.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -12,6 +12,10 @@ slice of every layer (Megatron's split, as vLLM and SGLang do it):
   (one rank contributes each row, the others zeros), and the LM head's slices are
   gathered into the full logits.
 
+A mixture-of-experts layer splits each expert like the dense MLP (its gate/up rows
+column-parallel, its down inputs row-parallel; every rank holds every expert) and keeps
+the router whole on each rank.
+
 KV heads are split like query heads when the KV heads divide by N. When there are fewer
 KV heads than ranks and N divides by them, each KV head is replicated on N / H_kv ranks
 (each rank keeps one, the one its query heads read), as vLLM and mini-sglang do. Any
