@@ -12,12 +12,16 @@ test (tests/cluster/conftest.py).
   device cache), and a prompt sharing that prefix is prefilled there after loading the
   prefix from the host tier: a TP=1 worker reading pages a TP=2 worker spilled, its
   host-tier hit counted and its answer equal to the single process's.
+- Last, a TP=1 decode worker joins and the TP=2 one is retired (it drains): a prefix the
+  TP=2 worker spilled is loaded from the host tier by the TP=1 decode worker, which
+  computes the rest itself, its answer equal to the single process's.
 
 The other pairs (2 -> 1, 2 -> 2, over NIXL and ZMQ), the refused 2 -> 3 pair and the
 kill of a rank run in make bench-test (tests/cluster/test_tp_matrix.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import uuid
@@ -26,6 +30,7 @@ from collections.abc import Iterator
 import pytest
 
 from radixserve.bench.chaos_faults import rank_pids
+from radixserve.launch.cluster import worker_spec
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
@@ -92,3 +97,42 @@ def spill_then_load(cluster: TestCluster, reference) -> None:
     prefill = cluster.worker("prefill-0")
     assert prefill.get("host_loads_total", 0) >= 1, prefill
     assert prefill.get("host_load_pages_total", 0) * 16 >= 256, prefill
+
+
+def test_a_prefix_spilled_by_tp2_decode_is_loaded_by_tp1_decode(
+    tp_cluster: TestCluster, tiny_reference_chat
+) -> None:
+    """The module's last test: it replaces the TP=2 decode worker with a TP=1 one."""
+    tp_cluster.wait_host_tier()
+    system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM * 3}"
+    stored = counter(tp_cluster, "decode-0", "host_spill_stored_pages_total")
+    first = tp_cluster.ask(chat(QUESTIONS[0], system), MAX_TOKENS)
+    assert first["choices"][0]["message"]["content"] == tiny_reference_chat(
+        chat(QUESTIONS[0], system), MAX_TOKENS
+    )
+    tp_cluster.wait(
+        lambda: counter(tp_cluster, "decode-0", "host_spill_stored_pages_total") >= stored + 16,
+        30, "decode-0's pages of the new prefix stored in the host tier",
+    )  # fmt: skip
+    # a TP=1 decode worker that computes what the host tier does not hold itself
+    config = dataclasses.replace(
+        tp_cluster.config, decode_tp=1,
+        decode_env={**tp_cluster.config.decode_env, "RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS": "256"},
+    )  # fmt: skip
+    spec, _ = worker_spec(config, "decode", 1, tp_cluster.processes.kvstore, [])
+    assert "RADIXSERVE_DECODE_TP" not in spec.env
+    # both at once: the decode pool's size (1) stays what the cluster's pools keep
+    tp_cluster.supervisor.add(spec)
+    tp_cluster.supervisor.retire("decode-0", timeout_s=30)
+    tp_cluster.wait(lambda: tp_cluster.worker("decode-1").get("host_attached", False), 120,
+                    "the TP=1 decode worker up and attached to the host tier")  # fmt: skip
+    tp_cluster.wait(lambda: not tp_cluster.worker("decode-0")["up"], 60, "decode-0 retired")
+    second = tp_cluster.ask(chat(QUESTIONS[1], system), MAX_TOKENS)
+    assert second["choices"][0]["message"]["content"] == tiny_reference_chat(
+        chat(QUESTIONS[1], system), MAX_TOKENS
+    )
+    tp_cluster.wait_clean()
+    decode = tp_cluster.worker("decode-1")
+    assert decode.get("host_loads_total", 0) == 1, decode
+    assert decode.get("host_load_pages_total", 0) * 16 >= 256, decode
+    assert decode.get("remote_prefills_total", 0) == 0, decode
