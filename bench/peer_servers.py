@@ -43,7 +43,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from radixserve.launch.cluster import free_port
-from radixserve.launch.supervisor import _pdeathsig_preexec  # SIGTERM to the child if we die
+from radixserve.launch.deathsig import pdeathsig_preexec  # SIGTERM to the child if we die
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.config.env},
                 start_new_session=True,
-                preexec_fn=_pdeathsig_preexec(),
+                preexec_fn=pdeathsig_preexec(),
             )
         try:
             self._wait_ready()

@@ -6,7 +6,9 @@ SIGINT/SIGTERM and then calls `stop()`, which shuts the children down.
 
 Contracts:
   * Children get `os.environ` with `spec.env` on top, inherit stdout/stderr, and read
-    stdin from /dev/null.
+    stdin from /dev/null. With a `WarmServer`, a spec that runs one of its modules
+    (``[sys.executable, "-m", module]``) is forked from it (`radixserve.launch.warm`)
+    under the same contracts; if the server cannot fork it, it starts afresh.
   * Every child starts in its own session (`start_new_session=True`), so a Ctrl-C in the
     terminal reaches only the supervisor; the supervisor then stops the children itself,
     in reverse start order (the gateway stops taking requests before the workers go).
@@ -33,8 +35,6 @@ Contracts:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import logging
 import os
 import shlex
@@ -47,12 +47,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from radixserve.errors import RadixServeError
+from radixserve.launch.deathsig import pdeathsig_preexec
+from radixserve.launch.warm import WarmProcess, WarmServer
 
 logger = logging.getLogger(__name__)
 
 _STABLE_AFTER_S = 60.0  # a child that lived this long resets its restart backoff
 _POLL_INTERVAL_S = 0.1
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -76,36 +77,11 @@ class _Child:
 
     spec: ProcessSpec
     backoff_s: float  # delay before the next restart
-    proc: subprocess.Popen[bytes] | None = None  # None while down
+    proc: subprocess.Popen[bytes] | WarmProcess | None = None  # None while down
     started_at: float = 0.0  # time.monotonic() of the last spawn
     num_restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a pending restart
     retire_by: float | None = None  # retiring: SIGKILL if still running at this time
-
-
-@functools.lru_cache(maxsize=1)
-def _prctl() -> Callable[..., int]:
-    """libc's prctl, loaded in the parent so the forked child does no dlopen."""
-    fn = ctypes.CDLL(None, use_errno=True).prctl
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A preexec_fn making the child get SIGTERM when this process dies (Linux only)."""
-    if sys.platform != "linux":
-        return None
-    prctl = _prctl()
-    parent_pid = os.getpid()
-
-    def preexec() -> None:
-        if prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
-            os._exit(1)
-
-    return preexec
 
 
 def _describe_exit(returncode: int) -> str:
@@ -129,6 +105,7 @@ class Supervisor:
         restart_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stop_timeout_s: float = 10.0,
+        warm: WarmServer | None = None,
     ) -> None:
         if not 0 < restart_backoff_s <= max_backoff_s:
             raise ValueError("need 0 < restart_backoff_s <= max_backoff_s")
@@ -137,6 +114,7 @@ class Supervisor:
         self.restart_backoff_s = restart_backoff_s
         self.max_backoff_s = max_backoff_s
         self.stop_timeout_s = stop_timeout_s
+        self._warm = warm  # forks the processes that run one of its modules
         self._children: list[_Child] = []
         self._by_name: dict[str, _Child] = {}
         self._started = False
@@ -213,7 +191,7 @@ class Supervisor:
                 proc.wait()
             else:
                 return
-        code = proc.returncode if proc is not None else 0
+        code = proc.wait() if proc is not None else 0  # exited: its code at once
         logger.info("%s retired (%s)", child.spec.name, _describe_exit(code))
         self.retired[child.spec.name] = code
         self._forget(child)
@@ -227,8 +205,8 @@ class Supervisor:
             if child.retire_by is not None:
                 self._poll_retiring(child, now)
                 continue
-            if child.proc is not None and child.proc.poll() is not None:
-                self._on_exit(child, child.proc.returncode, now)
+            if child.proc is not None and (code := child.proc.poll()) is not None:
+                self._on_exit(child, code, now)
             if child.restart_at is not None and now >= child.restart_at:
                 child.restart_at = None
                 child.num_restarts += 1
@@ -294,7 +272,7 @@ class Supervisor:
         for child in live:
             assert child.proc is not None
             try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                code = child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning(
                     "%s (pid %d) still running %gs after SIGTERM; sending SIGKILL",
@@ -303,9 +281,11 @@ class Supervisor:
                     self.stop_timeout_s,
                 )
                 self._kill_group(child.proc)
-                child.proc.wait()
-            logger.info("%s stopped (%s)", child.spec.name, _describe_exit(child.proc.returncode))
+                code = child.proc.wait()
+            logger.info("%s stopped (%s)", child.spec.name, _describe_exit(code))
             child.proc = None
+        if self._warm is not None:
+            self._warm.close()
 
     # ---- queries ------------------------------------------------------------------
 
@@ -333,15 +313,33 @@ class Supervisor:
 
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
-        child.proc = subprocess.Popen(
-            spec.argv,
-            env={**os.environ, **spec.env},
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_pdeathsig_preexec(),
-        )
+        env = {**os.environ, **spec.env}
+        module = self._warm_module(spec.argv)
+        if module is not None:
+            assert self._warm is not None
+            try:
+                child.proc = self._warm.spawn(module, env, list(spec.argv))
+            except OSError as e:
+                logger.warning("%s: warm start failed (%s); starting it afresh", spec.name, e)
+                module = None
+        if module is None:
+            child.proc = subprocess.Popen(
+                spec.argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=pdeathsig_preexec(),
+            )
         child.started_at = time.monotonic()
-        logger.info("started %s (pid %d): %s", spec.name, child.proc.pid, shlex.join(spec.argv))
+        assert child.proc is not None
+        logger.info("started %s (pid %d%s): %s", spec.name, child.proc.pid,
+                    ", warm" if module else "", shlex.join(spec.argv))  # fmt: skip
+
+    def _warm_module(self, argv: Sequence[str]) -> str | None:
+        """The module ``argv`` runs (``python -m module``) when the warm server runs it."""
+        if self._warm is None or len(argv) != 3 or argv[:2] != [sys.executable, "-m"]:
+            return None
+        return argv[2] if argv[2] in self._warm.modules else None
 
     def _on_exit(self, child: _Child, returncode: int, now: float) -> None:
         child.proc = None
@@ -370,7 +368,7 @@ class Supervisor:
         return delay
 
     @staticmethod
-    def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    def _kill_group(proc: subprocess.Popen[bytes] | WarmProcess) -> None:
         """SIGKILL the child and its process group (it leads one: start_new_session=True)."""
         # The pid is not reaped yet, so it cannot have been reused. The group can be empty
         # if the child moved to another one: then only the kill below reaches it.

@@ -11,35 +11,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
 from radixserve.engine.cores import board_path
 from radixserve.launch.cluster import free_port
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
+from tests.cluster.cluster_helpers import descendants, gone
 
 
 def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
@@ -63,8 +40,14 @@ def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
             if "cluster up" in line:
                 break
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
-        children = _children(proc.pid)
-        assert len(children) == 3  # prefill, decode, gateway
+        processes = descendants(proc.pid)
+        children = list(processes)
+        # the gateway, and the workers forked by the warm-start server (four processes)
+        services = sorted(m for cmd in processes.values() for m in ("gateway", "prefill", "decode")
+                          if f"-m radixserve.services.{m}" in cmd)  # fmt: skip
+        assert services == ["decode", "gateway", "prefill"], processes
+        assert sum("radixserve.launch.warm" in cmd for cmd in processes.values()) == 1, processes
+        assert len(processes) == 4, processes
         assert not any("add a worker" in line for line in lines)  # nothing to join
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
@@ -77,12 +60,12 @@ def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, rest
         assert "cluster stopped" in rest
-        assert all(_gone(pid) for pid in children)
+        assert all(gone(pid) for pid in children)
         assert not os.path.exists(board)  # removed at stop
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
         for pid in children:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)

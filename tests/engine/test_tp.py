@@ -38,7 +38,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.llama import shard_layout, weight_layout
 from radixserve.model.tp import TPShard, take
 from radixserve.settings import EngineSettings
-from tests.cluster.test_up import _gone
+from tests.cluster.cluster_helpers import gone
 from tests.engine.engine_helpers import tiny_checkpoint, write_tiny_model
 
 PROMPTS = [
@@ -254,7 +254,7 @@ def _start_holder(settings: EngineSettings) -> tuple[subprocess.Popen, list[int]
 def _all_gone(pids: list[int], timeout_s: float) -> bool:
     """Whether every one of ``pids`` has exited (a zombie has) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not all(_gone(p) for p in pids):
+    while not all(gone(p) for p in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -282,5 +282,5 @@ def test_the_ranks_of_a_killed_engine_exit(tiny_model):
         assert _all_gone(ranks, 10), "a rank outlived its engine"
     finally:
         for pid in ranks:
-            if not _gone(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -21,7 +21,7 @@ from radixserve.launch.supervisor import ProcessSpec, Supervisor, SupervisorErro
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SLEEP_FOREVER = "import time\nwhile True: time.sleep(1)"
 
 
@@ -238,10 +238,15 @@ DRIVER = textwrap.dedent(
     """
     import logging, sys
     from radixserve.launch.supervisor import ProcessSpec, Supervisor
+    from radixserve.launch.warm import WarmServer
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    child = [sys.executable, "-c", "import time\\nwhile True: time.sleep(1)"]
-    sup = Supervisor([ProcessSpec("a", child), ProcessSpec("b", child)], stop_timeout_s=5)
+    # "warm": the children forked by a warm-start server (sleepers without a report)
+    warm = WarmServer(["tests.launch.warm_child"]) if sys.argv[1:] == ["warm"] else None
+    child = ([sys.executable, "-m", "tests.launch.warm_child"] if warm else
+             [sys.executable, "-c", "import time\\nwhile True: time.sleep(1)"])
+    specs = [ProcessSpec("a", child), ProcessSpec("b", child)]
+    sup = Supervisor(specs, stop_timeout_s=5, warm=warm)
     calls = []
 
     def on_ready():
@@ -254,13 +259,13 @@ DRIVER = textwrap.dedent(
 
 
 @pytest.fixture
-def driver() -> Iterator[Callable[[], tuple[subprocess.Popen[str], list[int]]]]:
+def driver() -> Iterator[Callable[[bool], tuple[subprocess.Popen[str], list[int]]]]:
     """Starts the driver; returns it and its children's pids. Teardown kills leftovers."""
     started: list[tuple[subprocess.Popen[str], list[int]]] = []
 
-    def launch() -> tuple[subprocess.Popen[str], list[int]]:
+    def launch(warm: bool) -> tuple[subprocess.Popen[str], list[int]]:
         proc = subprocess.Popen(
-            _python(DRIVER),
+            _python(DRIVER) + (["warm"] if warm else []),
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -286,9 +291,10 @@ def driver() -> Iterator[Callable[[], tuple[subprocess.Popen[str], list[int]]]]:
         proc.communicate(timeout=10)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_run_stops_children_on_signal(driver, sig: signal.Signals, code: int) -> None:
-    proc, pids = driver()
+def test_run_stops_children_on_signal(driver, sig: signal.Signals, code: int, warm: bool) -> None:
+    proc, pids = driver(warm)
     assert all(not _gone(pid) for pid in pids)
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=15)
@@ -297,9 +303,10 @@ def test_run_stops_children_on_signal(driver, sig: signal.Signals, code: int) ->
     assert all(_gone(pid) for pid in pids)
 
 
-def test_children_die_with_a_killed_supervisor(driver) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_children_die_with_a_killed_supervisor(driver, warm: bool) -> None:
     assert sys.platform == "linux"  # PR_SET_PDEATHSIG is Linux-only
-    proc, pids = driver()
+    proc, pids = driver(warm)
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_until(lambda: all(_gone(pid) for pid in pids), 3), "children outlived it"

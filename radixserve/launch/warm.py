@@ -1,0 +1,274 @@
+"""Warm starts: the worker processes forked from one that has imported torch already.
+
+A worker's own start is short (a small model loads in a fraction of a second), but every
+``python -m radixserve.services.decode`` first imports torch and the engine: about 1.5 s
+of CPU per process, paid again by every restart after a crash and by every worker a pool
+adds. `WarmServer` pays it once per supervisor: it runs ``python -m
+radixserve.launch.warm``, a process that imports the modules it is given and then only
+forks; each child becomes one ``python -m <module>``, exactly as a fresh process would
+run it (its own environment, session and argv, stdin from /dev/null, its command line
+rewritten to the one it stands for so ``ps`` and ``/proc/<pid>/cmdline`` show it).
+
+The server imports and never runs anything: no thread pool is started before a fork
+(torch starts its own on a child's first operation, with that child's thread count).
+The supervisor drives it over two pipes, a JSON line each way: ``{"module", "env"}``
+answered by ``{"pid"}``, and ``{"exit": pid, "code"}`` when the server reaps a child
+(the code as `subprocess.Popen.returncode` gives it). Children get SIGTERM when the
+server dies and the server when the supervisor does (PR_SET_PDEATHSIG), so the chain
+`Supervisor` documents holds; a server that dies is restarted by the next spawn.
+
+Only Linux (fork after import is what the server is for; elsewhere `Supervisor` starts
+fresh processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import queue
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+from radixserve.launch.deathsig import die_with_parent, pdeathsig_preexec, prctl
+
+_REAP_INTERVAL_S = 0.05  # how often the server reaps its children
+_SPAWN_TIMEOUT_S = 60.0  # the server answers a fork at once; the first waits for imports
+
+
+def available() -> bool:
+    """Whether warm starts work on this platform."""
+    return sys.platform == "linux"
+
+
+class WarmProcess:
+    """A child of the server, with the part of `subprocess.Popen`'s interface the
+    supervisor uses (its exit code arrives from the server, which reaps it)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def _exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not reaped yet, so the pid is still this child's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmServer:
+    """The supervisor's side: starts the server on first use, forks children through it."""
+
+    def __init__(self, modules: Sequence[str]) -> None:
+        self.modules = tuple(modules)  # imported by the server, and the ones it may run
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._to: IO[bytes] | None = None
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._children: dict[int, WarmProcess] = {}
+        self._early: dict[int, int] = {}  # exits read before their spawn registered them
+
+    def spawn(self, module: str, env: Mapping[str, str], args: list[str]) -> WarmProcess:
+        """Fork ``python -m module`` with exactly ``env`` (``args``: its command line)."""
+        if module not in self.modules:
+            raise ValueError(f"{module} is not one of the warm server's modules")
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._to is not None
+        try:
+            self._to.write(json.dumps({"module": module, "env": dict(env), "args": args})
+                           .encode() + b"\n")  # fmt: skip
+            self._to.flush()
+            reply = self._replies.get(timeout=_SPAWN_TIMEOUT_S)
+        except (OSError, queue.Empty) as exc:
+            self.close()
+            raise OSError(f"the warm-start server did not fork {module}: {exc}") from exc
+        if "error" in reply:
+            raise OSError(f"the warm-start server cannot run {module}: {reply['error']}")
+        child = WarmProcess(int(reply["pid"]), args)
+        with self._lock:
+            self._children[child.pid] = child
+            if child.pid in self._early:
+                child._exit(self._early.pop(child.pid))
+        return child
+
+    def close(self) -> None:
+        """Stop the server (its remaining children get SIGTERM)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if self._to is not None:
+            with contextlib.suppress(OSError):
+                self._to.close()
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def _start(self) -> None:
+        to_server, from_supervisor = os.pipe()
+        from_server, to_supervisor = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    str(to_server),
+                    str(to_supervisor),
+                    *self.modules,
+                ],  # fmt: skip
+                pass_fds=(to_server, to_supervisor),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=pdeathsig_preexec(signal.SIGKILL),
+            )
+        finally:
+            os.close(to_server)
+            os.close(to_supervisor)
+        self._to = os.fdopen(from_supervisor, "wb")
+        self._replies = queue.Queue()
+        reader = threading.Thread(
+            target=self._read, args=(os.fdopen(from_server, "rb"),), daemon=True,
+            name="warm-start",
+        )  # fmt: skip
+        reader.start()
+
+    def _read(self, pipe: IO[bytes]) -> None:
+        """The server's replies and exit notices; at its end, every child is gone too."""
+        with pipe:
+            for line in pipe:
+                message = json.loads(line)
+                if "exit" in message:
+                    self._on_exit(int(message["exit"]), int(message["code"]))
+                else:
+                    self._replies.put(message)
+        with self._lock:  # the server died: PR_SET_PDEATHSIG has sent its children SIGTERM
+            live = [c for c in self._children.values() if c.returncode is None]
+        for child in live:
+            child.kill()
+            self._on_exit(child.pid, -signal.SIGKILL)
+
+    def _on_exit(self, pid: int, code: int) -> None:
+        with self._lock:
+            child = self._children.pop(pid, None)
+            if child is None:
+                self._early[pid] = code
+        if child is not None:
+            child._exit(code)
+
+
+# ---- the server process ------------------------------------------------------------
+
+
+def _set_cmdline(args: Sequence[str]) -> None:
+    """Rewrite this process's command line in place (the kernel's argument area, whose
+    bounds /proc/self/stat gives), cut to its size: what ``ps`` shows."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+    data = ("\0".join(args).encode() + b"\0")[: end - start - 1]
+    ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
+
+
+def _child(request: dict[str, Any], fds: Sequence[int], server_pid: int) -> None:
+    """In the forked child: become ``python -m module`` and run it; never returns."""
+    code = 1
+    try:
+        for fd in fds:
+            os.close(fd)
+        os.setsid()
+        die_with_parent(server_pid)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _set_cmdline(request["args"])
+        sys.argv = [request["module"], *request["args"][3:]]  # [0]: the module's file, next
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(read_fd: int, write_fd: int, modules: Sequence[str]) -> None:
+    for module in modules:
+        importlib.import_module(module)
+    prctl()  # loaded before any fork
+    out = os.fdopen(write_fd, "wb", buffering=0)
+    pending = b""
+    server_pid = os.getpid()
+
+    def send(message: dict[str, Any]) -> None:
+        out.write(json.dumps(message).encode() + b"\n")
+
+    while True:
+        while True:  # reap
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        ready, _, _ = select.select([read_fd], [], [], _REAP_INTERVAL_S)
+        if not ready:
+            continue
+        chunk = os.read(read_fd, 1 << 16)
+        if not chunk:
+            return  # the supervisor closed the pipe, or died
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            if request["module"] not in modules:
+                send({"error": f"{request['module']} is not one of {', '.join(modules)}"})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(request, (read_fd, write_fd), server_pid)
+            send({"pid": pid})
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
