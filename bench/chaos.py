@@ -1,7 +1,8 @@
 """`radixserve bench --scenario chaos`: serving through faults, checked answer by answer.
 
 A real cluster (`LocalCluster`: the kvstore, ``num_prefill`` prefill and ``num_decode``
-decode workers, the gateway; the default model, float32, on 127.0.0.1) carries
+decode workers, the gateway; the default model with the engine's defaults, on 127.0.0.1;
+float32 with tensor-parallel decode workers) carries
 concurrent multi-turn greedy chats (`chaos_load`) for ``seconds`` while a seeded
 schedule (`chaos_schedule`) kills, drains and pauses its processes and drops client
 connections (`chaos_faults`). Every answer is compared with a single-process engine's
@@ -45,6 +46,8 @@ from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
+#: float32 weights and compute (tensor-parallel decode workers: see `cluster_config`)
+FLOAT32_ENV = {"RADIXSERVE_DTYPE": "float32", "RADIXSERVE_QUANTIZATION": "none"}
 
 # a ~200-token shared system prompt, 4 turns of 12-30 tokens, answers of 12-32 tokens
 CHAT = MultiTurnSize(200, 4, 1, (12, 30), (12, 32))
@@ -89,9 +92,10 @@ def cluster_config(options: ChaosOptions) -> ClusterConfig:
         host_tier_gib=options.kv_cache_gib,
         engine_env={
             # answers are checked token for token, and a migrated stream recomputes its
-            # tokens as a prompt: float32 rounding end to end (not the int4 decode kernel's)
-            "RADIXSERVE_DTYPE": "float32",
-            "RADIXSERVE_QUANTIZATION": "none",
+            # tokens as a prompt: the defaults compute a row the same way in any step; a
+            # tensor-parallel worker's all-reduce adds in another order than one process,
+            # which float32 rounding absorbs and bfloat16's would not
+            **(FLOAT32_ENV if options.decode_tp > 1 else {}),
             "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(options.kv_cache_gib),
             **options.engine_env,
             **env("KVSTORE"),  # every process gets it; the kvstore reads it
@@ -106,7 +110,8 @@ def reference_engine(options: ChaosOptions) -> Engine:
     """The single-process reference: the cluster's model, device, dtype and weights."""
     env = {**cluster_config(options).engine_env}
     settings: dict[str, Any] = {"model": env.get("RADIXSERVE_MODEL", "default"),
-                "dtype": env["RADIXSERVE_DTYPE"], "quantization": env["RADIXSERVE_QUANTIZATION"],
+                "dtype": env.get("RADIXSERVE_DTYPE", "auto"),
+                "quantization": env.get("RADIXSERVE_QUANTIZATION", "auto"),
                 "kv_cache_memory_gib": 0.5, "load_progress": False}  # fmt: skip
     if "RADIXSERVE_DEVICE" in env:
         settings["device"] = env["RADIXSERVE_DEVICE"]

@@ -42,6 +42,8 @@ PACKAGE_ROOTS = {
 DATA_FILES = [
     "radixserve/bench/data/README.md",
     "radixserve/bench/data/alice-in-wonderland-ch1-2.txt",
+    "radixserve/kernels/cpu/qgemm.c",  # the native CPU kernels' sources, built on first use
+    "radixserve/kernels/cpu/attention.c",
 ]
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
 

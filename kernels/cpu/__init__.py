@@ -1,12 +1,13 @@
 """The torch kernel set: the plain-torch references, with a faster CPU implementation
 where one exists (same signature and result; off the CPU each falls back to its
-reference)."""
+reference). Attention, extend and decode alike, is the native batch-invariant kernel
+(`attention.py`) where it is built."""
 
 from dataclasses import replace
 
-from radixserve.kernels.cpu.decode_attention import decode_attention
+from radixserve.kernels.cpu.attention import decode_attention, extend_attention
 from radixserve.kernels.reference import OPS as REFERENCE_OPS
 
-OPS = replace(REFERENCE_OPS, decode_attention=decode_attention)
+OPS = replace(REFERENCE_OPS, extend_attention=extend_attention, decode_attention=decode_attention)
 
 __all__ = ["OPS"]

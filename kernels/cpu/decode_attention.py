@@ -1,20 +1,31 @@
-"""Decode attention on CPU that reads long runs of pages where they lie.
+"""Decode attention on CPU, block by block, reading runs of pages where they lie.
 
 Same signature and result as `reference.decode_attention` (see it for the layout). Each
-sequence's pages split into runs of consecutive page ids. A run of at least
-`MIN_VIEW_PAGES` pages is attended in place, as a zero-copy view of the pool. The pages
-outside such runs (decode pages interleaved with other sequences', scattered pages) are
-gathered slot by slot as in the reference, for all sequences in one padded tensor and one
-masked attention. Every part returns its log-sum-exp, and a sequence's parts are merged
-by those: softmax is invariant to the order of keys, so a part may hold pages in any
-order. A view of the run holding a sequence's last page is cut at its length, and the
-gather's padding re-reads an owned slot, so no slot past a sequence's end is read.
+sequence's context is cut at fixed positions into blocks of `block_pages(page_size)`
+pages (`BLOCK_TOKENS` tokens):
 
-With a sliding window w > 0 the pages wholly before a sequence's last w tokens are left
-out of the runs and the gather; the first page left in is cut at the window's start (a
-view starts there, the gather masks the tokens before it).
+    tokens  0          256        512        768   800      (page size 16: 16 pages a block)
+            |---full---|---full---|---full---|edge-|
+             in place    gathered   in place   gathered, padded to a block and masked
 
-The plan (which runs, which slots) depends only on the page table, the lengths and the
+A full block whose pages have consecutive ids is attended in place, as a zero-copy view
+of the pool (a sequence's consecutive such blocks in one call, as a batch of views). The
+other full blocks are gathered, slot by slot, into one tensor of the same layout and
+attended in one call. Edge blocks (a sequence's last, partial block, and with a sliding
+window the block the window starts in) are gathered padded to a whole block, the padding
+re-reading an owned slot, and attended in one call with a mask; pages wholly before a
+window are not read. A sequence's blocks are merged by their log-sum-exps, in order.
+
+A block's result is the same bits however it was read and whatever else is in the
+batch: a view and a gathered copy hold the same values in the same layout; the flash
+kernel treats each batch entry alone; the query group is padded to a multiple of 8 rows,
+which keeps each of the kernel's per-thread buffers 64-byte aligned (on a misaligned one
+MKL's float32 GEMM rounds differently, so a block's bits would depend on the thread it
+lands on); and the merge adds a sequence's blocks in order, missing ones weighing 0. So
+a sequence's output does not depend on where its pages lie, and the page allocator's
+runs (`radixserve/cache/page_allocator.py`) change the speed only.
+
+The plan (which blocks, which slots) depends only on the page table, the lengths and the
 window, which every layer of a step shares: the last plan for each window is kept with
 copies of the first two and reused while they are equal (one comparison instead of some
 thirty small ops per layer; a model that alternates local and global layers keeps two).
@@ -25,30 +36,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.kernels import reference
 
-# Shorter runs are cheaper gathered with the rest than attended alone (one attention call
-# costs about what gathering 256 tokens does; kernels/bench_cpu_decode.py).
-MIN_VIEW_PAGES = 16
+# One attention call over a block costs about what gathering its 256 tokens does
+# (kernels/bench_cpu_decode.py), so shorter blocks would not pay for their calls.
+BLOCK_TOKENS = 256
+GROUP_ROWS = 8  # the query group is padded to a multiple of this (see the module notes)
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def block_pages(page_size: int) -> int:
+    """Pages in a block: `BLOCK_TOKENS` worth, at least one."""
+    return max(1, BLOCK_TOKENS // page_size)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
-    """How one batch's contexts are read: views of the pool, then one gather."""
+    """How one batch's contexts are read, block by block."""
 
     page_table: torch.Tensor  # (B, W) copy, the key the plan was made for
     seq_lens: torch.Tensor  # (B,) copy
     page_size: int
-    views: list[tuple[int, int, int, int]]  # (b, first page id, skip, end) per long run:
-    # tokens [skip, end) of the run's pages
-    gather_rows: torch.Tensor | None  # (R,) sequences with pages outside long runs
-    gather_slots: torch.Tensor | None  # (R * S,) their slots, padding re-reads an owned one
-    gather_mask: torch.Tensor | None  # (R, 1, 1, S) float32, 0 or -inf
-    part_rows: torch.Tensor  # (P,) each part's sequence: views in order, then gather rows
-    one_part_each: bool  # part p is sequence p for every p: no merge needed
+    num_blocks: int  # blocks of the longest context: the merge grid's width
+    views: list[tuple[int, int, int]]  # (b, first page id, blocks) per run read in place
+    gather_pages: torch.Tensor | None  # (N * bp,) the gathered full blocks' pages
+    gather_rows: torch.Tensor | None  # (N,) their sequences
+    edge_slots: torch.Tensor | None  # (E * T,) the edge blocks' slots, padding re-reads
+    edge_rows: torch.Tensor | None  # (E,) their sequences
+    edge_mask: torch.Tensor | None  # (E, 1, 1, T) float32, 0 or -inf
+    part_index: torch.Tensor  # (P,) each part's place b * num_blocks + block in the grid
+    one_part_each: bool  # part b is sequence b's only block for every b: no merge needed
 
 
 _last: dict[int, DecodePlan] = {}  # window -> the last plan made for it
@@ -77,35 +97,41 @@ def decode_attention(
         )
     batch, heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1:3]
+    group = heads // num_kv_heads
     plan = _plan(page_table, seq_lens, page_size, window)
-    rows_q = q.view(batch, num_kv_heads, heads // num_kv_heads, head_dim)  # (B, H_kv, G, D)
+    rows_q = q.view(batch, num_kv_heads, group, head_dim)  # (B, H_kv, G, D)
+    rows_q = F.pad(rows_q, (0, 0, 0, -group % GROUP_ROWS))  # (B, H_kv, G8, D)
+    block = block_pages(page_size) * page_size
     outs, lses = [], []
-    for b, page, skip, end in plan.views:
-        length = -(-end // page_size)
-        k = k_cache[page : page + length].view(-1, num_kv_heads, head_dim)[skip:end]
-        v = v_cache[page : page + length].view(-1, num_kv_heads, head_dim)[skip:end]
-        out, lse = _flash(
-            rows_q[b : b + 1], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
-        )
+    for b, page, count in plan.views:
+        pages = slice(page, page + count * block // page_size)
+        k = k_cache[pages].view(count, block, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache[pages].view(count, block, num_kv_heads, head_dim).transpose(1, 2)
+        out, lse = _flash(rows_q[b : b + 1].expand(count, -1, -1, -1), k, v, scale=scale)
         outs.append(out)
         lses.append(lse)
-    if plan.gather_rows is not None:
-        assert plan.gather_slots is not None and plan.gather_mask is not None
-        shape = (plan.gather_rows.numel(), -1, num_kv_heads, head_dim)
-        k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.gather_slots)
-        v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.gather_slots)
-        out, lse = _flash(
-            rows_q[plan.gather_rows], k.view(shape).transpose(1, 2),
-            v.view(shape).transpose(1, 2), attn_mask=plan.gather_mask.to(q.dtype), scale=scale,
-        )  # fmt: skip
+    # Gathers index rows of a 2-D view, a page or a slot each: float32 index_select of
+    # (slots, H_kv, D) rows runs about 10x slower than of the same bytes as (slots, H_kv * D).
+    for rows, index, per, mask in (
+        (plan.gather_rows, plan.gather_pages, k_cache.shape[0], None),
+        (plan.edge_rows, plan.edge_slots, k_cache.shape[0] * page_size, plan.edge_mask),
+    ):
+        if rows is None or index is None:
+            continue
+        shape = (rows.numel(), block, num_kv_heads, head_dim)
+        k = k_cache.view(per, -1).index_select(0, index).view(shape).transpose(1, 2)
+        v = v_cache.view(per, -1).index_select(0, index).view(shape).transpose(1, 2)
+        attn_mask = None if mask is None else mask.to(q.dtype)
+        out, lse = _flash(rows_q[rows], k, v, attn_mask=attn_mask, scale=scale)  # (N, H_kv, T, D)
         outs.append(out)
         lses.append(lse)
     if not outs:
         return q.new_zeros(q.shape)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (P, H_kv, G, D)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (P, H_kv, G8, D)
     if not plan.one_part_each:
-        out = _merge(out, torch.cat(lses), plan.part_rows, batch)
-    return out.view(q.shape)
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses)
+        out = _merge(out, lse, plan.part_index, batch, plan.num_blocks)
+    return out[:, :, :group].reshape(q.shape)
 
 
 def _plan(
@@ -133,72 +159,90 @@ def _same(
 def _make_plan(
     page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, window: int
 ) -> DecodePlan:
-    num_pages = (seq_lens + page_size - 1) // page_size  # (B,)
-    column = torch.arange(page_table.shape[1])[None, :]
-    owned = column < num_pages[:, None]  # (B, W) columns read
-    first_token = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
-    if window:  # not the pages wholly before the window
-        owned &= column >= (first_token // page_size)[:, None]
-    starts = owned.clone()
-    starts[:, 1:] &= (page_table[:, 1:] != page_table[:, :-1] + 1) | ~owned[:, :-1]
-    run = (starts.cumsum(1) - 1).clamp(min=0)  # (B, W) each column's run, counted in b
-    run_pages = torch.zeros_like(run).scatter_add_(1, run, owned.long()).gather(1, run)
-    in_view = owned & (run_pages >= MIN_VIEW_PAGES)  # (B, W) columns read in place
-    b_idx, c_idx = (starts & in_view).nonzero(as_tuple=True)
-    run_start = c_idx * page_size  # (V,) the views' first tokens
-    view_end = torch.minimum(run_pages[b_idx, c_idx] * page_size, seq_lens[b_idx] - run_start)
-    view_skip = (first_token[b_idx] - run_start).clamp(min=0)
-    views = list(zip(b_idx.tolist(), page_table[b_idx, c_idx].tolist(), view_skip.tolist(),
-                     view_end.tolist()))  # fmt: skip
-    rows, slots, mask = _gather_plan(page_table, seq_lens, first_token, owned & ~in_view, page_size)
-    part_rows = b_idx if rows is None else torch.cat([b_idx, rows])
+    per_block = block_pages(page_size)
+    block = per_block * page_size
     batch = seq_lens.numel()
+    width = int((seq_lens.max() + block - 1) // block) if batch else 0
+    first = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
+    start = torch.arange(width)[None, :] * block  # (1, NB) each block's first token
+    end = torch.minimum(start + block, seq_lens[:, None])  # (B, NB)
+    live = end > torch.maximum(start, first[:, None])  # (B, NB) blocks with a token read
+    full = live & (start >= first[:, None]) & (end - start == block)
+    table = F.pad(page_table, (0, max(0, width * per_block - page_table.shape[1])))
+    pages = table[:, : width * per_block].reshape(batch, width, per_block)  # (B, NB, bp)
+    in_place = full & (pages[..., 1:] == pages[..., :-1] + 1).all(-1)  # (B, NB)
+    views, view_index = _views(in_place, pages, width)
+    gather_b, gather_j = (full & ~in_place).nonzero(as_tuple=True)  # (N,) each
+    edge_b, edge_j = (live & ~full).nonzero(as_tuple=True)  # (E,) each
+    edge_slots, edge_mask = _edge_slots(table, seq_lens, first, edge_b, edge_j, page_size, block)
+    part_index = torch.cat([view_index, gather_b * width + gather_j, edge_b * width + edge_j])
     return DecodePlan(
         page_table=page_table.clone(), seq_lens=seq_lens.clone(), page_size=page_size,
-        views=views,
-        gather_rows=rows, gather_slots=slots, gather_mask=mask, part_rows=part_rows,
-        one_part_each=bool(part_rows.numel() == batch
-                           and (part_rows == torch.arange(batch)).all()),
+        num_blocks=width, views=views,
+        gather_pages=pages[gather_b, gather_j].flatten() if gather_b.numel() else None,
+        gather_rows=gather_b if gather_b.numel() else None,
+        edge_slots=edge_slots if edge_b.numel() else None,
+        edge_rows=edge_b if edge_b.numel() else None,
+        edge_mask=edge_mask if edge_b.numel() else None,
+        part_index=part_index,
+        one_part_each=width == 1 and torch.equal(part_index, torch.arange(batch)),
     )  # fmt: skip
 
 
-def _gather_plan(
-    page_table: torch.Tensor,
+def _views(
+    in_place: torch.Tensor, pages: torch.Tensor, width: int
+) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+    """The runs of blocks read in place, (b, first page, blocks) each: a sequence's
+    consecutive in-place blocks whose pages continue one another; and the grid places
+    of their blocks, in order (V,)."""
+    follows = torch.zeros_like(in_place)  # (B, NB) block continues the one before it
+    follows[:, 1:] = in_place[:, 1:] & in_place[:, :-1] & (pages[:, 1:, 0] == pages[:, :-1, -1] + 1)
+    starts = in_place & ~follows
+    run = (starts.long().cumsum(1) - 1).clamp(min=0)  # (B, NB) each block's run in its row
+    counts = torch.zeros_like(run).scatter_add_(1, run, in_place.long())  # (B, NB)
+    b_idx, j_idx = starts.nonzero(as_tuple=True)  # (R,) each
+    count = counts[b_idx, run[b_idx, j_idx]]  # (R,) blocks per run
+    views = list(zip(b_idx.tolist(), pages[b_idx, j_idx, 0].tolist(), count.tolist()))
+    first = (b_idx * width + j_idx).repeat_interleave(count)  # (V,) each block's run start
+    offset = torch.arange(first.numel()) - (count.cumsum(0) - count).repeat_interleave(count)
+    return views, first + offset
+
+
+def _edge_slots(
+    table: torch.Tensor,
     seq_lens: torch.Tensor,
-    first_token: torch.Tensor,
-    rest: torch.Tensor,
+    first: torch.Tensor,
+    rows: torch.Tensor,
+    blocks: torch.Tensor,
     page_size: int,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """For the `rest` (B, W) columns: the rows that have some (R,), the slots of a padded
-    (R, S) gather and its additive mask (R, 1, 1, S), which keeps tokens first_token[b]..
-    seq_lens[b] - 1; Nones when there are none."""
-    rows = rest.any(1).nonzero().flatten()  # (R,)
-    if rows.numel() == 0:
-        return None, None, None
-    rest = rest[rows]
-    count = rest.sum(1)  # (R,) pages each
-    # Each row's rest columns first, in order; the last page, if among them, ends it.
-    order = (~rest).to(torch.int8).argsort(dim=1, stable=True)[:, : int(count.max())]
-    pages = page_table[rows].gather(1, order)  # (R, W_r)
-    pos = torch.arange(pages.shape[1] * page_size)[None, :].expand(rows.numel(), -1)
-    token = order.gather(1, pos // page_size) * page_size + pos % page_size  # (R, S) position
-    valid = (pos < count[:, None] * page_size) & (token < seq_lens[rows, None])
-    valid &= token >= first_token[rows, None]
-    slots = pages.gather(1, pos // page_size) * page_size + pos % page_size
-    slots = torch.where(valid, slots, slots[:, :1])
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For E edge blocks (sequence `rows`, index `blocks`): their slots padded to whole
+    blocks (E * T,), a padded position re-reading the block's first token read, and the
+    additive mask (E, 1, 1, T) keeping tokens first[b]..seq_lens[b] - 1."""
+    token = blocks[:, None] * block + torch.arange(block)  # (E, T)
+    valid = (token < seq_lens[rows, None]) & (token >= first[rows, None])
+    token = torch.where(valid, token, token.gather(1, valid.long().argmax(1, keepdim=True)))
+    slots = table[rows[:, None], token // page_size] * page_size + token % page_size
     mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-    return rows, slots.flatten(), mask[:, None, None, :]
+    return slots.flatten(), mask[:, None, None, :]
 
 
-def _merge(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """(B, H_kv, G, D) from parts over disjoint keys: outputs (P, H_kv, G, D), their
-    log-sum-exps (P, H_kv, G) float32 and sequences (P,); a sequence without parts is 0."""
-    index = rows.view(-1, 1, 1).expand_as(lses)
-    top = torch.full((batch, *lses.shape[1:]), float("-inf"))
-    top.scatter_reduce_(0, index, lses, "amax")  # (B, H_kv, G)
-    weight = (lses - top[rows]).exp()  # (P, H_kv, G)
-    total = torch.zeros_like(top).index_add_(0, rows, weight)
-    merged = torch.zeros((batch, *outs.shape[1:])).index_add_(
-        0, rows, outs.float() * weight[..., None]
-    )
+def _merge(
+    outs: torch.Tensor, lses: torch.Tensor, index: torch.Tensor, batch: int, width: int
+) -> torch.Tensor:
+    """(B, H_kv, G, D) from blocks over disjoint keys: outputs (P, H_kv, G, D), their
+    log-sum-exps (P, H_kv, G) float32 and places `index` (P,) b * width + block in a
+    (B, width) grid. Each sequence's blocks are added in block order (a cumulative sum
+    along the grid row, blocks it lacks weighing 0); a sequence without blocks is 0."""
+    if width == 1:  # one block each: its output as it is (the merge would give the same)
+        return outs.new_zeros((batch, *outs.shape[1:])).index_copy_(0, index, outs)
+    grid_lse = lses.new_full((batch * width, *lses.shape[1:]), float("-inf"))
+    grid_lse = grid_lse.index_copy_(0, index, lses).view(batch, width, *lses.shape[1:])
+    grid_out = torch.zeros((batch * width, *outs.shape[1:]))
+    grid_out = grid_out.index_copy_(0, index, outs.float()).view(batch, width, *outs.shape[1:])
+    top = grid_lse.amax(1, keepdim=True)  # (B, 1, H_kv, G)
+    weight = (grid_lse - top.masked_fill(top == float("-inf"), 0.0)).exp()  # (B, NB, H_kv, G)
+    total = weight.cumsum(1)[:, -1]  # (B, H_kv, G)
+    merged = (grid_out * weight[..., None]).cumsum(1)[:, -1]  # (B, H_kv, G, D)
     return (merged / total.clamp(min=1e-30)[..., None]).to(outs.dtype)

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from radixserve.errors import ConfigurationError
-from radixserve.model.native import cpu_flags
+from radixserve.kernels.cpu.native import cpu_flags
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

@@ -17,7 +17,11 @@ tokens are spent:
 
 Pages come from the allocator; when it runs short the radix cache evicts unlocked
 leaves, and if that is not enough the newest running request is preempted (its KV goes
-into the cache, its pages are released, it re-queues first).
+into the cache, its pages are released, it re-queues first). Each allocation for a
+request also reserves the pages up to the end of its current block of `block_pages`
+(the next whole block when it ends one, never past what the request can still use), so
+its pages come in the runs the CPU decode attention reads in place; the reservation is
+returned whenever the request's pages are (finish, abort, preemption).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.request import Request, RequestStatus
+from radixserve.kernels.cpu.decode_attention import block_pages
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,7 @@ class Scheduler:
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
+        self.run_pages = block_pages(page_size)  # pages a request's runs are aligned to
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_tokens = min(
@@ -187,7 +193,9 @@ class Scheduler:
         if num % self.page_size:
             if self.allocator.num_free < 1 and not (self.cache and self.cache.evict(1) >= 1):
                 return False
-            tail = self.allocator.alloc(1)
+            tail = self.allocator.alloc(
+                1, owner=child.request_id, spare=self._spare_pages(child, full + 1)
+            )
             copy_page(parent.page_ids[full], tail[0])
         shared = parent.page_ids[:full]
         self.allocator.incref(shared)
@@ -256,8 +264,17 @@ class Scheduler:
                 continue
             if chosen is None or not self._preempt_newest(req, chosen):
                 return False
-        req.page_ids.extend(self.allocator.alloc(need))
+        spare = self._spare_pages(req, len(req.page_ids) + need)
+        req.page_ids.extend(self.allocator.alloc(need, owner=req.request_id, spare=spare))
         return True
+
+    def _spare_pages(self, req: Request, num_pages: int) -> int:
+        """Pages to reserve for `req` after its first `num_pages`: to the end of their
+        block of `run_pages` (a whole next block if they end one), at most as many as
+        its prompt and `max_tokens` can still fill."""
+        spare = -num_pages % self.run_pages or self.run_pages
+        most = -(-(len(req.prompt_ids) + req.params.max_tokens) // self.page_size)
+        return max(0, min(spare, most - num_pages))
 
     def _preempt_newest(self, req: Request, chosen: dict[str, tuple[Request, int]]) -> bool:
         """Preempt the newest running request; False if that was `req` itself."""
@@ -276,6 +293,7 @@ class Scheduler:
             if aligned:
                 self.cache.insert(req.token_ids[: aligned * self.page_size], req.page_ids[:aligned])
         self.allocator.decref(req.page_ids)
+        self.allocator.release(req.request_id)
         if req.locked_node is not None:
             assert self.cache is not None
             self.cache.unlock(req.locked_node)

@@ -5,29 +5,39 @@ piece (the q, k and v rows of a fused qkv arrive one at a time), and `rows(ids)`
 dequantized rows for an embedding lookup.
 
 - `DenseLinear`: W in the compute dtype (scheme ``none``).
-- `Int4Linear`, `Int8Linear`: PyTorch's CPU weight-only kernels
-  (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``), which read the packed
-  weight once per call and dequantize in registers. They run in bfloat16 whatever the
-  compute dtype. Their cost grows with the rows of x about as fast as a dense float32
-  matmul's, while oneDNN's bfloat16 matmul (AMX where present) barely grows, so above
-  `kernel_rows` rows (measured here) a layer dequantizes its weight into a transient
-  dense matrix and runs the dense matmul instead (prefill chunks); decode steps stay on
-  the kernel. int4 dequantizes with a small C routine (`radixserve.model.native`: why the
-  crossover is 16 rows with or without it).
+- `Int4Linear`, `Int8Linear`: the fused quantized GEMM (`radixserve.kernels.cpu.qgemm`, built
+  by `radixserve.kernels.cpu.native`) for every number of rows: it unpacks the weight in
+  registers, multiplies by the exact weight, and computes each output row the same way
+  whatever the other rows, so a token's logits do not depend on batching, chunking or
+  the prefix cache. x is rounded to bfloat16 on the way in, as the kernel reads it; the
+  output is float32 for a float32 model, else bfloat16.
+  Without the C kernel (no compiler, nothing prebuilt, ``RADIXSERVE_NATIVE_KERNELS=0``)
+  they run PyTorch's CPU weight-only kernels (``_weight_int4pack_mm_for_cpu``,
+  ``_weight_int8pack_mm``) for every number of rows: the same products of the exact
+  weight summed in another order, so the same answers' quality but not the same bits.
+  Those kernels also sum each row in a fixed order whatever the other rows (measured
+  with their AVX-512 and AVX2 code, not promised by PyTorch); their cost grows with the
+  rows about as fast as a float32 matmul's, so prefill is slower there.
 - `Fp8Linear`: e4m3 weight with per-row scales, activations quantized per row on the
   fly, ``torch._scaled_mm`` (FP8 tensor cores on GPUs that have them).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model.native import native_dequant
+from radixserve.kernels.cpu.qgemm import (
+    BLOCK,
+    native_qgemm,
+    pack_int4,
+    pack_int8,
+    unpack_int8,
+    unpack_int8_rows,
+)
 from radixserve.model.quant import (
     FP8_MAX,
     GROUP,
@@ -35,18 +45,9 @@ from radixserve.model.quant import (
     QuantizedRows,
     Scheme,
     dequantize,
-    int4_pack_block,
 )
 
 _KERNEL_DTYPE = torch.bfloat16
-
-
-@functools.cache
-def _bf16_gemm() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16, AMX). Without it a
-    bfloat16 matmul is emulated: ~100x slower than float32 here, and not exact either."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else True
 
 
 class Linear(nn.Module):
@@ -102,32 +103,24 @@ class DenseLinear(Linear):
 
 
 class _KernelLinear(Linear):
-    """Shared dispatch: the packed kernel for few rows, dequantize + dense for many."""
+    """Shared dispatch: the native GEMM where it is built, else PyTorch's kernel."""
 
-    kernel_rows = 32  # rows of x up to which the kernel beats dequantize + dense here
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__(out_features, in_features, dtype)
+        self._qgemm = native_qgemm()
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        xb = x.to(_KERNEL_DTYPE)
-        if x.shape[0] > self.kernel_rows and _bf16_gemm():  # [x, x] @ [hi; lo].T
-            y = F.linear(torch.cat((xb, xb), dim=1), self.dense_pair())
-        elif x.shape[0] > self.kernel_rows:  # the same products in float32
-            y = F.linear(xb.float(), self._float32())
+        if self._qgemm is not None:
+            y = self._native(x, torch.float32 if x.dtype == torch.float32 else _KERNEL_DTYPE)
         else:
-            y = self._kernel(xb)
+            y = self._kernel(x.to(_KERNEL_DTYPE))
         y = y.to(x.dtype)
         return y if bias is None else y + bias
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _native(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def dense_pair(self) -> torch.Tensor:
-        """(N, 2K) bfloat16 [hi | lo] with hi + lo = W to within 2^-16: the dense path
-        multiplies by the weight the kernel dequantizes in float32, not a bfloat16-rounded
-        one, so both paths give a token the same logits to float32 rounding."""
-        return _split(self._float32())
-
-    def _float32(self) -> torch.Tensor:
-        """The whole (N, K) weight in float32, with torch ops (transient)."""
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -145,36 +138,65 @@ class _RowScaled(Linear):
 
 
 class Int8Linear(_KernelLinear, _RowScaled):
+    """With the native GEMM the codes are kept packed (`pack_int8`), N padded to a
+    multiple of 16 and K to an even number with zero codes; else as PyTorch's kernel
+    takes them, (N, K)."""
+
     scheme: Scheme = "int8"
+    packed: torch.Tensor  # (N/16, K/2, 32) int8, with the native GEMM
 
     def __init__(
         self, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__(out_features, in_features, dtype)
-        self.register_buffer("q", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.empty(out_features, dtype=_KERNEL_DTYPE))
+        n, k = out_features, in_features
+        if self._qgemm is not None:
+            n_pad, k_pad = -(-n // BLOCK) * BLOCK, k + k % 2
+            packed = torch.zeros(n_pad // BLOCK, k_pad // 2, 32, dtype=torch.int8)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale", torch.zeros(n_pad, dtype=_KERNEL_DTYPE))
+        else:
+            self.register_buffer("q", torch.empty(n, k, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(n, dtype=_KERNEL_DTYPE))
+
+    def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
+        if self._qgemm is None:
+            super().load(start, weight)
+            return
+        r = self._rows_of(weight)
+        end = start + r.shape[0]
+        first, last = start // BLOCK, -(-end // BLOCK)  # the blocks these rows touch
+        codes = unpack_int8(self.packed[first:last])
+        codes[start - first * BLOCK : end - first * BLOCK, : self.in_features] = r.q
+        self.packed[first:last] = pack_int8(codes)
+        self.scale[start:end] = r.scale
+
+    def _native(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        assert self._qgemm is not None
+        if self.in_features % 2:
+            x = F.pad(x, (0, 1))  # the padding input's codes are zero
+        y = self._qgemm.int8(x, self.packed, self.scale, out_dtype)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.q).to(self.dtype) * self.scale[ids].to(self.dtype)[:, None]
-
-    def _float32(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        if self._qgemm is None:
+            q = F.embedding(ids, self.q)
+        else:
+            q = unpack_int8_rows(self.packed, ids)[:, : self.in_features]
+        return q.to(self.dtype) * self.scale[ids].to(self.dtype)[:, None]
 
 
 class Int4Linear(_KernelLinear):
-    """Packed as the CPU kernel wants: (N, K/2) bytes, each block of B rows (64 where
-    PyTorch packs for AVX-512, 32 for AVX2: `int4_pack_block`) stored as (K, B/2) bytes
-    whose low nibble is row j and high nibble row j + B/2; scales and zeros as
-    (K/GROUP, N, 2)."""
+    """Packed for the native GEMM (`pack_int4`: (N/16, K/8, 64) bytes) where it is built,
+    else as PyTorch's CPU kernel packs it (``_convert_weight_to_int4pack_for_cpu``: its
+    layout depends on the instruction set PyTorch was built for). Scales and zeros as
+    (K/GROUP, N, 2) either way."""
 
     scheme: Scheme = "int4"
-    # the native dequantizer's crossover (torch ops alone would have it at 96), kept
-    # without it too: which path a prefill takes must not depend on the machine
-    kernel_rows = 16
-    packed: torch.Tensor  # (N, K/2) uint8
+    packed: torch.Tensor  # (N/16, K/8, 64) or (N, K/2) uint8
     scales_zeros: torch.Tensor  # (K/group, N, 2)
 
     def __init__(
@@ -188,47 +210,33 @@ class Int4Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         n, k = out_features, in_features
         self.group = group
-        self._block = int4_pack_block()  # the packed layout's rows per block, this machine's
-        self._native = native_dequant()
-        self.register_buffer("packed", torch.empty(n, k // 2, dtype=torch.uint8))
+        if self._qgemm is not None:
+            packed = torch.empty(n // BLOCK, k // 8, 64, dtype=torch.uint8)
+        else:
+            packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", torch.empty(k // group, n, 2, dtype=_KERNEL_DTYPE))
 
     def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
         r = self._rows_of(weight)
         assert r.zero is not None and start % ROW_BLOCK == 0 and r.group == self.group
         end = start + r.shape[0]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(r.q.to(torch.int32), 1)
-        self.packed[start:end].copy_(packed)
+        if self._qgemm is not None:
+            self.packed[start // BLOCK : end // BLOCK].copy_(pack_int4(r.q))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(r.q.to(torch.int32), 1)
+            self.packed[start:end].copy_(packed)
         self.scales_zeros[:, start:end, 0].copy_(r.scale.t())
         self.scales_zeros[:, start:end, 1].copy_(r.zero.t())
+
+    def _native(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        assert self._qgemm is not None
+        return self._qgemm.int4(x, self.packed, self.scales_zeros, self.group, out_dtype)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group, self.scales_zeros
         )
-
-    def dense_pair(self) -> torch.Tensor:
-        """As the base's, in the native routine's layout: a (N, 2K) view of (2K, N), so
-        that the dense matmul is the same call, and sums the same, with or without it."""
-        n, k = self.out_features, self.in_features
-        if self._native is not None:
-            return self._native(self.packed, self.scales_zeros, n, k, self.group).t()
-        return _split(self._float32().t(), dim=0).t()  # (N, 2K) view of (2K, N)
-
-    def _float32(self) -> torch.Tensor:
-        """(N, K) view of a (K, N) float32 matrix, with torch ops: unpacking along K keeps
-        the packed layout's 32-byte runs, and a group's scales broadcast along its rows."""
-        n, k = self.out_features, self.in_features
-        block = self._block
-        b = self.packed.view(n // block, k, block // 2)
-        wt = torch.empty(k, n // block, 2, block // 2)
-        wt[:, :, 0].copy_((b & 15).transpose(0, 1))  # rows j of each block
-        wt[:, :, 1].copy_((b >> 4).transpose(0, 1))  # rows j + block / 2
-        scale = self.scales_zeros[..., 0].float()  # (K/G, N)
-        zero = self.scales_zeros[..., 1].float()
-        grouped = wt.view(k // self.group, self.group, n)
-        grouped.sub_(8).mul_(scale[:, None]).add_(zero[:, None])
-        return wt.view(k, n).t()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("int4 weights do not serve embedding lookups (plan_schemes uses int8)")
@@ -257,14 +265,6 @@ class Fp8Linear(_RowScaled):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.q[ids].to(self.dtype) * self.scale[0, ids].to(self.dtype)[:, None]
-
-
-def _split(w: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """float32 w → bfloat16 [hi, lo] joined along ``dim`` ((N, K) → (N, 2K) by default),
-    hi = bf16(w), lo = bf16(w - hi): the native routine's numbers, bit for bit (both round
-    to nearest even, and w - hi is exact)."""
-    hi = w.to(torch.bfloat16)
-    return torch.cat((hi, (w - hi.float()).to(torch.bfloat16)), dim=dim)
 
 
 _LAYERS: dict[str, Callable[[int, int, torch.dtype, torch.device], Linear]] = {

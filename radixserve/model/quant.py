@@ -17,7 +17,6 @@ the ``quantization`` setting and the checkpoint's stored formats.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Literal
@@ -100,22 +99,6 @@ def dequantize(rows: QuantizedRows) -> torch.Tensor:
         q = rows.q.view(n, groups, k // groups).float() - 8
         return (q * rows.scale.unsqueeze(-1) + rows.zero.unsqueeze(-1)).view(n, k)
     return rows.q.float() * rows.scale.unsqueeze(-1)
-
-
-@functools.cache
-def int4_pack_block() -> int:
-    """Rows per block of PyTorch's CPU int4 packing on this machine: it depends on the
-    instruction set it was built for (64 with AVX-512, 32 with AVX2): each byte holds row
-    j's and row j + block/2's nibble of one input. Found once by packing a known matrix,
-    so the dequantizing paths read the layout the kernel wrote."""
-    q = torch.randint(0, 16, (ROW_BLOCK, GROUP), generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    for block in (64, 32, 16):
-        b = packed.view(ROW_BLOCK // block, GROUP, block // 2)
-        rows = torch.cat(((b & 15), (b >> 4)), dim=2)  # (blocks, K, block)
-        if torch.equal(rows.transpose(1, 2).reshape(ROW_BLOCK, GROUP).to(q.dtype), q):
-            return block
-    raise RuntimeError("PyTorch's CPU int4 packing has a layout this version does not read")
 
 
 def int4_fits(n: int, k: int) -> bool:

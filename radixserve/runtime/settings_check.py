@@ -24,8 +24,8 @@ from radixserve.errors import RadixServeError
 #: read by the process outside the settings classes (module docstrings say where)
 PROCESS_VARIABLES = frozenset({
     "RADIXSERVE_LOG_LEVEL",  # radixserve.logging
-    "RADIXSERVE_NATIVE_KERNELS",  # radixserve.model.native
-    "RADIXSERVE_NATIVE_DIR",  # radixserve.model.native
+    "RADIXSERVE_NATIVE_KERNELS",  # radixserve.kernels.cpu.native
+    "RADIXSERVE_NATIVE_DIR",  # radixserve.kernels.cpu.native
 })  # fmt: skip
 
 

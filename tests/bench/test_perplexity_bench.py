@@ -100,7 +100,7 @@ def test_engine_perplexity_is_exp_mean_nll_of_the_scored_tokens(
     assert "| a | cpu float32, weights none |" in capsys.readouterr().out
 
     # independently: the engine's prompt log-probabilities of the same two chunks
-    engine = make_engine(tiny_model, kv_cache_memory_gib=0.02, prefix_cache=False)
+    engine = make_engine(tiny_model, kv_cache_memory_gib=0.02, prefix_cache=False, **same)
     text = ppl.TEXT_PATH.read_text(encoding="utf-8").removesuffix("\n")
     ids = engine.tokenizer.encode(text)
     chunks = [ids[0:64], ids[64:128]]

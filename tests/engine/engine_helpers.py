@@ -38,9 +38,15 @@ def tiny_checkpoint(
     return Checkpoint(config, real.tokenizer, source.path, source, progress=False)
 
 
+#: The configuration of the comparisons with another implementation (transformers in
+#: float32, the Triton kernels): float32 weights and compute. Every other test runs the
+#: engine's defaults, as a user gets them (bfloat16 where the CPU computes it natively,
+#: the GGUF's int4 weights on the default model).
+FLOAT32 = {"dtype": "float32", "quantization": "none"}
+
+
 def make_engine(model: str, **overrides) -> Engine:
-    # float32 and unquantized: the engine tests compare with transformers in float32
-    settings = {"device": "cpu", "dtype": "float32", "quantization": "none", "load_progress": False}
+    settings = {"device": "cpu", "load_progress": False}
     settings.update(overrides)
     if model == TINY:
         return Engine(EngineSettings(model="default", **settings), checkpoint=tiny_checkpoint())
@@ -77,7 +83,8 @@ def chunked_logits(engine: Engine, ids: list[int], split: int | None = None) -> 
 
 
 def assert_no_leaks(engine: Engine) -> None:
-    """No live request, nothing locked, and every used page owned by the cache."""
+    """No live request, nothing locked, no page reserved, and every used page owned by
+    the cache."""
     stats = engine.cache_stats()
     assert stats["live_requests"] == 0, stats
     assert not engine.has_unfinished()
@@ -89,6 +96,7 @@ def assert_no_leaks(engine: Engine) -> None:
     else:
         assert stats["pages_used"] == 0, stats
     assert stats["page_refs_outside_cache"] == 0, stats
+    assert stats["pages_reserved"] == 0, stats  # every reservation returned
     engine.allocator.check_integrity()
 
 

@@ -90,10 +90,13 @@ class _Pages:
 
     num_free = 1 << 20
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int, owner: object = None, spare: int = 0) -> list[int]:
         return list(range(n))
 
     def decref(self, pages) -> None: ...
+
+    def release(self, owner: object) -> int:
+        return 0
 
 
 def test_tiers_decodes_then_short_deltas_then_chunks():

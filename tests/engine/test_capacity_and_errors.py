@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
+from radixserve.engine.device import resolve_dtype
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import CapacityError, InvalidRequestError, ModelLoadError
 from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-# One page of the tiny model's 16 tokens, fp32: 2 layers * 2 * 2 kv heads * 16 dims * 4 bytes * 16.
-PAGE_BYTES = 2 * 2 * 2 * 16 * 4 * 16
+# One page of the tiny model's 16 tokens in the default dtype:
+# 2 layers * 2 * 2 kv heads * 16 dims * 16 tokens * the dtype's bytes.
+PAGE_BYTES = 2 * 2 * 2 * 16 * 16 * resolve_dtype("auto", torch.device("cpu")).itemsize
 
 
 def _small_engine(num_pages: int, **kw):

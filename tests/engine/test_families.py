@@ -36,6 +36,7 @@ from radixserve.errors import InvalidRequestError, ModelLoadError
 from radixserve.model.checkpoint import load_checkpoint
 from radixserve.model.qlinear import Int4Linear, Int8Linear
 from tests.engine.engine_helpers import (
+    FLOAT32,
     assert_greedy_matches_transformers,
     chunked_logits,
     make_engine,
@@ -81,7 +82,8 @@ def family(request, tmp_path_factory):
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_greedy_tokens_equal_transformers(family, source):
     _, hf_dir, gguf, hf = family
-    engine = make_engine(str(hf_dir if source == "safetensors" else gguf), page_size=4)
+    engine = make_engine(str(hf_dir if source == "safetensors" else gguf), page_size=4,
+                         **FLOAT32)  # fmt: skip
     assert engine.config.architecture == family[0]
     assert_greedy_matches_transformers(engine, hf, _prompts(engine.config.vocab_size), NEW_TOKENS)
 
@@ -138,7 +140,7 @@ def test_sliding_windows_of_the_other_families(tmp_path, arch, window):
     """Mistral's window and Qwen's use_sliding_window, shorter than the prompts, as
     transformers applies them (safetensors: llama.cpp's GGUFs of these carry none)."""
     kwargs = {"arch": arch, "tie": False, **window}
-    engine = make_engine(str(write_tiny_checkpoint(tmp_path, **kwargs)), page_size=4)
+    engine = make_engine(str(write_tiny_checkpoint(tmp_path, **kwargs)), page_size=4, **FLOAT32)
     assert engine.config.sliding_window == 8 and engine.config.sliding_layers
     assert_greedy_matches_transformers(
         engine, build_tiny_model(**kwargs), _prompts(engine.config.vocab_size), NEW_TOKENS
@@ -148,7 +150,7 @@ def test_sliding_windows_of_the_other_families(tmp_path, arch, window):
 def test_gemma3_softmax_scale_from_query_pre_attn_scalar(tmp_path):
     """Gemma 3 27B's scalar is not its head_dim: the scale follows the config."""
     kwargs = {**FAMILIES["gemma3"], "query_pre_attn_scalar": 40}
-    engine = make_engine(str(write_tiny_checkpoint(tmp_path, **kwargs)), page_size=4)
+    engine = make_engine(str(write_tiny_checkpoint(tmp_path, **kwargs)), page_size=4, **FLOAT32)
     assert engine.config.attention_scale == 40**-0.5
     assert_greedy_matches_transformers(
         engine, build_tiny_model(**kwargs), _prompts(engine.config.vocab_size)[1:], NEW_TOKENS
@@ -168,10 +170,10 @@ def test_quantized_experts_stay_close_to_float(tmp_path, stored, scheme, layer, 
     scheme's layers, expert by expert, and stay close to the float model."""
     root = write_tiny_checkpoint(tmp_path / "hf", **FAMILIES["mixtral"])
     ids = _prompts(512)[2]
-    want = chunked_logits(make_engine(str(root)), ids)
+    want = chunked_logits(make_engine(str(root), **FLOAT32), ids)
     if stored != "float32":
         root = write_tiny_gguf(tmp_path / "tiny.gguf", quant=stored, **FAMILIES["mixtral"])
-    engine = make_engine(str(root), quantization=scheme)
+    engine = make_engine(str(root), dtype="float32", quantization=scheme)
     moe = engine.model.decoder_layers[0].moe
     assert moe is not None and moe.quantized
     assert all(isinstance(e, layer) for e in (*moe.gate_up, *moe.down))

@@ -81,10 +81,11 @@ def test_a_prefix_loaded_into_the_cache_serves_like_a_device_hit(source):
     assert not engine.has_unfinished()  # not queued until its pages are read
     pages = list(admission.page_ids)
     engine.kv_pool.kv[:, :, pages] = source.kv_pool.kv[:, :, held.page_ids]  # "the read"
-    engine.finish_host_admission(admission.request_id, ok=True)
+    engine.finish_host_admission(admission.request_id, ok=True, disk_pages=2)
     assert cached(engine, ids) == full * size
     outputs = run(engine, admission.request_id)
     assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == full * size
+    assert outputs[0].disk_cached_tokens == 2 * size  # of those, read from the disk tier
     assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
     leak_free(engine)
 
@@ -96,11 +97,12 @@ def test_a_failed_aborted_or_refused_load_returns_everything(source):
     free = engine.allocator.num_free
     admission = engine.admit(ids, GREEDY, host=HostPlan(0, 3))
     assert admission.route == "host" and engine.allocator.num_free == free - 3
-    engine.finish_host_admission(admission.request_id, ok=False)  # the read failed
+    engine.finish_host_admission(admission.request_id, ok=False, disk_pages=3)  # read failed
     assert engine.allocator.num_free == free and engine.cache.num_cached_pages == 0
     engine.finish_host_admission(admission.request_id, ok=True)  # unknown now: nothing
     outputs = run(engine, admission.request_id)  # it computes the prompt instead
     assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == 0
+    assert outputs[0].disk_cached_tokens == 0
     assert [t for o in outputs for t in o.new_token_ids] == expected
     leak_free(engine)
 

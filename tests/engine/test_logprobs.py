@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve.engine.sampling_params import SamplingParams
-from tests.engine.engine_helpers import assert_no_leaks, make_engine
+from tests.engine.engine_helpers import FLOAT32, assert_no_leaks, make_engine
 from tests.model.tiny_checkpoints import write_tiny_checkpoint
 
 K = 5
@@ -43,7 +43,9 @@ def _check(lp, expected_row: torch.Tensor, token: int) -> None:
 @pytest.mark.parametrize("prompt_len", [6, 37])
 def test_prompt_and_greedy_logprobs_match_transformers(tiny, prompt_len):
     path, hf = tiny
-    engine = make_engine(str(path), page_size=4, max_num_batched_tokens=16)  # chunked prefill
+    engine = make_engine(
+        str(path), page_size=4, max_num_batched_tokens=16, **FLOAT32
+    )  # chunked prefill; fmt: skip
     prompt = _ids(prompt_len, engine.config.vocab_size, prompt_len)
     params = SamplingParams(
         max_tokens=6, min_tokens=6, temperature=0.0, logprobs=K, prompt_logprobs=K

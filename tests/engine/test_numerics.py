@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.engine_helpers import (
+    FLOAT32,
     assert_greedy_matches_transformers,
     chunked_logits,
     make_engine,
@@ -41,7 +42,7 @@ VARIANTS = {
 def pair(request, tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return make_engine(str(path), page_size=4), hf
+    return make_engine(str(path), page_size=4, **FLOAT32), hf
 
 
 def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:

@@ -1,4 +1,5 @@
-"""Sampler: greedy exactness, min_tokens, top-k / top-p, seeding and the sampled distribution."""
+"""Sampler: greedy exactness, min_tokens, top-k / top-p, seeding, the sampled distribution,
+and seeded draws equal to the full-sort algorithm the sampler replaced."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from radixserve.engine.sampler import Sampler, make_generator
+from bench.sampler_step import full_sort_sample_rows
+from radixserve.engine.sampler import (
+    PARTIAL_SELECTION_MAX_K,
+    Sampler,
+    make_generator,
+    sample_rows,
+)
 from radixserve.engine.sampling_params import SamplingParams
 
 EOS = 3
@@ -168,3 +175,80 @@ def test_shape_and_length_mismatch_are_errors() -> None:
         _sample(torch.zeros(5), [SamplingParams()])
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), [SamplingParams()], [None, None], [0, 0], [])
+
+
+# -- the same tokens as the full-sort algorithm ---------------------------------------
+
+
+def _rows_of_every_kind(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """(8, V) logits: model-like, flat, integer ties, bfloat16-rounded (ties), a grammar
+    mask (-inf mostly), one NaN, one +inf, all -inf."""
+    spread = torch.randn(8, vocab, generator=gen) * 2.5  # (8, V)
+    rows = [
+        spread[0],
+        spread[1] * 0.05,
+        torch.randint(0, 4, (vocab,), generator=gen).float(),
+        spread[3].bfloat16().float(),
+        spread[4].masked_fill(torch.rand(vocab, generator=gen) < 0.97, float("-inf")),
+        spread[5].index_fill(0, torch.tensor([7, 11]), float("nan")),
+        spread[6].index_fill(0, torch.tensor([3, 5]), float("inf")),
+        torch.full((vocab,), float("-inf")),
+    ]
+    return torch.stack(rows)
+
+
+def _grid() -> list[SamplingParams]:
+    """Temperatures, top-k on both sides of the partial-selection bound, top-p, min-p."""
+    return [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t in (0.3, 1.0, 1.7)
+        for k in (0, 2, 40, PARTIAL_SELECTION_MAX_K, PARTIAL_SELECTION_MAX_K + 1, 700)
+        for p in (1.0, 0.9, 0.3, 1e-6)
+        for m in (0.0, 0.1)
+    ]
+
+
+@pytest.mark.parametrize("vocab", [3000, 49_152])
+def test_seeded_draws_are_the_full_sort_algorithms(vocab: int) -> None:
+    """Every seeded draw picks the token the full sort with ids picked, for the same
+    seed: every kind of row under every combination of filters, many seeds each."""
+    gen = torch.Generator().manual_seed(vocab)
+    grid = _grid() if vocab < 10_000 else _grid()[::23]
+    kinds = _rows_of_every_kind(vocab, gen)  # (8, V)
+    x = kinds.repeat(len(grid), 1)  # (8 * P, V): every kind under every params
+    params = [p for p in grid for _ in range(kinds.shape[0])]
+    sampler = Sampler()  # its threads draw the seeded rows' races side by side
+    draws = 0
+    for step in range(4 if vocab < 10_000 else 2):
+        seeds = [step * len(params) + i for i in range(len(params))]
+        new = sampler(x, params, [make_generator(s, "cpu") for s in seeds], [0] * len(x), ())
+        old = full_sort_sample_rows(x, params, [make_generator(s, "cpu") for s in seeds])
+        assert torch.equal(new, old), (new != old).nonzero().flatten().tolist()[:10]
+        alone = sample_rows(x, params, [make_generator(s, "cpu") for s in seeds])  # no pool
+        assert torch.equal(alone, new)
+        draws += len(params)
+    assert draws >= (4000 if vocab < 10_000 else 90)
+
+
+def test_unseeded_broken_rows_match_the_full_sort_algorithm() -> None:
+    """Rows without a distribution (NaN, +inf, all -inf) take the full sort's first token
+    whether seeded or not: the lowest NaN id, else the lowest +inf id, else 0."""
+    kinds = _rows_of_every_kind(500, torch.Generator().manual_seed(3))[5:]  # (3, V)
+    params = [SamplingParams(temperature=0.8)] * 3
+    new = sample_rows(kinds, params, [None] * 3)
+    assert new.tolist() == [7, 3, 0]
+    assert torch.equal(new, full_sort_sample_rows(kinds, params, [None] * 3))
+
+
+def test_unseeded_rows_keep_the_filtered_distribution() -> None:
+    """Unseeded rows draw by inverse CDF from the shared RNG: top-k, top-p and min-p keep
+    exactly the tokens the full sort keeps, in the same proportions."""
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.5, 0.0, -0.5])  # a tie at ids 1 and 2
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)  # keeps ids 0, 1, 2
+    x = logits.repeat(20_000, 1)  # (N, V)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        counts = torch.bincount(sample_rows(x, [params] * 20_000, [None] * 20_000), minlength=6)
+    assert counts[3:].sum() == 0
+    expected = torch.softmax(logits[:3], dim=0)
+    assert _chi_square(counts[:3].float(), expected) < CHI2_DF5_P001

@@ -76,7 +76,7 @@ SEQ_LENS = [1, PAGE + 3, 3 * PAGE, 0, 11 * PAGE + 2, 9 * PAGE, 2]  # 0: a paddin
     "dtype,group", [(torch.float32, 3), (torch.bfloat16, 1), (torch.float32, 8)]
 )
 def test_cpu_decode_equals_reference(monkeypatch, layout, dtype, group):
-    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)  # short runs here: both paths, and merges
+    monkeypatch.setattr(cpu, "BLOCK_TOKENS", 3 * PAGE)  # short blocks: every path, and merges
     cpu.forget_plan()
     batch = make_paged_batch(SEQ_LENS, PAGE, 2, 8, dtype, CPU, seed=3)
     if layout != "scattered":
@@ -102,7 +102,7 @@ def test_cpu_decode_with_a_window(monkeypatch, layout, window, scale, dtype):
     """Windows of 1, not a multiple of the page, cutting a run or a gathered page at its
     start, and longer than every sequence (the same as none); pages wholly before a
     window hold NaN."""
-    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)
+    monkeypatch.setattr(cpu, "BLOCK_TOKENS", 3 * PAGE)
     cpu.forget_plan()
     batch = make_paged_batch(SEQ_LENS, PAGE, 2, 8, dtype, CPU, seed=7)
     if layout != "scattered":
@@ -127,7 +127,7 @@ def test_cpu_decode_with_a_window(monkeypatch, layout, window, scale, dtype):
 def test_local_and_global_layers_keep_a_plan_each(monkeypatch):
     """Alternating windows (a model's local and global layers) plan once per window, and
     a plan serves only its own window."""
-    monkeypatch.setattr(cpu, "MIN_VIEW_PAGES", 3)
+    monkeypatch.setattr(cpu, "BLOCK_TOKENS", 3 * PAGE)
     cpu.forget_plan()
     made = []  # the window of each plan made
     make = cpu._make_plan
@@ -159,8 +159,79 @@ def test_plan_follows_the_page_table_and_lengths():
             assert_close(cpu.decode_attention(*call), ref.decode_attention(*call))
 
 
-def test_torch_set_takes_the_cpu_decode():
+def test_torch_set_takes_the_native_attention_and_falls_back_to_this_decode():
+    from radixserve.kernels.cpu import attention
     from radixserve.kernels.ops import load_ops
 
-    assert load_ops("torch").decode_attention is cpu.decode_attention
-    assert load_ops("torch").extend_attention is ref.extend_attention
+    # the native batch-invariant kernel serves extend and decode alike; this decode is
+    # what it falls back to where the native library is not built
+    assert load_ops("torch").decode_attention is attention.decode_attention
+    assert load_ops("torch").extend_attention is attention.extend_attention
+    assert attention.gathered_decode is cpu.decode_attention
+
+
+# -- the same bits wherever the pages lie ------------------------------------------------
+
+LONG_PAGE = 16  # the default page size: blocks of 16 pages (256 tokens)
+LONG_LENS = [700, 256, 1, 513, 300]  # full blocks and edges, a whole block, one token
+
+
+def _layouts(batch: PagedBatch) -> dict[str, PagedBatch]:
+    """The same tokens in one run per sequence (every full block read in place), with
+    pages interleaved across sequences as one-at-a-time decodes leave them (every block
+    gathered), and shuffled (`make_paged_batch`'s own)."""
+    counts = [-(-n // LONG_PAGE) for n in batch.seq_lens]
+    starts = [1 + sum(counts[:b]) for b in range(len(counts))]
+    runs = [list(range(s, s + c)) for s, c in zip(starts, counts)]
+    rows = len(counts)
+    interleaved = [[1 + b + i * rows for i in range(c)] for b, c in enumerate(counts)]
+    return {"runs": _relaid(batch, runs), "interleaved": _relaid(batch, interleaved),
+            "shuffled": batch}  # fmt: skip
+
+
+def _decode(batch: PagedBatch, q: torch.Tensor, window: int = 0) -> torch.Tensor:
+    cpu.forget_plan()
+    lens = index(batch.seq_lens, CPU)
+    return cpu.decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, lens,
+                                window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_is_the_same_bits_in_place_or_gathered(dtype, window):
+    """Runs read in place, and the same tokens gathered from interleaved or shuffled
+    pages, give the same output bit for bit (GQA 3: a float32 case where an unaligned
+    per-thread buffer would round differently), and that output is the reference's."""
+    base = make_paged_batch(LONG_LENS, LONG_PAGE, 3, 64, dtype, CPU, seed=11)
+    q = randn((len(LONG_LENS), 9, 64), dtype, CPU, seed=12)
+    outs = {}
+    for name, batch in _layouts(base).items():
+        outs[name] = _decode(batch, q, window)
+        plan = cpu._last[window]
+        assert bool(plan.views) == (name == "runs"), name  # in place only where runs are
+        assert (plan.gather_rows is None) == (name == "runs"), name
+    assert torch.equal(outs["runs"], outs["interleaved"])
+    assert torch.equal(outs["runs"], outs["shuffled"])
+    batch = _layouts(base)["runs"]
+    call = (q, batch.k_cache, batch.v_cache, batch.page_table, index(LONG_LENS, CPU))
+    assert_close(outs["runs"], ref.decode_attention(*call, window=window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_is_the_same_bits_alone_or_batched_and_at_any_thread_count(dtype):
+    """A sequence's output does not depend on the other sequences of its batch, nor on
+    the number of threads."""
+    batch = _layouts(make_paged_batch(LONG_LENS, LONG_PAGE, 3, 64, dtype, CPU, seed=13))["runs"]
+    q = randn((len(LONG_LENS), 9, 64), dtype, CPU, seed=14)
+    together = _decode(batch, q)
+    for b in range(len(LONG_LENS)):
+        alone = PagedBatch(batch.k_cache, batch.v_cache, batch.page_table[b : b + 1],
+                           batch.seq_lens[b : b + 1])  # fmt: skip
+        assert torch.equal(_decode(alone, q[b : b + 1]), together[b : b + 1]), b
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, 2, threads}:
+            torch.set_num_threads(count)
+            assert torch.equal(_decode(batch, q), together), count
+    finally:
+        torch.set_num_threads(threads)

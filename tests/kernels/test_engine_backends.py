@@ -5,6 +5,8 @@ running decodes, and decodes; and on Gemma 3 (sliding windows) and Qwen3-MoE (ex
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from radixserve.engine.engine import Engine
@@ -86,7 +88,10 @@ def test_cpu_decode_keeps_the_reference_greedy_outputs(checkpoint, monkeypatch):
 
     cpu_decode = importlib.import_module("radixserve.kernels.cpu.decode_attention")
     common = {"page_size": 4, "kv_cache_memory_gib": 0.01, "device": "cpu"}
-    monkeypatch.setattr(cpu_decode, "MIN_VIEW_PAGES", 2)
+    monkeypatch.setattr(cpu_decode, "BLOCK_TOKENS", 8)  # blocks of two pages
+    # the set's decode where the native kernels are not built (they are here)
+    gathered = replace(reference.OPS, decode_attention=cpu_decode.decode_attention)
+    monkeypatch.setattr("radixserve.kernels.cpu.OPS", gathered)
     engine = make_engine(str(checkpoint), attention_backend="torch", **common)
     assert engine.model.ops.decode_attention is cpu_decode.decode_attention
     fast_run = _scenario(engine)

@@ -84,6 +84,8 @@ def test_padded_decode_gives_the_same_logits_and_leaves_the_pool_alone(tmp_path)
         ]
         logits = []
         for pad_to in (None, 5):
+            for page, slot in ((pages[2], 3), (pages[5], 0)):  # marked: the step writes them
+                engine.kv_pool.kv[:, :, page, slot] = 1234.0
             before = engine.kv_pool.kv.clone()
             fb = build_forward_batch(decodes, 4, engine.device, pad_to=pad_to, table_width=7)
             out = engine.model(

@@ -1,0 +1,386 @@
+/* Paged attention on CPU, batch-invariant: one query row over its sequence's keys in the
+   paged pool, read in place through the page table; extend (many rows of a sequence) and
+   decode (one) are the same code.
+
+   The arithmetic of one (query row, head), at position p, over keys start .. p
+   (start = max(0, p - window + 1) with a sliding window, else 0), is fixed, and the same
+   in every path (AVX-512, AVX2, plain C) whatever the other rows, the chunking of rows,
+   the page size or the threads:
+
+     m = -inf, l = 0, acc[0 .. D) = 0          (float32; q, k, v read exactly as float32)
+     for each block of 16 key positions [16 b, 16 b + 16) meeting [start, p], in order:
+       s[t] = tree16(part) * scale, part[j] = sum over chunks c in order of
+              q[16 c + j] * k_t[16 c + j] (fma chain from 0); s[t] = -inf off [start, p]
+       m' = max(m, max_t s[t]); alpha = exp(m - m'); e[t] = exp(s[t] - m')
+       l = fma(l, alpha, tree16(e))
+       acc[d] = acc[d] * alpha, then acc[d] = fma(e[t], v_t[d], acc[d]) for t = 0 .. 15
+              with e[t] != 0 (a key that adds nothing is skipped: 0 * v could turn -0 to +0)
+       m = m'
+     out = acc / l, rounded to the output dtype (nearest even)
+
+   tree16(v): v[j] += v[j + h] for h = 8, 4, 2, 1 (j < h); the result is v[0]. exp is the
+   polynomial below (Cephes' expf), identical in every path; denormals are flushed (DAZ
+   and FTZ) for the call. Keys off [start, p] in a block are never read (zeros stand in).
+
+   Work is split by the caller over items (a run of rows of one sequence, one kv head):
+   each (row, head) is computed by one thread, whole. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define KEYS 16
+#define MAX_DIM 256
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (-inf included), Cephes expf: x = n ln2 + r, |r| <= ln2 / 2 */
+#define EXP_FLOOR -87.0f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23: (t + M) - M rounds t to an integer */
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+static inline float exp_plain(float x) {
+    if (!(x >= EXP_FLOOR)) return 0.0f;
+    volatile float t = x * LOG2E;  /* volatile: the two roundings as written */
+    volatile float shifted = t + ROUND_MAGIC;
+    float n = shifted - ROUND_MAGIC;
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = fmaf(P0, r, P1);
+    p = fmaf(p, r, P2); p = fmaf(p, r, P3); p = fmaf(p, r, P4); p = fmaf(p, r, P5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+static inline float tree16(const float *in) {
+    float v[16];
+    memcpy(v, in, sizeof v);
+    for (int h = 8; h >= 1; h /= 2)
+        for (int j = 0; j < h; j++) v[j] += v[j + h];
+    return v[0];
+}
+
+/* What one call attends: the step's query rows and the pool they read. */
+typedef struct {
+    const void *q; int64_t q_row, q_head;        /* (T, H, D): element strides */
+    const void *k_cache, *v_cache;               /* (P, page_size, H_kv, D) contiguous */
+    void *out;                                   /* (T, H, D) contiguous */
+    const int64_t *row_seq, *row_pos;            /* (T,): sequence and position; pos -1 = padding */
+    const int64_t *page_table; int64_t table_stride;
+    int64_t page_size, heads, kv_heads, dim, window;
+    float scale;
+    int bf16;
+} Call;
+
+typedef struct { float m, l, acc[MAX_DIM]; } State;
+
+static inline float load_at(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* keys [16 blk, 16 blk + 16) of sequence `seq`, kv head g, as float32 rows (zeros
+   outside [lo, hi]) */
+static void load_block(const Call *c, int64_t seq, int64_t g, int64_t blk, int64_t lo,
+                       int64_t hi, float *kb, float *vb) {
+    const int64_t d = c->dim;
+    for (int t = 0; t < KEYS; t++) {
+        int64_t j = blk * KEYS + t;
+        if (j < lo || j > hi) {
+            memset(kb + t * d, 0, d * sizeof(float));
+            memset(vb + t * d, 0, d * sizeof(float));
+            continue;
+        }
+        int64_t page = c->page_table[seq * c->table_stride + j / c->page_size];
+        int64_t at = ((page * c->page_size + j % c->page_size) * c->kv_heads + g) * d;
+        if (c->bf16) {  /* a loop the compiler vectorizes: widen and shift */
+            const uint16_t *k = (const uint16_t *)c->k_cache + at;
+            const uint16_t *v = (const uint16_t *)c->v_cache + at;
+            for (int64_t e = 0; e < d; e++) kb[t * d + e] = bf16_to_float(k[e]);
+            for (int64_t e = 0; e < d; e++) vb[t * d + e] = bf16_to_float(v[e]);
+        } else {
+            memcpy(kb + t * d, (const float *)c->k_cache + at, d * sizeof(float));
+            memcpy(vb + t * d, (const float *)c->v_cache + at, d * sizeof(float));
+        }
+    }
+}
+
+/* --- one block's update of one (row, head): plain C, the definition ---------------- */
+
+__attribute__((unused)) static void update_plain(
+    const float *q, const float *kb, const float *vb, int64_t d, float scale, int64_t lo,
+    int64_t hi, int64_t first, State *st) {
+    float s[KEYS], e[KEYS], block_max = -INFINITY;
+    for (int t = 0; t < KEYS; t++) {
+        int64_t j = first + t;
+        float part[16] = {0};
+        for (int64_t c = 0; c < d; c += 16)
+            for (int i = 0; i < 16; i++) part[i] = fmaf(q[c + i], kb[t * d + c + i], part[i]);
+        s[t] = (j < lo || j > hi) ? -INFINITY : tree16(part) * scale;
+        block_max = fmaxf(block_max, s[t]);
+    }
+    float m = fmaxf(st->m, block_max);
+    float alpha = exp_plain(st->m - m);
+    for (int t = 0; t < KEYS; t++) e[t] = exp_plain(s[t] - m);
+    st->l = fmaf(st->l, alpha, tree16(e));
+    for (int64_t i = 0; i < d; i++) {
+        float a = st->acc[i] * alpha;
+        for (int t = 0; t < KEYS; t++)
+            if (e[t] != 0.0f) a = fmaf(e[t], vb[t * d + i], a);
+        st->acc[i] = a;
+    }
+    st->m = m;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define ATTENTION_PATH "avx512"
+/* --- AVX-512: 16 lanes are one vector. The 16 keys' partial sums are reduced together,
+   two vectors at a time, halving lanes as tree16 does (j + 8, + 4, + 2, + 1); the keys
+   enter in the order that leaves key t in lane t. --------------------------------- */
+
+static inline __m512 exp_512(__m512 x) {
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_GE_OQ);
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(LOG2E));
+    __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(ROUND_MAGIC)),
+                             _mm512_set1_ps(ROUND_MAGIC));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(P0), r, _mm512_set1_ps(P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_maskz_mov_ps(live, n)), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(bits));
+}
+
+/* lanes (j, j + 8) of a and b: [a 0..7 sums, b 0..7 sums] */
+static inline __m512 halve8(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+/* each 8-lane half: lanes (j, j + 4) */
+static inline __m512 halve4(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+/* each 4-lane quarter: lanes (j, j + 2) */
+static inline __m512 halve2(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+/* each 2-lane pair: lanes (j, j + 1) */
+static inline __m512 halve1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+static inline float tree16_512(__m512 v) {
+    __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+    return _mm_cvtss_f32(h1);
+}
+
+static void update_512(const float *q, const float *kb, const float *vb, int64_t d,
+                       float scale, int64_t lo, int64_t hi, int64_t first, State *st) {
+    __m512 part[KEYS];
+    for (int i = 0; i < KEYS; i++) {
+        const float *k = kb + (4 * (i % 4) + i / 4) * d;  /* key 4 (i % 4) + i / 4 */
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+        part[i] = acc;
+    }
+    __m512 a[8], b[4], c2[2];
+    for (int i = 0; i < 8; i++) a[i] = halve8(part[2 * i], part[2 * i + 1]);
+    for (int i = 0; i < 4; i++) b[i] = halve4(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) c2[i] = halve2(b[2 * i], b[2 * i + 1]);
+    __m512 s = _mm512_mul_ps(halve1(c2[0], c2[1]), _mm512_set1_ps(scale));
+    __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int)first),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __mmask16 in = _mm512_cmp_epi32_mask(j, _mm512_set1_epi32((int)lo), _MM_CMPINT_NLT) &
+                   _mm512_cmp_epi32_mask(j, _mm512_set1_epi32((int)hi), _MM_CMPINT_LE);
+    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), in, s);
+    float m = fmaxf(st->m, _mm512_reduce_max_ps(s));
+    float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(exp_512(_mm512_set1_ps(st->m - m))));
+    __m512 e = exp_512(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+    st->l = fmaf(st->l, alpha, tree16_512(e));
+    float ev[KEYS];
+    _mm512_storeu_ps(ev, e);
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(st->acc + c), _mm512_set1_ps(alpha));
+        for (int t = 0; t < KEYS; t++)
+            if (ev[t] != 0.0f)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(ev[t]), _mm512_loadu_ps(vb + t * d + c), acc);
+        _mm512_storeu_ps(st->acc + c, acc);
+    }
+    st->m = m;
+}
+#define UPDATE update_512
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ATTENTION_PATH "avx2"
+/* --- AVX2: a 16-lane vector is two halves of 8; tree16 per key. ------------------- */
+
+static inline __m256 exp_256(__m256 x) {
+    __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_FLOOR), _CMP_GE_OQ);
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(LOG2E));
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(t, _mm256_set1_ps(ROUND_MAGIC)),
+                             _mm256_set1_ps(ROUND_MAGIC));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_and_ps(live, n)), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+static inline float tree16_256(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+    return _mm_cvtss_f32(h1);
+}
+
+static void update_256(const float *q, const float *kb, const float *vb, int64_t d,
+                       float scale, int64_t lo, int64_t hi, int64_t first, State *st) {
+    float s[KEYS], block_max = -INFINITY;
+    for (int t = 0; t < KEYS; t++) {
+        const float *k = kb + t * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), a1);
+        }
+        int64_t j = first + t;
+        s[t] = (j < lo || j > hi) ? -INFINITY : tree16_256(a0, a1) * scale;
+        block_max = fmaxf(block_max, s[t]);
+    }
+    float m = fmaxf(st->m, block_max);
+    float alpha = _mm256_cvtss_f32(exp_256(_mm256_set1_ps(st->m - m)));
+    __m256 e0 = exp_256(_mm256_sub_ps(_mm256_loadu_ps(s), _mm256_set1_ps(m)));
+    __m256 e1 = exp_256(_mm256_sub_ps(_mm256_loadu_ps(s + 8), _mm256_set1_ps(m)));
+    st->l = fmaf(st->l, alpha, tree16_256(e0, e1));
+    float ev[KEYS];
+    _mm256_storeu_ps(ev, e0);
+    _mm256_storeu_ps(ev + 8, e1);
+    for (int64_t c = 0; c < d; c += 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(st->acc + c), _mm256_set1_ps(alpha));
+        for (int t = 0; t < KEYS; t++)
+            if (ev[t] != 0.0f)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(ev[t]), _mm256_loadu_ps(vb + t * d + c), acc);
+        _mm256_storeu_ps(st->acc + c, acc);
+    }
+    st->m = m;
+}
+#define UPDATE update_256
+
+#else
+#define ATTENTION_PATH "plain"
+#define UPDATE update_plain
+#endif
+
+/* rows [r0, r1) of one sequence (positions increasing), kv head g */
+static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g) {
+    const int64_t d = c->dim, group = c->heads / c->kv_heads, rows = r1 - r0;
+    const int64_t seq = c->row_seq[r0];
+    int64_t lo = INT64_MAX, hi = -1;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t p = c->row_pos[r];
+        if (p < 0) continue;
+        int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+        lo = start < lo ? start : lo;
+        hi = p > hi ? p : hi;
+    }
+    State *st = malloc(sizeof(State) * rows * group);
+    float *q = malloc(sizeof(float) * rows * group * d);
+    float *kb = malloc(sizeof(float) * 2 * KEYS * d), *vb = kb + KEYS * d;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < group; i++) {
+            State *s = st + r * group + i;
+            s->m = -INFINITY;
+            s->l = 0.0f;
+            memset(s->acc, 0, d * sizeof(float));
+            int64_t at = (r0 + r) * c->q_row + (g * group + i) * c->q_head;
+            for (int64_t e = 0; e < d; e++) q[(r * group + i) * d + e] = load_at(c->q, at + e, c->bf16);
+        }
+    for (int64_t blk = hi < 0 ? 0 : lo / KEYS; hi >= 0 && blk <= hi / KEYS; blk++) {
+        load_block(c, seq, g, blk, lo, hi, kb, vb);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t p = c->row_pos[r0 + r];
+            int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+            if (p < 0 || blk < start / KEYS || blk > p / KEYS) continue;
+            for (int64_t i = 0; i < group; i++)
+                UPDATE(q + (r * group + i) * d, kb, vb, d, c->scale, start, p, blk * KEYS,
+                       st + r * group + i);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < group; i++) {
+            const State *s = st + r * group + i;
+            int64_t at = ((r0 + r) * c->heads + g * group + i) * d;
+            int valid = c->row_pos[r0 + r] >= 0;
+            for (int64_t e = 0; e < d; e++) {
+                float v = valid ? s->acc[e] / s->l : 0.0f;
+                if (c->bf16) ((uint16_t *)c->out)[at + e] = float_to_bf16(v);
+                else ((float *)c->out)[at + e] = v;
+            }
+        }
+    free(kb);
+    free(q);
+    free(st);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define FLUSH_BEGIN unsigned int csr_ = _mm_getcsr(); _mm_setcsr(csr_ | 0x8040u);
+#define FLUSH_END _mm_setcsr(csr_);
+#else
+#define FLUSH_BEGIN
+#define FLUSH_END
+#endif
+
+const char *attention_path(void) { return ATTENTION_PATH; }
+
+/* Items [item_begin, item_end) of chunks x kv heads: item i is rows
+   [chunks[i / kv_heads], chunks[i / kv_heads + 1]) (one sequence's), kv head
+   i % kv_heads. out (T, H, D) in the dtype of q and the caches (bfloat16 or float32). */
+void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
+                     const void *v_cache, void *out, const int64_t *row_seq,
+                     const int64_t *row_pos, const int64_t *page_table, int64_t table_stride,
+                     int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim,
+                     int64_t window, double scale, int64_t bf16, const int64_t *chunks,
+                     int64_t item_begin, int64_t item_end) {
+    Call c = {q, q_row, q_head, k_cache, v_cache, out, row_seq, row_pos, page_table,
+              table_stride, page_size, heads, kv_heads, dim, window, (float)scale, (int)bf16};
+    FLUSH_BEGIN
+    for (int64_t i = item_begin; i < item_end; i++)
+        attend_item(&c, chunks[i / kv_heads], chunks[i / kv_heads + 1], i % kv_heads);
+    FLUSH_END
+}
