@@ -223,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.engine.async_engine import AsyncEngine
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
-    keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser")
+    keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser",
+            "response_store_size", "response_store_ttl_s")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
@@ -261,6 +262,12 @@ def add_commands(sub: Any) -> None:
         "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
+    srv.add_argument("--response-store-size", type=int,
+                     help="Responses API: most stored responses, the oldest evicted first "
+                     "(default 1024; 0 = none)")  # fmt: skip
+    srv.add_argument("--response-store-ttl-s", type=float,
+                     help="Responses API: seconds a stored response is kept "
+                     "(default 3600)")  # fmt: skip
     served_name_arg(srv)
     tool_parser_arg(srv)
     engine_args(srv)

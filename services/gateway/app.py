@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP gateway: `create_app(client, settings) -> FastAPI`.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), GET
-/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
-(ready: a decode worker, or the in-process engine, can serve), GET /live, GET /metrics,
-GET /debug/cache, and FastAPI's own GET /openapi.json and /docs. Contracts:
+Endpoints: POST /v1/completions, POST /v1/chat/completions (stream or not), POST
+/v1/responses with GET and DELETE /v1/responses/{id} (the Responses API: see
+`response_request`, `response_output`, `response_store`), GET /v1/models, POST
+/tokenize, POST /detokenize, GET /version, GET /health (ready: a decode worker, or the
+in-process engine, can serve), GET /live, GET /metrics, GET /debug/cache, and
+FastAPI's own GET /openapi.json and /docs. Contracts:
 
 * every error is an OpenAI error object (see `errors`); bad input never crashes it;
 * at most `settings.max_queued_requests` generations (one per prompt) are in flight;
@@ -29,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
-from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation
+from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import (
     OpenAIError,
@@ -38,6 +40,18 @@ from radixserve.services.gateway.errors import (
 )
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
+from radixserve.services.gateway.response_output import (
+    ResponseBuilder,
+    new_id,
+    response_usage,
+)
+from radixserve.services.gateway.response_request import (
+    ResponsesRequest,
+    canonical,
+    input_item,
+    response_plan,
+)
+from radixserve.services.gateway.response_store import ResponseStore, Turn
 from radixserve.services.gateway.responses import (
     Kind,
     chunk,
@@ -57,6 +71,30 @@ Meta = tuple[Kind, str, int, str]
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _typed_sse(event: dict[str, Any]) -> str:
+    """A Responses API event, named by its type as OpenAI sends it."""
+    return f"event: {event['type']}\n{_sse(event)}"
+
+
+def _stored_id(request: Request) -> str:
+    """The id in a stored response's path (read here, not declared as a FastAPI
+    parameter, so /openapi.json documents no 422); it takes no query parameters."""
+    for name in request.query_params:
+        raise OpenAIError(400, f"{name} is not served on stored responses (include, stream "
+                          "and starting_after are not): leave it out", name)  # fmt: skip
+    return str(request.path_params["response_id"])
+
+
+async def _collect(gen: Generation, book: ChoiceBook, close: Callable[[], Awaitable[None]]) -> None:
+    """Every output of a non-streamed request into `book`; then `close`."""
+    try:
+        async for job, out in gen.outputs():
+            gen.observe(job, out)
+            book.add(job, out)
+    finally:
+        await close()
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -80,17 +118,12 @@ class _ClosingStreamingResponse(StreamingResponse):
 def _chat_deltas(
     index: int, c: Choice, text: str, reason: str | None, logprobs: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
-    """A chat choice's chunks for new text: its content, or with tools what the
-    `ToolCallStream` lets out (the calls when the choice finishes); the last chunk
-    carries the finish reason ("tool_calls" when calls were found), the first the
-    tokens' log-probabilities."""
-    if c.tools is None:
-        deltas = [{"content": text}] if text else []
-    else:
-        deltas = c.tools.feed(text)
-        if reason is not None:
-            deltas += c.tools.finish()
-            reason = "tool_calls" if c.tools.calls else reason
+    """A chat choice's chunks for new text (`reply_deltas`); the last chunk carries the
+    finish reason ("tool_calls" when calls were found), the first the tokens'
+    log-probabilities."""
+    deltas = reply_deltas(c, text, reason is not None)
+    if reason is not None and c.tools is not None and c.tools.calls:
+        reason = "tool_calls"
     if not deltas and (reason or (logprobs and logprobs["content"])):
         deltas = [{}]
     return [{"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
@@ -112,6 +145,7 @@ class Gateway:
         self.tool_format = ToolFormat.for_template(client.tokenizer.chat_template,
                                                    settings.tool_parser)  # fmt: skip
         self.in_flight = 0
+        self.responses = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
 
     # -- admission, auth, body -------------------------------------------------------
 
@@ -192,6 +226,25 @@ class Gateway:
     async def generate(self, request: Request, plan: Plan) -> Response:
         kind: Kind = "completion" if plan.kind == "completion" else "chat"
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        started = await self._start(request, plan, rid)
+        if started is None:
+            return Response(status_code=_CLIENT_CLOSED)
+        gen, close = started
+        meta: Meta = (kind, rid, int(time.time()), self.model_name)
+        book = ChoiceBook(plan, self.formatter)
+        if plan.stream:
+            return _ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
+        await _collect(gen, book, close)
+        body = envelope(*meta, stream=False)
+        body.update(choices=book.full_choices(), usage=usage(self._totals(plan, gen)))
+        return JSONResponse(body)
+
+    async def _start(
+        self, request: Request, plan: Plan, rid: str
+    ) -> tuple[Generation, Callable[[], Awaitable[None]]] | None:
+        """Admit the plan's jobs and wait for their first outputs: the generation and
+        the idempotent `close` that ends it and releases the admission; None (all
+        closed) if the client left first. A `RequestError` is raised here (a 400)."""
         jobs = plan.jobs
         self.acquire(len(jobs))
         streams = [
@@ -220,20 +273,8 @@ class Gateway:
         if not started:  # the client left before the first token (e.g. during prefill)
             logger.info("client left before the first token; aborting")
             await close()
-            return Response(status_code=_CLIENT_CLOSED)
-        meta: Meta = (kind, rid, int(time.time()), self.model_name)
-        book = ChoiceBook(plan, self.formatter)
-        if plan.stream:
-            return _ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
-        try:
-            async for job, out in gen.outputs():
-                gen.observe(job, out)
-                book.add(job, out)
-        finally:
-            await close()
-        body = envelope(*meta, stream=False)
-        body.update(choices=book.full_choices(), usage=usage(self._totals(plan, gen)))
-        return JSONResponse(body)
+            return None
+        return gen, close
 
     @staticmethod
     def _totals(plan: Plan, gen: Generation) -> list[RequestOutput]:
@@ -292,6 +333,83 @@ class Gateway:
                 }
             )
         return choices  # fmt: skip
+
+    # -- the Responses API -----------------------------------------------------------
+
+    async def create_response(self, request: Request) -> Response:
+        self.authorize(request)
+        req = ResponsesRequest.checked(await self.read_json(request))
+        self.check_model(req.model)
+        parent = None
+        if req.previous_response_id is not None:
+            parent = self.responses.turn(req.previous_response_id, "previous_response_id")
+        history = parent.conversation() if parent else []
+        plan = response_plan(req, history, self.client, self.settings.default_max_tokens,
+                             self.tool_format)  # fmt: skip
+        rid = new_id("resp")
+        started = await self._start(request, plan, rid)
+        if started is None:
+            return Response(status_code=_CLIENT_CLOSED)
+        gen, close = started
+        builder = ResponseBuilder({
+            "id": rid, "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "background": False, "error": None,
+            "incomplete_details": None, "model": self.model_name, "output": [],
+            "truncation": "disabled", "usage": None, **req.echo(),
+        })  # fmt: skip
+        book = ChoiceBook(plan, self.formatter)
+        if plan.stream:
+            events = self._response_events(req, parent, builder, gen, book)
+            return _ClosingStreamingResponse(events, close)
+        await _collect(gen, book, close)
+        c = book.choices[(0, 0)]
+        builder.feed(reply_deltas(c, "".join(c.text), finished=True))
+        builder.finish(c.finish_reason, response_usage(gen.total(0)))
+        self._keep(req, parent, builder.body)
+        return JSONResponse(builder.body)
+
+    async def _response_events(
+        self, req: ResponsesRequest, parent: Turn | None, builder: ResponseBuilder,
+        gen: Generation, book: ChoiceBook,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        """The typed events of a streamed response; it is stored before the last."""
+        try:
+            for event in builder.opening():
+                yield _typed_sse(event)
+            async for job, out in gen.outputs():
+                gen.observe(job, out)
+                c = book.add(job, out)
+                deltas = reply_deltas(c, out.new_text, out.finish_reason is not None)
+                for event in builder.feed(deltas):
+                    yield _typed_sse(event)
+            c = book.choices[(0, 0)]
+            closing = builder.finish(c.finish_reason, response_usage(gen.total(0)))
+            self._keep(req, parent, builder.body)
+            for event in closing:
+                yield _typed_sse(event)
+        except Exception as exc:  # an engine failure mid-stream: tell the client, then end
+            logger.exception("response stream %s failed", builder.body["id"])
+            for event in builder.failed(f"generation failed: {exc}"):
+                yield _typed_sse(event)
+
+    def _keep(self, req: ResponsesRequest, parent: Turn | None, body: dict[str, Any]) -> None:
+        """Store a finished response (unless ``store: false``) with its turn: this
+        request's input, then its output, after the conversation it continued."""
+        if not req.stored:
+            return
+        outputs = [canonical(input_item(item, "output")) for item in body["output"]]
+        self.responses.put(body["id"], body, Turn((*req.items(), *outputs), parent))
+
+    async def get_response(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        response_id = _stored_id(request)
+        return JSONResponse(self.responses.body(response_id, "response_id"))
+
+    async def delete_response(self, request: Request) -> dict[str, Any]:
+        self.authorize(request)
+        response_id = _stored_id(request)
+        self.responses.delete(response_id, "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # -- operations ------------------------------------------------------------------
 

@@ -123,6 +123,17 @@ class Choice:
     tools: ToolCallStream | None = None  # with tools: the reply's calls, found as it streams
 
 
+def reply_deltas(c: Choice, text: str, finished: bool) -> list[dict[str, Any]]:
+    """A chat reply's message deltas for new text: its content or, with tools, what the
+    `ToolCallStream` lets out (and the calls once the choice has finished)."""
+    if c.tools is None:
+        return [{"content": text}] if text else []
+    deltas = c.tools.feed(text)
+    if finished:
+        deltas += c.tools.finish()
+    return deltas
+
+
 class ChoiceBook:
     """Every choice of a request, keyed by (job, choice index in the engine)."""
 

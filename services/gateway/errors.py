@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.errors import RequestError, UnavailableError
+from radixserve.services.gateway.field_errors import describe
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +79,7 @@ def retry_after() -> dict[str, str]:
 
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending field of a pydantic validation failure."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        return f"unsupported field `{param}`: not part of the API or not implemented", param
-    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    return describe(exc.errors())
 
 
 async def _openai_error(_: Request, exc: Exception) -> JSONResponse:

@@ -16,6 +16,7 @@ left (as vLLM does); without one, completions generate up to 16 tokens and chat 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.engine.grammar import grammar_for
 from radixserve.engine.sampling_params import SamplingParams
@@ -27,7 +28,13 @@ from radixserve.services.gateway.schemas import (
     CompletionRequest,
     GenerationRequest,
 )
-from radixserve.services.gateway.tools import ToolFormat, ToolPlan, template_inputs, tool_request
+from radixserve.services.gateway.tools import (
+    ToolFormat,
+    ToolPlan,
+    ToolRequest,
+    template_inputs,
+    tool_request,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -55,13 +62,14 @@ class Plan:
     tools: ToolPlan | None = None  # chat with tools: replies are searched for calls
 
 
-def _room(client: EngineClient, prompt_ids: list[int]) -> int:
+def _room(client: EngineClient, prompt_ids: list[int], param: str = "prompt") -> int:
     room = client.max_model_len - len(prompt_ids)
     if room < 1:
         raise InvalidRequestError(
-            f"prompt has {len(prompt_ids)} tokens; the model's context is "
-            f"{client.max_model_len} tokens and at least one must be left to generate",
-            param="prompt",
+            f"{param} has {len(prompt_ids)} tokens; the model's context is "
+            f"{client.max_model_len} tokens and at least one must be left to generate: "
+            "shorten it",
+            param=param,
         )
     return room
 
@@ -152,6 +160,37 @@ def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: i
                 include_usage=req.include_usage)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A chat prompt before tokenization: the template's messages and variables, the
+    checked tools, and the request fields errors about its length name."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    tools: ToolRequest | None
+    max_tokens: int | None  # as requested (None: the default)
+    max_tokens_param: str
+    prompt_param: str
+
+
+def conversation_job(
+    req: GenerationRequest, conv: Conversation, client: EngineClient, default_max_tokens: int,
+    **extra: object,
+) -> Job:  # fmt: skip
+    """The engine job of a chat prompt: its ids, and sampling from `req`'s fields (a
+    forced tool call constrained by its grammar)."""
+    # InvalidRequestError if malformed
+    ids = client.tokenizer.encode_chat(conv.messages, **conv.template_kwargs)
+    room = _room(client, ids, conv.prompt_param)
+    max_tokens = _max_tokens(conv.max_tokens, default_max_tokens, room, conv.max_tokens_param)
+    if max_tokens < 1:
+        raise InvalidRequestError(f"{conv.max_tokens_param} must be >= 1",
+                                  param=conv.max_tokens_param)  # fmt: skip
+    tools = conv.tools
+    guide = tools.guide() if tools is not None and tools.forced else ""
+    return Job(ids, _params(req, max_tokens, guide, **extra))
+
+
 def chat_plan(
     req: ChatCompletionRequest,
     client: EngineClient,
@@ -163,16 +202,11 @@ def chat_plan(
     _check_choices(n, max_choices)
     tools = tool_request(req)
     messages, template_kwargs = template_inputs(req, tools, tool_format)
-    # InvalidRequestError if malformed
-    ids = client.tokenizer.encode_chat(messages, **template_kwargs)
-    room = _room(client, ids)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _max_tokens(req.requested_max_tokens, default_max_tokens, room, param)
-    if max_tokens < 1:
-        raise InvalidRequestError(f"{param} must be >= 1", param=param)
+    conv = Conversation(messages, template_kwargs, tools, req.requested_max_tokens, param,
+                        "messages")  # fmt: skip
     k = req.num_top_logprobs()
-    guide = tools.guide() if tools is not None and tools.forced else ""
-    params = _params(req, max_tokens, guide, n=n, logprobs=k)
-    return Plan("chat", [Job(ids, params)], n, n, top_logprobs=k, stream=bool(req.stream),
+    job = conversation_job(req, conv, client, default_max_tokens, n=n, logprobs=k)
+    return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
                 include_usage=req.include_usage,
                 tools=tools.plan(tool_format) if tools else None)  # fmt: skip

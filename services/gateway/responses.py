@@ -144,6 +144,80 @@ class ChatCompletionResponse(_Doc):
     usage: Usage | None = None
 
 
+class InputTokensDetails(_Doc):
+    cached_tokens: int
+
+
+class OutputTokensDetails(_Doc):
+    reasoning_tokens: int
+
+
+class ResponseUsage(_Doc):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class OutputText(_Doc):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(_Doc):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(_Doc):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseObject(_Doc):
+    """A Responses API response (`POST /v1/responses`, `GET /v1/responses/{id}`)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    background: bool
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    metadata: dict[str, str]
+    user: str | None
+
+
+class ResponseDeleted(_Doc):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 class ModelCard(_Doc):
     id: str
     object: Literal["model"]

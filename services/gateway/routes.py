@@ -1,7 +1,7 @@
-"""The gateway's route table (`create_app`): the OpenAI generation routes (handled by
-`app.Gateway`), the discovery and token routes defined here (GET /v1/models, POST
-/tokenize and /detokenize in vLLM's shapes, GET /version), health, metrics, the cache
-view, and the documented error responses."""
+"""The gateway's route table (`create_app`): the OpenAI generation routes and the stored
+responses of the Responses API (handled by `app.Gateway`), the discovery and token
+routes defined here (GET /v1/models, POST /tokenize and /detokenize in vLLM's shapes,
+GET /version), health, metrics, the cache view, and the documented error responses."""
 
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ from radixserve.services.gateway.app import Gateway
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import install_error_handlers
 from radixserve.services.gateway.openapi import body, install_openapi
+from radixserve.services.gateway.response_request import ResponsesRequest
 from radixserve.services.gateway.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    ResponseDeleted,
+    ResponseObject,
     TokenizeResponse,
     VersionResponse,
 )
@@ -39,13 +42,19 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, text in (
         (400, "invalid request (the field is named in `error.param`)"),
         (401, "missing or wrong API key"),
-        (404, "unknown model"),
+        (404, "unknown model, or no stored response of that id"),
         (413, "body too large"),
         (429, "too many requests in flight"),
         (503, "no worker can serve"),
     )
 }
 _AUTH_ERROR: dict[int | str, dict[str, Any]] = {401: _ERRORS[401]}
+_STORED_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: _ERRORS[status] for status in (400, 401, 404)
+}
+#: the path parameter of a stored response's routes (their handlers read it themselves)
+_RESPONSE_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True,
+                                "schema": {"type": "string", "minLength": 1}}]}  # fmt: skip
 _SSE_EVENT = {
     "type": "object",
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
@@ -114,7 +123,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     bad = [t for t in req.tokens if t >= vocab]
     if bad:
         raise InvalidRequestError(
-            f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+            f"tokens holds {bad[0]}, outside the vocabulary [0, {vocab})", param="tokens"
         )
     return {"prompt": gw.client.tokenizer.decode(req.tokens)}
 
@@ -145,19 +154,26 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    documented = (  # path, method, handler, response, request body, error responses
+    documented = (  # path, method, handler, response, request body (or path parameters), errors
         ("/v1/completions", "POST", gw.completions, CompletionResponse, CompletionRequest,
          GENERATION_RESPONSES),
         ("/v1/chat/completions", "POST", gw.chat_completions, ChatCompletionResponse,
          ChatCompletionRequest, GENERATION_RESPONSES),
+        ("/v1/responses", "POST", gw.create_response, ResponseObject, ResponsesRequest,
+         GENERATION_RESPONSES),
+        ("/v1/responses/{response_id}", "GET", gw.get_response, ResponseObject, _RESPONSE_ID,
+         _STORED_ERRORS),
+        ("/v1/responses/{response_id}", "DELETE", gw.delete_response, ResponseDeleted,
+         _RESPONSE_ID, _STORED_ERRORS),
         ("/v1/models", "GET", models, ModelList, None, _AUTH_ERROR),
         ("/tokenize", "POST", tokenize, TokenizeResponse, TokenizeRequest, _ERRORS),
         ("/detokenize", "POST", detokenize, DetokenizeResponse, DetokenizeRequest, _ERRORS),
         ("/version", "GET", version_route, VersionResponse, None, None),
     )  # fmt: skip
     for path, method, handler, response, request, errors in documented:
+        extra = body(request) if isinstance(request, type) else request
         app.add_api_route(path, handler, methods=[method], response_model=response,
-                          responses=errors, openapi_extra=body(request) if request else None)  # fmt: skip
+                          responses=errors, openapi_extra=extra)  # fmt: skip
     for path, handler in (("/health", gw.health), ("/live", gw.live),
                           ("/metrics", gw.metrics_text), ("/debug/cache", gw.debug_cache)):  # fmt: skip
         app.add_api_route(path, handler, methods=["GET"], include_in_schema=False)

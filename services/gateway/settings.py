@@ -107,3 +107,17 @@ class GatewaySettings(PeerSettings):
         '</tool_call>), llama3_json ({"name", "parameters"}), mistral ([TOOL_CALLS][...]); '
         "auto = the chat template's own format (hermes when it renders no tools).",
     )
+    response_store_size: int = Field(
+        1024,
+        ge=0,
+        le=1 << 20,
+        description="Responses API: most responses kept for GET /v1/responses/{id} and "
+        "previous_response_id, the oldest evicted first; 0 = keep none. Each holds its "
+        "conversation's new items (which fit the model's context).",
+    )
+    response_store_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86400,
+        description="Responses API: seconds a stored response is kept after it was made.",
+    )

@@ -89,13 +89,37 @@ class ToolPlan:
 
 
 @dataclass(frozen=True)
+class ToolSyntax:
+    """Where an API puts a function tool's fields, so that errors name them as sent:
+    chat nests them under ``function`` (also in ``tool_choice``), the Responses API
+    puts them beside ``type``."""
+
+    nested: bool
+    constraint: str  # the fields a structured-output constraint comes from
+
+    def function_param(self, i: int) -> str:
+        return f"tools[{i}].function" if self.nested else f"tools[{i}]"
+
+    @property
+    def choice_shape(self) -> str:
+        inner = '"function": {"name": ...}' if self.nested else '"name": ...'
+        return f'{{"type": "function", {inner}}}'
+
+
+CHAT_TOOLS = ToolSyntax(nested=True, constraint="response_format or guided_*")
+RESPONSES_TOOLS = ToolSyntax(nested=False, constraint="text.format")
+
+
+@dataclass(frozen=True)
 class ToolRequest:
-    """A request's checked tools: the tool objects, the choice ("auto", "required" or a
-    function's name) and whether several calls may come back."""
+    """A request's checked tools (in chat's nested shape, as templates read them): the
+    tool objects, the choice ("auto", "required" or a function's name) and whether
+    several calls may come back."""
 
     tools: list[dict[str, Any]]
     choice: str
     parallel: bool
+    syntax: ToolSyntax = CHAT_TOOLS
 
     @property
     def forced(self) -> bool:
@@ -130,7 +154,7 @@ class ToolRequest:
                 try:
                     grammar_for("json_schema", json.dumps(tool["function"].get("parameters") or {}))
                 except InvalidRequestError:
-                    param = f"tools[{i}].function.parameters"
+                    param = f"{self.syntax.function_param(i)}.parameters"
                     break
             raise OpenAIError(400, f"{param}: the parameters schema cannot be enforced: {exc}",
                               param) from None  # fmt: skip
@@ -141,78 +165,118 @@ def _bad(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param} {message}", param)
 
 
-def _check_tool(tool: Any, i: int) -> dict[str, Any]:
+def _check_function(function: dict[str, Any], where: str, own_keys: set[str]) -> None:
+    """A function's fields at `where` (`own_keys`: the other keys its object may hold)."""
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _bad(f"{where}.name", "must be 1 to 64 letters, digits, underscores or dashes, "
+                   f"got {name!r}")  # fmt: skip
+    for key in function:
+        if key not in _FUNCTION_KEYS | own_keys:
+            raise _bad(f"{where}.{key}", "is not a field of a function tool (accepted: "
+                       "name, description, parameters, strict)")  # fmt: skip
+    for key, kind, label in (("description", str, "a string"), ("parameters", dict,
+                             "a JSON schema object"), ("strict", bool, "a boolean")):  # fmt: skip
+        if function.get(key) is not None and not isinstance(function[key], kind):
+            raise _bad(f"{where}.{key}", f"must be {label}")
+
+
+def _check_tool(tool: Any, i: int, syntax: ToolSyntax) -> dict[str, Any]:
+    """The tool in chat's nested shape, checked as `syntax` lays it out."""
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
         raise _bad(where, "must be an object")
     if tool.get("type") != "function":
-        raise _bad(f"{where}.type", f'must be "function" (the only tool type served), got '
-                   f"{tool.get('type')!r}")  # fmt: skip
+        raise _bad(f"{where}.type", f'must be "function" (the only tool type served: '
+                   f"radixserve runs no built-in tools), got {tool.get('type')!r}")  # fmt: skip
+    if not syntax.nested:
+        if "function" in tool:
+            raise _bad(f"{where}.function", 'is chat\'s shape: here a function tool has its '
+                       'fields beside "type": {"type": "function", "name", "description", '
+                       '"parameters"}')  # fmt: skip
+        _check_function(tool, where, {"type"})
+        return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
     for key in tool:
         if key not in ("type", "function"):
-            raise _bad(f"{where}.{key}", "is not a field of a function tool")
+            raise _bad(f"{where}.{key}", "is not a field of a function tool (accepted: type, "
+                       "function)")  # fmt: skip
     function = tool.get("function")
     if not isinstance(function, dict):
         raise _bad(f"{where}.function", "must be an object with the function's name")
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise _bad(f"{where}.function.name", "must be 1 to 64 letters, digits, underscores "
-                   f"or dashes, got {name!r}")  # fmt: skip
-    for key in function:
-        if key not in _FUNCTION_KEYS:
-            raise _bad(f"{where}.function.{key}", "is not a field of a function")
-    for key, kind, label in (("description", str, "a string"), ("parameters", dict,
-                             "a JSON schema object"), ("strict", bool, "a boolean")):  # fmt: skip
-        if function.get(key) is not None and not isinstance(function[key], kind):
-            raise _bad(f"{where}.function.{key}", f"must be {label}")
+    _check_function(function, f"{where}.function", set())
     return tool
 
 
-def _choice(value: Any, names: list[str]) -> str:
+def _choice_name(value: dict[str, Any], syntax: ToolSyntax) -> str | None:
+    """The function an object tool_choice names, if it has `syntax`'s shape."""
+    if value.get("type") != "function":
+        return None
+    if not syntax.nested:
+        name = value.get("name")
+        return name if isinstance(name, str) and set(value) == {"type", "name"} else None
+    function = value.get("function")
+    if not isinstance(function, dict) or set(value) != {"type", "function"}:
+        return None
+    name = function.get("name")
+    return name if isinstance(name, str) and set(function) == {"name"} else None
+
+
+def _choice(value: Any, names: list[str], syntax: ToolSyntax) -> str:
     """The checked tool_choice: "none", "auto", "required" or a function's name."""
     if value is None:
         return "auto" if names else "none"
     if isinstance(value, dict):
-        function = value.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if value.get("type") != "function" or not isinstance(name, str) or set(value) != {
-            "type", "function"}:  # fmt: skip
-            raise _bad("tool_choice", 'as an object must be {"type": "function", '
-                       '"function": {"name": ...}}')  # fmt: skip
+        name = _choice_name(value, syntax)
+        if name is None:
+            raise _bad("tool_choice", f"as an object must be {syntax.choice_shape} (only "
+                       f"function tools are served), got {json.dumps(value)[:200]}")  # fmt: skip
         if name not in names:
             raise _bad("tool_choice", f"names the function {name!r}, which is not in tools")
         return name
     if value not in ("none", "auto", "required"):
-        raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": '
-                   f'"function", "function": {{"name": ...}}}}, got {value!r}')  # fmt: skip
+        raise _bad("tool_choice", f'must be "none", "auto", "required" or '
+                   f"{syntax.choice_shape}, got {value!r}")  # fmt: skip
     if value != "none" and not names:
         raise _bad("tool_choice", f"is {value!r} but the request gives no tools")
     return str(value)
 
 
-def tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
-    """The request's checked tools, or None when no tool may be called (none given, or
-    tool_choice "none"); raises `OpenAIError` naming the bad field."""
-    if len(req.tools or ()) > MAX_TOOLS:
-        raise _bad("tools", f"lists {len(req.tools or ())} tools; at most {MAX_TOOLS} are served")
-    tools = [_check_tool(t, i) for i, t in enumerate(req.tools or [])]
+def check_tools(
+    given: list[Any] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    constrained: bool,
+    syntax: ToolSyntax,
+) -> ToolRequest | None:
+    """The checked tools of a request, or None when no tool may be called (none given,
+    or tool_choice "none"); raises `OpenAIError` naming the bad field as `syntax` lays
+    it out. `constrained`: the request also asks for structured output."""
+    if len(given or ()) > MAX_TOOLS:
+        raise _bad("tools", f"lists {len(given or ())} tools; at most {MAX_TOOLS} are served")
+    tools = [_check_tool(t, i, syntax) for i, t in enumerate(given or [])]
     names = [t["function"]["name"] for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise _bad(f"tools[{i}].function.name", f"{name!r} is given twice")
-    choice = _choice(req.tool_choice, names)
+            raise _bad(f"{syntax.function_param(i)}.name", f"{name!r} is given twice")
+    choice = _choice(tool_choice, names, syntax)
     if choice == "none":
         return None
     if choice == "auto":  # strict arguments are a grammar, and "auto" constrains nothing
         for i, tool in enumerate(tools):
             if tool["function"].get("strict"):
-                raise _bad(f"tools[{i}].function.strict", 'is enforced only when the call '
-                           'is forced: use tool_choice "required" or name the function')  # fmt: skip
-    tools_req = ToolRequest(tools, choice, req.parallel_tool_calls is not False)
-    if tools_req.forced and req.guide()[0]:
-        raise _bad("tool_choice", f"{req.tool_choice!r} cannot be combined with "
-                   "response_format or guided_*: both constrain the reply")  # fmt: skip
-    return tools_req
+                raise _bad(f"{syntax.function_param(i)}.strict", "is enforced only when the "
+                           'call is forced: use tool_choice "required" or name the function, '
+                           "or set strict false")  # fmt: skip
+    if choice != "auto" and constrained:
+        raise _bad("tool_choice", f"{tool_choice!r} cannot be combined with "
+                   f"{syntax.constraint}: both constrain the reply")  # fmt: skip
+    return ToolRequest(tools, choice, parallel is not False, syntax)
+
+
+def tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
+    """`check_tools` of a chat request."""
+    return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                       bool(req.guide()[0]), CHAT_TOOLS)  # fmt: skip
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -255,13 +319,23 @@ def generic_messages(
 def template_inputs(
     req: ChatCompletionRequest, tools: ToolRequest | None, fmt: ToolFormat
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, extra template variables) for the request's prompt."""
-    messages = req.template_messages()
+    """(messages, extra template variables) for a chat request's prompt."""
     kwargs = req.template_kwargs()
     if "tools" in kwargs:
         raise _bad("chat_template_kwargs", "cannot set 'tools': give them as the tools field")
+    return with_tools(req.template_messages(), kwargs, tools, fmt)
+
+
+def with_tools(
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    tools: ToolRequest | None,
+    fmt: ToolFormat,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, template variables) carrying `tools` as the model's template takes
+    them: its ``tools`` variable, or the generic rendering."""
     if fmt.native:
         if tools is not None:
-            kwargs["tools"] = tools.tools
+            kwargs = {**kwargs, "tools": tools.tools}
         return messages, kwargs
     return generic_messages(messages, tools.tools if tools else None), kwargs

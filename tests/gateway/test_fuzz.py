@@ -27,8 +27,22 @@ from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, wait_idle
 
 BUDGET_S = 60.0
+
+
+@schemathesis.check
+def names_the_field(ctx, response, case) -> None:
+    """A 400 to a JSON object names the field at fault: ``error.param`` is set and the
+    message says it."""
+    if response.status_code != 400 or not isinstance(case.body, dict):
+        return
+    error = response.json()["error"]
+    if not error["param"] or error["param"] not in error["message"]:
+        raise AssertionError(f"{case.operation.label} {case.body}: a 400 not naming the field: "
+                             f"{error}")  # fmt: skip
+
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]  # fmt: skip
+          response_schema_conformance, names_the_field]  # fmt: skip
 MODES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 10}
 
 
@@ -72,8 +86,9 @@ def test_fuzz_gateway_from_its_openapi(fuzz_server):
     deadline = time.monotonic() + BUDGET_S
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
-    generating = {"POST /v1/completions", "POST /v1/chat/completions"}
-    assert generating | {"POST /tokenize", "POST /detokenize", "GET /version"} <= labels
+    generating = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"}
+    stored = {"GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}
+    assert generating | stored | {"POST /tokenize", "POST /detokenize", "GET /version"} <= labels
     shares = {op.label: 4.0 if op.label in generating else 1.0 for op in operations}
     served: dict[str, int] = {}  # operation -> 200 responses
     calls = 0
