@@ -1,17 +1,23 @@
 """``radixserve bench --scenario autoscale``: the autoscaler's policy judged in simulation.
 
 The real decision code (`ScalingPolicy`) drives the pool model of `autoscale_sim` over a
-load trace — the diurnal ramp with bursts of `autoscale_trace`, or a JSONL trace file —
-next to two baselines in the same run:
+load trace — one of the generated shapes of `autoscale_trace` (``diurnal``: a day of
+chat-sized prompts with bursts; ``long-tail``: an hour of log-normal prompts with a
+tail past 64k tokens and prefix reuse) or a JSONL trace file — next to baselines in the
+same run:
 
 * **static-peak**: fixed pools sized for the trace's peak minute at the same target
   utilisation (what you provision without an autoscaler);
 * **naive-reactive**: a threshold on queue depth only (prefill: queued prompt tokens per
-  replica; decode: running sequences per replica), +1 above, -1 below, with a cooldown.
+  replica; decode: running sequences per replica), +1 above, -1 below, with a cooldown;
+* **smallest-static**: the smallest fixed pools that reach the autoscaler's attainment
+  over feasible requests, found by bisection over simulated runs (the fair price of
+  that attainment without an autoscaler).
 
-It prints SLO attainment (share of requests within both the TTFT and the ITL target),
-replica-seconds per pool and scale events for each, the autoscaler's replica-seconds
-over static-peak's, writes JSON and a PNG (load, replicas, p90 latencies over time).
+The autoscaler and naive-reactive start at the pools the trace's first minute needs.
+The report (`autoscale_report`) gives SLO attainment over all requests and over the
+feasible ones, the infeasible requests and why, replica-seconds per pool against
+static-peak and smallest-static, the autoscaler's advice, and a PNG.
 """
 
 from __future__ import annotations
@@ -20,26 +26,42 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
 
-from radixserve.bench.autoscale_sim import PoolModel, SimResult, Simulator
-from radixserve.bench.autoscale_trace import DiurnalShape, TraceRequest, diurnal_trace, read_trace
+from radixserve.bench.autoscale_report import (
+    AdviceRecorder,
+    build_report,
+    format_table,
+    write_plot,
+)
+from radixserve.bench.autoscale_sim import Policy, PoolModel, SimResult, Simulator
+from radixserve.bench.autoscale_trace import (
+    DiurnalShape,
+    LongTailShape,
+    TraceRequest,
+    diurnal_trace,
+    long_tail_trace,
+    read_trace,
+)
 from radixserve.services.autoscaler.policy import Decision, Observation, ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 TTFT_TARGET_S = 1.0
 ITL_TARGET_S = 0.05
-ATTAINMENT_TARGET = 0.95
-REPLICA_SECONDS_TARGET = 0.70  # of static-peak's
+TRACE_SHAPES = ("diurnal", "long-tail")
+MAX_STATIC_REPLICAS = 128  # the search for the smallest static pool stops here
 
 
-def policy_settings(interval_s: float = 10.0) -> AutoscalerSettings:
+def policy_settings(
+    interval_s: float = 10.0, ttft_per_1k_s: float | None = None
+) -> AutoscalerSettings:
     """The autoscaler's settings for the simulated pools (the defaults but the SLOs)."""
     return AutoscalerSettings(
         ttft_p90_target_s=TTFT_TARGET_S,
         itl_p90_target_s=ITL_TARGET_S,
+        ttft_per_1k_tokens_s=ttft_per_1k_s,
         min_prefill=1,
         max_prefill=32,
         min_decode=1,
@@ -101,6 +123,20 @@ class NaiveReactivePolicy:
         return out
 
 
+def pool_sizes(requests: list[TraceRequest], span_s: float, model: PoolModel,
+               utilization: float) -> dict[str, int]:  # fmt: skip
+    """Pools that carry ``requests`` arriving over ``span_s`` at ``utilization``."""
+    prefill = sum(r.uncached_tokens for r in requests) / span_s
+    output = sum(r.output_tokens for r in requests) / span_s
+    batch = min((ITL_TARGET_S - model.decode_step_base_s) / model.decode_step_per_seq_s,
+                model.max_batch)  # fmt: skip
+    decode_capacity = batch / model.step_s(int(batch))
+    return {
+        "prefill": max(1, math.ceil(prefill / (model.prefill_tokens_per_s * utilization))),
+        "decode": max(1, math.ceil(output / (decode_capacity * utilization))),
+    }
+
+
 def static_peak_sizes(
     trace: list[TraceRequest], model: PoolModel, utilization: float
 ) -> dict[str, int]:
@@ -108,51 +144,127 @@ def static_peak_sizes(
     minute: dict[int, list[TraceRequest]] = {}
     for r in trace:
         minute.setdefault(int(r.t // 60), []).append(r)
-    peak_prefill = max(sum(r.uncached_tokens for r in rs) / 60 for rs in minute.values())
-    peak_output = max(sum(r.output_tokens for r in rs) / 60 for rs in minute.values())
-    batch = min((ITL_TARGET_S - model.decode_step_base_s) / model.decode_step_per_seq_s,
-                model.max_batch)  # fmt: skip
-    decode_capacity = batch / model.step_s(int(batch))
-    return {
-        "prefill": math.ceil(peak_prefill / (model.prefill_tokens_per_s * utilization)),
-        "decode": math.ceil(peak_output / (decode_capacity * utilization)),
-    }
+    sizes = [pool_sizes(rs, 60.0, model, utilization) for rs in minute.values()]
+    return {role: max(s[role] for s in sizes) for role in ("prefill", "decode")}
+
+
+def first_minute_sizes(
+    trace: list[TraceRequest], model: PoolModel, utilization: float
+) -> dict[str, int]:
+    """Pools that carry the trace's first minute: where a running autoscaler would be."""
+    return pool_sizes([r for r in trace if r.t < 60.0], 60.0, model, utilization)
+
+
+Run = Callable[[dict[str, int]], SimResult]  # static pools -> their outcome
+
+
+def smallest_static_pool(
+    run: Run, target: float, peak: dict[str, int], peak_result: SimResult
+) -> tuple[dict[str, int], SimResult] | None:
+    """The smallest static pools whose attainment over feasible requests reaches
+    ``target``: prefill bisected with static-peak's decode pool (twice that if
+    static-peak falls short), then decode with that prefill. None if no pool up to
+    `MAX_STATIC_REPLICAS` reaches it."""
+    cache = {(peak["prefill"], peak["decode"]): peak_result}
+
+    def ok(prefill: int, decode: int) -> bool:
+        if (prefill, decode) not in cache:
+            cache[prefill, decode] = run({"prefill": prefill, "decode": decode})
+        return cache[prefill, decode].feasible_attainment >= target - 1e-12
+
+    decode_hi = peak["decode"]
+    if not ok(peak["prefill"], decode_hi):
+        decode_hi = min(2 * decode_hi, MAX_STATIC_REPLICAS)
+    prefill = _least(lambda p: ok(p, decode_hi), peak["prefill"])
+    if prefill is None:
+        return None
+    decode = _least(lambda d: ok(prefill, d), decode_hi) or decode_hi
+    return {"prefill": prefill, "decode": decode}, cache[prefill, decode]
+
+
+def _least(good: Callable[[int], bool], guess: int) -> int | None:
+    """The least n >= 1 with ``good(n)`` (monotone), starting from ``guess``; None if
+    not even `MAX_STATIC_REPLICAS` is."""
+    hi = max(guess, 1)
+    while not good(hi):
+        if hi >= MAX_STATIC_REPLICAS:
+            return None
+        hi = min(2 * hi, MAX_STATIC_REPLICAS)
+    lo = 0  # good(lo) is false or lo is 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if good(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def load_trace(shape: str, quick: bool, trace_path: str | None,
+               seed: int) -> tuple[list[TraceRequest], str]:  # fmt: skip
+    """The requests and a description of where they came from."""
+    if trace_path:
+        return read_trace(Path(trace_path)), trace_path
+    if shape == "long-tail":
+        tail = LongTailShape()
+        if quick:  # a quarter of the hour at half the rate: seconds to simulate
+            tail = replace(tail, duration_s=900.0, low_rps=1.0, high_rps=2.3, num_bursts=1)
+        return long_tail_trace(tail, seed), f"long-tail: {json.dumps(asdict(tail))}, seed {seed}"
+    day = DiurnalShape()
+    if quick:  # a compressed day at a third of the rate: seconds to simulate
+        day = replace(day, duration_s=2400.0, peak_rps=8.0, num_bursts=2)
+    return diurnal_trace(day, seed), f"diurnal with bursts: {json.dumps(asdict(day))}, seed {seed}"
 
 
 def run_autoscale_bench(
-    quick: bool = False, out_path: str | None = None, trace_path: str | None = None, seed: int = 0
+    quick: bool = False,
+    out_path: str | None = None,
+    trace_path: str | None = None,
+    seed: int = 0,
+    shape: str = "diurnal",
+    ttft_per_1k_s: float | None = None,
 ) -> int:
     model = PoolModel()
-    if trace_path:
-        trace = read_trace(Path(trace_path))
-        source = trace_path
-    else:
-        shape = DiurnalShape()
-        if quick:  # a compressed day at a third of the rate: seconds to simulate
-            shape = replace(shape, duration_s=2400.0, peak_rps=8.0, num_bursts=2)
-        trace = diurnal_trace(shape, seed)
-        source = f"diurnal with bursts: {json.dumps(asdict(shape))}, seed {seed}"
+    try:
+        trace, source = load_trace(shape, quick, trace_path, seed)
+    except (OSError, ValueError) as exc:
+        print(f"error: --trace: {exc}", file=sys.stderr)
+        return 2
     if not trace:
         print("error: the trace holds no request", file=sys.stderr)
         return 2
-    settings = policy_settings()
+    settings = policy_settings(ttft_per_1k_s=ttft_per_1k_s)
+    targets = (TTFT_TARGET_S, ITL_TARGET_S)
     peak = static_peak_sizes(trace, model, settings.target_utilization)
-    initial = {"prefill": 1, "decode": 1}
+    start = first_minute_sizes(trace, model, settings.target_utilization)
+
+    def simulate(policy: Policy, pools: dict[str, int]) -> SimResult:
+        return Simulator(trace, policy, model, pools, settings.interval_s, targets,
+                         ttft_per_1k_s).run()  # fmt: skip
+
+    recorder = AdviceRecorder(ScalingPolicy(settings))
     runs = {
-        "autoscaler": (ScalingPolicy(settings), initial),
+        "autoscaler": (recorder, start),
         "static-peak": (StaticPolicy(), peak),
-        "naive-reactive": (NaiveReactivePolicy(), initial),
+        "naive-reactive": (NaiveReactivePolicy(), start),
     }
-    results: dict[str, SimResult] = {}
     print(f"radixserve: simulating {len(trace)} requests over {trace[-1].t / 3600:.2f} h "
           f"({source[:80]}) ...", flush=True)  # fmt: skip
-    for name, (policy, start) in runs.items():
+    results: dict[str, SimResult] = {}
+    for name, (policy, pools) in runs.items():
         began = time.perf_counter()
-        sim = Simulator(trace, policy, model, start, settings.interval_s,
-                        (TTFT_TARGET_S, ITL_TARGET_S))  # fmt: skip
-        results[name] = sim.run()
+        results[name] = simulate(policy, pools)
         print(f"  {name}: done in {time.perf_counter() - began:.1f} s", flush=True)
-    report = _report(results, model, peak, source, len(trace))
+    began = time.perf_counter()
+    target = results["autoscaler"].feasible_attainment
+    smallest = smallest_static_pool(lambda pools: simulate(StaticPolicy(), pools), target, peak,
+                                    results["static-peak"])  # fmt: skip
+    print(f"  smallest-static search: done in {time.perf_counter() - began:.1f} s", flush=True)
+    sizes = {"static-peak": peak, "autoscaler": start, "naive-reactive": start}
+    if smallest is not None:
+        sizes["smallest-static"], results["smallest-static"] = smallest
+    diurnal = trace_path is None and shape == "diurnal"
+    report = build_report(results, sizes, model, settings, source, recorder, diurnal)
     print(format_table(report))
     out = Path(out_path or "bench/results/autoscale.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,96 +273,3 @@ def run_autoscale_bench(
     plot = write_plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {plot}")
     return 0
-
-
-def _report(results: dict[str, SimResult], model: PoolModel, peak: dict[str, int],
-            source: str, n: int) -> dict[str, Any]:  # fmt: skip
-    total = {name: sum(r.replica_seconds.values()) for name, r in results.items()}
-    auto, static, naive = results["autoscaler"], results["static-peak"], results["naive-reactive"]
-    share = total["autoscaler"] / total["static-peak"]
-    return {
-        "trace": source,
-        "requests": n,
-        "targets": {"ttft_p90_s": TTFT_TARGET_S, "itl_p90_s": ITL_TARGET_S},
-        "pool_model": asdict(model),
-        "static_peak_sizes": peak,
-        "policies": {
-            name: {
-                "attainment": r.attainment,
-                "ttft_attainment": r.ttft_attainment,
-                "itl_attainment": r.itl_attainment,
-                "replica_seconds": r.replica_seconds,
-                "replica_seconds_total": total[name],
-                "scale_events": r.scale_events,
-            }
-            for name, r in results.items()
-        },
-        "autoscaler_vs_static_replica_seconds": share,
-        "checks": {
-            f"autoscaler attainment >= {ATTAINMENT_TARGET:.0%}": auto.attainment >= ATTAINMENT_TARGET,
-            f"replica-seconds <= {REPLICA_SECONDS_TARGET:.0%} of static-peak": share <= REPLICA_SECONDS_TARGET,
-            "autoscaler attainment > naive-reactive": auto.attainment > naive.attainment,
-            "static-peak attainment (reference)": static.attainment >= ATTAINMENT_TARGET,
-        },
-    }  # fmt: skip
-
-
-def format_table(report: dict[str, Any]) -> str:
-    rows = [
-        "| policy | SLO attainment | TTFT ok | ITL ok | prefill replica-s | decode replica-s "
-        "| total / static | scale events |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    static = report["policies"]["static-peak"]["replica_seconds_total"]
-    for name, p in report["policies"].items():
-        events = p["scale_events"]
-        rows.append(
-            f"| {name} | {p['attainment']:.1%} | {p['ttft_attainment']:.1%} | "
-            f"{p['itl_attainment']:.1%} | {p['replica_seconds']['prefill']:,.0f} | "
-            f"{p['replica_seconds']['decode']:,.0f} | {p['replica_seconds_total'] / static:.2f} | "
-            f"{events['prefill']} + {events['decode']} |"
-        )
-    checks = "\n".join(
-        f"- {'PASS' if ok else 'MISS'}: {what}" for what, ok in report["checks"].items()
-    )
-    sizes = report["static_peak_sizes"]
-    head = (f"{report['requests']} requests; targets TTFT p90 {report['targets']['ttft_p90_s']} s, "
-            f"ITL p90 {report['targets']['itl_p90_s']} s; static-peak pools: "
-            f"{sizes['prefill']} prefill + {sizes['decode']} decode")  # fmt: skip
-    return f"{head}\n\n" + "\n".join(rows) + f"\n\n{checks}"
-
-
-def write_plot(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
-    styles = {"autoscaler": "-", "static-peak": ":", "naive-reactive": "--"}
-    for name, points in report["timelines"].items():
-        t = [p["t"] / 3600 for p in points]
-        if name == "autoscaler":
-            axes[0].plot(t, [p["requests_per_s"] for p in points], color="black", lw=0.8)
-        for ax, key in ((axes[1], "prefill_replicas"), (axes[2], "decode_replicas")):
-            ax.plot(t, [p[key] for p in points], styles[name], label=name)
-        ttft = [p["ttft_p90_s"] if p["ttft_p90_s"] is not None else math.nan for p in points]
-        itl = [p["itl_p90_s"] if p["itl_p90_s"] is not None else math.nan for p in points]
-        axes[3].plot(t, [x / report["targets"]["ttft_p90_s"] for x in ttft], styles[name],
-                     label=f"{name} TTFT p90 / target", lw=0.8)  # fmt: skip
-        axes[3].plot(t, [x / report["targets"]["itl_p90_s"] for x in itl], styles[name],
-                     label=f"{name} ITL p90 / target", lw=0.8, alpha=0.6)  # fmt: skip
-    axes[0].set_ylabel("requests/s")
-    axes[1].set_ylabel("prefill replicas")
-    axes[2].set_ylabel("decode replicas")
-    axes[3].set_ylabel("p90 / target")
-    axes[3].axhline(1.0, color="red", lw=0.6)
-    axes[3].set_yscale("log")
-    axes[3].set_xlabel("hours")
-    for ax in axes[1:]:
-        ax.legend(fontsize=7)
-    fig.suptitle("radixserve autoscaler in simulation (bench --scenario autoscale)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -3,8 +3,10 @@
 The policy is the autoscaler's own (`ScalingPolicy`, or a baseline with the same
 ``decide``): every ``interval_s`` the simulator hands it an `Observation` built exactly
 as the live metrics source builds one — arrival rates, TTFT and ITL p90 of the interval,
-the prefill queue, and per-worker counter samples (busy time, prefill tokens and
-seconds, decode-only steps, batch sizes and seconds) — and applies its `Decision`s.
+the prefill queue, per-worker counter samples (busy time, prefill tokens and seconds,
+decode-only steps, batch sizes and seconds), and the prefill workers' per-request
+histograms of uncached tokens and of the wait before a request's own compute, in the
+workers' own buckets — and applies its `Decision`s.
 
 The pools (`PoolModel`):
 
@@ -21,7 +23,10 @@ The pools (`PoolModel`):
   what it holds (drains) and counts until it is done. Replica-seconds count from the ask.
 
 A request meets its SLO when its TTFT and its mean inter-token latency are both within
-target. Everything is deterministic for a trace.
+target (its TTFT target is ``max(ttft target, ttft_per_1k_s × uncached tokens / 1000)``
+with a per-token budget). A request is *infeasible* when its own prefill alone — its
+uncached tokens at ``prefill_tokens_per_s`` plus ``prefill_overhead_s`` — exceeds that
+target: no pool size serves it in time. Everything is deterministic for a trace.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.bench.autoscale_trace import TraceRequest
+from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS
 from radixserve.services.autoscaler.capacity import WorkerSample
+from radixserve.services.autoscaler.feasibility import request_target_s
+from radixserve.services.autoscaler.histogram import Histogram
 from radixserve.services.autoscaler.policy import Decision, Observation, PoolState
 
 ROLES = ("prefill", "decode")
@@ -60,10 +68,15 @@ class PoolModel:
     def step_s(self, batch: int) -> float:
         return self.decode_step_base_s + self.decode_step_per_seq_s * batch
 
+    def own_prefill_s(self, tokens: int) -> float:
+        """A prompt's prefill on a warm replica with nothing ahead of it."""
+        return tokens / self.prefill_tokens_per_s + self.prefill_overhead_s
+
 
 @dataclass
 class _Req:
     trace: TraceRequest
+    start_s: float = math.nan  # its prefill starts
     first_s: float = math.nan
     join_s: float = math.nan  # arrival at decode
     done_s: float = math.nan
@@ -114,6 +127,8 @@ class SimResult:
     attainment: float  # share of requests within both targets
     ttft_attainment: float
     itl_attainment: float
+    infeasible: int  # requests whose own prefill exceeds their TTFT target
+    feasible_attainment: float  # share of the feasible requests within both targets
     replica_seconds: dict[str, float]
     scale_events: dict[str, int]
     timeline: list[dict[str, float | None]]  # one point per interval
@@ -130,9 +145,11 @@ class Simulator:
         initial: dict[str, int],
         interval_s: float,
         targets: tuple[float, float],  # (TTFT p90, ITL p90) in seconds
+        ttft_per_1k_s: float | None = None,  # a per-token TTFT budget (off: None)
     ) -> None:
         self.trace, self.policy, self.model = trace, policy, model
         self.interval_s, self.targets = interval_s, targets
+        self.ttft_per_1k_s = ttft_per_1k_s
         self.replicas: list[_Replica] = []
         warm = -model.cold_start_s - 1.0  # the initial replicas start warm
         for role in ROLES:
@@ -206,6 +223,7 @@ class Simulator:
             c.busy_s += cost
             c.prefill_tokens += req.trace.uncached_tokens
             c.prefill_s += cost
+            req.start_s = now
             req.first_s = now + cost
             self._window["first"].append(req)
             self._push(now + cost, "prefilled", None)
@@ -308,9 +326,12 @@ class Simulator:
         obs = self._observe(now)
         for decision in self.policy.decide(obs):
             self._apply(decision, now)
+        arrived, first = self._window["arrived"], self._window["first"]
         self.timeline.append({
             "t": now,
             "requests_per_s": obs.requests_per_s,
+            "infeasible_per_s": sum(1 for q in arrived if not self.feasible(q)) / self.interval_s,
+            "feasible_ttft_p90_s": _p90([q.ttft_s for q in first if self.feasible(q)]),
             "ttft_p90_s": obs.ttft_p90_s,
             "itl_p90_s": obs.itl_p90_s,
             **{f"{role}_replicas": float(obs.pools[role].provisioned) for role in ROLES},
@@ -354,20 +375,36 @@ class Simulator:
             itl_p90_s=_p90([q.itl_s for q in self._window["done"] if q.trace.output_tokens > 1]),
             prefill_queue_tokens=sum(q.trace.uncached_tokens for q in self._queue),
             workers=tuple(samples),
+            prefill_request_tokens=Histogram.of(
+                (q.trace.uncached_tokens for q in self._window["first"]), PREFILL_TOKENS_BUCKETS
+            ),
+            prefill_wait=Histogram.of(
+                (q.start_s - q.trace.t for q in self._window["first"]), PREFILL_WAIT_BUCKETS
+            ),
         )
 
+    def target_s(self, req: _Req) -> float:
+        return request_target_s(req.trace.uncached_tokens, self.targets[0], self.ttft_per_1k_s)
+
+    def feasible(self, req: _Req) -> bool:
+        """Whether its own prefill fits its TTFT target on some pool."""
+        return self.model.own_prefill_s(req.trace.uncached_tokens) <= self.target_s(req)
+
     def _result(self, now: float) -> SimResult:
-        ttft_t, itl_t = self.targets
+        itl_t = self.targets[1]
         done = self._done
-        ok_ttft = sum(1 for q in done if q.ttft_s <= ttft_t)
-        ok_itl = sum(1 for q in done if q.itl_s <= itl_t)
-        ok = sum(1 for q in done if q.ttft_s <= ttft_t and q.itl_s <= itl_t)
+        ok_ttft = {id(q) for q in done if q.ttft_s <= self.target_s(q)}
+        ok_itl = {id(q) for q in done if q.itl_s <= itl_t}
+        ok = ok_ttft & ok_itl
+        feasible = [q for q in done if self.feasible(q)]
         n = max(len(self.trace), 1)
+        ok_feasible = sum(1 for q in feasible if id(q) in ok) / max(len(feasible), 1)
         seconds = {role: 0.0 for role in ROLES}
         for r in self.replicas:
             start = max(r.asked_s, 0.0)
             seconds[r.role] += max((r.gone_s if r.gone_s is not None else now) - start, 0.0)
-        return SimResult(len(self.trace), ok / n, ok_ttft / n, ok_itl / n, seconds,
+        return SimResult(len(self.trace), len(ok) / n, len(ok_ttft) / n, len(ok_itl) / n,
+                         len(done) - len(feasible), ok_feasible, seconds,
                          dict(self.scale_events), self.timeline)  # fmt: skip
 
 

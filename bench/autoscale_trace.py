@@ -1,5 +1,6 @@
-"""Load traces for the autoscaler simulator: generated (a diurnal ramp with bursts) or read
-from a file.
+"""Load traces for the autoscaler simulator: generated — a diurnal ramp with bursts of
+chat-sized prompts, or an hour of long-tailed prompts (agents, long documents) with
+prefix reuse — or read from a file.
 
 **Trace file format** (JSON Lines, one request per line, in any order)::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,30 +51,92 @@ class DiurnalShape:
     cached_fraction: float = 0.6  # of the input, on average (multi-turn, shared prompts)
     mean_output_tokens: float = 160.0
 
-    def rate(self, t: float, bursts: list[float]) -> float:
-        day = (1 - math.cos(2 * math.pi * t / self.duration_s)) / 2  # 0 at night, 1 at noon
-        base = self.night_rps + (self.peak_rps - self.night_rps) * day
-        in_burst = any(start <= t < start + self.burst_s for start in bursts)
-        return base * (self.burst_factor if in_burst else 1.0)
-
 
 def diurnal_trace(shape: DiurnalShape, seed: int = 0) -> list[TraceRequest]:
-    """Poisson arrivals at ``shape.rate(t)`` (thinning), deterministic for a seed."""
+    """Requests at `_arrivals` from night to peak, deterministic for a seed."""
     rng = random.Random(seed)
-    bursts = sorted(rng.uniform(0.1, 0.9) * shape.duration_s for _ in range(shape.num_bursts))
-    top = shape.peak_rps * shape.burst_factor
     out: list[TraceRequest] = []
-    t = 0.0
-    while True:
-        t += rng.expovariate(top)
-        if t >= shape.duration_s:
-            return out
-        if rng.random() * top > shape.rate(t, bursts):
-            continue
+    for t in _arrivals(rng, shape.duration_s, shape.night_rps, shape.peak_rps,
+                       shape.num_bursts, shape.burst_factor, shape.burst_s):  # fmt: skip
         n_in = _lognormal(rng, shape.mean_input_tokens, 0.6, 32, 32768)
         cached = int(n_in * min(0.95, max(0.0, rng.gauss(shape.cached_fraction, 0.2))))
         n_out = _lognormal(rng, shape.mean_output_tokens, 0.7, 1, 4096)
         out.append(TraceRequest(round(t, 4), n_in, n_out, cached))
+    return out
+
+
+@dataclass(frozen=True)
+class LongTailShape:
+    """An hour of production-shaped traffic: the rate rises from ``low_rps`` to
+    ``high_rps`` and back on a cosine, with ``num_bursts`` bursts; a new conversation's
+    prompt is log-normal (median ``median_prompt_tokens``, ``prompt_sigma``: a tail past
+    64k, capped at ``max_prompt_tokens``); with probability ``continue_share`` a request
+    instead continues one of the last ``open_sessions`` conversations — its prompt is that
+    conversation's last prompt and answer (cached: the prefix is reused) plus a new turn."""
+
+    duration_s: float = 3600.0
+    low_rps: float = 2.0
+    high_rps: float = 4.6
+    num_bursts: int = 3
+    burst_factor: float = 1.5
+    burst_s: float = 120.0
+    median_prompt_tokens: float = 6500.0
+    prompt_sigma: float = 1.2
+    max_prompt_tokens: int = 131072
+    continue_share: float = 0.38
+    open_sessions: int = 64
+    median_turn_tokens: float = 300.0
+    mean_output_tokens: float = 250.0
+
+
+def long_tail_trace(shape: LongTailShape, seed: int = 0) -> list[TraceRequest]:
+    """Requests at `_arrivals` from low to high, deterministic for a seed."""
+    rng = random.Random(seed)
+    sessions: list[int] = []  # open conversations: the context a next turn reuses
+    out: list[TraceRequest] = []
+    for t in _arrivals(rng, shape.duration_s, shape.low_rps, shape.high_rps,
+                       shape.num_bursts, shape.burst_factor, shape.burst_s):  # fmt: skip
+        n_out = _lognormal(rng, shape.mean_output_tokens, 0.8, 1, 4096)
+        turn = int(rng.lognormvariate(math.log(shape.median_turn_tokens), 1.0)) + 1
+        k = rng.randrange(len(sessions)) if sessions else -1
+        if (
+            k >= 0
+            and rng.random() < shape.continue_share
+            and (sessions[k] + turn <= shape.max_prompt_tokens)
+        ):  # a next turn: the conversation so far is cached
+            cached = sessions[k]
+            n_in = cached + turn
+            sessions[k] = n_in + n_out
+        else:
+            prompt = rng.lognormvariate(math.log(shape.median_prompt_tokens), shape.prompt_sigma)
+            n_in, cached = max(32, min(shape.max_prompt_tokens, int(prompt))), 0
+            sessions.append(n_in + n_out)
+            if len(sessions) > shape.open_sessions:
+                sessions.pop(rng.randrange(len(sessions)))
+        out.append(TraceRequest(round(t, 4), n_in, n_out, cached))
+    return out
+
+
+def _arrivals(
+    rng: random.Random, duration_s: float, low_rps: float, high_rps: float,
+    num_bursts: int, burst_factor: float, burst_s: float,
+) -> Iterator[float]:  # fmt: skip
+    """Poisson arrival times (by thinning) at a rate that rises from ``low_rps`` to
+    ``high_rps`` and back on a cosine over ``duration_s``, times ``burst_factor`` during
+    ``num_bursts`` bursts of ``burst_s`` at random times."""
+    bursts = sorted(rng.uniform(0.1, 0.9) * duration_s for _ in range(num_bursts))
+    top = high_rps * burst_factor
+    t = 0.0
+    while True:
+        t += rng.expovariate(top)
+        if t >= duration_s:
+            return
+        bump = (1 - math.cos(2 * math.pi * t / duration_s)) / 2  # 0 at the ends, 1 halfway
+        rate = low_rps + (high_rps - low_rps) * bump
+        if any(start <= t < start + burst_s for start in bursts):
+            rate *= burst_factor
+        if rng.random() * top <= rate:
+            yield t
 
 
 def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:

@@ -11,7 +11,12 @@ Both build the same `Observation` (`policy`), from the same series:
   `WorkerSample`s capacity is learned from;
 * demand: prompt tokens the workers computed per second plus the growth of the prefill
   queue (what arrived, even when the pool could not keep up), and tokens generated per
-  second.
+  second;
+* per request, from the prefill workers' histograms ``radixserve_worker_prefill_request_tokens``
+  (uncached prompt tokens) and ``radixserve_worker_prefill_wait_seconds`` (the wait
+  around a request's own compute): their change over the interval, summed over the
+  pool — what `feasibility` splits into infeasible requests and the feasible ones'
+  queueing.
 
 `GatewayMetrics` scrapes the text exposition each interval and takes differences from
 the previous scrape (the first one only sets the baseline); `PrometheusMetrics` asks a
@@ -31,11 +36,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.services.autoscaler.capacity import WorkerSample
+from radixserve.services.autoscaler.histogram import Histogram
 from radixserve.services.autoscaler.policy import ROLES, Observation, PoolState
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, tuple[tuple[str, str], ...]]  # sample name, sorted labels
+Labels = tuple[tuple[str, str], ...]  # sorted
+Key = tuple[str, Labels]  # sample name, labels
 
 #: counter sample -> the `WorkerSample` field its change fills
 WORKER_COUNTERS = {
@@ -48,6 +55,11 @@ WORKER_COUNTERS = {
     "radixserve_worker_engine_decode_only_seconds_total": "decode_only_s",
 }
 WORKER_GAUGES = ("up", "draining", "uptime_s", "queued_tokens", "running")
+#: the prefill workers' per-request histograms -> the `Observation` field each fills
+PREFILL_HISTOGRAMS = {
+    "radixserve_worker_prefill_request_tokens": "prefill_request_tokens",
+    "radixserve_worker_prefill_wait_seconds": "prefill_wait",
+}
 
 
 class MetricsError(RuntimeError):
@@ -161,6 +173,45 @@ def _quantile_delta(new: Mapping[Key, float], old: Mapping[Key, float], name: st
     return histogram_quantile(buckets, 0.9)
 
 
+def _buckets(samples: Mapping[Key, float], name: str) -> dict[Labels, dict[float, float]]:
+    """Histogram ``name``'s cumulative buckets per series (its labels without ``le``)."""
+    out: dict[Labels, dict[float, float]] = {}
+    for (sample, labels), value in samples.items():
+        if sample == f"{name}_bucket":
+            rest = dict(labels)
+            le = float(rest.pop("le"))
+            out.setdefault(tuple(sorted(rest.items())), {})[le] = value
+    return out
+
+
+def _histogram_delta(
+    new: Mapping[float, float], old: Mapping[float, float] | None
+) -> Histogram | None:
+    old = old or {}
+    return Histogram.from_cumulative({le: v - old.get(le, 0.0) for le, v in new.items()})
+
+
+def _pool_histograms(
+    new: Mapping[Key, float], old: Mapping[Key, float], prefill_workers: list[Labels]
+) -> dict[str, Histogram | None]:
+    """Each per-request histogram's change over the interval, summed over
+    ``prefill_workers`` (label sets of workers up and not restarted); None where no
+    worker exports it."""
+    out: dict[str, Histogram | None] = {}
+    for name, field_name in PREFILL_HISTOGRAMS.items():
+        now, before = _buckets(new, name), _buckets(old, name)
+        total = None
+        for labels in prefill_workers:
+            series = now.get(labels)
+            if series is None:
+                continue
+            delta = _histogram_delta(series, before.get(labels))
+            if delta is not None:
+                total = delta if total is None else total + delta
+        out[field_name] = total
+    return out
+
+
 def observation_between(
     old: Mapping[Key, float],
     new: Mapping[Key, float],
@@ -172,6 +223,7 @@ def observation_between(
     dt = max(interval_s, 1e-6)
     requests = sum(_delta(new, old, k) for k in new if k[0] == "radixserve_requests_total")
     views, samples = [], []
+    prefill_workers: list[Labels] = []  # up and not restarted: their histograms difference
     queue_growth, prefill_queue = 0.0, 0
     computed = generated = 0.0
     for key in [k for k in new if k[0] == "radixserve_worker_up"]:
@@ -195,6 +247,8 @@ def observation_between(
                 queue_growth += queued - gauge("queued_tokens", old)
         if restarted:
             continue  # counters started over: no interval to difference
+        if role == "prefill":
+            prefill_workers.append(key[1])
         values = {f: _delta(new, old, (c, key[1])) for c, f in WORKER_COUNTERS.items()}
         values.update(queued_tokens=gauge("queued_tokens"), running=gauge("running"))
         sample = _sample(view.name, role, age, dt, values)
@@ -213,6 +267,7 @@ def observation_between(
         itl_p90_s=_quantile_delta(new, old, "radixserve_itl_seconds"),
         prefill_queue_tokens=prefill_queue,
         workers=tuple(samples),
+        **_pool_histograms(new, old, prefill_workers),  # type: ignore[arg-type]
     )
 
 
@@ -269,6 +324,9 @@ class PrometheusMetrics:
         growth = self._scalar(f'sum(deriv(radixserve_worker_queued_tokens{{role="prefill"}}[{w}]))')
         computed = sum(s.prefill_tokens for s in samples if s.role == "prefill")
         quantile = "histogram_quantile(0.9, sum by (le) (rate({}_bucket[{}])))"
+        histograms = {
+            field_name: self._histogram(name) for name, field_name in PREFILL_HISTOGRAMS.items()
+        }
         return Observation(
             now_s=time.monotonic(),
             interval_s=self._window_s,
@@ -280,4 +338,12 @@ class PrometheusMetrics:
             itl_p90_s=self._scalar(quantile.format("radixserve_itl_seconds", w)),
             prefill_queue_tokens=int(sum(s.queued_tokens for s in samples if s.role == "prefill")),
             workers=tuple(samples),
+            **histograms,  # type: ignore[arg-type]
         )
+
+    def _histogram(self, name: str) -> Histogram | None:
+        """A prefill pool histogram's increase over the window (None: not exported)."""
+        promql = f'sum by (le) (increase({name}_bucket{{role="prefill"}}[{self.window}]))'
+        buckets = {float(labels["le"]): value for labels, value in self.query(promql)
+                   if "le" in labels and not math.isnan(value)}  # fmt: skip
+        return Histogram.from_cumulative(buckets)

@@ -2,11 +2,15 @@
 
 Each interval: read the pools' replica counts from the connector, build an `Observation`
 from the metrics source, let `ScalingPolicy` decide, set the pools that change, log
-every decision with its inputs and reason, and export
+every decision with its inputs and reason (and the requests no replica count serves in
+time, and while a sizeable share of them lasts, what to do instead), and export
 
     radixserve_autoscaler_desired_replicas{role}      what it decided
     radixserve_autoscaler_observed_replicas{role}     ready replicas it saw
     radixserve_autoscaler_decisions_total{role,direction,reason}
+    radixserve_autoscaler_infeasible_requests_total{slo}   requests whose own work
+                                                       exceeds the ttft / itl target
+    radixserve_autoscaler_advice{slo,remedy}          1 while that remedy is advised
     radixserve_autoscaler_errors_total{stage}          metrics / connector failures
 
 on its own HTTP port with ``/health`` and ``/live`` (`radixserve.runtime.probe`). A failed
@@ -27,15 +31,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from radixserve.runtime.probe import ProbeServer
 from radixserve.runtime.service import wait_event
 from radixserve.services.autoscaler.connectors import Connector, ConnectorError, make_connector
+from radixserve.services.autoscaler.feasibility import REMEDIES
 from radixserve.services.autoscaler.metrics_source import (
     GatewayMetrics,
     MetricsError,
     PrometheusMetrics,
 )
-from radixserve.services.autoscaler.policy import ROLES, Decision, ScalingPolicy
+from radixserve.services.autoscaler.policy import ROLES, SLO_OF, Decision, ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 logger = logging.getLogger(__name__)
+
+REPEAT_S = 300.0  # infeasible requests and advice are logged as warnings this often
 
 
 class AutoscalerMetrics:
@@ -49,9 +56,19 @@ class AutoscalerMetrics:
                                  ["role", "direction", "reason"], registry=r)  # fmt: skip
         self.errors = Counter("radixserve_autoscaler_errors", "Failed metric reads or "
                               "replica changes.", ["stage"], registry=r)  # fmt: skip
+        self.infeasible = Counter("radixserve_autoscaler_infeasible_requests", "Requests whose "
+                                  "own work exceeds the SLO target on any number of replicas "
+                                  "(never scaled for).", ["slo"], registry=r)  # fmt: skip
+        self.advice = Gauge("radixserve_autoscaler_advice", "1 while a sizeable share of "
+                            "requests is infeasible and this remedy is advised instead of "
+                            "replicas.", ["slo", "remedy"], registry=r)  # fmt: skip
         for role in ROLES:
             self.desired.labels(role=role)
             self.observed.labels(role=role)
+        for slo, remedies in REMEDIES.items():
+            self.infeasible.labels(slo=slo)
+            for remedy, _ in remedies:
+                self.advice.labels(slo=slo, remedy=remedy)
         for stage in ("metrics", "connector"):
             self.errors.labels(stage=stage)
 
@@ -72,6 +89,9 @@ class AutoscalerService:
         self.metrics = AutoscalerMetrics()
         self.last_decisions: list[Decision] = []
         self.last_ok_s: float | None = None
+        self._advised_s: dict[str, float] = {}  # role -> when its advice was last logged
+        self._infeasible_s: dict[str, float] = {}  # role -> when infeasible ones were
+        self._infeasible_since: dict[str, float] = {role: 0.0 for role in ROLES}
         self.probe = ProbeServer(settings.host, settings.port, self._health, self._render)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -115,6 +135,7 @@ class AutoscalerService:
             level = logging.WARNING if d.direction != "hold" else logging.INFO
             logger.log(level, "%s: %s %d -> %d (%s) %s", d.role, d.direction, d.current,
                        d.desired, d.reason, json.dumps(d.inputs))  # fmt: skip
+            self._report_infeasible(d)
             if d.direction != "hold":
                 try:
                     self.connector.set(d.role, d.desired)
@@ -123,6 +144,39 @@ class AutoscalerService:
         self.last_decisions = decisions
         self.last_ok_s = time.monotonic()
         return decisions
+
+    def _report_infeasible(self, d: Decision) -> None:
+        """Count and log the requests no replica count serves in time: each interval at
+        INFO, and as a warning at most every `REPEAT_S`, with the count since the last."""
+        slo, now = SLO_OF[d.role], time.monotonic()
+        if d.infeasible > 0:
+            self.metrics.infeasible.labels(slo=slo).inc(d.infeasible)
+            self._infeasible_since[d.role] += d.infeasible
+            last = self._infeasible_s.get(d.role)
+            loud = last is None or now - last >= REPEAT_S
+            count, since = d.infeasible, ""
+            if loud:
+                count = self._infeasible_since[d.role]
+                since = "" if last is None else f" in the last {now - last:.0f} s"
+                self._infeasible_s[d.role], self._infeasible_since[d.role] = now, 0.0
+            logger.log(logging.WARNING if loud else logging.INFO,
+                       "%s: %.0f infeasible request(s)%s: own work over the %s target on any "
+                       "number of replicas; not scaled for %s", d.role, count, since,
+                       slo.upper(), json.dumps(d.inputs))  # fmt: skip
+        self._report_advice(d, slo, now)
+
+    def _report_advice(self, d: Decision, slo: str, now: float) -> None:
+        """The advice gauges; the advice logged when it starts, every `REPEAT_S` while
+        it lasts, and when it ends."""
+        for remedy, _ in REMEDIES[slo]:
+            self.metrics.advice.labels(slo=slo, remedy=remedy).set(1 if d.advice else 0)
+        last = self._advised_s.get(d.role)
+        if d.advice and (last is None or now - last >= REPEAT_S):
+            logger.warning("%s: %s", d.role, d.advice)
+            self._advised_s[d.role] = now
+        elif not d.advice and last is not None:
+            logger.warning("%s: the infeasible share is no longer sizeable", d.role)
+            del self._advised_s[d.role]
 
     def _error(self, stage: str, exc: Exception) -> None:
         self.metrics.errors.labels(stage=stage).inc()
@@ -136,7 +190,13 @@ class AutoscalerService:
         detail = {
             "connector": self.connector.name,
             "decisions": [
-                {"role": d.role, "desired": d.desired, "reason": d.reason}
+                {
+                    "role": d.role,
+                    "desired": d.desired,
+                    "reason": d.reason,
+                    "infeasible": d.infeasible,
+                    "advice": d.advice,
+                }
                 for d in self.last_decisions
             ],
         }

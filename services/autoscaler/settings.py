@@ -23,6 +23,13 @@ class AutoscalerSettings(BaseSettings):
     itl_p90_target_s: float = Field(
         0.1, gt=0, le=60, description="SLO: 90th percentile inter-token latency."
     )
+    ttft_per_1k_tokens_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="Optional per-token TTFT budget for long prompts: a request's target is "
+        "max(ttft_p90_target_s, this x uncached tokens / 1000). Off by default.",
+    )
     min_prefill: int = Field(0, ge=0, le=1024, description="Fewest prefill replicas.")
     max_prefill: int = Field(8, ge=0, le=1024, description="Most prefill replicas.")
     min_decode: int = Field(1, ge=1, le=1024, description="Fewest decode replicas.")
@@ -48,10 +55,42 @@ class AutoscalerSettings(BaseSettings):
         description="Scale down only while N-1 replicas would run below this utilisation "
         "(util * N / (N - 1)).",
     )
+    demand_relative_error: float = Field(
+        0.15,
+        ge=0.01,
+        le=1,
+        description="Demand is measured over the last intervals holding enough requests "
+        "that its relative error, sqrt((1 + cv2) / requests) with cv2 the squared "
+        "coefficient of variation of their uncached tokens, is this (at least one interval, "
+        "at most max(interval_s, scale_down_cooldown_s)): with long-tailed prompts a short "
+        "sample is dominated by its longest prompt.",
+    )
     queue_tokens_per_replica: int = Field(
         16384,
         ge=1,
         description="Fast step: prompt tokens queued per prefill replica above this add one.",
+    )
+    scale_up_min_gain: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Diminishing returns: past what the throughput model needs, a replica is "
+        "added only if it is predicted to take at least this share of the pool's latency "
+        "target (TTFT or ITL) off the measured queueing delay.",
+    )
+    max_replica_seconds_per_interval: float | None = Field(
+        None,
+        gt=0,
+        description="Hard ceiling on the replica-seconds of both pools per interval "
+        "(replicas x interval_s): scale-ups past it are refused, prefill's first. Off by "
+        "default.",
+    )
+    infeasible_advice_share: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="Once this share of the requests of the last 5 minutes cannot meet an SLO "
+        "on any number of replicas, the log and /metrics name the remedies.",
     )
     cold_start_s: float = Field(
         60.0,
@@ -109,7 +148,20 @@ class AutoscalerSettings(BaseSettings):
             raise ValueError("connector=local needs local_url (radixserve up prints it)")
         if self.metrics_source == "prometheus" and not self.prometheus_url:
             raise ValueError("metrics_source=prometheus needs prometheus_url")
+        ceiling = self.max_replica_seconds_per_interval
+        floor_s = (self.min_prefill + self.min_decode) * self.interval_s
+        if ceiling is not None and ceiling < floor_s:
+            raise ValueError(
+                f"max_replica_seconds_per_interval {ceiling:g} is below the pools' minimum "
+                f"(min_prefill + min_decode) x interval_s = {floor_s:g}"
+            )
         return self
+
+    @property
+    def max_replicas(self) -> int | None:
+        """Both pools' replicas the replica-seconds ceiling allows (None: no ceiling)."""
+        ceiling = self.max_replica_seconds_per_interval
+        return None if ceiling is None else int(ceiling / self.interval_s + 1e-9)
 
     def bounds(self, role: str) -> tuple[int, int]:
         if role == "prefill":

@@ -18,16 +18,24 @@ For each `PrefillRequest` from a decode worker:
 An `Abort` cancels the computation or releases the lease, whichever applies. While
 draining (SIGTERM) the worker refuses new `PrefillRequest`s ("draining": the decode
 worker prefills elsewhere) and leaves once the pages it lent have been read.
+
+Per request it also records, for the autoscaler, its uncached prompt tokens and its
+wait: the time from its arrival to its first token less its own compute (those tokens
+at this worker's measured prefill rate) — histograms ``prefill_request_tokens`` and
+``prefill_wait_seconds`` in its stats, so a long prompt's own compute is told apart
+from time spent behind other prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.wire import to_entries, to_params
+from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS, StatsHistogram
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
 from radixserve.runtime.service import Peer
 from radixserve.runtime.worker import Worker
@@ -56,6 +64,8 @@ class PrefillWorker(Worker):
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
         self._lending = asyncio.Event()  # set when a lease is handed over
+        self._wait = StatsHistogram("prefill_wait_seconds", PREFILL_WAIT_BUCKETS)
+        self._request_tokens = StatsHistogram("prefill_request_tokens", PREFILL_TOKENS_BUCKETS)
 
     async def start(self) -> None:
         await super().start()
@@ -89,6 +99,19 @@ class PrefillWorker(Worker):
     def queued_tokens(self) -> int:
         return self._queued
 
+    def stats(self) -> dict[str, int | float]:
+        return {**super().stats(), **self._wait.stats(), **self._request_tokens.stats()}
+
+    def _record(self, computed: int, elapsed_s: float) -> None:
+        """Split one request's time to its first token into its own compute (``computed``
+        tokens at the engine's measured prefill rate) and the wait around it."""
+        steps = self.engine.stats().steps
+        seconds = steps.get("engine_prefill_seconds_total", 0.0)
+        tokens = steps.get("engine_prefill_tokens_total", 0)
+        own = computed * seconds / tokens if tokens > 0 else 0.0
+        self._wait.observe(max(0.0, elapsed_s - own))
+        self._request_tokens.observe(computed)
+
     def busy(self) -> bool:
         """Requests running, or pages lent that a decode worker has yet to read."""
         return bool(self.tasks) or self._lending_now()
@@ -99,6 +122,7 @@ class PrefillWorker(Worker):
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
+        arrived = time.perf_counter()
         self._queued += len(ids)
         self.beat_now()  # routers see the queue change now, not a heartbeat later
         counted = True
@@ -126,6 +150,7 @@ class PrefillWorker(Worker):
                 )
             self._lending.set()
             computed = last.prompt_tokens - last.cached_tokens
+            self._record(computed, time.perf_counter() - arrived)
             self.counters["prefill_requests_total"] += 1
             self.counters["prefill_computed_tokens_total"] += computed
             self.counters["prefill_cached_tokens_total"] += last.cached_tokens
@@ -138,6 +163,7 @@ class PrefillWorker(Worker):
                     src_page_ids=tuple(src),
                     cached_tokens=last.cached_tokens,
                     host_cached_tokens=last.host_cached_tokens,
+                    disk_cached_tokens=last.disk_cached_tokens,
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                 ),

@@ -1,7 +1,8 @@
 """Observations from metrics: two real /metrics expositions of the gateway's own
 `ServingMetrics` a few seconds apart become one `Observation` (p90s from the histogram
-buckets' change, rates, per-worker counter samples, pools); a restarted worker's counters
-are not differenced; and the Prometheus source asks the query API for the same series."""
+buckets' change, rates, per-worker counter samples, the prefill workers' per-request
+histograms summed over the pool, pools); a restarted worker's counters are not
+differenced; and the Prometheus source asks the query API for the same series."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from radixserve.metrics import ServingMetrics
+from radixserve.metrics import (
+    PREFILL_TOKENS_BUCKETS,
+    PREFILL_WAIT_BUCKETS,
+    ServingMetrics,
+    StatsHistogram,
+)
 from radixserve.services.autoscaler.metrics_source import (
     PrometheusMetrics,
     histogram_quantile,
@@ -28,11 +34,25 @@ def worker(role: str, uptime: float, **counters: float) -> dict:
     return stats
 
 
+def requests(*served: tuple[int, float]) -> dict[str, float]:
+    """A prefill worker's per-request histograms (as its heartbeat carries them) after
+    serving ``served`` (uncached tokens, wait) requests."""
+    tokens = StatsHistogram("prefill_request_tokens", PREFILL_TOKENS_BUCKETS)
+    waits = StatsHistogram("prefill_wait_seconds", PREFILL_WAIT_BUCKETS)
+    for n, wait in served:
+        tokens.observe(n)
+        waits.observe(wait)
+    return {**tokens.stats(), **waits.stats()}
+
+
 def test_two_scrapes_become_one_observation():
     m = ServingMetrics()
+    early = [(2000, 0.0)] * 5
+    late = early + [(40000, 0.0)] * 2 + [(1000, 2.0)] * 8  # this interval: 10 requests
     before = m.render({}, {
-        "prefill-0": worker("prefill", 100, prefill_tokens=1000, prefill_seconds=1.0,
-                            busy_seconds=1.0, queued=500),
+        "prefill-0": {**worker("prefill", 100, prefill_tokens=1000, prefill_seconds=1.0,
+                               busy_seconds=1.0, queued=500), **requests(*early)},
+        "prefill-1": {**worker("prefill", 300), **requests(*late)},
         "decode-0": worker("decode", 100, decode_only_steps=100, decode_only_seqs=800,
                            decode_only_seconds=2.0, decode_tokens=800, busy_seconds=2.0),
         "decode-1": worker("decode", 900),
@@ -44,8 +64,9 @@ def test_two_scrapes_become_one_observation():
     for _ in range(10):
         m.record_finish(100, 50, 10, "stop")
     after = m.render({}, {
-        "prefill-0": worker("prefill", 110, prefill_tokens=81000, prefill_seconds=11.0,
-                            busy_seconds=11.0, queued=2500),
+        "prefill-0": {**worker("prefill", 110, prefill_tokens=81000, prefill_seconds=11.0,
+                               busy_seconds=11.0, queued=2500), **requests(*late)},
+        "prefill-1": {**worker("prefill", 4), **requests((500, 0.0))},  # restarted
         "decode-0": worker("decode", 110, decode_only_steps=600, decode_only_seqs=8800,
                            decode_only_seconds=12.0, decode_tokens=8800, busy_seconds=12.0,
                            running=16),
@@ -53,7 +74,8 @@ def test_two_scrapes_become_one_observation():
         "decode-2": {**worker("decode", 400), "draining": True},
     }).decode()  # fmt: skip
     obs = observation_between(parse_exposition(before), parse_exposition(after), 10.0, 50.0,
-                              {"prefill": 2, "decode": None})  # fmt: skip
+                              {"prefill": 3, "decode": None})  # fmt: skip
+    assert "prefill-1" not in {s.name for s in obs.workers}
     assert obs.requests_per_s == 1.0
     assert 2.5 <= obs.ttft_p90_s <= 5.0
     assert 0.01 <= obs.itl_p90_s <= 0.025
@@ -61,7 +83,12 @@ def test_two_scrapes_become_one_observation():
     assert obs.prefill_tokens_per_s == pytest.approx(8200.0)
     assert obs.output_tokens_per_s == pytest.approx(800.0)
     assert obs.prefill_queue_tokens == 2500
-    assert obs.pools["prefill"].ready == 1 and obs.pools["prefill"].starting == 1
+    assert obs.pools["prefill"].ready == 2 and obs.pools["prefill"].starting == 1
+    # the interval's requests at prefill-0 (prefill-1 restarted: not differenced)
+    tokens, waits = obs.prefill_request_tokens, obs.prefill_wait
+    assert tokens is not None and waits is not None
+    assert tokens.total == 10 and tokens.count_above(30000) == 2
+    assert waits.total == 10 and 1.0 <= waits.quantile(0.9) <= 2.5
     assert (obs.pools["decode"].ready, obs.pools["decode"].draining) == (2, 1)
     samples = {s.name: s for s in obs.workers}
     assert "decode-1" not in samples  # restarted: nothing to difference
@@ -103,6 +130,9 @@ class _FakePrometheus(BaseHTTPRequestHandler):
                        "value": [0, "120000"]}]  # fmt: skip
         elif query.startswith("sum(rate(radixserve_requests_total"):
             result = [{"metric": {}, "value": [0, "2.5"]}]
+        elif "prefill_request_tokens_bucket" in query:  # 3 requests: 2 of 1k, 1 of 40k
+            result = [{"metric": {"le": le}, "value": [0, n]}
+                      for le, n in (("1024.0", "2"), ("46341.0", "3"), ("+Inf", "3"))]  # fmt: skip
         body = json.dumps({"status": "success", "data": {"resultType": "vector",
                                                           "result": result}}).encode()  # fmt: skip
         self.send_response(200)
@@ -127,6 +157,8 @@ def test_prometheus_source_reads_the_query_api():
         server.shutdown()
         server.server_close()
     assert obs.ttft_p90_s == 1.5 and obs.itl_p90_s is None
+    assert obs.prefill_request_tokens is not None and obs.prefill_request_tokens.total == 3
+    assert obs.prefill_wait is None  # not exported: no split, as without per-request numbers
     assert obs.requests_per_s == 2.5
     assert obs.pools["prefill"].ready == 1
     [sample] = obs.workers
@@ -134,3 +166,5 @@ def test_prometheus_source_reads_the_query_api():
     assert obs.prefill_tokens_per_s == pytest.approx(2000.0)  # 120k over the 60 s window
     assert any("increase(radixserve_worker_engine_prefill_tokens_total[60s])" in q
                for q in _FakePrometheus.queries)  # fmt: skip
+    assert ('sum by (le) (increase(radixserve_worker_prefill_wait_seconds_bucket{role="prefill"}'
+            "[60s]))") in _FakePrometheus.queries  # fmt: skip

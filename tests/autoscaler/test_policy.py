@@ -5,6 +5,7 @@ hold, and a fresh worker's slow warm-up is not taken for lost capacity."""
 from __future__ import annotations
 
 from radixserve.services.autoscaler.capacity import DecodeCapacity, PrefillCapacity, WorkerSample
+from radixserve.services.autoscaler.histogram import Histogram
 from radixserve.services.autoscaler.policy import Observation, PoolState, ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
@@ -37,13 +38,18 @@ def prefill_sample(tokens_per_s: float, age_s: float = 600.0, speed: float = 1.0
 
 def observe(t: float, pools: dict[str, int], *, prefill_tps: float = 0.0, out_tps: float = 0.0,
             ttft: float | None = 0.2, itl: float | None = 0.02, queue: int = 0, workers=(),
-            starting: dict[str, int] | None = None) -> Observation:  # fmt: skip
+            starting: dict[str, int] | None = None, rps: float = 100.0,
+            tokens: Histogram | None = None,
+            waits: Histogram | None = None) -> Observation:  # fmt: skip
+    """One interval; ``rps`` requests/s (by default enough that demand is measured over
+    the interval alone), per-request histograms only when given."""
     starting = starting or {}
     return Observation(
-        now_s=t, interval_s=DT,
+        now_s=t, interval_s=DT, requests_per_s=rps,
         pools={r: PoolState(n, starting.get(r, 0)) for r, n in pools.items()},
         prefill_tokens_per_s=prefill_tps, output_tokens_per_s=out_tps, ttft_p90_s=ttft,
         itl_p90_s=itl, prefill_queue_tokens=queue, workers=tuple(workers),
+        prefill_request_tokens=tokens, prefill_wait=waits,
     )  # fmt: skip
 
 
