@@ -25,12 +25,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and args.scenario != "perplexity":
             raise UsageError(f"--{flag} applies to --scenario perplexity only")
     if args.quantization is not None and args.scenario != "perplexity":
-        if args.scenario in ("gateway", "host-tier", "autoscale", "peer"):
+        if args.scenario in ("gateway", "host-tier", "tiers", "autoscale", "peer"):
             raise UsageError(f"--quantization: --scenario {args.scenario} runs its own "
                                "engine settings (peer: the make serve defaults and none)")  # fmt: skip
         if args.quantization not in QUANTIZATIONS:
             raise UsageError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} "
                                f"for --scenario {args.scenario}, not {args.quantization!r}")  # fmt: skip
+    for flag in ("trace", "trace_shape", "ttft_per_1k_tokens_s"):
+        if getattr(args, flag) is not None and args.scenario != "autoscale":
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario autoscale only")
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -49,10 +52,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_host_tier_bench(
             quick=args.quick, out_path=args.out, model=args.model or "default"
         )
-    if args.scenario == "autoscale":
-        from radixserve.bench.autoscale import run_autoscale_bench
+    if args.scenario == "tiers":
+        from radixserve.bench.tiers import run_tiers_bench
 
-        return run_autoscale_bench(args.quick, args.out, args.trace, args.seed)
+        return run_tiers_bench(quick=args.quick, out_path=args.out, model=args.model or "default")
+    if args.scenario == "autoscale":
+        return _run_autoscale(args)
     if args.scenario in SUITE_SCENARIOS:
         return _run_suite(args)
     if args.scenario == "peer":
@@ -66,6 +71,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 SUITE_SCENARIOS = ("multi-turn", "rag", "all")
+
+
+def _run_autoscale(args: argparse.Namespace) -> int:
+    from radixserve.bench.autoscale import run_autoscale_bench
+
+    if args.trace is not None and args.trace_shape is not None:
+        raise UsageError("--trace-shape generates a trace; --trace reads one: give one")
+    budget = args.ttft_per_1k_tokens_s
+    if budget is not None and not 0 < budget <= 3600:
+        raise UsageError(f"--ttft-per-1k-tokens-s must be in (0, 3600] seconds, not {budget:g}")
+    return run_autoscale_bench(args.quick, args.out, args.trace, args.seed,
+                               args.trace_shape or "diurnal", budget)  # fmt: skip
 
 
 def suite_options(args: argparse.Namespace):
@@ -213,7 +230,7 @@ def _peer_env(args: argparse.Namespace) -> dict[str, str]:
 _NOT_FOR_PERPLEXITY = (("prefix_cache", None), ("concurrency", None), ("conversations", None),
                        ("rounds", None), ("users", None), ("url", None), ("prefill", None),
                        ("decode", None), ("transport", "nixl"), ("preset", "seed"),
-                       ("seed", 0), ("trace", None))  # fmt: skip
+                       ("seed", 0))  # fmt: skip
 
 
 def _run_perplexity(args: argparse.Namespace) -> int:
@@ -260,6 +277,7 @@ def add_command(sub: Any) -> None:
             "engine",
             "gateway",
             "host-tier",
+            "tiers",
             "autoscale",
             "sampling",
             *SUITE_SCENARIOS,
@@ -270,6 +288,8 @@ def add_command(sub: Any) -> None:
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
+        "tiers: a prefix pool larger than host memory, TTFT per tier (device, host, disk) "
+        "vs recompute and the disk tier's crossover length; "
         "autoscale: the autoscaler's policy in a simulation of the pools over a load trace, "
         "against static-peak and naive-reactive pools; "
         "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
@@ -284,8 +304,14 @@ def add_command(sub: Any) -> None:
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
     bench.add_argument("--quick", action="store_true", help="smaller contexts (a smoke run)")
     bench.add_argument("--trace", help="autoscale: a JSONL load trace (t, input_tokens, "
-                       "output_tokens, cached_tokens per line) instead of the generated "
-                       "diurnal one")  # fmt: skip
+                       "output_tokens, cached_tokens per line) instead of a generated one")  # fmt: skip
+    bench.add_argument("--trace-shape", choices=["diurnal", "long-tail"],
+                       help="autoscale: the generated trace: diurnal (a day of chat-sized "
+                       "prompts with bursts; the default) or long-tail (an hour of log-normal "
+                       "prompts with a tail past 64k tokens and prefix reuse)")  # fmt: skip
+    bench.add_argument("--ttft-per-1k-tokens-s", type=float,
+                       help="autoscale: a per-token TTFT budget; a request's target is "
+                       "max(1 s, this x uncached tokens / 1000) (default: none)")  # fmt: skip
     suite = bench.add_argument_group("suite (--scenario multi-turn, rag, all)")
     suite.add_argument("--preset", choices=["quick", "seed"], default="seed",
                        help="quick: scaled down, minutes on 2 CPU cores; seed: the founding "

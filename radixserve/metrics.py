@@ -6,7 +6,8 @@ as outputs stream; pool gauges are refreshed from the engine's `stats()` at scra
 
 Metric names: radixserve_ttft_seconds, radixserve_itl_seconds, radixserve_e2e_seconds
 (histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total{tier} (tier
-"device": the worker's own cache; "host": loaded from the kvstore's host tier),
+"device": the worker's own cache; "host": loaded from the kvstore's host tier; "disk":
+read from the kvstore's disk tier, through host memory),
 radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
 radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
@@ -16,7 +17,9 @@ Behind a disaggregated gateway the workers' own numbers arrive in their heartbea
 are exported per worker (labels ``worker``, ``role``): ``radixserve_worker_<key>`` for
 each gauge (pages_used, pages_free, pages_locked, live_requests, queued_tokens, ...),
 ``radixserve_worker_<key>_total`` for each counter (kv_transfer_pages_total,
-kv_transfer_bytes_total, prefill_computed_tokens_total, ...), ``radixserve_worker_up``,
+kv_transfer_bytes_total, prefill_computed_tokens_total, ...), ``radixserve_worker_<name>``
+histograms carried as `StatsHistogram` keys (a prefill worker's per-request
+``prefill_wait_seconds`` and ``prefill_request_tokens``), ``radixserve_worker_up``,
 and ``radixserve_kv_transfer_seconds`` (a summary: transfer count and total seconds).
 
 Each service also serves its own numbers on its HTTP port (`service_metrics`): the same
@@ -41,8 +44,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from radixserve.engine.outputs import RequestOutput
@@ -58,7 +67,42 @@ POOL_GAUGES = (
     "pages_total", "pages_used", "pages_free", "pages_locked", "pages_evictable", "live_requests",
 )  # fmt: skip
 
+#: a prefill request's wait at its worker: the time to its first token less its own
+#: compute (uncached tokens at the worker's measured prefill rate)
+PREFILL_WAIT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+#: a prefill request's uncached prompt tokens: 128 to 1M, a factor of sqrt(2) apart, fine
+#: enough to tell which requests one replica can compute within a TTFT target
+PREFILL_TOKENS_BUCKETS = tuple(float(round(128 * 2 ** (k / 2))) for k in range(27))
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class StatsHistogram:
+    """A histogram a worker carries in its heartbeat's flat ``stats``: the cumulative
+    count under ``<name>:le=<bound>`` (the last ``+Inf``) and the sum under
+    ``<name>:sum``. The gateway (and the worker's own /metrics) export it as the
+    histogram ``radixserve_worker_<name>`` (`_worker_families`)."""
+
+    def __init__(self, name: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.bounds = (*bounds, float("inf"))
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += 1
+        self.sum += value
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        below = 0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            below += count
+            out[f"{self.name}:le={floatToGoString(bound)}"] = below
+        out[f"{self.name}:sum"] = round(self.sum, 6)
+        return out
 
 
 class ServingMetrics:
@@ -81,11 +125,11 @@ class ServingMetrics:
         )
         self.cached_tokens = Counter(
             "radixserve_cached_tokens",
-            "Prompt tokens served from the prefix cache, by tier (device, host).",
+            "Prompt tokens served from the prefix cache, by tier (device, host, disk).",
             ["tier"],
             registry=r,
         )
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "disk"):
             self.cached_tokens.labels(tier=tier)
         self.prefill_computed_tokens = Counter(
             "radixserve_prefill_computed_tokens",
@@ -123,13 +167,17 @@ class ServingMetrics:
         completion_tokens: int,
         reason: str,
         host_cached_tokens: int = 0,
+        disk_cached_tokens: int = 0,
     ) -> None:
         """Count one finished (or aborted) request; ``host_cached_tokens`` of its
-        ``cached_tokens`` came from the host tier."""
+        ``cached_tokens`` came through the kvstore, ``disk_cached_tokens`` of those from
+        its disk tier (the rest from host memory)."""
         host = min(host_cached_tokens, cached_tokens)
+        disk = min(disk_cached_tokens, host)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.labels(tier="device").inc(cached_tokens - host)
-        self.cached_tokens.labels(tier="host").inc(host)
+        self.cached_tokens.labels(tier="host").inc(host - disk)
+        self.cached_tokens.labels(tier="disk").inc(disk)
         self.prefill_computed_tokens.inc(max(prompt_tokens - cached_tokens, 0))
         self.generation_tokens.inc(completion_tokens)
         self.requests.labels(finish_reason=reason).inc()
@@ -201,8 +249,9 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
             transfer.add_metric(
                 ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
             )
+        _add_histograms(families, ids, stats)
         for key, value in stats.items():
-            if key in _NOT_EXPORTED or not isinstance(value, int | float):
+            if key in _NOT_EXPORTED or ":" in key or not isinstance(value, int | float):
                 continue
             if key.endswith("_total"):
                 base = f"radixserve_worker_{key[: -len('_total')]}"
@@ -219,6 +268,23 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
     yield up
     yield transfer
     yield from families.values()
+
+
+def _add_histograms(families: dict[str, Any], ids: list[str], stats: Mapping[str, Any]) -> None:
+    """The `StatsHistogram`s among one worker's ``stats``, added to ``families``."""
+    buckets: dict[str, list[tuple[str, float]]] = {}
+    for key, value in stats.items():
+        name, sep, part = key.partition(":le=")
+        if sep and isinstance(value, int | float):
+            buckets.setdefault(name, []).append((part, float(value)))
+    for name, points in buckets.items():
+        base = f"radixserve_worker_{name}"
+        family = families.get(base) or HistogramMetricFamily(
+            base, f"Worker histogram {name}.", labels=["worker", "role"]
+        )
+        families[base] = family
+        points.sort(key=lambda p: float(p[0]))  # "+Inf" sorts last
+        family.add_metric(ids, points, float(stats.get(f"{name}:sum", 0.0)))
 
 
 def service_metrics(name: str, role: str, stats: Mapping[str, Any]) -> bytes:
@@ -258,5 +324,5 @@ class RequestTimer:
         self._metrics.e2e.observe(time.perf_counter() - self._start)
         self._metrics.record_finish(
             last.prompt_tokens, last.cached_tokens, last.completion_tokens, reason,
-            last.host_cached_tokens,
+            last.host_cached_tokens, last.disk_cached_tokens,
         )  # fmt: skip

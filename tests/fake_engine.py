@@ -182,7 +182,7 @@ class FakeEngine:
             req.task = asyncio.create_task(self._generate(request_id, req, len(resumed)))
         return Admission(request_id, "local", 0), req.out
 
-    def finish_host_admission(self, request_id: str, ok: bool) -> None:
+    def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
         self._record("finish_host_admission", request_id, ok=ok)
 
     def activate_remote(
@@ -193,6 +193,7 @@ class FakeEngine:
         host_cached_tokens: int,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
+        disk_cached_tokens: int = 0,
     ) -> None:
         self._record(
             "activate_remote",

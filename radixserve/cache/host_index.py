@@ -3,7 +3,8 @@
 The host tier stores whole KV pages keyed by their chained page hash
 (`radixserve.cache.block_hash`), so a run of leading hashes present here is a cached
 prefix, whatever worker computed it. This class owns page ids only; the bytes live in
-the kvstore's pool tensor and move through a transfer agent.
+the kvstore's pool tensor and move through a transfer agent. The disk tier under it
+keeps its slots with the same bookkeeping (`radixserve.cache.disk_index`).
 
 A page is in one of three states::
 
@@ -13,9 +14,12 @@ A page is in one of three states::
 * **writing**: a spill is copying into it; lookups do not see it.
 * **stored**: in LRU order. A lookup that leases a run touches it last page first, so a
   prefix is always more recent than its continuations and the tails go first.
-* **leased**: a stored page with readers (`lease` ... `release`). It is never evicted;
-  a lease that is not released within its deadline (a reader that died) is dropped by
-  `expire`.
+* **leased**: a stored page with readers (`lease` or `hold` ... `release`). It is never
+  evicted; a lease that is not released within its deadline (a reader that died) is
+  dropped by `expire`.
+
+An evicted page's bytes are about to be overwritten: ``on_evict(hash, page)`` is called
+first (the kvstore copies them towards the disk tier).
 
 Not thread-safe: the kvstore's event loop drives it.
 """
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
@@ -38,10 +43,14 @@ class _Lease:
 class HostPageIndex:
     """Hash -> host page for ``num_pages`` pages, with LRU eviction and read leases."""
 
-    def __init__(self, num_pages: int) -> None:
-        if num_pages < 1:
-            raise ValueError(f"a host pool needs at least one page, got {num_pages}")
+    TIER: ClassVar[str] = "host"  # the prefix of the stats' keys
+    MIN_PAGES: ClassVar[int] = 1
+
+    def __init__(self, num_pages: int, on_evict: Callable[[int, int], None] | None = None) -> None:
+        if num_pages < self.MIN_PAGES:
+            raise ValueError(f"a {self.TIER} pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
+        self.on_evict = on_evict
         self._free = list(range(num_pages - 1, -1, -1))
         self._stored: OrderedDict[int, int] = OrderedDict()  # hash -> page, oldest first
         self._writing: dict[int, int] = {}  # hash -> page being written
@@ -70,12 +79,31 @@ class HostPageIndex:
         pages = [self._stored[h] for h in page_hashes[:n]]
         for h in reversed(page_hashes[:n]):  # the prefix ends up the most recent
             self._stored.move_to_end(h)
+        self.hit_pages_total += n
+        return self._hold_pages(owner, pages, deadline), pages
+
+    def hold(
+        self, owner: str, page_hashes: Sequence[int], deadline: float
+    ) -> tuple[int, list[int]]:
+        """Lease exactly these stored hashes, wherever they are (a promotion keeps the
+        host pages of a run while it fills the gaps between them): (lease id, pages).
+        Raises KeyError if one is not stored."""
+        pages = [self._stored[h] for h in page_hashes]
+        return (self._hold_pages(owner, pages, deadline) if pages else 0), pages
+
+    def _hold_pages(self, owner: str, pages: list[int], deadline: float) -> int:
         for page in pages:
             self._readers[page] = self._readers.get(page, 0) + 1
         lease_id = next(self._lease_ids)
         self._leases[lease_id] = _Lease(owner, pages, deadline)
-        self.hit_pages_total += n
-        return lease_id, pages
+        return lease_id
+
+    def stored(self, page_hash: int) -> bool:
+        return page_hash in self._stored
+
+    def stored_pages(self) -> list[tuple[int, int]]:
+        """(hash, page) of every stored page, least recently used first."""
+        return list(self._stored.items())
 
     def release(self, lease_id: int) -> bool:
         """End a lease; False if it is unknown (already released or expired)."""
@@ -135,6 +163,8 @@ class HostPageIndex:
             if page not in self._readers:
                 del self._stored[h]
                 self.evictions_total += 1
+                if self.on_evict is not None:
+                    self.on_evict(h, page)
                 return page
         return None
 
@@ -144,17 +174,22 @@ class HostPageIndex:
     def num_leases(self) -> int:
         return len(self._leases)
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def stats(self) -> dict[str, int]:
+        tier = self.TIER
         return {
-            "host_pages_total": self.num_pages,
-            "host_pages_used": len(self._stored) + len(self._writing),
-            "host_pages_free": len(self._free),
-            "host_pages_stored": len(self._stored),
-            "host_pages_leased": len(self._readers),
-            "host_leases": len(self._leases),
-            "host_evictions_total": self.evictions_total,
-            "host_stored_pages_total": self.stored_total,
-            "host_hit_pages_total": self.hit_pages_total,
+            f"{tier}_pages_total": self.num_pages,
+            f"{tier}_pages_used": len(self._stored) + len(self._writing),
+            f"{tier}_pages_free": len(self._free),
+            f"{tier}_pages_stored": len(self._stored),
+            f"{tier}_pages_leased": len(self._readers),
+            f"{tier}_leases": len(self._leases),
+            f"{tier}_evictions_total": self.evictions_total,
+            f"{tier}_stored_pages_total": self.stored_total,
+            f"{tier}_hit_pages_total": self.hit_pages_total,
         }
 
     def check_integrity(self) -> None:
@@ -162,7 +197,7 @@ class HostPageIndex:
         stored, writing = list(self._stored.values()), list(self._writing.values())
         every = stored + writing + self._free
         if sorted(every) != list(range(self.num_pages)):
-            raise AssertionError("a host page is lost or in two states")
+            raise AssertionError(f"a {self.TIER} page is lost or in two states")
         counted = Counter(page for lease in self._leases.values() for page in lease.pages)
         if counted != self._readers:
             raise AssertionError("reader counts disagree with the leases")

@@ -32,23 +32,28 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
     if args.tool_parser:
         gateway_env["RADIXSERVE_GATEWAY_TOOL_PARSER"] = args.tool_parser
-    config = ClusterConfig(
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp,
-        transport=args.transport,
-        kvstore=args.kvstore,
-        host_tier_gib=args.host_tier_gib,
-        host=args.host,
-        port=args.port,
-        engine_env=env,
-        decode_env=decode_env,
-        gateway_env=gateway_env,
-        num_threads=args.num_threads,
-        autoscale=args.autoscale,
-        drain_timeout_s=args.drain_timeout_s,
-    )
+    try:
+        config = ClusterConfig(
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            transport=args.transport,
+            kvstore=args.kvstore,
+            host_tier_gib=args.host_tier_gib,
+            disk_tier_dir=args.disk_tier_dir,
+            disk_tier_gib=args.disk_tier_gib,
+            host=args.host,
+            port=args.port,
+            engine_env=env,
+            decode_env=decode_env,
+            gateway_env=gateway_env,
+            num_threads=args.num_threads,
+            autoscale=args.autoscale,
+            drain_timeout_s=args.drain_timeout_s,
+        )
+    except ValueError as exc:  # a shape the cluster refuses, by its flag: no traceback
+        raise UsageError(str(exc)) from None
     print(
         f"radixserve: starting {config.num_prefill} prefill{_tp(config.prefill_tp)} and "
         f"{config.num_decode} decode{_tp(config.decode_tp)} "
@@ -125,7 +130,8 @@ def _service_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
                       ("host", "host"), ("advertise_host", "advertise_host"),
-                      ("transport", "transfer_backend"), ("tp", "tp")):  # fmt: skip
+                      ("transport", "transfer_backend"), ("tp", "tp"),
+                      ("disk_tier_dir", "disk_tier_dir"), ("disk_tier_gib", "disk_tier_gib")):  # fmt: skip
         if getattr(args, flag, None) is not None:
             overrides[key] = getattr(args, flag)
     return overrides
@@ -192,6 +198,17 @@ _SERVICE_HELP = {
 }
 
 
+def disk_tier_args(parser: argparse.ArgumentParser) -> None:
+    """The kvstore's disk tier flags (`radixserve up` and `radixserve kvstore`)."""
+    parser.add_argument("--disk-tier-dir",
+                        help="directory (a local SSD) where the kvstore writes the pages its "
+                        "host tier evicts and finds them again after a restart (default: "
+                        "no disk tier)")  # fmt: skip
+    parser.add_argument("--disk-tier-gib", type=float,
+                        help="bound of the disk tier's files (default 64); the least "
+                        "recently used pages are overwritten past it")  # fmt: skip
+
+
 def add_commands(sub: Any) -> None:
     up = sub.add_parser(
         "up", help="run the local cluster: gateway, prefill and decode workers as processes"
@@ -211,6 +228,7 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--host-tier-gib", type=float,
                     help="host-memory tier of the kvstore that evicted KV spills into "
                     "(default 4; 0 = none)")  # fmt: skip
+    disk_tier_args(up)
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     served_name_arg(up)
@@ -264,6 +282,8 @@ def add_commands(sub: Any) -> None:
             service.add_argument("--tp", type=int,
                                  help="tensor-parallel size: ranks (processes, one device "
                                  "each) the model is split over (default 1)")  # fmt: skip
+        if name == "kvstore":
+            disk_tier_args(service)
         if name in ("prefill", "decode", "kvstore"):
             service.add_argument("--name", help="name in the cluster (default <role>-<port>)")
             service.add_argument("--host", help="listen address (default 127.0.0.1)")

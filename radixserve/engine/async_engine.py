@@ -125,9 +125,9 @@ class AsyncEngine:
         assert out is not None
         return admission, out
 
-    def finish_host_admission(self, request_id: str, ok: bool) -> None:
+    def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
         """The host-tier read of an admitted request ended (`Engine.finish_host_admission`)."""
-        self.submit(lambda e: e.finish_host_admission(request_id, ok))
+        self.submit(lambda e: e.finish_host_admission(request_id, ok, disk_pages))
 
     def activate_remote(
         self,
@@ -137,12 +137,14 @@ class AsyncEngine:
         host_cached_tokens: int,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
+        disk_cached_tokens: int = 0,
     ) -> None:
         """The reserved pages hold the prompt's KV now (`Engine.activate_remote`); the
         first outputs go to the request's watch."""
         self.submit(
             lambda e: e.activate_remote(request_id, list(first_tokens), cached_tokens,
-                                        host_cached_tokens, first_logprobs, prompt_logprobs),
+                                        host_cached_tokens, first_logprobs, prompt_logprobs,
+                                        disk_cached_tokens),
             watch=request_id,
         )  # fmt: skip
 

@@ -326,10 +326,11 @@ class Engine:
         self._host_loads[req.request_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
         return list(pages)
 
-    def finish_host_admission(self, request_id: str, ok: bool) -> None:
+    def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
         """The host-tier read of an admitted request ended: if ``ok`` its pages hold the
-        prefix, which goes into the cache; either way the request is queued now (it finds
-        what was cached). Unknown ids (aborted meanwhile) are ignored."""
+        prefix (``disk_pages`` of them read from the kvstore's disk tier on the way),
+        which goes into the cache; either way the request is queued now (it finds what
+        was cached). Unknown ids (aborted meanwhile) are ignored."""
         load = self._host_loads.pop(request_id, None)
         if load is None:
             return
@@ -340,7 +341,9 @@ class Engine:
         self.cache.unlock(load.node)
         req = self._requests.get(request_id)
         if req is not None:
-            req.num_host_cached_tokens = len(load.page_ids) * self.page_size if ok else 0
+            loaded = len(load.page_ids) if ok else 0
+            req.num_host_cached_tokens = loaded * self.page_size
+            req.num_disk_cached_tokens = min(disk_pages, loaded) * self.page_size
             self._queue(req)
 
     def release_lease(self, request_id: str) -> bool:
@@ -356,12 +359,15 @@ class Engine:
         host_cached_tokens: int = 0,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
+        disk_cached_tokens: int = 0,
     ) -> list[RequestOutput]:
         """The reserved pages now hold the prompt's KV; continue with each choice's first
         token (one id, or n in choice order; the choices fork here) and return each
-        choice's first output. ``cached_tokens`` (the prefill worker's cache hit)
-        replaces this engine's own count; ``first_logprobs`` (one per choice) and
-        ``prompt_logprobs`` are the prefill side's, when the request asks for them."""
+        choice's first output. ``cached_tokens`` (the prefill worker's cache hit, of
+        which ``host_cached_tokens`` came from the kvstore and ``disk_cached_tokens`` of
+        those from its disk tier) replaces this engine's own count; ``first_logprobs``
+        (one per choice) and ``prompt_logprobs`` are the prefill side's, when the
+        request asks for them."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.AWAITING_KV:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
@@ -376,6 +382,7 @@ class Engine:
             req.num_cached_tokens = cached_tokens
             req.num_computed_prompt_tokens = len(req.prompt_ids) - cached_tokens
         req.num_host_cached_tokens = host_cached_tokens
+        req.num_disk_cached_tokens = disk_cached_tokens
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
         members = [req] if req.forked else [req, *self._fork(req)]
@@ -546,6 +553,12 @@ class Engine:
             host_cached_tokens=min(
                 req.num_host_cached_tokens, req.num_cached_tokens, len(req.prompt_ids)
             ),  # fmt: skip
+            disk_cached_tokens=min(
+                req.num_disk_cached_tokens,
+                req.num_host_cached_tokens,
+                req.num_cached_tokens,
+                len(req.prompt_ids),
+            ),
             index=req.index,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -588,12 +601,14 @@ class Engine:
         )
 
     def cache_stats(self) -> dict[str, int]:
-        """Pool pages: used, free, references held outside the cache, and (with the cache)
-        cached, locked, evictable and the locks held."""
+        """Pool pages: used, free (of which reserved for running requests' next pages),
+        references held outside the cache, and (with the cache) cached, locked,
+        evictable and the locks held."""
         stats = {
             "pages_total": self.allocator.num_pages,
             "pages_used": self.allocator.num_used,
-            "pages_free": self.allocator.num_free,
+            "pages_free": self.allocator.num_free,  # reserved pages included: any request may take them
+            "pages_reserved": self.allocator.num_reserved,
             "live_requests": len(self._requests),
             "leases": len(self.leases),
             "host_loads_in_flight": len(self._host_loads),

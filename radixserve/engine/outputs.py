@@ -46,6 +46,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     # when asked for: one per prompt token but the first, on choice 0's first output
     prompt_logprobs: list[TokenLogprob] | None = field(default=None)
+    disk_cached_tokens: int = 0  # of host_cached_tokens, those the kvstore read from disk
     # a prefill worker's request (`Engine.admit` with a lease), on a choice's last output:
     # the pages holding its prompt, kept for the reader until the lease ends
     leased_page_ids: list[int] | None = None

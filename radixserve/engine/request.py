@@ -52,6 +52,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in page_ids
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_host_cached_tokens: int = 0  # of those, loaded from the host tier just before
+    num_disk_cached_tokens: int = 0  # of those, read from the disk tier on the way
     num_computed_prompt_tokens: int = 0  # prompt tokens this request actually ran through the model
     locked_node: RadixNode | None = None
     # the radix match taken at admission: (cache version, tokens matched over, result)
@@ -89,6 +90,7 @@ class Request:
         )
         child.forked = child.prompt_logprobs_sent = True
         child.num_host_cached_tokens = self.num_host_cached_tokens
+        child.num_disk_cached_tokens = self.num_disk_cached_tokens
         child.guide = self.guide.deep_copy() if self.guide is not None else None
         self.group.append(child)
         return child

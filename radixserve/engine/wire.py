@@ -57,7 +57,7 @@ def _to_logprobs(entries: Sequence[LogprobEntry]) -> list[TokenLogprob] | None:
 # the fields a `RequestOutput` and its `TokenChunk` share, name for name
 _SHARED_FIELDS = (
     "request_id", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
-    "completion_tokens", "ttft_ms", "host_cached_tokens", "index",
+    "completion_tokens", "ttft_ms", "host_cached_tokens", "index", "disk_cached_tokens",
 )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from radixserve.engine.cores import board_path
 from radixserve.launch.local_pools import LocalPools, PoolControl
 from radixserve.launch.supervisor import ProcessSpec, Supervisor
+from radixserve.launch.warm import WarmServer, available
 from radixserve.runtime.probe import probe
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class ClusterConfig:
     decode_tp: int = 1  # ... per decode worker
     kvstore: bool = True  # start the kvstore (the cluster-wide cache index and host tier)
     host_tier_gib: float | None = None  # the kvstore's host tier (None: its default)
+    disk_tier_dir: str | None = None  # the kvstore's disk tier under it (None: none)
+    disk_tier_gib: float | None = None  # its bound (None: the kvstore's default)
     transport: str = "nixl"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +82,18 @@ class ClusterConfig:
             raise ValueError("--host-tier-gib must be 0 (no host tier) or more")
         if self.autoscale and not self.kvstore:
             raise ValueError("--autoscale needs the kvstore (new workers join through it)")
+        self._check_disk_tier()
+
+    def _check_disk_tier(self) -> None:
+        if self.disk_tier_gib is not None and self.disk_tier_dir is None:
+            raise ValueError("--disk-tier-gib needs --disk-tier-dir (where the files go)")
+        if self.disk_tier_gib is not None and self.disk_tier_gib <= 0:
+            raise ValueError("--disk-tier-gib must be more than 0")
+        if self.disk_tier_dir is not None and not self.kvstore:
+            raise ValueError("--disk-tier-dir needs the kvstore (it owns the disk tier)")
+        if self.disk_tier_dir is not None and self.host_tier_gib == 0:
+            raise ValueError("--disk-tier-dir needs a host tier (--host-tier-gib above 0): "
+                             "the disk tier holds what the host tier evicts")  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -109,6 +124,10 @@ def base_env(config: ClusterConfig) -> dict[str, str]:
         **({"RADIXSERVE_CORE_BOARD": config.core_board} if config.core_board else {}),
         **config.engine_env,
     }
+
+
+#: the services that import torch, forked from a warm-start server (`radixserve.launch.warm`)
+WARM_SERVICES = tuple(f"radixserve.services.{s}" for s in ("decode", "prefill", "kvstore"))
 
 
 def _service_spec(name: str, service: str, env: dict[str, str]) -> ProcessSpec:
@@ -154,6 +173,10 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
         }
         if config.host_tier_gib is not None:
             env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
+        if config.disk_tier_dir is not None:
+            env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"] = config.disk_tier_dir
+        if config.disk_tier_gib is not None:
+            env["RADIXSERVE_KVSTORE_DISK_TIER_GIB"] = str(config.disk_tier_gib)
         specs.append(_service_spec("kvstore", "kvstore", env))
         kvstore = f"tcp://127.0.0.1:{port}"
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -242,7 +265,9 @@ def build_cluster(
         config = dataclasses.replace(config, core_board=board)
     kvstore_port = free_port() if config.kvstore else None
     supervisor = Supervisor(
-        cluster_specs(config, kvstore_port), restart_backoff_s=restart_backoff_s
+        cluster_specs(config, kvstore_port),
+        restart_backoff_s=restart_backoff_s,
+        warm=WarmServer(WARM_SERVICES) if available() else None,
     )
     if kvstore_port is None:
         return ClusterProcesses(supervisor, None, None, None, board)

@@ -233,6 +233,7 @@ class KVReady(Message):
     host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,7 @@ class TokenChunk(Message):
     index: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
     logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
+    disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
 
     def invariant_error(self) -> str | None:
         if self.finished and self.finish_reason is None:
@@ -334,8 +336,9 @@ class IndexQuery(Message):
 
 @dataclass(frozen=True)
 class IndexReply(Message):
-    """Kvstore -> asker: leading pages of the query each worker holds (workers with 0 left
-    out)."""
+    """Kvstore -> asker: leading pages of the query each worker holds on device (workers
+    with 0 left out), and ``host_pages``: leading pages any worker can load from the
+    kvstore's tiers (host memory, or disk, promoted through host memory)."""
 
     TYPE_TAG: ClassVar[str] = "index_reply"
     query_id: str = field(metadata=_spec(REQUEST_ID))
@@ -421,13 +424,16 @@ class HostAttach(Message):
 @dataclass(frozen=True)
 class HostAttachAck(Message):
     """Kvstore -> worker: ``accepted`` with the host pool's agent ``metadata`` (the worker
-    reads host pages from it), or refused with ``reason`` (no tier, other model...)."""
+    reads host pages from it), or refused with ``reason`` (no tier, other model...).
+    ``disk_tier``: a lookup may read pages from the kvstore's disk tier first (the
+    worker then waits for it as long as computing those pages would take)."""
 
     TYPE_TAG: ClassVar[str] = "host_attach_ack"
     accepted: bool = field(metadata=_spec(BoolSpec()))
     metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
     num_pages: int = field(default=0, metadata=_spec(COUNT))
     reason: str = field(default="", metadata=_spec(ERROR_TEXT))
+    disk_tier: bool = field(default=False, metadata=_spec(BoolSpec()))
 
 
 @dataclass(frozen=True)
@@ -461,22 +467,27 @@ class SpillDone(Message):
 @dataclass(frozen=True)
 class HostLookup(Message):
     """Worker -> kvstore: lease the longest leading run of these chained page hashes held
-    in the host tier (the pages of a prompt past the worker's own device hit)."""
+    in the host tier (the pages of a prompt past the worker's own device hit). Pages on
+    the disk tier are read into host memory first when that is quicker than the worker
+    computing them at its measured ``prefill_tokens_per_s`` (0: not measured yet)."""
 
     TYPE_TAG: ClassVar[str] = "host_lookup"
     query_id: str = field(metadata=_spec(REQUEST_ID))
     page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
+    prefill_tokens_per_s: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
 
 
 @dataclass(frozen=True)
 class HostLease(Message):
     """Kvstore -> worker: host pages holding the first ``len(host_page_ids)`` queried
-    pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found."""
+    pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found.
+    ``disk_pages`` of them were read from the disk tier for this lookup."""
 
     TYPE_TAG: ClassVar[str] = "host_lease"
     query_id: str = field(metadata=_spec(REQUEST_ID))
     lease_id: int = field(default=0, metadata=_spec(COUNT))
     host_page_ids: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_IDS))
+    disk_pages: int = field(default=0, metadata=_spec(COUNT))
 
 
 @dataclass(frozen=True)

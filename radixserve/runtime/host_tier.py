@@ -12,7 +12,10 @@ prompt are missing past its device hit (found in the worker's view of its own ca
 no engine call waits for a step) does the worker ask the kvstore to lease the longest
 run it holds (`HostLookup` -> `HostLease`); the engine's one admission allocates pages
 for it, the agent reads the host pages into them and the lease is released. Any failure
-ends the load with nothing inserted and the prompt computed.
+ends the load with nothing inserted and the prompt computed. The lookup carries the
+worker's measured prefill rate: the kvstore first reads the run's pages that are on its
+disk tier into host memory when that is quicker than computing them, and the lease says
+how many came from disk (counted as ``tier="disk"`` cached tokens).
 
 While the kvstore link is down the tier is off; every (re)connection attaches again
 (`HostAttach`). Memory a peer may still be writing or reading is never reused: buffer
@@ -78,6 +81,21 @@ def shared_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, torc
     return path, torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
+def lookup_wait_s(
+    settings: WorkerSettings, num_tokens: int, prefill_tokens_per_s: float, disk_tier: bool
+) -> float:
+    """How long a lookup of ``num_tokens`` waits for its lease: ``host_lookup_timeout_s``;
+    from a kvstore with a disk tier, up to what computing those tokens would take when
+    that is longer (at most ``host_load_timeout_s``): a disk read the kvstore chose,
+    being quicker than that, is not cut off, and a kvstore that does not answer costs
+    no more than computing would."""
+    wait_s = settings.host_lookup_timeout_s
+    if disk_tier and prefill_tokens_per_s > 0:
+        compute_s = num_tokens / prefill_tokens_per_s
+        wait_s = max(wait_s, min(compute_s, settings.host_load_timeout_s))
+    return wait_s
+
+
 class HostTierClient:
     """Spill buffer, its agent and the load path of one worker."""
 
@@ -117,6 +135,7 @@ class HostTierClient:
         self.page_size = geometry.page_size
         self.link: Link | None = None
         self.attached = False
+        self.disk_tier = False  # the kvstore may read a lookup's pages from disk first
         self.kvstore_agent = ""  # peer name of the host pool's agent in the worker's agent
         self.counters: Counter[str] = Counter()  # engine thread and loop: under _lock
         self.load_seconds = 0.0
@@ -197,6 +216,7 @@ class HostTierClient:
             logger.warning("%s: cannot reach the host tier: %s", self.name, exc)
             return
         self.kvstore_agent = link.name
+        self.disk_tier = ack.disk_tier
         self.attached = True
         # a (re)attached tier holds nothing of ours yet: listening starts afresh
         self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses,
@@ -262,17 +282,31 @@ class HostTierClient:
         lease = await self._lookup(request_id, hashes[device_pages:full])
         if lease is None or not lease.lease_id:
             return None
+        if lease.disk_pages:
+            self._count("host_disk_leases_total")
         return HostPlan(device_pages, len(lease.host_page_ids)), lease
 
     def release(self, lease: HostLease) -> None:
         self._notices.spawn(send_quietly(self.link, HostRelease(lease.lease_id)))
 
+    def prefill_tokens_per_s(self) -> float:
+        """This worker's measured prefill rate (0 before its first prefill)."""
+        steps = self.engine.stats().steps
+        seconds = steps.get("engine_prefill_seconds_total", 0.0)
+        return steps.get("engine_prefill_tokens_total", 0) / seconds if seconds > 0 else 0.0
+
     async def _lookup(self, request_id: str, hashes: Sequence[int]) -> HostLease | None:
+        """Ask for a lease of ``hashes``, telling the kvstore this worker's prefill rate
+        (it reads pages from its disk tier only when that is quicker than computing
+        them); wait `lookup_wait_s`."""
         link = self.link
         if link is None or not link.up:
             return None
-        lease = await self._leases.ask(link, HostLookup(request_id, tuple(hashes)), request_id,
-                                       self.settings.host_lookup_timeout_s)  # fmt: skip
+        rate = self.prefill_tokens_per_s()
+        tokens = len(hashes) * self.page_size
+        wait_s = lookup_wait_s(self.settings, tokens, rate, self.disk_tier)
+        msg = HostLookup(request_id, tuple(hashes), rate)
+        lease = await self._leases.ask(link, msg, request_id, wait_s)
         if lease is None and self.attached:  # not ended by the link going down
             self._count("host_lookup_timeouts_total")
         return lease

@@ -274,7 +274,7 @@ class Worker(Service):
                 except BaseException:  # cancelled mid-read: the read cannot land any more
                     self.engine.abort(request_id)
                     raise
-                self.engine.finish_host_admission(request_id, ok)
+                self.engine.finish_host_admission(request_id, ok, lease.disk_pages)
         finally:
             if lease is not None and self.host is not None:
                 self.host.release(lease)

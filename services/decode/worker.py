@@ -287,9 +287,8 @@ class DecodeWorker(Worker):
         prompt_lps = None
         if params.prompt_logprobs is not None:
             prompt_lps = [to_logprob(e) for e in kv.prompt_logprobs]
-        self.engine.activate_remote(
-            rid, first, kv.cached_tokens, kv.host_cached_tokens, first_lps, prompt_lps
-        )
+        self.engine.activate_remote(rid, first, kv.cached_tokens, kv.host_cached_tokens,
+                                    first_lps, prompt_lps, kv.disk_cached_tokens)  # fmt: skip
         return out
 
     async def _pull(self, link: Link, kv: KVReady, dst: list[int]) -> None:

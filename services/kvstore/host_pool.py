@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,8 +52,15 @@ def spill_agent_name(worker: str) -> str:
 class HostPool:
     """Host pages, their index and the agent that moves them; driven by the kvstore."""
 
-    def __init__(self, name: str, settings: KVStoreSettings) -> None:
-        self.name, self.settings = name, settings
+    def __init__(
+        self,
+        name: str,
+        settings: KVStoreSettings,
+        on_evict: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """``on_evict(hash, page)``: a stored page is about to be reused (the disk tier
+        copies it out first)."""
+        self.name, self.settings, self.on_evict = name, settings, on_evict
         self.capacity_bytes = int(settings.host_capacity_gib * (1 << 30))
         self.network = transfer_network(settings)
         self.compat: PoolCompat | None = None
@@ -128,7 +136,7 @@ class HostPool:
         self.agent = create_agent(s.transfer_backend, self.name, kv, compat,
                                   s.host_transfer_timeout_s, s.nixl_progress_thread, self.network)  # fmt: skip
         self.kv, self.compat = kv, compat
-        self.index = HostPageIndex(num_pages)
+        self.index = HostPageIndex(num_pages, self.on_evict)
         # drive the agent while workers may read leased pages; expire forgotten leases
         index = self.index
         self._server = asyncio.create_task(
@@ -181,7 +189,8 @@ class HostPool:
         return len(dst)
 
     def lookup(self, worker: str, msg: HostLookup) -> HostLease:
-        """Lease the longest stored run of the asked hashes for ``worker``."""
+        """Lease the longest stored run of the asked hashes for ``worker`` (pages the
+        disk tier holds were promoted into it first: `DiskPool.promote`)."""
         if self.index is None:
             return HostLease(msg.query_id)
         self.counters["host_lookups_total"] += 1

@@ -8,7 +8,11 @@ leading pages of the query it holds on device, and how many the host tier holds.
 **Membership** (`MemberRegistry`): `Register`, `Deregister` and `WatchMembers` (see
 `radixserve.runtime.membership`). **Host tier** (`HostPool`, ``host_capacity_gib`` > 0):
 `HostAttach`, `SpillOffer` and `HostLookup` ... `HostRelease` (see
-`services.kvstore.host_pool`).
+`services.kvstore.host_pool`). **Disk tier** (`DiskPool`, ``disk_tier_dir`` set): what
+the host tier evicts is written to files; a `HostLookup` whose run continues on disk
+has those pages read back into host memory first, when that is quicker than the worker
+computing them, and `IndexReply.host_pages` counts them (see
+`services.kvstore.disk_pool`).
 
 When the kvstore is down serving goes on, and after a restart the index and registry
 rebuild as workers reconnect (docs/architecture.md §9, §10).
@@ -17,6 +21,7 @@ rebuild as workers reconnect (docs/architecture.md §9, §10).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from radixserve.cache.global_index import GlobalIndex
@@ -36,6 +41,7 @@ from radixserve.protocol import (
     WatchMembers,
 )
 from radixserve.runtime.service import Peer, Service
+from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
 from radixserve.services.kvstore.settings import KVStoreSettings
@@ -52,18 +58,29 @@ class KVStoreService(Service):
         self.index = GlobalIndex()
         self.registry = MemberRegistry(self.generation)
         self.host: HostPool | None = None
+        self.disk: DiskPool | None = None
 
     async def start(self) -> None:
-        self.host = HostPool(self.name, self.settings)
+        if self.settings.disk_tier_dir is not None:
+            self.disk = DiskPool(self.name, self.settings)
+        self.host = HostPool(self.name, self.settings, self.disk.stage if self.disk else None)
         self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:
+        if self.disk is not None and self.host is not None and self.host.index is not None:
+            flushed = await self.disk.flush(self.host.index, self.settings.disk_flush_s)
+            logger.info("%s: %d host-tier pages written to the disk tier", self.name, flushed)
         if self.host is not None:
             await self.host.stop()
+        if self.disk is not None:
+            await self.disk.stop()
 
     def describe(self) -> str:
-        gib = self.settings.host_capacity_gib
-        return f", host tier {gib:g} GiB over {self.settings.transfer_backend}" if gib else ""
+        s = self.settings
+        if not s.host_capacity_gib:
+            return ""
+        disk = f", disk tier {s.disk_tier_gib:g} GiB in {s.disk_tier_dir}" if self.disk else ""
+        return f", host tier {s.host_capacity_gib:g} GiB over {s.transfer_backend}{disk}"
 
     def handle(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, KVEvent):
@@ -78,11 +95,14 @@ class KVStoreService(Service):
                 self._send_later(peer, KVResync(f"event {msg.seq} out of order"))
         elif isinstance(msg, IndexQuery):
             hashes = list(msg.page_hashes)
-            host_pages = self.host.match(hashes) if self.host is not None else 0
-            reply = IndexReply(msg.query_id, self.index.match(hashes), host_pages)
+            reply = IndexReply(msg.query_id, self.index.match(hashes), self._tier_pages(hashes))
             self._send_later(peer, reply)
         elif isinstance(msg, HostAttach) and self.host is not None:
             ack = self.host.attach(msg.worker, msg.generation, msg.metadata, peer.identity)
+            if ack.accepted and self.disk is not None:
+                assert self.host.compat is not None and self.host.kv is not None
+                self.disk.open(self.host.compat, self.host.kv)  # once: the pages' layout
+                ack = dataclasses.replace(ack, disk_tier=self.disk.up)
             self._send_later(peer, ack)
         elif isinstance(msg, Register):
             if self.registry.register(msg.member, peer.identity):
@@ -100,11 +120,34 @@ class KVStoreService(Service):
         elif isinstance(msg, SpillOffer) and self.host is not None:
             self.spawn_notice(self._spill(peer, msg))
         elif isinstance(msg, HostLookup) and self.host is not None:
-            self._send_later(peer, self.host.lookup(peer.name, msg))
+            self.spawn_notice(self._lookup(peer, msg))
         elif isinstance(msg, HostRelease) and self.host is not None:
             self.host.release(msg.lease_id)
         else:
             super().handle(peer, msg)
+
+    def _tier_pages(self, hashes: list[int]) -> int:
+        """Leading pages of ``hashes`` a worker can load from the kvstore (host or disk)."""
+        if self.host is None or self.host.index is None:
+            return 0
+        if self.disk is not None:
+            return len(self.disk.run(hashes, self.host.index))
+        return self.host.match(hashes)
+
+    async def _lookup(self, peer: Peer, msg: HostLookup) -> None:
+        """Lease the run of ``msg``'s hashes, after reading its disk pages into host
+        memory where that beats the worker computing them."""
+        assert self.host is not None
+        promoted: set[int] = set()
+        if self.disk is not None and self.host.index is not None:
+            promoted = await self.disk.promote(
+                msg.page_hashes, self.host.index, msg.prefill_tokens_per_s
+            )
+        lease = self.host.lookup(peer.name, msg)
+        if promoted:
+            leased = msg.page_hashes[: len(lease.host_page_ids)]
+            lease = dataclasses.replace(lease, disk_pages=sum(h in promoted for h in leased))
+        await self.send_to(peer, lease)
 
     async def _spill(self, peer: Peer, offer: SpillOffer) -> None:
         assert self.host is not None
@@ -145,6 +188,8 @@ class KVStoreService(Service):
         stats["index_max_event_age_s"] = max(lags) if lags else 0.0
         if self.host is not None:
             stats.update(self.host.stats())
+        if self.disk is not None:
+            stats.update(self.disk.stats())
         return stats
 
     def _send_later(self, peer: Peer, msg: Message) -> None:

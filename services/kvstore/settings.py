@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.runtime.settings import ServiceSettings, TransferSettings
@@ -34,6 +36,43 @@ class KVStoreSettings(ServiceSettings, TransferSettings):
         description="Longest read of a worker's spilled pages (a worker reuses the buffer "
         "pages of a kvstore it lost after 120 s).",
     )
+    disk_tier_dir: Path | None = Field(
+        None,
+        description="Directory of the disk tier: pages evicted from the host tier are "
+        "written to files here, read back on a hit, and found again after a restart; "
+        "unset = no disk tier. Use a local SSD.",
+    )
+    disk_tier_gib: float = Field(
+        64.0,
+        gt=0,
+        le=1 << 20,
+        description="Bound of the disk tier's files in disk_tier_dir (allocated as pages "
+        "arrive, in eighths); past it the least recently used pages are overwritten.",
+    )
+    disk_write_buffer_mib: int = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Host memory that pages evicted from the host tier wait in until "
+        "they are written to disk; when it is full, further evicted pages are not written "
+        "(counted in disk_write_dropped_pages_total).",
+    )
+    disk_flush_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="On stop, how long the host tier's pages the disk tier lacks may take "
+        "to be written there, so that a restart finds them; 0 = not written.",
+    )
     member_refresh_s: float = Field(
         2.0, gt=0, le=600, description="Period of the member list sent to every watcher."
     )
+
+    @model_validator(mode="after")
+    def _check_disk_tier(self) -> KVStoreSettings:
+        if self.disk_tier_dir is not None and self.host_capacity_gib == 0:
+            raise ValueError(
+                "disk_tier_dir needs a host tier (host_capacity_gib > 0): the disk tier "
+                "holds what the host tier evicts"
+            )
+        return self

@@ -16,6 +16,7 @@ import os
 import signal
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,8 +28,9 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.launch.cluster import ClusterConfig, free_port
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
-__all__ = ["FAST_LIVENESS", "PATIENT", "TestCluster", "holds_nothing", "index_query",
-           "metric_value", "stopped", "wait_workers"]  # fmt: skip
+__all__ = ["FAST_LIVENESS", "PATIENT", "TestCluster", "children", "descendants", "gone",
+           "holds_nothing", "index_query", "metric_value", "service_pid", "stopped",
+           "wait_workers"]  # fmt: skip
 
 FAST_LIVENESS = {"HEARTBEAT_INTERVAL_S": "0.2", "PEER_TIMEOUT_S": "2.0"}
 #: liveness for clusters whose workers a test stops (`stopped`) and no test kills: a
@@ -61,6 +63,47 @@ async def wait_workers(client: httpx.AsyncClient, condition, what: str, timeout_
         await asyncio.sleep(0.01)
 
 
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid``, with its command line."""
+    found: dict[int, str] = {}
+    for child in children(pid):
+        with contextlib.suppress(OSError):
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        found.update(descendants(child))
+    return found
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie not reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def service_pid(pid: int, service: str) -> int:
+    """The pid of the ``radixserve.services.<service>`` process below ``pid``."""
+    [found] = [p for p, cmd in descendants(pid).items()
+               if cmd.split()[1:3] == ["-m", f"radixserve.services.{service}"]]  # fmt: skip
+    return found
+
+
 def _env(prefix: str, values: dict[str, str]) -> dict[str, str]:
     return {f"RADIXSERVE_{prefix}_{k}": v for k, v in values.items()}
 
@@ -83,7 +126,7 @@ class TestCluster(LocalCluster):
         prefill: dict[str, str] | None = None,
         kvstore: dict[str, str] | None = None,
         kv_cache_memory_gib: float = 0.1,
-        quantization: str = "none",  # float32 weights: see tests/cluster/conftest.py
+        float32: bool = False,  # FLOAT32 (float32 weights and compute): tensor parallelism
         model: str | None = None,  # a path (the `tiny_model` fixture's); None: the default
     ) -> None:
         config = ClusterConfig(
@@ -99,8 +142,12 @@ class TestCluster(LocalCluster):
             port=free_port(),
             engine_env={
                 "RADIXSERVE_DEVICE": "cpu",
-                "RADIXSERVE_DTYPE": "float32",
-                "RADIXSERVE_QUANTIZATION": quantization,
+                # the engine's defaults otherwise (bfloat16, the GGUF's int4 weights)
+                **(
+                    {"RADIXSERVE_DTYPE": "float32", "RADIXSERVE_QUANTIZATION": "none"}
+                    if float32
+                    else {}
+                ),  # fmt: skip
                 "RADIXSERVE_KV_CACHE_MEMORY_GIB": str(kv_cache_memory_gib),
                 **({"RADIXSERVE_MODEL": model} if model else {}),
                 # every process gets these; the kvstore reads them
@@ -151,7 +198,7 @@ class TestCluster(LocalCluster):
 
 
 HELD_KEYS = ("live_requests", "pages_locked", "leases", "tasks", "host_loads_in_flight",
-             "host_leases", "host_pages_leased")  # fmt: skip
+             "host_leases", "host_pages_leased", "disk_leases", "disk_pages_leased")  # fmt: skip
 
 
 def holds_nothing(debug_cache: dict[str, Any]) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.cluster_helpers import PATIENT, Reference, TestCluster, memoised_chat
-from tests.engine.engine_helpers import TINY, make_engine
+from tests.engine.engine_helpers import FLOAT32, TINY, make_engine
 
 SHARED = {
     # remote prefill of every prompt over NIXL; room for 64 concurrent streams; a lost
@@ -93,12 +93,11 @@ def cluster(request: pytest.FixtureRequest) -> TestCluster:
 
 @pytest.fixture(scope="session")
 def reference_engine():
-    """SmolLM2 fp32 on CPU with float32 weights (quantization=none), prefix cache off: what
-    one process would answer. The clusters run the same: their checks compare many
-    prompts token for token, across cached and uncached prompts, migrations and seeded
-    draws, which holds at float32 rounding; the int4 path rounds to bfloat16, and its
-    kernel and its prefill path round differently (tests/model/test_quant.py checks the
-    quantized engine on its own)."""
+    """SmolLM2 with the engine's defaults (bfloat16, the GGUF's int4 weights), prefix cache
+    off: what one process would answer. The clusters run the same: their checks compare
+    many prompts token for token, across cached and uncached prompts, migrations, the
+    host tier and seeded draws, which holds bit for bit because every CPU op computes a
+    row the same way whatever else is in its step (docs/architecture.md)."""
     return make_engine("default", kv_cache_memory_gib=0.1, prefix_cache=False)
 
 
@@ -118,3 +117,12 @@ def tiny_reference_engine():
 def tiny_reference_chat(tiny_reference_engine) -> Reference:
     """`reference_chat` for clusters of the `tiny_model`."""
     return memoised_chat(tiny_reference_engine)
+
+
+@pytest.fixture(scope="session")
+def tiny_float32_reference_chat() -> Reference:
+    """`tiny_reference_chat` in float32, for tensor-parallel clusters (``float32=True``):
+    their all-reduce adds each row's partial sums in another order than one process does,
+    which float32's rounding absorbs and bfloat16's would not."""
+    return memoised_chat(make_engine(TINY, kv_cache_memory_gib=0.05, prefix_cache=False,
+                                     **FLOAT32))  # fmt: skip

@@ -1,7 +1,8 @@
 """The model families through a real cluster (`LocalCluster`, what ``radixserve up``
 runs): Qwen3, Qwen3-MoE (a dense layer between sparse ones), Mixtral and Gemma 3 (a
 window of 8, shorter than every prompt), each a tiny random-init model from
-`tests/engine/test_families.py` saved as safetensors, float32 as every cluster test.
+`tests/engine/test_families.py` saved as safetensors, with the engine's defaults as
+every cluster test.
 
 For each family one cluster — a prefill worker, a decode worker that prefills nothing
 itself (``local_prefill_max_tokens`` 0) and writes each prefix through to the kvstore's

@@ -13,9 +13,11 @@ enough that no two conversations' answers are the same.
   recomputing it, and the answer is the single-process engine's.
 * Cross-worker reuse (a system prompt computed on one prefill worker, loaded from the
   host tier by the other) is test_host_tier_reuse.py.
-* A bounded load with a host tier smaller than the conversations: it stays within its
-  capacity (evicting), answers do not change with the tier, and afterwards no lease, no
-  host page reader and no spill buffer page is left held.
+* A bounded load with a host tier smaller than the conversations, over a disk tier in
+  the test's tmp directory: the host tier stays within its capacity (evicting to disk),
+  prefixes come back device -> host -> disk and back, answers do not change with the
+  tiers (the engine's defaults), and afterwards no lease, no host page reader, no
+  disk read and no spill buffer page is left held.
 
 The two tests keep a cluster each: the first needs a host tier that holds the evicted
 conversation, the second one smaller than the conversations, and they cover the host
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from radixserve.cache.kv_pool import KVPool
+from radixserve.engine.device import resolve_dtype
 from tests.cluster.cluster_helpers import TestCluster, index_query, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 from tests.engine.engine_helpers import tiny_checkpoint
@@ -39,8 +42,10 @@ from tests.engine.engine_helpers import tiny_checkpoint
 #: read the same; from the 12th token on, each reads its own)
 MAX_TOKENS = 16
 PAGE = 16
-#: one page of the tiny model's KV in float32 (8 KiB), as the engine computes it
-PAGE_BYTES = KVPool.page_bytes_all_layers(tiny_checkpoint().config, PAGE, torch.float32)
+#: one page of the tiny model's KV in the default dtype, as the engine computes it
+PAGE_BYTES = KVPool.page_bytes_all_layers(
+    tiny_checkpoint().config, PAGE, resolve_dtype("auto", torch.device("cpu"))
+)
 DEVICE_PAGES = 36  # each worker's pool: room for two of these prompts (17 full pages each)
 HOST_PAGES = 29  # the capacity test's host tier: less than the conversations
 
@@ -121,15 +126,27 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_
         cluster.stop()
 
 
+def disk_hits(cluster: TestCluster) -> float:
+    return metric_value(cluster.metrics(), "radixserve_cached_tokens_total", tier="disk")
+
+
 def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
-    tiny_model, tiny_reference_chat
+    tiny_model, tiny_reference_chat, tmp_path
 ):
     cluster = TestCluster(
         transport="zmq",
         model=tiny_model,
         kv_cache_memory_gib=gib(DEVICE_PAGES),
-        kvstore={"HOST_CAPACITY_GIB": str(gib(HOST_PAGES))},
+        kvstore={
+            "HOST_CAPACITY_GIB": str(gib(HOST_PAGES)),
+            "DISK_TIER_DIR": str(tmp_path),
+            "DISK_TIER_GIB": str(gib(8 * HOST_PAGES)),
+        },
         gateway={"MAX_QUEUED_REQUESTS": "64"},
+        # the tiny model computes a prompt in milliseconds: a busy machine must not turn
+        # the tiers' lookups into timeouts (the subject here is where pages go, and exactness)
+        prefill={"HOST_LOOKUP_TIMEOUT_S": "5"},
+        decode={"HOST_LOOKUP_TIMEOUT_S": "5"},
     )
     try:
         assert_pools(cluster, DEVICE_PAGES)
@@ -144,16 +161,23 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
         assert texts[0] == texts[1]  # whichever tier served the second round
         for i in (0, 5):
             assert texts[0][i] == tiny_reference_chat(conversations[i], MAX_TOKENS)
+        # one at a time, nothing evicts a prefix between its load and its step: the
+        # conversations not on a device come back from host memory or from disk
+        before = disk_hits(cluster)
+        again = [cluster.ask(m, MAX_TOKENS) for m in conversations]
+        assert [a["choices"][0]["message"]["content"] for a in again] == texts[0]
+        assert disk_hits(cluster) > before  # device -> host -> disk and back, same answers
         deadline = time.monotonic() + 30
         while True:
             workers = cluster.workers()
             store = workers["kvstore"]
             buffers = [w for n, w in workers.items() if n != "kvstore" and "host_attached" in w]
             idle = all(w["host_spill_buffer_free"] == w["host_spill_buffer_pages"] for w in buffers)
+            idle = idle and store["host_leases"] == store["disk_leases"] == 0  # lookups ended
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert idle, "spill buffers still held"
+        assert idle, "spill buffers or host-tier leases still held"
         assert len(buffers) == 2
         page_bytes = workers["decode-0"]["page_bytes"]  # the engine's geometry, as it states it
         assert store["host_pages_total"] == int(gib(HOST_PAGES) * (1 << 30)) // page_bytes
@@ -162,6 +186,10 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
         assert store["host_stored_pages_total"] > store["host_pages_total"]
         assert store["host_evictions_total"] > 0  # the bound was reached and held
         assert store["host_leases"] == 0 and store["host_pages_leased"] == 0
+        assert store["disk_tier_up"] == 1 and store["disk_write_pages_total"] > 0
+        assert store["disk_hit_pages_total"] > 0 and store["disk_corrupt_pages_total"] == 0
+        assert store["disk_bytes_total"] <= store["disk_bytes_bound"]
+        assert store["disk_leases"] == 0
         cluster.wait_clean()
     finally:
         cluster.stop()

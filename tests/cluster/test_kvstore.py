@@ -35,7 +35,11 @@ def test_index_follows_the_workers_caches_and_survives_a_kvstore_kill(cluster, r
     )
     held = index_of(cluster, prompt_ids)
     assert held["prefill-0"] == full_pages  # the prefill worker cached the prompt too
-    assert cluster.workers()["kvstore"]["index_pages"] >= full_pages
+    cluster.wait(  # the kvstore's stats reach the gateway with its next heartbeat
+        lambda: cluster.workers()["kvstore"]["index_pages"] >= full_pages,
+        5,
+        "the kvstore's heartbeat to count the pages",
+    )
 
     # kill the kvstore: serving goes on without it
     os.kill(cluster.supervisor.pid("kvstore"), signal.SIGKILL)

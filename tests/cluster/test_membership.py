@@ -23,10 +23,9 @@ machinery, and the migrated streams are compared with reruns on the same weights
 default model's compute was most of this test's cost; the tiny one decodes a token in
 milliseconds, so the streams that the kill and the SIGTERM must land in are long
 (``ignore_eos``). Its random logits are nearly flat, so its seeded streams draw from the
-top 8 tokens (``top_k``): at temperature 0.8 over the whole vocabulary, the float32
-rounding by which the recomputed prompt of a migrated stream differs would reorder
-near-equal tokens and change a draw; among 8 it does not, and most draws still differ
-from the greedy token.
+top 8 tokens (``top_k``), most of them still differing from the greedy token; with the
+engine's defaults a migrated stream's recomputed prompt has the same bits as the
+unbroken one's, so the draws are the same.
 """
 
 from __future__ import annotations
@@ -40,21 +39,24 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
 from radixserve.launch.cluster import free_port
-from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing, metric_value
+from tests.cluster.cluster_helpers import (
+    FAST_LIVENESS,
+    descendants,
+    gone,
+    holds_nothing,
+    metric_value,
+    service_pid,
+)
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
-from tests.cluster.test_up import _children, _gone
 
 ENV = {
     **os.environ,
     "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
     "RADIXSERVE_DEVICE": "cpu",
-    "RADIXSERVE_DTYPE": "float32",
-    "RADIXSERVE_QUANTIZATION": "none",  # a migrated stream must equal the unbroken one exactly
     "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.1",
     **{f"RADIXSERVE_{role}_{k}": v for role in ("PREFILL", "DECODE", "GATEWAY", "KVSTORE")
        for k, v in FAST_LIVENESS.items()},
@@ -154,8 +156,7 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
     wait(lambda: sum(p[0] >= 2 for p in progress) >= 2 and workers()["decode-0"].get(
         "live_requests", 0) > 0 and workers()[other].get("live_requests", 0) > 0, 120,
         "streams running on both decode workers")  # fmt: skip
-    decode0 = next(pid for pid in _children(up.proc.pid)
-                   if "services.decode" in Path(f"/proc/{pid}/cmdline").read_text())  # fmt: skip
+    decode0 = service_pid(up.proc.pid, "decode")
     os.kill(decode0, signal.SIGKILL)
     took = wait(lambda: not workers()["decode-0"]["up"], 5, "the gateway to mark decode-0 down")
     assert took < 1.0, f"a dead decode worker was noticed after {took:.2f} s"
@@ -239,8 +240,9 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         up.wait_line("cluster up")
         join = line.split("add a worker: ", 1)[1].split("  (or decode", 1)[0].strip()
         assert " prefill --join tcp://127.0.0.1:" in join, join
-        children = _children(up.proc.pid)
-        assert len(children) == 4  # kvstore, prefill, decode, gateway
+        processes = descendants(up.proc.pid)
+        # the gateway, and the warm-start server with kvstore, prefill and decode forked by it
+        assert len(processes) == 5, processes
 
         # 0. a cached turn makes each decision once
         cached_turn_counts(http)
@@ -319,8 +321,7 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         wait(lambda: names["decode"] not in workers(), 15, "the drained worker leaving")
 
         # 4. the discovery source dies: serving goes on with the known members
-        kvstore = next(pid for pid in _children(up.proc.pid)
-                       if "services.kvstore" in Path(f"/proc/{pid}/cmdline").read_text())  # fmt: skip
+        kvstore = service_pid(up.proc.pid, "kvstore")
         os.kill(kvstore, signal.SIGKILL)
         for q in QUESTIONS[4:6]:
             ask(http, q)
@@ -332,11 +333,11 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         wait(lambda: holds_nothing(http.get("/debug/cache").json()), 30, "nothing held")
 
         # 5. SIGTERM stops everything radixserve up started
-        children = _children(up.proc.pid)
+        children = list(descendants(up.proc.pid))
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0
         assert "cluster stopped" in "".join(up.lines)
-        assert all(_gone(pid) for pid in children)
+        assert all(gone(pid) for pid in children)
     finally:
         http.close()
         for proc in [*joined, up]:

@@ -1,7 +1,7 @@
 """Tensor-parallel workers in a real cluster: a prefill worker of TP=1 and a decode worker
 of TP=2 (two processes, its KV heads split between them), pages over NIXL, on the tiny
-model (4 query and 2 KV heads: one KV head per decode rank), float32 as every cluster
-test (tests/cluster/conftest.py).
+model (4 query and 2 KV heads: one KV head per decode rank), float32 (the ranks'
+all-reduce adds in another order than one process: tests/cluster/conftest.py).
 
 - Every prompt prefills remotely (``local_prefill_max_tokens`` 0): each decode rank reads
   its KV head of the prefill worker's whole pages, and the answers equal the
@@ -40,7 +40,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def tp_cluster(tiny_model: str) -> Iterator[TestCluster]:
     cluster = TestCluster(
-        transport="nixl", model=tiny_model, decode_tp=2,
+        transport="nixl", model=tiny_model, decode_tp=2, float32=True,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0", "HOST_WRITE_THROUGH_USES": "1"},
     )  # fmt: skip
     yield cluster
@@ -52,14 +52,14 @@ def counter(cluster: TestCluster, worker: str, key: str) -> float:
 
 
 def test_prefill_tp1_to_decode_tp2_over_nixl_equals_single_process(
-    tp_cluster: TestCluster, tiny_reference_chat
+    tp_cluster: TestCluster, tiny_float32_reference_chat
 ) -> None:
     assert len(rank_pids(tp_cluster.supervisor.pid("decode-0"))) == 1  # rank 1; rank 0 is it
     before = counter(tp_cluster, "decode-0", "kv_transfer_pages_total")
     system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM}"
     for question in QUESTIONS[:2]:
         answer = tp_cluster.ask(chat(question, system), MAX_TOKENS)
-        want = tiny_reference_chat(chat(question, system), MAX_TOKENS)
+        want = tiny_float32_reference_chat(chat(question, system), MAX_TOKENS)
         assert answer["choices"][0]["message"]["content"] == want
     tp_cluster.wait_clean()
     assert counter(tp_cluster, "decode-0", "kv_transfer_pages_total") > before
@@ -67,9 +67,9 @@ def test_prefill_tp1_to_decode_tp2_over_nixl_equals_single_process(
 
 
 def test_a_prefix_spilled_by_tp2_decode_is_loaded_by_tp1_prefill(
-    tp_cluster: TestCluster, tiny_reference_chat
+    tp_cluster: TestCluster, tiny_float32_reference_chat
 ) -> None:
-    spill_then_load(tp_cluster, tiny_reference_chat)
+    spill_then_load(tp_cluster, tiny_float32_reference_chat)
 
 
 def spill_then_load(cluster: TestCluster, reference) -> None:
@@ -100,14 +100,14 @@ def spill_then_load(cluster: TestCluster, reference) -> None:
 
 
 def test_a_prefix_spilled_by_tp2_decode_is_loaded_by_tp1_decode(
-    tp_cluster: TestCluster, tiny_reference_chat
+    tp_cluster: TestCluster, tiny_float32_reference_chat
 ) -> None:
     """The module's last test: it replaces the TP=2 decode worker with a TP=1 one."""
     tp_cluster.wait_host_tier()
     system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM * 3}"
     stored = counter(tp_cluster, "decode-0", "host_spill_stored_pages_total")
     first = tp_cluster.ask(chat(QUESTIONS[0], system), MAX_TOKENS)
-    assert first["choices"][0]["message"]["content"] == tiny_reference_chat(
+    assert first["choices"][0]["message"]["content"] == tiny_float32_reference_chat(
         chat(QUESTIONS[0], system), MAX_TOKENS
     )
     tp_cluster.wait(
@@ -128,7 +128,7 @@ def test_a_prefix_spilled_by_tp2_decode_is_loaded_by_tp1_decode(
                     "the TP=1 decode worker up and attached to the host tier")  # fmt: skip
     tp_cluster.wait(lambda: not tp_cluster.worker("decode-0")["up"], 60, "decode-0 retired")
     second = tp_cluster.ask(chat(QUESTIONS[1], system), MAX_TOKENS)
-    assert second["choices"][0]["message"]["content"] == tiny_reference_chat(
+    assert second["choices"][0]["message"]["content"] == tiny_float32_reference_chat(
         chat(QUESTIONS[1], system), MAX_TOKENS
     )
     tp_cluster.wait_clean()

@@ -48,12 +48,12 @@ def _ask_all(cluster: TestCluster, reference, system: str) -> None:
     [("nixl", 2, 1), ("nixl", 2, 2), ("zmq", 2, 1), ("zmq", 1, 2), ("zmq", 2, 2)],
 )
 def test_pairs_equal_single_process(
-    tiny_model: str, tiny_reference_chat, transport: str, prefill_tp: int, decode_tp: int
+    tiny_model: str, tiny_float32_reference_chat, transport: str, prefill_tp: int, decode_tp: int
 ) -> None:
     cluster = TestCluster(transport=transport, model=tiny_model, prefill_tp=prefill_tp,
-                          decode_tp=decode_tp, decode=REMOTE)  # fmt: skip
+                          decode_tp=decode_tp, decode=REMOTE, float32=True)  # fmt: skip
     try:
-        _ask_all(cluster, tiny_reference_chat, f"[{uuid.uuid4().hex[:8]}] {SYSTEM}")
+        _ask_all(cluster, tiny_float32_reference_chat, f"[{uuid.uuid4().hex[:8]}] {SYSTEM}")
         cluster.wait_clean()
         decode = cluster.worker("decode-0")
         assert decode.get("kv_transfer_pages_total", 0) > 0, decode
@@ -63,12 +63,12 @@ def test_pairs_equal_single_process(
 
 
 def test_tp2_prefill_loads_what_tp1_decode_wrote_through(
-    tiny_model: str, tiny_reference_chat
+    tiny_model: str, tiny_float32_reference_chat
 ) -> None:
-    cluster = TestCluster(model=tiny_model, prefill_tp=2,
+    cluster = TestCluster(model=tiny_model, prefill_tp=2, float32=True,
                           decode={**REMOTE, "HOST_WRITE_THROUGH_USES": "1"})  # fmt: skip
     try:
-        spill_then_load(cluster, tiny_reference_chat)
+        spill_then_load(cluster, tiny_float32_reference_chat)
     finally:
         cluster.stop()
 
@@ -80,7 +80,8 @@ def test_tp2_to_tp3_is_refused_at_handshake_and_decode_prefills_itself(
     reference = Engine(EngineSettings(model=str(model), device="cpu", dtype="float32",
                                       quantization="none", kv_cache_memory_gib=0.05,
                                       prefix_cache=False, load_progress=False))  # fmt: skip
-    cluster = TestCluster(model=str(model), prefill_tp=2, decode_tp=3, decode=REMOTE)
+    cluster = TestCluster(model=str(model), prefill_tp=2, decode_tp=3, decode=REMOTE,
+                          float32=True)  # fmt: skip
     try:
         system = f"[{uuid.uuid4().hex[:8]}] {SYSTEM}"
         for question in QUESTIONS[:2]:

@@ -11,7 +11,9 @@ compose network, and that address is the only thing the environment is changed b
 * ``127.0.0.1``/``localhost`` in a URL is the container itself (the probe URL);
 * a compose service name as a URL's host, or as the whole value of a host setting
   (``*_HOST``), becomes the address of that service's first container: what Docker's
-  DNS answers.
+  DNS answers;
+* a path under a named volume's mount point (the kvstore's disk tier) is under a
+  directory of this run standing for the volume.
 
 A worker that sets no advertise host then advertises its listen address: the
 container's, as the container's host name resolves to it under compose. The
@@ -107,8 +109,12 @@ class ComposeRun:
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RADIXSERVE_", "UCX_"))}
         env["OMP_NUM_THREADS"] = "1"
+        mounts = self.volumes(service)
         for key, value in self.services[service]["environment"].items():
-            if value in WILDCARD_HOSTS:
+            mount = next((m for m in mounts if value == m or value.startswith(m + "/")), None)
+            if mount is not None:
+                value = mounts[mount] + value[len(mount) :]
+            elif value in WILDCARD_HOSTS:
                 value = address
             elif key.endswith("_HOST") and value in self.services:
                 value = self.dns(value)
@@ -116,6 +122,17 @@ class ComposeRun:
                 value = in_url.sub(resolve, value)
             env[key] = value
         return env
+
+    def volumes(self, service: str) -> dict[str, str]:
+        """Mount point -> the directory of this run standing for each named volume."""
+        mounts = {}
+        for spec in self.services[service].get("volumes", []):
+            volume, _, rest = spec.partition(":")
+            if not volume.startswith((".", "/")):
+                stand_in = self.logs / "volumes" / volume
+                stand_in.mkdir(parents=True, exist_ok=True)
+                mounts[rest.split(":")[0]] = str(stand_in)
+        return mounts
 
     def start(self, service: str, env_override: dict[str, str] | None = None) -> Container:
         """One more container of ``service`` (as ``docker compose up --scale`` adds),

@@ -485,7 +485,8 @@ def test_overlays_run_the_model_they_say() -> None:
         if overlay == "cpu":
             assert env["RADIXSERVE_MODEL"] == "default"
             continue
-        [claim] = objects_of(objects, "PersistentVolumeClaim")
+        claim = "radixserve-models"
+        assert claim in objects_of(objects, "PersistentVolumeClaim")
         for name in ("prefill", "decode", "gateway"):
             spec = deployments[name]["spec"]["template"]["spec"]
             volume = next(v for v in spec["volumes"] if "persistentVolumeClaim" in v)
@@ -518,3 +519,39 @@ def test_gpu_overlay_sizes_each_pool_from_its_tensor_parallel_setting(tmp_path) 
 def test_interpolation_follows_compose() -> None:
     values = {"A": "1", "E": ""}
     assert interpolate("${A:-x} ${B:-y} ${E:-z} ${E-w} ${B-v} $$A $A", values) == "1 y z  v $A 1"
+
+
+def _gib(quantity: str) -> float:
+    """A Kubernetes quantity in Gi (the only unit these files use for sizes)."""
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
+def test_the_kvstore_disk_tier_has_a_volume_larger_than_its_bound() -> None:
+    """Compose mounts a named volume at the kvstore's disk tier directory; the cpu
+    overlay an emptyDir whose size limit is above the tier's bound (the kubelet evicts a
+    pod past it), the gpu overlay a ReadWriteOnce claim above it (kept across restarts),
+    writable by the kvstore's user (fsGroup)."""
+    kvstore = compose_services()["kvstore"]
+    where = kvstore["environment"]["RADIXSERVE_KVSTORE_DISK_TIER_DIR"]
+    assert f"kvstore-disk:{where}" in kvstore["volumes"]
+    assert "kvstore-disk" in compose_document()["volumes"]
+    for overlay in OVERLAYS:
+        objects = render_overlay(overlay)
+        deployment = next(d for d in objects_of(objects, "Deployment").values()
+                          if component(d) == "kvstore")  # fmt: skip
+        env = pod_env(objects, deployment)
+        bound = float(env["RADIXSERVE_KVSTORE_DISK_TIER_GIB"])
+        spec = deployment["spec"]["template"]["spec"]
+        [mount] = [m for m in container(deployment)["volumeMounts"]
+                   if m["mountPath"] == env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"]]  # fmt: skip
+        [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+        if overlay == "cpu":
+            assert _gib(volume["emptyDir"]["sizeLimit"]) > bound
+            continue
+        claim = objects_of(objects, "PersistentVolumeClaim")[
+            volume["persistentVolumeClaim"]["claimName"]
+        ]
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert _gib(claim["spec"]["resources"]["requests"]["storage"]) > bound

@@ -4,8 +4,9 @@ spoken to over real ZMQ DEALER sockets the way workers and routers speak to it.
 Membership (a registered member is listed to watchers; a silent one leaves the list and
 the index), the global index (stored and removed events in every `IndexReply`, per
 worker; events sent for another worker ignored; a sequence gap or an unknown worker
-answered `KVResync`), bad frames dropped without harm, and the host tier's refusals and
-round trip (attach, spill, lookup, read the leased pages, release)."""
+answered `KVResync`), bad frames dropped without harm, the host tier's refusals and
+round trip (attach, spill, lookup, read the leased pages, release), and a restart on
+the disk tier's directory (its pages indexed and leased again, from disk)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import msgpack
+import pytest
 import torch
 import zmq
 import zmq.asyncio
@@ -329,7 +331,7 @@ def test_the_host_tier_answers_before_attach_refuses_a_pool_and_serves_a_lease()
 
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted, ack
-                assert ack.num_pages == HOST_PAGES
+                assert ack.num_pages == HOST_PAGES and not ack.disk_tier
                 done = await w1.ask(SpillOffer(2, (1, 2, 3), (4, 5, 6)))
                 assert isinstance(done, SpillDone) and (done.spill_id, done.stored) == (2, 3)
                 assert (await w1.index(1, 2, 3, 4)).host_pages == 3
@@ -384,3 +386,58 @@ def test_a_kvstore_without_a_host_tier_refuses_attach():
             spill_agent.close()
 
     asyncio.run(scenario())
+
+
+def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(tmp_path):
+    """A 6-page host tier over a disk tier: a worker spills 8 pages, two of which the
+    host tier evicts to disk; the index counts all 8 as loadable. The kvstore stops (it
+    writes its host pages to disk on the way out) and a new one starts on the same
+    directory: once the worker attaches again, the index counts the 8 pages, and a
+    lookup leases them with ``disk_pages`` 8, byte-exact. A disk tier without a host
+    tier is refused at start."""
+    disk = {"disk_tier_dir": tmp_path, "disk_tier_gib": 64 * 8192 / (1 << 30)}
+
+    async def scenario() -> None:
+        buffer, spill_agent = spill_buffer("w1")
+        device = torch.zeros_like(buffer)  # the worker's device pool, (2, 2, 8, 4, 2, 8)
+        reader = create_agent("zmq", "w1", device, PoolCompat.of(device, MODEL))
+        hashes = tuple(range(101, 109))
+        try:
+            async with (
+                kvstore(host_capacity_gib=6 * PAGE_BYTES / (1 << 30), **disk) as service,
+                dealers(service.address, 1) as (w1,),
+            ):
+                await w1.hello("w1")
+                ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
+                assert isinstance(ack, HostAttachAck) and ack.accepted and ack.disk_tier, ack
+                await w1.ask(SpillOffer(1, hashes[:4], (0, 1, 2, 3)))
+                await w1.ask(SpillOffer(2, hashes[4:], (4, 5, 6, 7)))
+                assert service.disk is not None
+                await until(lambda: service.disk.idle, 5.0, "the disk writes")  # type: ignore[union-attr]
+                assert service.stats()["disk_pages_stored"] == 2
+                assert (await w1.index(*hashes)).host_pages == 8
+            async with kvstore(**disk) as service, dealers(service.address, 1) as (w1,):
+                await w1.hello("w1")
+                assert (await w1.index(*hashes)).host_pages == 0  # no layout known yet
+                ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
+                assert isinstance(ack, HostAttachAck) and ack.accepted, ack
+                assert service.disk is not None
+                await until(lambda: service.disk.ready, 5.0, "the rebuild")  # type: ignore[union-attr]
+                assert service.stats()["disk_restored_pages"] == 8
+                assert (await w1.index(*hashes)).host_pages == 8
+                lease = await w1.ask(HostLookup("warm", hashes))
+                assert isinstance(lease, HostLease) and lease.disk_pages == 8
+                reader.add_peer(KVSTORE, 42, ack.metadata)
+                handle = reader.read_pages(KVSTORE, list(lease.host_page_ids), list(range(8)))
+                assert await reader.wait_async(handle) == "done"
+                assert torch.equal(device, buffer)
+                await w1.send(HostRelease(lease.lease_id))
+                stats = service.stats()
+                assert stats["disk_hit_pages_total"] == 8 and stats["disk_corrupt_pages_total"] == 0
+        finally:
+            reader.close()
+            spill_agent.close()
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError, match="disk_tier_dir needs a host tier"):
+        settings(host_capacity_gib=0.0, **disk)

@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 
+from radixserve.cli import main
 from radixserve.launch.cluster import (
     ClusterConfig,
     build_cluster,
@@ -116,6 +117,10 @@ def test_each_pool_has_its_tensor_parallel_size_and_a_replica_is_a_worker(monkey
         ({"num_prefill": -1}, "--prefill"),
         ({"transport": "tcp"}, "--transport"),
         ({"autoscale": True, "kvstore": False}, "--autoscale needs the kvstore"),
+        ({"disk_tier_gib": 8.0}, "--disk-tier-gib needs --disk-tier-dir"),
+        ({"disk_tier_dir": "/d", "disk_tier_gib": 0.0}, "--disk-tier-gib must be more than 0"),
+        ({"disk_tier_dir": "/d", "kvstore": False}, "--disk-tier-dir needs the kvstore"),
+        ({"disk_tier_dir": "/d", "host_tier_gib": 0.0}, "--disk-tier-dir needs a host tier"),
     ],
 )
 def test_bad_cluster_shapes_are_refused(kwargs, message):
@@ -155,3 +160,21 @@ def test_workers_share_the_cores_through_one_board_unless_threads_are_fixed(monk
         cluster.stop()
     assert not os.path.exists(cluster.core_board)
     assert build_cluster(ClusterConfig(kvstore=False, num_threads=2)).core_board is None
+
+
+def test_the_disk_tier_flags_reach_the_kvstore_settings(monkeypatch, tmp_path, capsys):
+    """`radixserve up --disk-tier-dir D --disk-tier-gib N` sets the kvstore's disk tier
+    (and nothing else's); `radixserve kvstore` takes the same flags; a refused shape is
+    an error message naming the flag, not a traceback."""
+    config = ClusterConfig(disk_tier_dir=str(tmp_path), disk_tier_gib=2.5)
+    envs = {s.name: dict(s.env) for s in cluster_specs(config)}
+    k = _settings_of(envs["kvstore"], KVStoreSettings, monkeypatch)
+    assert (k.disk_tier_dir, k.disk_tier_gib) == (tmp_path, 2.5)
+    assert not any("DISK_TIER" in key for name, env in envs.items() if name != "kvstore"
+                   for key in env)  # fmt: skip
+    assert main(["kvstore", "--check-config", "--disk-tier-dir", str(tmp_path),
+                 "--disk-tier-gib", "3"]) == 0  # fmt: skip
+    checked = json.loads(capsys.readouterr().out)["KVStoreSettings"]
+    assert (checked["disk_tier_dir"], checked["disk_tier_gib"]) == (str(tmp_path), 3.0)
+    assert main(["up", "--disk-tier-gib", "3"]) == 1
+    assert "error: --disk-tier-gib needs --disk-tier-dir" in capsys.readouterr().err

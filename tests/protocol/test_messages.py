@@ -104,6 +104,7 @@ def token_chunks(draw: st.DrawFn) -> TokenChunk:
         completion_tokens=draw(count),
         ttft_ms=draw(st.none() | millis),
         host_cached_tokens=draw(count),
+        disk_cached_tokens=draw(count),
     )
 
 
@@ -171,6 +172,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         src_page_ids=page_ids,
         cached_tokens=count,
         host_cached_tokens=count,
+        disk_cached_tokens=count,
     ),
     TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans()),
     TokenChunk: token_chunks(),
@@ -203,11 +205,19 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         metadata=st.binary(max_size=64),
         num_pages=count,
         reason=text,
+        disk_tier=st.booleans(),
     ),
     SpillOffer: spill_offers(),
     SpillDone: st.builds(SpillDone, spill_id=st.integers(1, 2**63 - 1), stored=count),
-    HostLookup: st.builds(HostLookup, query_id=ids, page_hashes=page_hashes),
-    HostLease: st.builds(HostLease, query_id=ids, lease_id=count, host_page_ids=page_ids),
+    HostLookup: st.builds(
+        HostLookup,
+        query_id=ids,
+        page_hashes=page_hashes,
+        prefill_tokens_per_s=st.floats(0, 1e9, allow_nan=False),
+    ),
+    HostLease: st.builds(
+        HostLease, query_id=ids, lease_id=count, host_page_ids=page_ids, disk_pages=count
+    ),
     HostRelease: st.builds(HostRelease, lease_id=st.integers(1, 2**63 - 1)),
     Register: st.builds(Register, member=members),
     Deregister: st.builds(Deregister, name=names, generation=count),

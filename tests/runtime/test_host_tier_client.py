@@ -45,7 +45,7 @@ from radixserve.protocol import (
     SpillOffer,
 )
 from radixserve.runtime import host_tier
-from radixserve.runtime.host_tier import HostTierClient
+from radixserve.runtime.host_tier import HostTierClient, lookup_wait_s
 from radixserve.runtime.links import Link, LinkIdentity, LinkSet
 from radixserve.runtime.settings import WorkerSettings
 from radixserve.settings import EngineSettings
@@ -331,3 +331,43 @@ def test_spilled_buffer_pages_come_back_on_spill_done_or_after_the_quarantine(en
             assert client.stats()["host_spill_buffer_free"] == total
 
     asyncio.run(scenario())
+
+
+def test_a_lookup_carries_the_workers_measured_prefill_rate(engine):
+    """Before any prefill the lookup says 0 (not measured); after one, it carries the
+    engine's prefill tokens per second, from which the kvstore decides whether reading
+    its disk pages beats computing them. A lease with pages from disk is counted."""
+
+    async def scenario() -> None:
+        async with linked_tier(engine) as tier:
+            client, kv = tier.client, tier.kvstore
+            assert client.prefill_tokens_per_s() == 0.0
+            await compute(engine, list(range(200, 240)))
+            rate = client.prefill_tokens_per_s()
+            steps = engine.stats().steps
+            assert (
+                rate == steps["engine_prefill_tokens_total"] / steps["engine_prefill_seconds_total"]
+                and rate > 0
+            )
+            planning = asyncio.ensure_future(client.plan("r", PROMPT, tier.hashes))
+            lookup = await kv.next()
+            assert isinstance(lookup, HostLookup) and lookup.prefill_tokens_per_s == rate
+            await kv.send(HostLease("r", 4, (0, 1, 2, 3, 4), disk_pages=2))
+            plan, lease = await asyncio.wait_for(planning, 5.0)
+            assert plan == HostPlan(0, 5) and lease.disk_pages == 2
+            assert tier.count("host_disk_leases_total") == 1
+            client.release(lease)
+
+    asyncio.run(scenario())
+
+
+def test_a_lookup_waits_longer_only_for_a_disk_tier_and_never_past_computing():
+    """Without a disk tier (or a measured rate) the wait is ``host_lookup_timeout_s``;
+    with one, what computing the tokens takes when that is longer, capped by
+    ``host_load_timeout_s``."""
+    s = WorkerSettings(host_lookup_timeout_s=0.2, host_load_timeout_s=30.0)
+    assert lookup_wait_s(s, 4000, 400.0, disk_tier=False) == 0.2
+    assert lookup_wait_s(s, 4000, 0.0, disk_tier=True) == 0.2  # no prefill measured yet
+    assert lookup_wait_s(s, 4000, 400.0, disk_tier=True) == 10.0
+    assert lookup_wait_s(s, 40, 400.0, disk_tier=True) == 0.2  # computing is quicker
+    assert lookup_wait_s(s, 400_000, 400.0, disk_tier=True) == 30.0

@@ -1,0 +1,41 @@
+"""`radixserve bench --scenario tiers --quick` end to end on a real local cluster.
+
+The speed ratios are the benchmark's to report (bench/README.md), not this test's to
+assert; the test checks that the run is what it claims: the pool outgrew host memory,
+so the oldest prefixes came back from the disk tier (every one of their full pages
+cached), each revisit is classified by one source that served some of it, and the two
+rates the admission compares were measured. It runs the tiny random model (``--model``): the
+tiers are the subject, and the pool is sized by the served model's pages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from radixserve.cli import main
+
+
+def test_tiers_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
+    out = tmp_path / "tiers.json"
+    argv = ["bench", "--scenario", "tiers", "--quick", "--model", tiny_model]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "tiers" and result["preset"] == "quick"
+    rows = result["rows"]
+    assert len(rows) == 24  # 2 passes over 4 rounds of 128, 256, 512 tokens (no warm-up)
+    assert {r["tier"] for r in rows} <= {"disk", "host", "device", "recompute"}
+    # oldest first, the prefixes revisited early lie on disk only: each comes back whole
+    # (its full pages, short of the last token); in the drawn order, some come from the
+    # device or host memory, or partly from disk
+    oldest_first = [r for r in rows[:12] if r["tier"] == "disk"]
+    assert oldest_first, "no prefix came back from the disk tier"
+    for row in oldest_first:
+        assert row["cached_tokens"] >= row["prefix_tokens"] - 16
+    assert all(r["cached_tokens"] > 0 for r in rows if r["tier"] != "recompute")
+    assert sum(t["hit_rate"] for t in result["tiers"].values()) == pytest.approx(1.0)
+    assert result["rates"]["disk_read_bytes_per_s"] > 0
+    assert result["rates"]["prefill_tokens_per_s"] > 0
+    assert "crossover" in capsys.readouterr().out
