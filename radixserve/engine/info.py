@@ -85,6 +85,13 @@ class EngineStats:
             leases=cache["leases"],
         )
 
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """The measured prefill rate: prompt tokens computed per second of the steps'
+        prefill share (0 before the first prefill)."""
+        seconds = self.steps.get("engine_prefill_seconds_total", 0.0)
+        return self.steps.get("engine_prefill_tokens_total", 0) / seconds if seconds > 0 else 0.0
+
     def as_dict(self) -> dict[str, int | float]:
         """Pool pages and live requests, then the step counters: one flat map."""
         return {**self.cache, **self.steps}

@@ -289,12 +289,6 @@ class HostTierClient:
     def release(self, lease: HostLease) -> None:
         self._notices.spawn(send_quietly(self.link, HostRelease(lease.lease_id)))
 
-    def prefill_tokens_per_s(self) -> float:
-        """This worker's measured prefill rate (0 before its first prefill)."""
-        steps = self.engine.stats().steps
-        seconds = steps.get("engine_prefill_seconds_total", 0.0)
-        return steps.get("engine_prefill_tokens_total", 0) / seconds if seconds > 0 else 0.0
-
     async def _lookup(self, request_id: str, hashes: Sequence[int]) -> HostLease | None:
         """Ask for a lease of ``hashes``, telling the kvstore this worker's prefill rate
         (it reads pages from its disk tier only when that is quicker than computing
@@ -302,7 +296,7 @@ class HostTierClient:
         link = self.link
         if link is None or not link.up:
             return None
-        rate = self.prefill_tokens_per_s()
+        rate = self.engine.stats().prefill_tokens_per_s
         tokens = len(hashes) * self.page_size
         wait_s = lookup_wait_s(self.settings, tokens, rate, self.disk_tier)
         msg = HostLookup(request_id, tuple(hashes), rate)

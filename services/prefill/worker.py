@@ -105,10 +105,8 @@ class PrefillWorker(Worker):
     def _record(self, computed: int, elapsed_s: float) -> None:
         """Split one request's time to its first token into its own compute (``computed``
         tokens at the engine's measured prefill rate) and the wait around it."""
-        steps = self.engine.stats().steps
-        seconds = steps.get("engine_prefill_seconds_total", 0.0)
-        tokens = steps.get("engine_prefill_tokens_total", 0)
-        own = computed * seconds / tokens if tokens > 0 else 0.0
+        rate = self.engine.stats().prefill_tokens_per_s
+        own = computed / rate if rate > 0 else 0.0
         self._wait.observe(max(0.0, elapsed_s - own))
         self._request_tokens.observe(computed)
 
