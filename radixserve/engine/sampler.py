@@ -13,25 +13,26 @@ A seeded row's generator is a function of (seed, choice index, tokens sampled so
 wherever it runs (another worker, after a preemption).
 
 The filters are defined on the row's tokens in stable descending order (by logit, ties
-by ascending id), and a seeded draw is the race `torch.multinomial` runs over that order.
-Sorting the ids along with the logits cost ~5 ms a row (49,152 tokens); `sample_rows`
-orders the values only: by partial selection (`torch.topk`) for rows with a small
-top-k, by a SIMD sort of the values for the rest. Softmax, the nucleus and min-p then
-run on the same values with the same ops, so the probabilities are the same bits; the
-race draws one exponential per kept position, not per token, the seeded rows side by
-side on the sampler's threads; and the drawn position is mapped back to its id by its
-value and its place among the tokens tied with it. A
-seeded request therefore draws exactly the tokens the full sort drew
-(`bench/sampler_step.py` keeps that algorithm as its baseline and the tests compare the
-two); unseeded rows, whose draws are not reproducible anyway, draw from the same
-distribution by inverse CDF.
+by ascending id), and every draw is an inverse-CDF lookup over that order: one uniform
+per row, from the row's own generator (seeded) or the global RNG (unseeded), scaled by
+the kept mass and located in the kept prefix's cumulative sum. Sorting the ids along
+with the logits cost ~5 ms a row (49,152 tokens); `sample_rows` orders the values only:
+by partial selection (`torch.topk`) for rows with a small top-k, by a SIMD sort of the
+values for the rest. Softmax, the nucleus and min-p then run on the same values with
+the same ops, and the drawn position is mapped back to its id by its value and its place
+among the tokens tied with it, so a draw is exactly the one the full sort with ids would
+make with the same uniform (`tests/engine/test_sampler.py` compares them).
+
+Seeded draws changed tokens with this sampler (the same seed gives other tokens than
+before it): the earlier draw was `torch.multinomial`'s race, one exponential per kept
+token, which for a temperature-only row is one per vocabulary entry (~0.7 ms a row at
+49,152) — the one cost that kept seeded steps from the others' speed. One uniform
+draws from the same distribution, and a seed still fixes every token.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -77,11 +78,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 
 class Sampler:
-    """One instance serves every step of an engine. It keeps no sampling state, only
-    threads that draw seeded rows' random numbers side by side (`sample_rows`)."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="sampler")
+    """One instance serves every step of an engine; it keeps no sampling state."""
 
     def __call__(
         self,
@@ -133,12 +130,12 @@ class Sampler:
             rows = torch.tensor(greedy, dtype=torch.int64, device=x.device)  # (G,)
             out[rows] = x[rows].argmax(dim=-1)
         if len(sampled) == batch:  # no row to pick out
-            return sample_rows(x, params, generators, self._pool)
+            return sample_rows(x, params, generators)
         if sampled:
             rows = torch.tensor(sampled, dtype=torch.int64, device=x.device)  # (S,)
             picked = [params[i] for i in sampled]
             gens = [generators[i] for i in sampled]
-            out[rows] = sample_rows(x[rows], picked, gens, self._pool)
+            out[rows] = sample_rows(x[rows], picked, gens)
         return out
 
 
@@ -168,15 +165,12 @@ def sample_rows(
     x: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    pool: Executor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row of float32 logits `x` (S, V); returns (S,) int64.
 
-    The same tokens as sorting every row with its ids (a stable descending sort) and
-    drawing from the sorted, filtered distribution (see the module notes), without that
-    sort: only the values are ordered, and a drawn position is mapped back to its id.
-    With a `pool`, seeded rows draw their random numbers on up to torch's intra-op
-    thread count of its threads (one generator draws them one by one, ~15 ns each).
+    The token the full sort with ids (a stable descending sort) would give for the same
+    uniform (see the module notes), without that sort: only the values are ordered, and
+    a drawn position is mapped back to its id.
     """
     vocab = x.shape[1]
     temps = torch.tensor([p.temperature for p in params], device=x.device)  # (S,)
@@ -184,7 +178,7 @@ def sample_rows(
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     sorted_logits = _sorted_logits(scaled, top_k)  # (S, V)
     probs = _filtered_probs(sorted_logits, params)  # (S, V)
-    return _token_ids(scaled, sorted_logits, _draw_positions(probs, generators, pool))
+    return _token_ids(scaled, sorted_logits, _draw_positions(probs, generators))
 
 
 def _sorted_logits(scaled: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
@@ -248,70 +242,31 @@ def _filtered_probs(sorted_logits: torch.Tensor, params: Sequence[SamplingParams
 
 
 def _draw_positions(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None], pool: Executor | None
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """One sorted position per row of `probs` (S, V); (S,) int64.
 
-    Only each row's kept prefix (up to its last positive entry) is looked at. A seeded
-    row runs the race `torch.multinomial` runs for one sample: argmax of p / q over the
-    positions, q ~ Exp(1) drawn from the row's generator, one per position. On the CPU
-    the generator fills q position by position, so the first n of the V draws of the
-    full-length race are the n draws of a prefix-length one, and past the prefix p is 0:
-    the same position, at a fraction of the cost when top-k, top-p or min-p keep few
-    tokens. (The engine seeds a fresh generator per draw, so that it is advanced by n
-    draws rather than V changes nothing.) Other rows share the global RNG: one uniform
-    each, looked up in the prefix's cumulative mass.
+    Inverse CDF over each row's kept prefix (up to its last positive entry): a uniform u
+    in [0, 1) times the kept mass, located in the prefix's cumulative sum (float64). A
+    seeded row's u is the first float64 of its generator (rows sharing one draw in row
+    order); the other rows take theirs from the global RNG in one call.
     """
     batch, vocab = probs.shape
     device = probs.device
     position = torch.arange(vocab, dtype=torch.int32, device=device)  # (V,)
     kept = (torch.where(probs > 0, position, 0).amax(dim=1) + 1).long()  # (S,) prefix lengths
-    lengths = kept.tolist()
-    out = torch.empty(batch, dtype=torch.int64, device=device)  # (S,)
+    width = int(kept.max())
+    u = torch.empty(batch, 1, dtype=torch.float64, device=device)  # (S, 1)
     shared = [j for j, g in enumerate(generators) if g is None]
     if shared:
         rows = torch.tensor(shared, dtype=torch.int64, device=device)  # (R,)
-        width = max(lengths[j] for j in shared)
-        cdf = probs[rows, :width].double().cumsum(dim=1)  # (R, W)
-        u = torch.rand(len(shared), 1, dtype=torch.float64, device=device) * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, u, right=True).squeeze(1)  # (R,)
-        out[rows] = torch.minimum(picked, kept[rows] - 1)  # u rounded up to the total
-    seeded = [j for j, g in enumerate(generators) if g is not None]
-    if seeded:
-        rows = torch.tensor(seeded, dtype=torch.int64, device=device)  # (D,)
-        width = max(lengths[j] for j in seeded)
-        prefix_only = device.type == "cpu"  # elsewhere draw all V, as the full race did
-        # (D, W): each row's race, 1 past its prefix (p is 0 there: a score of 0)
-        race = torch.ones(len(seeded), width if prefix_only else vocab, device=device)
-        counts = [lengths[j] if prefix_only else vocab for j in seeded]
-        _fill_races(race, counts, [generators[j] for j in seeded], pool)
-        out[rows] = (probs[rows, :width] / race[:, :width]).argmax(dim=1)
-    return out
-
-
-def _fill_races(
-    race: torch.Tensor,
-    counts: Sequence[int],
-    generators: Sequence[torch.Generator | None],
-    pool: Executor | None,
-) -> None:
-    """Fill the first `counts[r]` entries of each row of `race` (D, W) with Exp(1) draws
-    from `generators[r]`. Rows sharing a generator draw in row order in one task, so the
-    result does not depend on how tasks are spread over the pool's threads."""
-    tasks: dict[int, list[int]] = {}
-    for r, g in enumerate(generators):
-        tasks.setdefault(id(g), []).append(r)
-
-    def fill(rows: list[int]) -> None:
-        for r in rows:
-            race[r, : counts[r]].exponential_(generator=generators[r])
-
-    groups = list(tasks.values())
-    workers = min(len(groups), torch.get_num_threads())
-    if pool is None or workers < 2 or race.device.type != "cpu":
-        fill([r for rows in groups for r in rows])
-        return
-    list(pool.map(fill, [[r for rows in groups[i::workers] for r in rows] for i in range(workers)]))
+        u[rows] = torch.rand(len(shared), 1, dtype=torch.float64, device=device)
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand(1, dtype=torch.float64, device=device, generator=g)
+    cdf = probs[:, :width].double().cumsum(dim=1)  # (S, W)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # (S,)
+    return torch.minimum(picked, kept - 1)  # u * total rounded up to the total
 
 
 def _token_ids(
