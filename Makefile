@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve chat test test-docker bench-test lint format bench clean
+.PHONY: setup serve chat test test-docker test-browser bench-test lint format bench clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,12 @@ test: $(STAMP)
 test-docker: $(STAMP)
 	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_compose_run.py \
 		tests/deploy/test_docker.py $(PYTEST_ARGS)
+
+# The gateway's /explorer page in headless Chromium (Debian's chromium; .ci/browser-up
+# installs it as root) on a real cluster (tests marked browser). RADIXSERVE_BROWSER_ARTIFACTS
+# names a folder for its screenshot.
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -m browser tests/browser $(PYTEST_ARGS)
 
 # The end-to-end runs too long for make test (marked benchmark), e.g. 60 s of chaos.
 bench-test: $(STAMP)

@@ -34,6 +34,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("trace", "trace_shape", "ttft_per_1k_tokens_s"):
         if getattr(args, flag) is not None and args.scenario != "autoscale":
             raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario autoscale only")
+    if args.preset == "pool" and args.scenario != "tiers":
+        raise UsageError("--preset pool applies to --scenario tiers only")
     if args.scenario == "engine":
         from radixserve.bench.engine_ttft import run_engine_bench
 
@@ -55,7 +57,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.scenario == "tiers":
         from radixserve.bench.tiers import run_tiers_bench
 
-        return run_tiers_bench(quick=args.quick, out_path=args.out, model=args.model or "default")
+        preset = "quick" if args.quick else args.preset
+        return run_tiers_bench(preset, out_path=args.out, model=args.model or "default")
     if args.scenario == "autoscale":
         return _run_autoscale(args)
     if args.scenario in SUITE_SCENARIOS:
@@ -313,9 +316,10 @@ def add_command(sub: Any) -> None:
                        help="autoscale: a per-token TTFT budget; a request's target is "
                        "max(1 s, this x uncached tokens / 1000) (default: none)")  # fmt: skip
     suite = bench.add_argument_group("suite (--scenario multi-turn, rag, all)")
-    suite.add_argument("--preset", choices=["quick", "seed"], default="seed",
+    suite.add_argument("--preset", choices=["quick", "seed", "pool"], default="seed",
                        help="quick: scaled down, minutes on 2 CPU cores; seed: the founding "
-                       "table's lengths (default)")  # fmt: skip
+                       "table's lengths (default); pool (--scenario tiers only): 64 "
+                       "prefixes of 4k tokens, host memory holding a quarter")  # fmt: skip
     suite.add_argument("--concurrency", type=int,
                        help="conversations (multi-turn) or questions (rag) in flight at once")  # fmt: skip
     suite.add_argument("--conversations", type=int, help="multi-turn conversations")

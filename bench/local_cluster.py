@@ -35,6 +35,8 @@ class LocalCluster:
     ) -> None:
         self.config = config
         self.url = config.url
+        keys = json.loads(config.gateway_env.get("RADIXSERVE_GATEWAY_API_KEYS", "[]"))
+        self.api_key: str | None = keys[0] if keys else None  # what /debug/cache is asked with
         self.processes = build_cluster(config, restart_backoff_s=restart_backoff_s)
         self.supervisor = self.processes.supervisor
         try:
@@ -86,7 +88,9 @@ class LocalCluster:
 
     def debug_cache(self) -> dict[str, Any]:
         """The gateway's /debug/cache: totals and per-worker stats."""
-        with urllib.request.urlopen(f"{self.url}/debug/cache", timeout=10) as resp:
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(f"{self.url}/debug/cache", headers=auth)
+        with urllib.request.urlopen(request, timeout=10) as resp:
             body: dict[str, Any] = json.load(resp)
         return body
 

@@ -5,8 +5,9 @@ One cluster: the kvstore with a host tier holding a quarter of the pool's KV ove
 disk tier (files in a temporary directory on this machine's disk, removed afterwards),
 one decode worker that prefills locally, whose KV pool holds about one of the longest
 prefixes, with ``host_load_min_tokens`` 0 so that every prefix length asks the tiers.
-The pool is ``rounds`` times each prefix length (full: 32 to 4096 tokens, doubling),
-each a document of its own, as an aiperf-like synthetic workload draws prefixes:
+The pool is ``rounds`` times each prefix length (`PRESETS`: seed, 3 rounds of 32 to
+4096 tokens, doubling; pool, 64 prefixes of 4096 tokens; quick, a smoke run), each a
+document of its own, as an aiperf-like synthetic workload draws prefixes:
 
 1. **fill**: each document once, with a first question: nothing is cached, so its TTFT
    is the prompt recomputed;
@@ -16,7 +17,12 @@ each a document of its own, as an aiperf-like synthetic workload draws prefixes:
    ``radixserve_cached_tokens_total{tier}`` before and after says where each prefix came
    from (the deepest tier that served any of it; none: recomputed). A warm-up document
    goes first and is not counted (the first read through the tiers also connects the
-   transfer agents).
+   transfer agents);
+3. **overlap A/B**: the kvstore is restarted on its directory (its host memory empty,
+   everything not on the device on disk) with ``disk_read_overlap`` off, then on
+   (alternating, `OVERLAP_PASSES`), and each document (quick: of the longest length)
+   is revisited oldest first: the disk hits' TTFT with the disk read and the worker's
+   read one after the other, and overlapped chunk by chunk.
 
 Reported, from one run: per tier the share of revisits it served and the TTFT p50/p90
 of those hits beside the same prompts' recompute TTFT; per prefix length the disk hit's
@@ -24,11 +30,13 @@ TTFT over the recompute's (the median of the pairs, and each side's quickest run
 the other's: load on a shared machine slows the compute-bound recompute far more than
 a read), the crossover (the shortest length from which a disk hit is quicker, by the
 quickest runs); and the two rates the admission compares (the kvstore's measured disk
-read rate, the worker's prefill rate), as seconds per page. ``--out`` writes JSON.
+read rate, the worker's prefill rate), as seconds per page; per prefix length the disk
+hits' TTFT p50 sequential and overlapped. ``--out`` writes JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import random
@@ -47,13 +55,24 @@ from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.bench.peer_report import write_json
 from radixserve.bench.report import percentile
 from radixserve.cache.kv_pool import KVPool
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig, cluster_specs, free_port
 from radixserve.model.model_files import open_model
 
 TIERS = ("disk", "host", "device")
 QUESTIONS = ("Which store opens first?", "Which stores repair phones?",
-             "Which store closes last?")  # fmt: skip
+             "Which store closes last?", "Which store sells maps?")  # fmt: skip
 PAGE = 16
+#: (prefix lengths, rounds of them) per preset; "pool": the aiperf-like pool of 64
+#: prefixes of 4k tokens, host memory holding a quarter of it
+PRESETS = {
+    "quick": ([128, 256, 512], 4),
+    "seed": ([32, 64, 128, 256, 512, 1024, 2048, 4096], 3),
+    "pool": ([4096], 64),
+}
+#: the kvstore's disk_read_overlap in the A/B passes (ABBA: a drift over the passes
+#: weighs on both modes alike)
+OVERLAP_PASSES = {"quick": (False, True), "seed": (False, True, True, False),
+                  "pool": (False, True, True, False)}  # fmt: skip
 
 
 def documents(model: str, lengths: list[int], rounds: int) -> list[tuple[int, str]]:
@@ -84,12 +103,11 @@ def _served_by(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 def run_tiers_bench(
-    quick: bool = False, out_path: str | None = None, model: str = "default"
+    preset: str = "seed", out_path: str | None = None, model: str = "default"
 ) -> int:
-    """``model``: the checkpoint served (``--model``); the pool is sized by its pages."""
-    lengths, rounds = (
-        ([128, 256, 512], 4) if quick else ([32, 64, 128, 256, 512, 1024, 2048, 4096], 3)
-    )
+    """``preset``: a key of `PRESETS`; ``model``: the checkpoint served (``--model``);
+    the pool is sized by its pages."""
+    lengths, rounds = PRESETS[preset]
     docs = documents(model, lengths, rounds)
     docs.insert(0, (lengths[0], "Warm-up. " + docs[0][1]))  # its own from the first token
     page_bytes = KVPool.page_bytes_all_layers(open_model(model).config, PAGE, torch.float32)
@@ -109,6 +127,7 @@ def run_tiers_bench(
           f"{pool_pages * gib:.2f} GiB), host tier a quarter of it, disk tier in "
           f"{disk_dir} ...", file=sys.stderr)  # fmt: skip
     rows: list[dict[str, Any]] = []
+    overlap: list[dict[str, Any]] = []
     try:
         with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
             cluster.wait_host_tier()
@@ -120,14 +139,40 @@ def run_tiers_bench(
             for order, question in ((oldest_first, QUESTIONS[1]), (drawn, QUESTIONS[2])):
                 rows += [_revisit(c, docs[i], fills[i], question) for i in order]
             rates = _rates(c.get("/metrics").text, page_bytes)
+            for on in OVERLAP_PASSES[preset]:
+                _restart_kvstore(cluster, on)
+                _ask(c, docs[0][1], QUESTIONS[0])  # connects the agents again (not counted)
+                again = [i for i in oldest_first if preset != "quick" or docs[i][0] == lengths[-1]]
+                passed = [_revisit(c, docs[i], fills[i], QUESTIONS[3]) for i in again]
+                overlap += [{**r, "overlap": on} for r in passed if r["tier"] == "disk"]
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
-    result = summarise(rows, rates, quick, lengths)
+    result = summarise(rows, rates, preset, lengths)
+    result["overlap"] = summarise_overlap(overlap, lengths)
     print(format_table(result))
     if out_path:
         write_json(result, Path(out_path))
         print(f"wrote {out_path}", file=sys.stderr)
     return 0
+
+
+def _restart_kvstore(cluster: LocalCluster, overlap: bool) -> None:
+    """Stop the kvstore (SIGTERM: it writes its host tier's pages to disk) and start it
+    again on its port and directory with ``disk_read_overlap`` = ``overlap``: its host
+    memory starts empty, so every prefix not on the device comes back from disk."""
+    old = cluster.workers()["kvstore"]
+    port = int(old["address"].rsplit(":", 1)[1])
+    env = {**cluster.config.engine_env, "RADIXSERVE_KVSTORE_DISK_READ_OVERLAP": str(overlap)}
+    config = dataclasses.replace(cluster.config, engine_env=env)
+    [spec] = [s for s in cluster_specs(config, kvstore_port=port) if s.name == "kvstore"]
+    cluster.supervisor.retire("kvstore", 60)
+    cluster.wait(lambda: "kvstore" not in cluster.supervisor.names(), 90, "the kvstore to stop")
+    cluster.supervisor.add(spec)
+    cluster.wait_restarted("kvstore", old["generation"])
+    cluster.wait_host_tier()
+    cluster.wait(lambda: cluster.worker("kvstore").get("disk_restored_pages", 0) > 0, 120,
+                 "the kvstore's disk index rebuilt")  # fmt: skip
+    print(f"  kvstore restarted, disk_read_overlap={overlap}", file=sys.stderr)
 
 
 def _revisit(
@@ -160,7 +205,7 @@ def _rates(metrics: str, page_bytes: int) -> dict[str, float]:
     }
 
 
-def summarise(rows: list[dict[str, Any]], rates: dict[str, float], quick: bool,
+def summarise(rows: list[dict[str, Any]], rates: dict[str, float], preset: str,
               lengths: list[int]) -> dict[str, Any]:  # fmt: skip
     tiers: dict[str, dict[str, float]] = {}
     for tier in (*TIERS, "recompute"):
@@ -192,7 +237,7 @@ def summarise(rows: list[dict[str, Any]], rates: dict[str, float], quick: bool,
     crossover = next((n for n in measured if n > max(slower, default=0)), None)
     return {
         "scenario": "tiers",
-        "preset": "quick" if quick else "full",
+        "preset": preset,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
         "rows": rows,
         "tiers": tiers,
@@ -200,6 +245,27 @@ def summarise(rows: list[dict[str, Any]], rates: dict[str, float], quick: bool,
         "crossover_tokens": crossover,
         "rates": rates,
     }
+
+
+def summarise_overlap(rows: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
+    """Per prefix length, the disk hits' TTFT p50 with the disk read and the device
+    read one after the other (``sequential``) and overlapped, and their ratio."""
+    out = {}
+    for length in lengths:
+        ttft = {
+            mode: [r["ttft_ms"] for r in rows
+                   if r["prefix_tokens"] == length and r["overlap"] is (mode == "overlapped")]
+            for mode in ("sequential", "overlapped")
+        }  # fmt: skip
+        if all(ttft.values()):
+            p50 = {mode: statistics.median(v) for mode, v in ttft.items()}
+            out[str(length)] = {
+                "disk_hits": {mode: len(v) for mode, v in ttft.items()},
+                "sequential_p50_ms": p50["sequential"],
+                "overlapped_p50_ms": p50["overlapped"],
+                "overlapped_over_sequential": p50["overlapped"] / p50["sequential"],
+            }
+    return out
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -229,5 +295,14 @@ def format_table(r: dict[str, Any]) -> str:
         f"{rates['disk_read_ms_per_page']:.2f} ms a page; prefill "
         f"{rates['prefill_tokens_per_s']:.0f} tokens/s = {rates['prefill_ms_per_page']:.1f} ms "
         "a page",
+        "",
+        "| prefix tokens | disk hits (sequential / overlapped) | disk hit TTFT p50 ms, "
+        "disk then device | overlapped | overlapped / sequential |",
+        "|---|---|---|---|---|",
     ]
+    for length, v in r["overlap"].items():
+        hits = v["disk_hits"]
+        lines.append(f"| {length} | {hits['sequential']} / {hits['overlapped']} | "
+                     f"{v['sequential_p50_ms']:.0f} | {v['overlapped_p50_ms']:.0f} | "
+                     f"{v['overlapped_over_sequential']:.3f} |")  # fmt: skip
     return "\n".join(lines)

@@ -11,7 +11,11 @@ read from the kvstore's disk tier, through host memory),
 radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
 radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
-radixserve_live_requests (gauges).
+radixserve_live_requests (gauges); radixserve_cache_audit_total{result} (result "match",
+"mismatch", "skipped": the engine's cache audit, `radixserve.engine.cache_audit`; behind
+a cluster gateway per worker, with the ``worker`` and ``role`` labels) and
+radixserve_cache_audit_fail_closed (1 while an engine serves nothing from its cache;
+per worker: radixserve_worker_audit_fail_closed).
 
 Behind a disaggregated gateway the workers' own numbers arrive in their heartbeats and
 are exported per worker (labels ``worker``, ``role``): ``radixserve_worker_<key>`` for
@@ -159,6 +163,8 @@ class ServingMetrics:
         r.register(self._workers)
         self._front = _Snapshot(_front_families)
         r.register(self._front)
+        self._audit = _Snapshot(_audit_families)  # the in-process engine's audit
+        r.register(self._audit)
 
     def record_finish(
         self,
@@ -192,6 +198,7 @@ class ServingMetrics:
                 gauge.set(stats[key])
         self._workers.snapshot = dict(workers or {})
         self._front.snapshot = {k: v for k, v in stats.items() if k in _FRONT_COUNTERS}
+        self._audit.snapshot = {k: v for k, v in stats.items() if k.startswith("audit_")}
         return generate_latest(self.registry)
 
 
@@ -231,7 +238,41 @@ def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
         yield CounterMetricFamily(name, doc, value=value)
 
 
-_NOT_EXPORTED = frozenset({"role", "address", "up", "generation"})
+#: the cache audit's counters in an engine's stats, by the result they count; matches
+#: are the audits checked less those that did not match
+_AUDIT_COUNTERS = ("audit_checked", "audit_mismatches", "audit_skipped")
+_NOT_EXPORTED = frozenset({"role", "address", "up", "generation", *_AUDIT_COUNTERS})
+
+
+def _audit_results(stats: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """(result, count) of the cache audit in one engine's ``stats``; none if it is off."""
+    if "audit_checked" not in stats:
+        return []
+    mismatches = float(stats.get("audit_mismatches", 0))
+    return [
+        ("match", float(stats["audit_checked"]) - mismatches),
+        ("mismatch", mismatches),
+        ("skipped", float(stats.get("audit_skipped", 0))),
+    ]
+
+
+def _audit_families(stats: dict[str, Any]) -> Iterator[Any]:
+    """The in-process engine's cache audit (nothing while it is off)."""
+    results = _audit_results(stats)
+    if not results:
+        return
+    family = CounterMetricFamily("radixserve_cache_audit", _AUDIT_DOC, labels=["result"])
+    for result, count in results:
+        family.add_metric([result], count)
+    yield family
+    yield GaugeMetricFamily(
+        "radixserve_cache_audit_fail_closed", _FAIL_CLOSED_DOC,
+        value=float(stats.get("audit_fail_closed", 0)),
+    )  # fmt: skip
+
+
+_AUDIT_DOC = "Cache hits recomputed without the cache, by result (match, mismatch, skipped)."
+_FAIL_CLOSED_DOC = "1 while a failed-closed cache audit keeps the engine off its cache."
 
 
 def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
@@ -242,9 +283,12 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
     transfer = SummaryMetricFamily(
         "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
     )
+    audit = CounterMetricFamily("radixserve_cache_audit", _AUDIT_DOC, labels=[*labels, "result"])
     for name, stats in sorted(snapshot.items()):
         ids = [name, str(stats.get("role", ""))]
         up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
+        for result, count in _audit_results(stats):
+            audit.add_metric([*ids, result], count)
         if "kv_transfers_total" in stats:
             transfer.add_metric(
                 ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
@@ -267,6 +311,8 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
             family.add_metric(ids, float(value))
     yield up
     yield transfer
+    if audit.samples:
+        yield audit
     yield from families.values()
 
 

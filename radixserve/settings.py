@@ -95,6 +95,30 @@ class EngineSettings(BaseSettings):
         "(CPU only; `radixserve up` sets it, and --num-threads turns it off).",
     )
     load_progress: bool = Field(True, description="Show a progress bar while the model loads.")
+    audit_sample_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Cache audit: the fraction of requests served from the prefix cache "
+        "that are recomputed without it when the engine is idle, their first token's logits "
+        "compared with the cached path's (0: off, no cost).",
+    )
+    audit_fail_closed: bool = Field(
+        False,
+        description="Cache audit: after a mismatch, drop the cached pages and serve nothing "
+        "from the cache until an operator clears it (POST /debug/cache/audit/clear).",
+    )
+    audit_logits_k: int = Field(
+        20, ge=1, le=1024, description="Cache audit: the top tokens of each row compared."
+    )
+    audit_tolerance: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Cache audit: the largest difference of two logits rows that still "
+        "matches, relative to the largest logit compared; none = 16 x the dtype's eps "
+        "(0.125 for bfloat16, 1.6e-2 for float16, 1.9e-6 for float32).",
+    )
     tp: int = Field(
         1,
         ge=1,

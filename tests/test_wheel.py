@@ -44,6 +44,10 @@ DATA_FILES = [
     "radixserve/bench/data/alice-in-wonderland-ch1-2.txt",
     "radixserve/kernels/cpu/qgemm.c",  # the native CPU kernels' sources, built on first use
     "radixserve/kernels/cpu/attention.c",
+    # the gateway's /explorer page
+    "radixserve/services/gateway/static/explorer.html",
+    "radixserve/services/gateway/static/explorer.css",
+    "radixserve/services/gateway/static/explorer.js",
 ]
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
 

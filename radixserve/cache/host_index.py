@@ -16,7 +16,10 @@ A page is in one of three states::
   prefix is always more recent than its continuations and the tails go first.
 * **leased**: a stored page with readers (`lease` or `hold` ... `release`). It is never
   evicted; a lease that is not released within its deadline (a reader that died) is
-  dropped by `expire`.
+  dropped by `expire`. A lease taken while part of its run is still being written
+  (`hold_run`: a promotion from disk, whose reader reads each page once it is
+  committed) covers those pages too; one of them aborted while leased is *retiring*
+  and free once its last reader is gone.
 
 An evicted page's bytes are about to be overwritten: ``on_evict(hash, page)`` is called
 first (the kvstore copies them towards the disk tier).
@@ -54,6 +57,7 @@ class HostPageIndex:
         self._free = list(range(num_pages - 1, -1, -1))
         self._stored: OrderedDict[int, int] = OrderedDict()  # hash -> page, oldest first
         self._writing: dict[int, int] = {}  # hash -> page being written
+        self._retiring: set[int] = set()  # aborted while leased: free once unleased
         self._readers: dict[int, int] = {}  # page -> leases on it
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -91,6 +95,19 @@ class HostPageIndex:
         pages = [self._stored[h] for h in page_hashes]
         return (self._hold_pages(owner, pages, deadline) if pages else 0), pages
 
+    def hold_run(
+        self, owner: str, page_hashes: Sequence[int], deadline: float
+    ) -> tuple[int, list[int]]:
+        """Lease a run of hashes each stored or being written (its reader reads a
+        written one only once it is committed), touching it like `lease`: (lease id,
+        pages in order). Raises KeyError if one is neither."""
+        pages = [self._stored[h] if h in self._stored else self._writing[h] for h in page_hashes]
+        for h in reversed(page_hashes):
+            if h in self._stored:
+                self._stored.move_to_end(h)
+        self.hit_pages_total += len(pages)
+        return self._hold_pages(owner, pages, deadline), pages
+
     def _hold_pages(self, owner: str, pages: list[int], deadline: float) -> int:
         for page in pages:
             self._readers[page] = self._readers.get(page, 0) + 1
@@ -116,6 +133,9 @@ class HostPageIndex:
                 self._readers[page] = left
             else:
                 del self._readers[page]
+                if page in self._retiring:
+                    self._retiring.discard(page)
+                    self._free.append(page)
         return True
 
     def expire(self, now: float) -> int:
@@ -152,9 +172,14 @@ class HostPageIndex:
             self.stored_total += 1
 
     def abort(self, page_hashes: Sequence[int]) -> None:
-        """The writes for these hashes failed: their pages are free again."""
+        """The writes for these hashes failed: their pages are free again (once no
+        lease holds them)."""
         for h in page_hashes:
-            self._free.append(self._writing.pop(h))
+            page = self._writing.pop(h)
+            if page in self._readers:
+                self._retiring.add(page)
+            else:
+                self._free.append(page)
 
     def _take_page(self) -> int | None:
         if self._free:
@@ -195,11 +220,13 @@ class HostPageIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every page is in exactly one state."""
         stored, writing = list(self._stored.values()), list(self._writing.values())
-        every = stored + writing + self._free
+        every = stored + writing + self._free + list(self._retiring)
         if sorted(every) != list(range(self.num_pages)):
             raise AssertionError(f"a {self.TIER} page is lost or in two states")
         counted = Counter(page for lease in self._leases.values() for page in lease.pages)
         if counted != self._readers:
             raise AssertionError("reader counts disagree with the leases")
-        if not set(self._readers) <= set(stored):
-            raise AssertionError("a leased page is not stored")
+        if not set(self._readers) <= set(stored) | set(writing) | self._retiring:
+            raise AssertionError("a leased page is free")
+        if not self._retiring <= set(self._readers):
+            raise AssertionError("a retiring page has no reader left")

@@ -35,6 +35,12 @@ page hashes and ids to the listener before the tree lets the pages go (write-bac
 a write-through threshold N, a cached prefix is also handed over, root first, once N
 requests have used it (1: as soon as it is computed). A node handed over is marked
 ``written`` and not handed over again.
+
+For the operator's view (the gateway's /explorer, `largest`): every node counts the
+requests whose cached prefix ran through it (``hits``, stamped with the wall-clock
+``last_hit_s``), and the node where such a prefix ended keeps the latest few request
+ids; `note_use` does this in the walk up the path it already made, so a hit stays
+O(depth) and the memory bounded (`RECENT_IDS` ids per node).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +56,8 @@ from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.page_allocator import PageAllocator
 
 logger = logging.getLogger(__name__)
+
+RECENT_IDS = 8  # request ids a node remembers (`RadixNode.recent_ids`)
 
 EventCallback = Callable[[str, list[int]], None]
 SpillCallback = Callable[[list[int], list[int]], None]  # (page hashes, page ids)
@@ -69,6 +78,9 @@ class RadixNode:
         "last_access",
         "uses",
         "written",
+        "hits",
+        "last_hit_s",
+        "recent_ids",
     )
 
     def __init__(
@@ -91,6 +103,12 @@ class RadixNode:
         self.last_access = last_access
         self.uses = 0  # requests that started from a prefix ending in this node
         self.written = False  # handed to the spill listener already
+        self.hits = 0  # requests whose cached prefix ran through this node (`note_use`)
+        self.last_hit_s = 0.0  # wall-clock time of the latest of them (0: none yet)
+        # ids of the latest requests whose cached prefix ended exactly here (at most
+        # `RECENT_IDS`; those that ended below are on the descendants): the explorer's
+        # "who used this prefix", kept on one node per hit so a hit stays O(depth)
+        self.recent_ids: list[str] | None = None
 
     @property
     def last_hash(self) -> int | None:
@@ -141,6 +159,11 @@ class RadixCache:
     def num_cached_pages(self) -> int:
         """Pages owned by the tree. O(1)."""
         return self._num_cached_pages
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root left out. O(nodes): for views."""
+        return sum(1 for _ in self._nodes())
 
     @property
     def num_locked_pages(self) -> int:
@@ -275,19 +298,46 @@ class RadixCache:
         for node in self._nodes():
             node.written = False
 
-    def note_use(self, node: RadixNode) -> None:
-        """A request starts from the cached prefix ending at ``node``: count the use on the
-        path and write the prefix through once it reaches the threshold."""
-        threshold = self._write_through_uses
-        if threshold < 1 or node is self.root:
+    def note_use(self, node: RadixNode, request_id: str = "") -> None:
+        """A request (``request_id``) starts from the cached prefix ending at ``node``:
+        count the hit on the path (its hit count and time, the id on ``node``) and write
+        the prefix through once its uses reach the threshold. O(depth)."""
+        if node is self.root:
             return
         self._check_attached(node)
+        now = time.time()
+        threshold = self._write_through_uses
         current: RadixNode | None = node
         while current is not None and current is not self.root:
-            current.uses += 1
+            current.hits += 1
+            current.last_hit_s = now
+            if threshold >= 1:
+                current.uses += 1
             current = current.parent
-        if node.uses >= threshold:
+        if request_id:
+            recent = node.recent_ids if node.recent_ids is not None else []
+            recent.append(request_id)
+            node.recent_ids = recent[-RECENT_IDS:]
+        if threshold >= 1 and node.uses >= threshold:
             self._write_path(node)
+
+    def largest(self, max_nodes: int) -> list[tuple[RadixNode, int]]:
+        """Up to ``max_nodes`` nodes holding the most pages, each with the pages of its
+        subtree, chosen best first from the root so every chosen node's parent is chosen
+        too (the root is left out; parents come before children). O(nodes): for views,
+        not for the hot path."""
+        below: dict[int, int] = {}
+        for node in reversed(list(self._nodes())):  # children before their parents
+            below[id(node)] = len(node.page_ids) + sum(below[id(c)] for c in node.children.values())
+        heap = [(-below[id(c)], c.node_id, c) for c in self.root.children.values()]
+        heapq.heapify(heap)
+        chosen: list[tuple[RadixNode, int]] = []
+        while heap and len(chosen) < max_nodes:
+            pages, _, node = heapq.heappop(heap)
+            chosen.append((node, -pages))
+            for child in node.children.values():
+                heapq.heappush(heap, (-below[id(child)], child.node_id, child))
+        return chosen
 
     def _write_path(self, node: RadixNode) -> None:
         """Hand the not yet written nodes from the root down to ``node`` to the listener."""
@@ -448,6 +498,7 @@ class RadixCache:
         )
         upper.lock_ref = node.lock_ref
         upper.uses, upper.written = node.uses, node.written
+        upper.hits, upper.last_hit_s = node.hits, node.last_hit_s
         parent.children[tuple(node.key[:page_size])] = upper
         node.key = node.key[cut:]
         node.page_ids = node.page_ids[num_pages:]
@@ -477,6 +528,15 @@ class RadixCache:
             if self._write_through_uses == 1:
                 self._write_path(leaf)
         return leaf
+
+    def drop_unlocked(self) -> int:
+        """Remove every unlocked node, leaves first, handing none to the spill listener:
+        their KV is no longer trusted (the cache audit found a page that does not
+        reproduce its logits). Locked nodes stay. Returns the pages released."""
+        released = 0
+        while self._evictable:
+            released += self._remove_leaf(self._evictable.pop())
+        return released
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Detach an unlocked leaf and drop the tree's references; return its page count."""

@@ -15,7 +15,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 
 # the engine flags' `EngineSettings` fields (each read from RADIXSERVE_<FIELD> by the services)
 _ENGINE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib",
-                  "page_size", "prefix_cache", "tp")  # fmt: skip
+                  "page_size", "prefix_cache", "tp", "audit_sample_rate",
+                  "audit_fail_closed")  # fmt: skip
 
 
 def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool = True) -> None:
@@ -33,21 +34,63 @@ def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool 
     g.add_argument("--kv-cache-gib", type=float, dest="kv_cache_memory_gib")
     g.add_argument("--page-size", type=int)
     g.add_argument("--no-prefix-cache", action="store_false", dest="prefix_cache", default=None)
+    g.add_argument("--audit-sample-rate", type=_fraction, metavar="RATE",
+                   help="cache audit: recompute this fraction of cache hits without the "
+                   "cache when idle and compare their logits (default 0: off)")  # fmt: skip
+    g.add_argument("--audit-fail-closed", action="store_true", default=None,
+                   help="cache audit: after a mismatch serve nothing from the cache until "
+                   "POST /debug/cache/audit/clear")  # fmt: skip
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
 
 
-def served_name_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="model ids clients may send (default: from the checkpoint's name)")  # fmt: skip
+def _fraction(text: str) -> float:
+    """A number in [0, 1], or argparse's error naming the flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number between 0 and 1")
+    return value
 
 
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 
-def tool_parser_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tool-parser", choices=TOOL_PARSERS,
-                   help="how tool calls are found in replies (default auto: from the chat "
-                   "template)")  # fmt: skip
+def gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's own flags, the same on `radixserve serve` and `radixserve up`."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients may send (default: from the checkpoint's name)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        choices=TOOL_PARSERS,
+        help="how tool calls are found in replies (default auto: from the chat template)",
+    )
+    p.add_argument(
+        "--response-store-size",
+        type=int,
+        help="Responses API: most stored responses, the oldest evicted first "
+        "(default 1024; 0 = none)",
+    )
+    p.add_argument(
+        "--response-store-ttl-s",
+        type=float,
+        help="Responses API: seconds a stored response is kept (default 3600)",
+    )
+    p.add_argument(
+        "--explorer-prompt-text",
+        action="store_true",
+        default=None,
+        help="the /explorer page shows the first words of cached prefixes "
+        "(default: token counts only, no prompt text)",
+    )
+    p.add_argument("--trace-buffer", type=int,
+                   help="traces of the last requests the gateway keeps in memory for "
+                   "/debug/traces and /explorer (default 512; 0 = none)")  # fmt: skip
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -224,7 +267,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
     keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser",
-            "response_store_size", "response_store_ttl_s")  # fmt: skip
+            "response_store_size", "response_store_ttl_s", "explorer_prompt_text",
+            "trace_buffer")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
@@ -262,13 +306,6 @@ def add_commands(sub: Any) -> None:
         "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
-    srv.add_argument("--response-store-size", type=int,
-                     help="Responses API: most stored responses, the oldest evicted first "
-                     "(default 1024; 0 = none)")  # fmt: skip
-    srv.add_argument("--response-store-ttl-s", type=float,
-                     help="Responses API: seconds a stored response is kept "
-                     "(default 3600)")  # fmt: skip
-    served_name_arg(srv)
-    tool_parser_arg(srv)
+    gateway_args(srv)
     engine_args(srv)
     srv.set_defaults(func=cmd_serve)

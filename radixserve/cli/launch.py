@@ -9,7 +9,11 @@ import dataclasses
 import sys
 from typing import Any
 
-from radixserve.cli.engine import engine_args, engine_env, served_name_arg, tool_parser_arg
+from radixserve.cli.engine import (
+    engine_args,
+    engine_env,
+    gateway_args,
+)
 from radixserve.errors import UsageError
 
 
@@ -20,6 +24,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway_healthy,
         join_command,
     )
+    from radixserve.services.gateway.settings import GatewaySettings
 
     env = engine_env(args)
     decode_env = {}
@@ -32,6 +37,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
     if args.tool_parser:
         gateway_env["RADIXSERVE_GATEWAY_TOOL_PARSER"] = args.tool_parser
+    if args.explorer_prompt_text:
+        gateway_env["RADIXSERVE_GATEWAY_EXPLORER_PROMPT_TEXT"] = "true"
+    store = {key: getattr(args, key)
+             for key in ("response_store_size", "response_store_ttl_s", "trace_buffer")
+             if getattr(args, key) is not None}  # fmt: skip
+    GatewaySettings(**store)  # a bad bound is refused by name before any process starts
+    gateway_env.update({f"RADIXSERVE_GATEWAY_{k.upper()}": str(v) for k, v in store.items()})
     try:
         config = ClusterConfig(
             num_prefill=args.prefill,
@@ -94,6 +106,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _tp(size: int) -> str:
     return f" (TP={size})" if size > 1 else ""
+
+
+def worker_tp(value: str) -> int | str:
+    """--tp's value: a size from 1 to 64, or 'auto'."""
+    from radixserve.runtime.settings import parse_tp
+
+    try:
+        return parse_tp(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -231,8 +253,7 @@ def add_commands(sub: Any) -> None:
     disk_tier_args(up)
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    served_name_arg(up)
-    tool_parser_arg(up)
+    gateway_args(up)
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
     up.add_argument("--num-threads", type=int,
@@ -279,9 +300,10 @@ def add_commands(sub: Any) -> None:
                                  "(tcp://host:port; as `radixserve up` prints it)")  # fmt: skip
             service.add_argument("--transport", choices=["nixl", "zmq"],
                                  help="KV transfer backend (the cluster's)")  # fmt: skip
-            service.add_argument("--tp", type=int,
+            service.add_argument("--tp", type=worker_tp,
                                  help="tensor-parallel size: ranks (processes, one device "
-                                 "each) the model is split over (default 1)")  # fmt: skip
+                                 "each) the model is split over (default 1), or 'auto': one "
+                                 "per visible CUDA device")  # fmt: skip
         if name == "kvstore":
             disk_tier_args(service)
         if name in ("prefill", "decode", "kvstore"):

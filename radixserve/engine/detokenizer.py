@@ -6,11 +6,15 @@ back trailing U+FFFD characters (a multi-byte character whose remaining bytes ar
 come in later tokens). `IncrementalDetokenizer` adds stop strings on top: it truncates the
 text right before the first stop string and holds back any tail that could still grow into
 one, so a streaming client never sees a stop string or a piece of one.
+
+Special tokens are left out of the text, except the few a request asks to keep (a
+tool-call parser's markers, e.g. ``<|python_tag|>``): those are spelled out where they
+occur, the text between them decoded as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
@@ -27,6 +31,28 @@ class TokenDecoder(Protocol):
         ...
 
 
+def _keeping(tokenizer: TokenDecoder, kept: frozenset[int]) -> Callable[[Sequence[int]], str]:
+    """A decode that skips special tokens but spells out those in `kept`."""
+    if not kept:
+        return tokenizer.decode
+
+    def decode(ids: Sequence[int]) -> str:
+        if kept.isdisjoint(ids):
+            return tokenizer.decode(ids)
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in kept:
+                parts += [tokenizer.decode(run), tokenizer.decode([token_id], False)]
+                run = []
+            else:
+                run.append(token_id)
+        parts.append(tokenizer.decode(run))
+        return "".join(parts)
+
+    return decode
+
+
 def _trailing_replacements(text: str) -> int:
     """Number of U+FFFD characters at the end of `text`."""
     return len(text) - len(text.rstrip(_REPLACEMENT))
@@ -39,8 +65,8 @@ class _TokenTextStream:
     decoding `_ids + later` extends that text the same way decoding the whole sequence would.
     """
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
-        self._decode = tokenizer.decode  # special tokens skipped
+    def __init__(self, tokenizer: TokenDecoder, kept: frozenset[int] = frozenset()) -> None:
+        self._decode = _keeping(tokenizer, kept)  # special tokens skipped but the kept
         self._ids: list[int] = []
         self._emitted = 0
 
@@ -132,10 +158,13 @@ class IncrementalDetokenizer:
     first wins. Each `add` decodes a window of at most ~`_MAX_WINDOW` (usually <= 8) tokens.
     """
 
-    def __init__(self, tokenizer: TokenDecoder, stop: Sequence[str] = ()) -> None:
-        """``stop``: non-empty strings (`SamplingParams` checks them)."""
+    def __init__(
+        self, tokenizer: TokenDecoder, stop: Sequence[str] = (), kept: Sequence[int] = ()
+    ) -> None:
+        """``stop``: non-empty strings (`SamplingParams` checks them); ``kept``: special
+        token ids whose text is kept."""
         self._stops = tuple(stop)
-        self._stream = _TokenTextStream(tokenizer)
+        self._stream = _TokenTextStream(tokenizer, frozenset(kept))
         self._held = ""  # decoded text that may be the start of a stop string
         self._parts: list[str] = []
         self._text = ""

@@ -5,6 +5,10 @@ step():  batch = scheduler.schedule()          # decodes, then prefill chunks
          logits = runner.run(batch)            # one forward over every token
          tokens = choices.sample(logits)       # for requests at their newest token
          postprocess(tokens)                   # detokenise, stop, finish, cache
+
+With the cache audit on (`radixserve.engine.cache_audit`), a step with nothing to
+schedule runs a chunk of a shadow prefill instead, and the logits of sampled cache hits
+are kept for it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from typing import TypeVar
 
 import torch
 
-from radixserve.cache.block_hash import hash_namespace
+from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
+from radixserve.engine.cache_audit import CacheAudit, audit_tolerance
+from radixserve.engine.cache_view import describe
 from radixserve.engine.choice_sampler import ChoiceSampler
 from radixserve.engine.cores import CoreBoard
 from radixserve.engine.cuda_graph import make_decode_graphs
@@ -43,6 +49,7 @@ from radixserve.engine.tp_group import TPGroup, threads_per_rank
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
 from radixserve.model.tp import TPShard
+from radixserve.protocol.messages import CacheTreeReply
 from radixserve.settings import EngineSettings
 
 T = TypeVar("T")
@@ -135,6 +142,7 @@ class Engine:
             self.tokenizer.to_json(), self.config.vocab_size, eos[0] if eos else None
         )
         self.choices = ChoiceSampler(self.sampler, self.guides, eos, self.device)
+        self.audit = self._make_audit(settings)  # None when off: the step pays nothing
         self._requests: dict[str, Request] = {}  # by internal id (choice i > 0: "<id>#i")
         self._groups: dict[str, list[Request]] = {}  # by request id: every choice
         self._ids = itertools.count()
@@ -202,7 +210,9 @@ class Engine:
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.kept_special_ids
+            ),
         )
         req.guide = guide
         req.forked = params.n == 1
@@ -256,7 +266,8 @@ class Engine:
         cached = match.num_tokens if match is not None else 0
         size = self.page_size
         host_pages = 0
-        if host is not None and host.device_pages * size == cached:  # the mirror is current
+        # a host plan holds while the device mirror is current (never when not matching)
+        if host is not None and match is not None and host.device_pages * size == cached:
             room = (len(ids) - 1) // size - host.device_pages  # never the last token
             host_pages = max(0, min(host.num_pages, room))
         route = choose_route(len(ids), cached, host_pages * size, remote_over)
@@ -412,7 +423,8 @@ class Engine:
             self.cores.release()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to compute, or (idle) a cache audit's shadow prefill to run."""
+        return self.scheduler.has_work or (self.audit is not None and self.audit.has_work)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop every choice of a request and return its pages; None if unknown/finished."""
@@ -431,6 +443,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self.leases.expire(time.perf_counter())
+        if self.audit is not None:
+            if self.scheduler.has_work:  # real work first: the shadow gives its pages back
+                self.audit.yield_shadow(self.allocator)
+            elif self.audit.has_work:
+                self._audit_step()
+                return []
         batch = self.scheduler.schedule()
         if batch is None:
             self.idle()
@@ -439,6 +457,8 @@ class Engine:
         start = time.perf_counter()
         masks = self.choices.start_masks(batch)  # computed while the model runs
         logits, sampling, prompt_logits = self.runner.run(batch)
+        if self.audit is not None:
+            self.audit.observe(sampling, logits, self._cached_pages)
         self.scheduler.after_step(batch)
         for req, position, rows in prompt_logits:
             self.choices.score_prompt(req, position, rows)
@@ -457,7 +477,9 @@ class Engine:
         parent.forked = True
         children = []
         for i in range(1, parent.params.n):
-            child = parent.fork_child(i, IncrementalDetokenizer(self.tokenizer, parent.params.stop))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, parent.params.stop,
+                                                 parent.params.kept_special_ids)  # fmt: skip
+            child = parent.fork_child(i, detokenizer)
             self._requests[child.request_id] = child
             if not self.scheduler.fork(parent, child, self._copy_page):
                 self.scheduler.requeue(child)  # no page for its copy: it recomputes later
@@ -600,6 +622,72 @@ class Engine:
             ),
         )
 
+    def cache_view(self, query_id: str, max_nodes: int, text_tokens: int) -> CacheTreeReply:
+        """The radix tree's largest nodes and the live requests with their phases, for
+        the operator's view (`radixserve.engine.cache_view`)."""
+        return describe(query_id, self.cache, self._requests.values(), self._host_loads,
+                        self.leases.request_ids(), self.tokenizer, max_nodes, text_tokens)  # fmt: skip
+
+    # -- the cache audit (`radixserve.engine.cache_audit`) -------------------------------
+
+    def _make_audit(self, settings: EngineSettings) -> CacheAudit | None:
+        if settings.audit_sample_rate <= 0 or self.cache is None:
+            return None
+        tolerance = settings.audit_tolerance or audit_tolerance(self.dtype)
+        return CacheAudit(settings.audit_sample_rate, settings.audit_fail_closed,
+                          settings.audit_logits_k, tolerance, self.tokenizer)  # fmt: skip
+
+    def _cached_pages(self, req: Request) -> tuple[list[int], list[int]]:
+        """The ids and hashes of the pages ``req``'s cached prefix was read from."""
+        num_pages = req.num_cached_tokens // self.page_size
+        tokens = req.prompt_ids[: num_pages * self.page_size]
+        return req.page_ids[:num_pages], page_hashes(tokens, self.page_size, self.namespace)
+
+    def _audit_step(self) -> None:
+        """The engine is idle: run one prefill chunk of the audit's shadow prefill (what a
+        request arriving meanwhile may wait for, as behind any long prompt; its pages
+        are free ones or evicted, never preempted), and judge it once it is computed."""
+        assert self.audit is not None
+        shadow = self.audit.next_shadow()
+        assert shadow is not None
+        need = shadow.pages_needed(self.page_size) - len(shadow.req.page_ids)
+        short = need - self.allocator.num_free
+        if short > 0 and (self.cache is None or self.cache.evict(short) < short):
+            self.audit.skip_shadow(self.allocator)
+            return
+        if need > 0:
+            shadow.req.page_ids.extend(self.allocator.alloc(need))
+        self._take_cores()
+        start = time.perf_counter()
+        batch = shadow.chunk(self.scheduler.prefill_chunk_tokens)
+        logits, _, _ = self.runner.run(batch)
+        shadow.advance(batch.num_new_tokens[0])
+        mismatch = shadow.done and self.audit.judge(logits[0], self.allocator)
+        if mismatch and self.audit.fail_closed:
+            self._fail_closed()
+        self.audit.seconds += time.perf_counter() - start
+        self._last_step_s = time.perf_counter() - start
+
+    def _fail_closed(self) -> None:
+        """Stop serving from the cache and drop every page it can let go now, none
+        handed to the host tier: after a mismatch no cached page is trusted."""
+        assert self.cache is not None
+        self.scheduler.serve_from_cache = False
+        dropped = self.cache.drop_unlocked()
+        logger.error("cache audit failed closed: %d cached pages dropped, the cache serves "
+                     "nothing until cleared", dropped)  # fmt: skip
+
+    def clear_audit(self) -> bool:
+        """An operator's all-clear after a failed-closed audit: drop what the cache holds
+        now (pages locked at the failure have been released since) and serve from it
+        again. Returns whether it had failed closed."""
+        failed = not self.scheduler.serve_from_cache
+        if failed and self.cache is not None:
+            self.cache.drop_unlocked()
+            logger.warning("cache audit cleared: the cache serves again")
+        self.scheduler.serve_from_cache = True
+        return failed
+
     def cache_stats(self) -> dict[str, int]:
         """Pool pages: used, free (of which reserved for running requests' next pages),
         references held outside the cache, and (with the cache) cached, locked,
@@ -622,4 +710,7 @@ class Engine:
             stats["pages_evictable"] = self.cache.num_evictable_pages
             stats["cache_locks"] = self.cache.num_locks
             stats["radix_matches_total"] = self.cache.num_matches
+        if self.audit is not None:
+            stats.update(self.audit.stats())
+            stats["audit_fail_closed"] = int(not self.scheduler.serve_from_cache)
         return stats

@@ -66,5 +66,6 @@ def grammar_for(kind: str, guide: str) -> str:
         raise InvalidRequestError(f"unknown guide kind {kind!r}", param=param)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
-        raise InvalidRequestError(f"cannot compile the {kind} guide: {error[:500]}", param=param)
+        raise InvalidRequestError(f"{param}: cannot compile the {kind} guide: {error[:500]}",
+                                  param=param)  # fmt: skip
     return grammar

@@ -35,6 +35,9 @@ class LeaseTable:
         self._allocator.incref(page_ids)
         self._leases[request_id] = Lease(list(page_ids), expires_at)
 
+    def request_ids(self) -> list[str]:
+        return list(self._leases)
+
     def pages(self, request_id: str) -> list[int] | None:
         lease = self._leases.get(request_id)
         return None if lease is None else list(lease.page_ids)

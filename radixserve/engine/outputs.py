@@ -50,6 +50,11 @@ class RequestOutput:
     # a prefill worker's request (`Engine.admit` with a lease), on a choice's last output:
     # the pages holding its prompt, kept for the reader until the lease ends
     leased_page_ids: list[int] | None = None
+    # in a cluster, on the request's last output: how its prompt got its KV (`Admission.route`),
+    # the prefill worker that computed it (route "remote") and the decode worker that served it
+    route: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
 MAX_REPETITION_PENALTY = 10.0
 MAX_GUIDE_CHARS = 1 << 18
+MAX_KEPT_SPECIAL_IDS = 16
 GUIDE_KINDS = ("", "json_object", "json_schema", "regex", "choice", "lark")
 
 
@@ -54,6 +55,14 @@ def _check_real(name: str, value: object, lo: float, hi: float) -> None:
         raise InvalidRequestError(
             f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", param=name
         )
+
+
+def _check_ids(name: str, ids: object, limit: int) -> None:
+    if not isinstance(ids, tuple) or len(ids) > limit:
+        raise InvalidRequestError(f"{name} must be a list of at most {limit} integers",
+                                  param=name)  # fmt: skip
+    for token_id in ids:
+        _check_int(name, token_id, 0, MAX_TOKEN_ID)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,9 @@ class SamplingParams:
     guide_kind, guide: structured output; kind "json_object" (guide empty),
         "json_schema" (guide: the schema as JSON), "regex", "choice" (guide: a JSON list
         of strings) or "lark" (a Lark grammar); "" = unconstrained.
+    kept_special_ids: special tokens whose text the output keeps (at most 16; every
+        other special token is left out of the text): a tool-call parser's markers,
+        such as Llama 3's ``<|python_tag|>`` or Mistral's ``[TOOL_CALLS]``.
     """
 
     max_tokens: int = 256
@@ -109,14 +121,16 @@ class SamplingParams:
     min_p: float = 0.0
     guide_kind: str = ""
     guide: str = ""
+    kept_special_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop string, not characters
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "kept_special_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif isinstance(self.logit_bias, list):
@@ -168,14 +182,7 @@ class SamplingParams:
                     f"{MAX_STOP_STRING_CHARS} characters, got {s!r:.80}",
                     param="stop",
                 )
-        ids = self.stop_token_ids
-        if not isinstance(ids, tuple) or len(ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} integers",
-                param="stop_token_ids",
-            )
-        for token_id in ids:
-            _check_int("stop_token_ids", token_id, 0, MAX_TOKEN_ID)
+        _check_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
 
     def _validate_extensions(self) -> None:
         """n, log-probabilities, penalties, biases, min_p and the structured-output guide."""
@@ -217,6 +224,7 @@ class SamplingParams:
                 f"guide must be a string of at most {MAX_GUIDE_CHARS} characters",
                 param="guide",
             )
+        _check_ids("kept_special_ids", self.kept_special_ids, MAX_KEPT_SPECIAL_IDS)
 
     @property
     def penalized(self) -> bool:

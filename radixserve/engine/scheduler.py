@@ -69,6 +69,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
+        # False while a failed-closed cache audit waits for an operator (set by the
+        # engine, `Engine.clear_audit`): nothing is matched, every prompt is computed
+        self.serve_from_cache = True
 
     @property
     def has_work(self) -> bool:
@@ -146,8 +149,9 @@ class Scheduler:
         """``req``'s longest cached prefix (never its last token: its logits are needed),
         walked once and kept while the tree has not changed (`RadixCache.version`): the
         engine's admission, this step's short-delta check and `_admit` share one walk.
-        None without a cache or for a scored prompt (it computes all of it)."""
-        if self.cache is None or req.scores_prompt:
+        None without a cache, for a scored prompt (it computes all of it) and while the
+        cache does not serve (`serve_from_cache`)."""
+        if self.cache is None or req.scores_prompt or not self.serve_from_cache:
             return None
         kept = req.match
         if kept is None or kept[0] != self.cache.version or kept[1] != req.num_tokens:
@@ -242,7 +246,7 @@ class Scheduler:
             self.allocator.incref(match.page_ids)
             self.cache.lock(match.node)
             if match.num_tokens:
-                self.cache.note_use(match.node)
+                self.cache.note_use(match.node, req.request_id)
             req.locked_node = match.node
             req.page_ids = list(match.page_ids)
             req.num_computed = match.num_tokens

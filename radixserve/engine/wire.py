@@ -58,6 +58,7 @@ def _to_logprobs(entries: Sequence[LogprobEntry]) -> list[TokenLogprob] | None:
 _SHARED_FIELDS = (
     "request_id", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
     "completion_tokens", "ttft_ms", "host_cached_tokens", "index", "disk_cached_tokens",
+    "route", "prefill_worker",
 )  # fmt: skip
 
 

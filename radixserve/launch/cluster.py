@@ -192,6 +192,9 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
         **({"RADIXSERVE_GATEWAY_KVSTORE": kvstore} if kvstore else {}),
         **config.gateway_env,
     }
+    autoscaler_port = config.autoscaler_env.get("RADIXSERVE_AUTOSCALER_PORT", "8090")
+    if config.autoscale and autoscaler_port != "0":  # its decisions, on the gateway's /explorer
+        env.setdefault("RADIXSERVE_GATEWAY_AUTOSCALER_URL", f"http://127.0.0.1:{autoscaler_port}")
     if not kvstore:
         env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
         env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])

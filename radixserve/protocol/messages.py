@@ -6,7 +6,15 @@ only normalises containers; the codec (`radixserve.protocol.codec`) is the singl
 
 Compatibility: `PROTOCOL_VERSION` is `(major, minor)`. Peers must share the major
 version. Within a major version, a new field must have a default (old peers omit it) and
-decoders ignore keys they do not know (new peers may send them).
+decoders ignore keys they do not know (new peers may send them). A new message type
+also bumps the minor version: an older peer refuses a type it does not know, so the
+minor says which requests (the explorer's cache tree, the audit's clear) it can answer.
+4.1 added the disk tier's fields (`disk_cached_tokens`, `HostAttachAck.disk_tier`),
+trace context and spans (`traceparent`, `spans`), `TokenChunk.route` /
+`prefill_worker`, `SamplingSpec`'s kept special tokens, a host lease still loading
+from disk (`HostLookup.reads_loading`, `HostLease.loading` / `ready_pages`), and the
+`HostPagesReady`, `CacheTreeQuery` / `CacheTreeReply` and `CacheAuditClear` /
+`CacheAuditCleared` messages.
 
 Flow of the disaggregated design::
 
@@ -14,12 +22,14 @@ Flow of the disaggregated design::
     prefill --KVReady--> decode --TransferDone--> prefill        (lease release)
     decode --TokenChunk | RequestFailed--> gateway;  Abort in either direction
     Hello / HelloAck on connect, Heartbeat periodically from every worker
+    gateway --CacheTreeQuery--> worker --CacheTreeReply--> gateway  (the explorer's view)
 
 and of the kvstore's host-memory tier (each worker over its link to the kvstore)::
 
     worker --HostAttach--> kvstore --HostAttachAck-->             (agents meet)
     worker --SpillOffer--> kvstore (reads the staged pages) --SpillDone--> worker
     worker --HostLookup--> kvstore --HostLease--> worker (reads) --HostRelease-->
+    (a lease still loading from disk: kvstore --HostPagesReady...--> worker, reading meanwhile)
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (4, 0)
+PROTOCOL_VERSION: tuple[int, int] = (4, 1)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -70,6 +80,7 @@ FinishReason = Literal["stop", "length", "abort"]
 ROLES: frozenset[str] = frozenset(get_args(Role))
 ERROR_TYPES: frozenset[str] = frozenset(get_args(ErrorType))
 FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
+ROUTES: frozenset[str] = frozenset({"", "local", "host", "remote"})  # `Admission.route`
 
 
 COUNT = IntSpec()
@@ -159,6 +170,47 @@ class Heartbeat(Message):
     )
 
 
+# --- tracing: spans carried back to the gateway ---------------------------------------
+
+MAX_SPANS_PER_MESSAGE = 64
+MAX_SPAN_LABELS = 16
+SPAN_ID = StrSpec(16, min_chars=16)  # 16 lowercase hex digits (W3C trace context)
+TRACEPARENT = StrSpec(55)  # a W3C ``traceparent`` (version 00), "" when not traced
+SPAN_STATUSES: frozenset[str] = frozenset({"unset", "ok", "error"})
+
+
+@dataclass(frozen=True)
+class SpanLabel(WireStruct):
+    """One text attribute of a span (a worker's name, a route); numbers go in ``values``."""
+
+    key: str = field(metadata=_spec(StrSpec(MAX_NAME_CHARS, 1)))
+    value: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
+
+
+@dataclass(frozen=True)
+class SpanRecord(WireStruct):
+    """A finished span of a worker, carried back on the request's replies (`KVReady`,
+    the last `TokenChunk`) so the gateway keeps whole traces without a tracing backend
+    (`radixserve.tracing`). Its trace is the request's; times are unix nanoseconds."""
+
+    span_id: str = field(metadata=_spec(SPAN_ID))
+    parent_span_id: str = field(metadata=_spec(SPAN_ID))
+    name: str = field(metadata=_spec(StrSpec(MAX_NAME_CHARS, 1)))
+    service: Role = field(metadata=_spec(ROLE))
+    start_ns: int = field(metadata=_spec(COUNT))
+    end_ns: int = field(metadata=_spec(COUNT))
+    status: str = field(default="unset", metadata=_spec(StrSpec(8, choices=SPAN_STATUSES)))
+    values: Mapping[str, int | float] = field(
+        default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
+    )
+    labels: tuple[SpanLabel, ...] = field(
+        default=(), metadata=_spec(ListSpec(NestedSpec(SpanLabel), MAX_SPAN_LABELS))
+    )
+
+
+SPAN_RECORDS = ListSpec(NestedSpec(SpanRecord), MAX_SPANS_PER_MESSAGE)
+
+
 # --- request flow ---------------------------------------------------------------------
 
 
@@ -179,6 +231,9 @@ class GenerateRequest(Message):
     # a stream migrated from a worker that died: the tokens it already streamed, after
     # which this worker continues (`Engine.admit(resume=)`)
     resume_token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
+    # the gateway's request span (`radixserve.tracing`): the decode worker's spans are its
+    # children; "" = not traced
+    traceparent: str = field(default="", metadata=_spec(TRACEPARENT))
 
 
 @dataclass(frozen=True)
@@ -201,6 +256,7 @@ class PrefillRequest(Message):
         default_factory=SamplingSpec, metadata=_spec(NestedSpec(SamplingSpec))
     )
     num_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    traceparent: str = field(default="", metadata=_spec(TRACEPARENT))  # the decode side's span
 
     def invariant_error(self) -> str | None:
         if self.num_cached_tokens >= len(self.token_ids):
@@ -234,6 +290,7 @@ class KVReady(Message):
     first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
+    spans: tuple[SpanRecord, ...] = field(default=(), metadata=_spec(SPAN_RECORDS))  # traced
 
 
 @dataclass(frozen=True)
@@ -267,6 +324,12 @@ class TokenChunk(Message):
     logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
+    # on the request's last chunk: how the decode worker got its prompt's KV (computed
+    # here, loaded from the host tier, or computed by the prefill worker ``prefill_worker``)
+    route: str = field(default="", metadata=_spec(StrSpec(16, choices=ROUTES)))
+    prefill_worker: str = field(default="", metadata=_spec(StrSpec(MAX_NAME_CHARS)))
+    # on the request's last chunk when it is traced: the workers' finished spans
+    spans: tuple[SpanRecord, ...] = field(default=(), metadata=_spec(SPAN_RECORDS))
 
     def invariant_error(self) -> str | None:
         if self.finished and self.finish_reason is None:
@@ -469,25 +532,44 @@ class HostLookup(Message):
     """Worker -> kvstore: lease the longest leading run of these chained page hashes held
     in the host tier (the pages of a prompt past the worker's own device hit). Pages on
     the disk tier are read into host memory first when that is quicker than the worker
-    computing them at its measured ``prefill_tokens_per_s`` (0: not measured yet)."""
+    computing them at its measured ``prefill_tokens_per_s`` (0: not measured yet).
+    ``reads_loading``: the worker can take a ``loading`` lease (`HostPagesReady`); a
+    worker that does not say so gets its lease once every page is in host memory."""
 
     TYPE_TAG: ClassVar[str] = "host_lookup"
     query_id: str = field(metadata=_spec(REQUEST_ID))
     page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
     prefill_tokens_per_s: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
+    reads_loading: bool = field(default=False, metadata=_spec(BoolSpec()))
 
 
 @dataclass(frozen=True)
 class HostLease(Message):
     """Kvstore -> worker: host pages holding the first ``len(host_page_ids)`` queried
     pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found.
-    ``disk_pages`` of them were read from the disk tier for this lookup."""
+    ``disk_pages`` of them are read from the disk tier for this lookup. With ``loading``
+    that read is still under way: only the first ``ready_pages`` may be read now, and
+    `HostPagesReady` messages say when more may (the worker reads those meanwhile)."""
 
     TYPE_TAG: ClassVar[str] = "host_lease"
     query_id: str = field(metadata=_spec(REQUEST_ID))
     lease_id: int = field(default=0, metadata=_spec(COUNT))
     host_page_ids: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_IDS))
     disk_pages: int = field(default=0, metadata=_spec(COUNT))
+    loading: bool = field(default=False, metadata=_spec(BoolSpec()))
+    ready_pages: int = field(default=0, metadata=_spec(COUNT))
+
+
+@dataclass(frozen=True)
+class HostPagesReady(Message):
+    """Kvstore -> worker: of a ``loading`` lease, the first ``ready_pages`` hold their KV
+    now; ``failed``: the page after them could not be read from disk, and no more come
+    (the worker computes the prompt)."""
+
+    TYPE_TAG: ClassVar[str] = "host_pages_ready"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    ready_pages: int = field(metadata=_spec(COUNT))
+    failed: bool = field(default=False, metadata=_spec(BoolSpec()))
 
 
 @dataclass(frozen=True)
@@ -496,6 +578,109 @@ class HostRelease(Message):
 
     TYPE_TAG: ClassVar[str] = "host_release"
     lease_id: int = field(metadata=_spec(IntSpec(1)))
+
+
+# --- the operator's view: a worker's radix tree and live requests --------------------
+
+MAX_TREE_NODES = 1024
+MAX_NODE_TEXT_TOKENS = 64
+MAX_IDS_PER_NODE = 16
+REQUEST_PHASES: frozenset[str] = frozenset(
+    {"queued", "host_load", "awaiting_kv", "prefill", "decode", "leased"}
+)
+REQUEST_IDS = ListSpec(REQUEST_ID, MAX_IDS_PER_NODE)
+
+
+@dataclass(frozen=True)
+class CacheNodeView(WireStruct):
+    """One node of a worker's radix tree as the explorer draws it. ``num_tokens``: its
+    own run of tokens, ``prefix_tokens``: the prefix it ends; ``subtree_pages``: pages
+    held by it and its descendants; ``locks``: its lock count (`RadixNode.lock_ref`);
+    ``last_hit_s``: wall-clock time of its latest hit (0: none); ``text``: its first
+    tokens as text, empty unless the asker asked for text; ``recent_request_ids`` /
+    ``live_request_ids``: requests whose cached prefix ended at or below it, latest
+    first / requests running from it now."""
+
+    node_id: int = field(metadata=_spec(COUNT))
+    parent_id: int = field(default=0, metadata=_spec(COUNT))  # 0: a child of the root
+    num_tokens: int = field(default=0, metadata=_spec(COUNT))
+    prefix_tokens: int = field(default=0, metadata=_spec(COUNT))
+    num_pages: int = field(default=0, metadata=_spec(COUNT))
+    subtree_pages: int = field(default=0, metadata=_spec(COUNT))
+    hits: int = field(default=0, metadata=_spec(COUNT))
+    locks: int = field(default=0, metadata=_spec(COUNT))
+    last_hit_s: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e13)))
+    text: str = field(default="", metadata=_spec(StrSpec(MAX_NODE_TEXT_TOKENS * 64)))
+    recent_request_ids: tuple[str, ...] = field(default=(), metadata=_spec(REQUEST_IDS))
+    live_request_ids: tuple[str, ...] = field(default=(), metadata=_spec(REQUEST_IDS))
+
+
+@dataclass(frozen=True)
+class LiveRequestView(WireStruct):
+    """A request a worker holds now and its phase: ``queued`` (waiting for a step),
+    ``host_load`` (reading host-tier pages), ``awaiting_kv`` (a prefill worker computes
+    its prompt), ``prefill`` / ``decode`` (running), ``leased`` (a prefill worker's
+    pages kept for the decode worker's read)."""
+
+    request_id: str = field(metadata=_spec(REQUEST_ID))
+    phase: str = field(metadata=_spec(StrSpec(16, choices=REQUEST_PHASES)))
+    prompt_tokens: int = field(default=0, metadata=_spec(COUNT))
+    computed_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    output_tokens: int = field(default=0, metadata=_spec(COUNT))
+
+
+@dataclass(frozen=True)
+class CacheTreeQuery(Message):
+    """Gateway -> worker: describe your radix tree (its ``max_nodes`` largest nodes; 0:
+    none) and your live requests. ``text_tokens`` > 0 asks for each node's first tokens
+    as text (only where the gateway's operator allows prompt text to be shown)."""
+
+    TYPE_TAG: ClassVar[str] = "cache_tree_query"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    max_nodes: int = field(default=0, metadata=_spec(IntSpec(0, MAX_TREE_NODES)))
+    text_tokens: int = field(default=0, metadata=_spec(IntSpec(0, MAX_NODE_TEXT_TOKENS)))
+
+
+@dataclass(frozen=True)
+class CacheTreeReply(Message):
+    """Worker -> gateway: the answer to `CacheTreeQuery` ``query_id``: the chosen nodes
+    (parents before children), the tree's totals (``num_nodes`` 0 when no node was
+    asked for), the live requests (at most ``MAX_TREE_NODES``, ``num_live`` in all)."""
+
+    TYPE_TAG: ClassVar[str] = "cache_tree_reply"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    nodes: tuple[CacheNodeView, ...] = field(
+        default=(), metadata=_spec(ListSpec(NestedSpec(CacheNodeView), MAX_TREE_NODES))
+    )
+    num_nodes: int = field(default=0, metadata=_spec(COUNT))
+    cached_pages: int = field(default=0, metadata=_spec(COUNT))
+    requests: tuple[LiveRequestView, ...] = field(
+        default=(), metadata=_spec(ListSpec(NestedSpec(LiveRequestView), MAX_TREE_NODES))
+    )
+    num_live: int = field(default=0, metadata=_spec(COUNT))
+
+
+# --- the cache audit: an operator's all-clear ----------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheAuditClear(Message):
+    """Gateway -> worker: an operator cleared the cache audit; a worker that failed
+    closed (`Engine.clear_audit`) drops its cached pages and serves from its cache again."""
+
+    TYPE_TAG: ClassVar[str] = "cache_audit_clear"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+
+
+@dataclass(frozen=True)
+class CacheAuditCleared(Message):
+    """Worker -> gateway: `CacheAuditClear` ``query_id`` is done; ``was_failed``: the
+    worker had failed closed until then."""
+
+    TYPE_TAG: ClassVar[str] = "cache_audit_cleared"
+    query_id: str = field(metadata=_spec(REQUEST_ID))
+    was_failed: bool = field(default=False, metadata=_spec(BoolSpec()))
 
 
 # every message type: the classes above, each a direct subclass of `Message` (checked

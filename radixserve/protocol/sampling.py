@@ -58,6 +58,7 @@ class SamplingSpec(WireStruct):
     min_p: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1.0)))
     guide_kind: str = field(default="", metadata=_spec(StrSpec(32)))
     guide: str = field(default="", metadata=_spec(StrSpec(MAX_TEXT_CHARS)))
+    kept_special_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 64)))
 
     def invariant_error(self) -> str | None:
         if len(self.logit_bias_ids) != len(self.logit_bias_values):

@@ -15,7 +15,10 @@ for it, the agent reads the host pages into them and the lease is released. Any 
 ends the load with nothing inserted and the prompt computed. The lookup carries the
 worker's measured prefill rate: the kvstore first reads the run's pages that are on its
 disk tier into host memory when that is quicker than computing them, and the lease says
-how many came from disk (counted as ``tier="disk"`` cached tokens).
+how many came from disk (counted as ``tier="disk"`` cached tokens). Such a lease may come
+while those pages are still being read (``loading``): the worker then reads the run's
+pages into its device pool chunk by chunk as `HostPagesReady` says they are in host
+memory, so the two reads overlap.
 
 While the kvstore link is down the tier is off; every (re)connection attaches again
 (`HostAttach`). Memory a peer may still be writing or reading is never reused: buffer
@@ -46,6 +49,7 @@ from radixserve.protocol import (
     HostAttachAck,
     HostLease,
     HostLookup,
+    HostPagesReady,
     HostRelease,
     Message,
     SpillDone,
@@ -94,6 +98,20 @@ def lookup_wait_s(
         compute_s = num_tokens / prefill_tokens_per_s
         wait_s = max(wait_s, min(compute_s, settings.host_load_timeout_s))
     return wait_s
+
+
+class _Loading:
+    """A ``loading`` lease's progress: its leading pages in host memory so far."""
+
+    def __init__(self, ready_pages: int) -> None:
+        self.ready_pages = ready_pages
+        self.failed = False  # no more pages come
+        self.changed = asyncio.Event()
+
+    def update(self, ready_pages: int, failed: bool) -> None:
+        self.ready_pages = max(self.ready_pages, ready_pages)
+        self.failed = self.failed or failed
+        self.changed.set()
 
 
 class HostTierClient:
@@ -145,6 +163,7 @@ class HostTierClient:
         self._outstanding: dict[int, list[int]] = {}  # spill id -> buffer pages
         self._spill_ids = 0
         self._leases: Replies[HostLease] = Replies()
+        self._loading: dict[str, _Loading] = {}  # query id -> a loading lease's progress
         self._notices = Tasks(f"{name} host tier")
         self._busy = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -184,6 +203,8 @@ class HostTierClient:
         if held:
             self._loop.call_later(_QUARANTINE_S, self._release_buffer, held)
         self._leases.drop_all()
+        for loading in self._loading.values():
+            loading.update(0, True)
 
     def _release_buffer(self, pages: list[int]) -> None:
         with self._lock:
@@ -200,8 +221,15 @@ class HostTierClient:
                     self._free.extend(pages)
                     self.counters["host_spill_stored_pages_total"] += msg.stored
         elif isinstance(msg, HostLease):
+            if msg.loading and msg.lease_id:
+                self._loading[msg.query_id] = _Loading(msg.ready_pages)
             if not self._leases.answer(msg.query_id, msg) and msg.lease_id:
+                self._loading.pop(msg.query_id, None)
                 self._notices.spawn(send_quietly(self.link, HostRelease(msg.lease_id)))
+        elif isinstance(msg, HostPagesReady):
+            loading = self._loading.get(msg.query_id)
+            if loading is not None:
+                loading.update(msg.ready_pages, msg.failed)
         else:
             return False
         return True
@@ -287,6 +315,7 @@ class HostTierClient:
         return HostPlan(device_pages, len(lease.host_page_ids)), lease
 
     def release(self, lease: HostLease) -> None:
+        self._loading.pop(lease.query_id, None)
         self._notices.spawn(send_quietly(self.link, HostRelease(lease.lease_id)))
 
     async def _lookup(self, request_id: str, hashes: Sequence[int]) -> HostLease | None:
@@ -299,32 +328,27 @@ class HostTierClient:
         rate = self.engine.stats().prefill_tokens_per_s
         tokens = len(hashes) * self.page_size
         wait_s = lookup_wait_s(self.settings, tokens, rate, self.disk_tier)
-        msg = HostLookup(request_id, tuple(hashes), rate)
+        msg = HostLookup(request_id, tuple(hashes), rate, reads_loading=True)
         lease = await self._leases.ask(link, msg, request_id, wait_s)
         if lease is None and self.attached:  # not ended by the link going down
             self._count("host_lookup_timeouts_total")
         return lease
 
     async def read(self, lease: HostLease, dst: tuple[int, ...]) -> bool:
-        """Read the lease's first ``len(dst)`` host pages into the device pages ``dst``;
-        whether it worked (a failure is logged and counted)."""
-        agent = self.agent
-        src = list(lease.host_page_ids[: len(dst)])
-        ok = False
+        """Read the lease's first ``len(dst)`` host pages into the device pages ``dst``
+        (of a ``loading`` lease, each part once it is in host memory); whether it
+        worked (a failure is logged and counted)."""
         start = time.perf_counter()
-        try:
-            handle = agent.read_pages(
-                self.kvstore_agent, src, list(dst),
-                timeout_s=self.settings.host_load_timeout_s,
-            )  # fmt: skip
-            ok = await agent.wait_async(handle) == "done"
-        except TransferError as exc:
-            logger.warning("%s: host-tier load failed: %s", self.name, exc)
-        except asyncio.CancelledError:  # wait_async removed the peer: attach again
-            self.attached = False
-            if self.link is not None and self.link.up:
-                self.on_up(self.link)  # attach again: re-adds the peer
-            raise
+        deadline = time.monotonic() + self.settings.host_load_timeout_s
+        src = lease.host_page_ids[: len(dst)]
+        done, ok = 0, True
+        while ok and done < len(dst):
+            ready = await self._ready_pages(lease, done, deadline)
+            if ready <= done:  # failed, or not in time: nothing more comes
+                ok = False
+                break
+            ok = await self._read_pages(src[done:ready], dst[done:ready])
+            done = ready
         if not ok:
             self._count("host_load_failures_total")
             return False
@@ -334,6 +358,41 @@ class HostTierClient:
             self.counters["host_load_bytes_total"] += len(dst) * self.page_bytes
             self.load_seconds += time.perf_counter() - start
         return True
+
+    async def _ready_pages(self, lease: HostLease, done: int, deadline: float) -> int:
+        """How many leading pages of ``lease`` are in host memory, waiting (until
+        ``deadline``) for more than ``done`` of a loading one."""
+        if not lease.loading:
+            return len(lease.host_page_ids)
+        loading = self._loading.get(lease.query_id)
+        if loading is None:  # released meanwhile
+            return 0
+        while loading.ready_pages <= done and not loading.failed:
+            loading.changed.clear()
+            try:
+                await asyncio.wait_for(loading.changed.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                logger.warning("%s: host-tier pages from disk did not come in time", self.name)
+                break
+        return loading.ready_pages
+
+    async def _read_pages(self, src: Sequence[int], dst: Sequence[int]) -> bool:
+        """Read host pages ``src`` into device pages ``dst``; whether it worked."""
+        agent = self.agent
+        try:
+            handle = agent.read_pages(
+                self.kvstore_agent, list(src), list(dst),
+                timeout_s=self.settings.host_load_timeout_s,
+            )  # fmt: skip
+            return await agent.wait_async(handle) == "done"
+        except TransferError as exc:
+            logger.warning("%s: host-tier load failed: %s", self.name, exc)
+        except asyncio.CancelledError:  # wait_async removed the peer: attach again
+            self.attached = False
+            if self.link is not None and self.link.up:
+                self.on_up(self.link)  # attach again: re-adds the peer
+            raise
+        return False
 
     def _count(self, key: str) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from radixserve.protocol.security import CLUSTER_SECRET_ALIAS
@@ -128,6 +128,27 @@ class TransferSettings(BaseSettings):
     )
 
 
+def parse_tp(value: object) -> int | Literal["auto"]:
+    """A worker's tensor-parallel size as given (a setting, a flag): 1 to 64, or 'auto'."""
+    if value == "auto":
+        return "auto"
+    size = value if isinstance(value, int) else int(str(value)) if str(value).isdigit() else 0
+    if isinstance(size, bool) or not 1 <= size <= 64:
+        raise ValueError(f"{value!r} is not a tensor-parallel size from 1 to 64 or 'auto'")
+    return size
+
+
+def resolved_tp(tp: int | Literal["auto"]) -> int:
+    """A worker's tensor-parallel size; 'auto' is one rank per CUDA device this process
+    sees, so a container given N GPUs (CUDA_VISIBLE_DEVICES) splits its model N ways
+    without a second setting saying N."""
+    if tp != "auto":
+        return tp
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 class WorkerSettings(ServiceSettings, TransferSettings):
     """Settings every worker has; `PrefillSettings` and `DecodeSettings` add their own."""
 
@@ -139,13 +160,25 @@ class WorkerSettings(ServiceSettings, TransferSettings):
         "registers there (so routers find it) and publishes its cache events; none = a "
         "worker known only by static addresses.",
     )
-    tp: int | None = Field(
+    tp: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        le=64,
         description="Tensor-parallel size of this worker: rank processes (one device each) "
-        "its model is split over; none = the engine's RADIXSERVE_TP (default 1). Pages move "
-        "between prefill and decode workers when one size divides the other.",
+        "its model is split over; 'auto' = one per CUDA device the process sees "
+        "(CUDA_VISIBLE_DEVICES; 1 without one), as the compose GPU override sets it; none = "
+        "the engine's RADIXSERVE_TP (default 1). Pages move between prefill and decode "
+        "workers when one size divides the other.",
+    )
+    audit_sample_rate: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="This worker's cache audit sample rate; none = the engine's "
+        "RADIXSERVE_AUDIT_SAMPLE_RATE (default 0: off).",
+    )
+    audit_fail_closed: bool | None = Field(
+        None,
+        description="Whether this worker's cache audit fails closed; none = the engine's "
+        "RADIXSERVE_AUDIT_FAIL_CLOSED (default false).",
     )
     host_tier: bool = Field(
         True,
@@ -180,3 +213,8 @@ class WorkerSettings(ServiceSettings, TransferSettings):
     host_load_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest read of host-tier pages."
     )
+
+    @field_validator("tp", mode="before")
+    @classmethod
+    def _tp_size(cls, value: object) -> object:
+        return None if value is None else parse_tp(value)

@@ -20,6 +20,7 @@ from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from radixserve.errors import RadixServeError
+from radixserve.runtime.settings import WorkerSettings, resolved_tp
 
 #: read by the process outside the settings classes (module docstrings say where)
 PROCESS_VARIABLES = frozenset({
@@ -98,6 +99,9 @@ def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cls in classes:
         fields = set(cls.model_fields)
-        settings = cls(**{k: v for k, v in overrides.items() if k in fields})
+        values = {k: v for k, v in overrides.items() if k in fields}
+        if values.get("tp") == "auto" and not issubclass(cls, WorkerSettings):
+            values["tp"] = resolved_tp("auto")  # the engine's size: what the worker resolves
+        settings = cls(**values)
         out[cls.__name__] = settings.model_dump(mode="json", exclude={"cluster_secret"})
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,13 +38,15 @@ from radixserve.protocol import (
     Register,
     WorkerLoad,
 )
+from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
-from radixserve.runtime.service import Service, serve_until_signalled
-from radixserve.runtime.settings import WorkerSettings
+from radixserve.runtime.service import Peer, Service, serve_until_signalled
+from radixserve.runtime.settings import WorkerSettings, resolved_tp
+from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
 from radixserve.transfer import create_agent
 from radixserve.transfer.group import GroupAgent
 
@@ -67,6 +70,9 @@ class Worker(Service):
         self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
         # hashes of the pages in the engine's radix cache, as of the last event published
         self.cached_hashes: set[int] = set()
+        # records the spans of requests that carry a traceparent; exports them when the
+        # OTEL_* environment names a collector
+        self.tracer = Tracer(self.role, otlp_exporter(self.role))
 
     async def start(self) -> None:
         s = self.settings
@@ -121,6 +127,7 @@ class Worker(Service):
         self.engine.close()
         if self.agent is not None:
             self.agent.close()
+        self.tracer.close()
 
     # -- membership -------------------------------------------------------------------
 
@@ -225,6 +232,27 @@ class Worker(Service):
         elif self.host is None or not self.host.on_message(link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
+    def handle(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, CacheTreeQuery):
+            self.spawn_notice(self._describe_cache(peer, msg))
+        elif isinstance(msg, CacheAuditClear):
+            self.spawn_notice(self._clear_audit(peer, msg))
+        else:
+            super().handle(peer, msg)
+
+    async def _describe_cache(self, peer: Peer, query: CacheTreeQuery) -> None:
+        """Answer the gateway's `CacheTreeQuery` for its explorer: one engine call,
+        between two steps."""
+        reply, _ = await self.engine.call(
+            lambda e: e.cache_view(query.query_id, query.max_nodes, query.text_tokens)
+        )
+        await self.send_to(peer, reply)
+
+    async def _clear_audit(self, peer: Peer, msg: CacheAuditClear) -> None:
+        """An operator's all-clear for the cache audit (`Engine.clear_audit`)."""
+        was_failed, _ = await self.engine.call(lambda e: e.clear_audit())
+        await self.send_to(peer, CacheAuditCleared(msg.query_id, was_failed))
+
     def page_hashes(self, token_ids: list[int], carried: Sequence[int] = ()) -> list[int]:
         """The chained hashes of ``token_ids``' full pages: ``carried`` (the gateway's,
         of the prompt) extended over what follows them (a resumed stream's tokens), or
@@ -247,6 +275,7 @@ class Worker(Service):
         remote_over: int | None = None,
         lease_s: float | None = None,
         resume: list[int] | None = None,
+        under: Span = NO_SPAN,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: the host-tier lease past the device hit (a kvstore
         round trip, only when a long part is missing on device), then one engine operation
@@ -254,14 +283,21 @@ class Worker(Service):
         without waiting for a step. The admission and the queue of the request's
         outputs (its first one comes at the end of the next step on the local route).
         ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
-        ``resume``: a migrated stream's tokens so far (`Engine.admit`)."""
+        ``resume``: a migrated stream's tokens so far (`Engine.admit`). ``under``: the
+        span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
         resume = resume or []
         planned = None
         if self.host is not None:
             known = prompt_ids + resume
             hashes = self.page_hashes(known) if hashes is None else hashes
+            looked_up_ns = time.time_ns()
             planned = await self.host.plan(request_id, known, hashes)
         plan, lease = planned if planned is not None else (None, None)
+        loading = NO_SPAN
+        if lease is not None:
+            loading = under.child(f"{self.role}.host_load", start_ns=looked_up_ns,
+                                  host_pages=len(lease.host_page_ids),
+                                  disk_pages=lease.disk_pages)  # fmt: skip
         try:
             admission, out = await self.engine.admit(
                 request_id, prompt_ids, params, remote_over=remote_over, host=plan,
@@ -275,7 +311,9 @@ class Worker(Service):
                     self.engine.abort(request_id)
                     raise
                 self.engine.finish_host_admission(request_id, ok, lease.disk_pages)
+                loading.end(None if ok else "host-tier read failed", read=ok)
         finally:
+            loading.end()  # not read: another route was chosen, or it was cancelled
             if lease is not None and self.host is not None:
                 self.host.release(lease)
         return admission, out
@@ -311,7 +349,11 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
     engine_settings = EngineSettings(**from_env)
     if settings.tp is not None:  # the worker's own size (RADIXSERVE_PREFILL_TP, ..._DECODE_TP)
-        engine_settings = engine_settings.model_copy(update={"tp": settings.tp})
+        engine_settings = engine_settings.model_copy(update={"tp": resolved_tp(settings.tp)})
+    audit = {key: getattr(settings, key) for key in ("audit_sample_rate", "audit_fail_closed")
+             if getattr(settings, key) is not None}  # fmt: skip
+    if audit:  # the worker's own (RADIXSERVE_DECODE_AUDIT_SAMPLE_RATE, ...), validated above
+        engine_settings = engine_settings.model_copy(update=audit)
     # built on the engine thread, where it steps
     worker = worker_cls(settings, AsyncEngine(engine_settings))
     return serve_until_signalled(worker.run, worker.begin_drain)

@@ -13,7 +13,9 @@ time, and while a sizeable share of them lasts, what to do instead), and export
     radixserve_autoscaler_advice{slo,remedy}          1 while that remedy is advised
     radixserve_autoscaler_errors_total{stage}          metrics / connector failures
 
-on its own HTTP port with ``/health`` and ``/live`` (`radixserve.runtime.probe`). A failed
+on its own HTTP port with ``/health`` (the latest round's decisions and the recent ones
+that were not a steady hold: what the gateway's /explorer shows) and ``/live``
+(`radixserve.runtime.probe`). A failed
 scrape or connector call is logged and counted; the loop goes on. SIGTERM or SIGINT
 stops it (no pool is changed on the way out).
 """
@@ -21,6 +23,7 @@ stops it (no pool is changed on the way out).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -43,6 +46,7 @@ from radixserve.services.autoscaler.settings import AutoscalerSettings
 logger = logging.getLogger(__name__)
 
 REPEAT_S = 300.0  # infeasible requests and advice are logged as warnings this often
+RECENT_DECISIONS = 64  # decisions /health lists (`AutoscalerService.recent`)
 
 
 class AutoscalerMetrics:
@@ -88,6 +92,9 @@ class AutoscalerService:
         self.connector = connector or make_connector(settings)
         self.metrics = AutoscalerMetrics()
         self.last_decisions: list[Decision] = []
+        # the latest decisions that changed something or said why not (holds of a steady
+        # pool left out), newest last: /health lists them (the gateway's /explorer shows them)
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_DECISIONS)
         self.last_ok_s: float | None = None
         self._advised_s: dict[str, float] = {}  # role -> when its advice was last logged
         self._infeasible_s: dict[str, float] = {}  # role -> when infeasible ones were
@@ -143,6 +150,7 @@ class AutoscalerService:
                     self._error("connector", exc)
         self.last_decisions = decisions
         self.last_ok_s = time.monotonic()
+        self.recent.extend(_as_record(d) for d in decisions if d.kind != "steady")
         return decisions
 
     def _report_infeasible(self, d: Decision) -> None:
@@ -199,11 +207,19 @@ class AutoscalerService:
                 }
                 for d in self.last_decisions
             ],
+            "recent_decisions": list(self.recent),
         }
         return ok, detail
 
     def _render(self) -> bytes:
         return generate_latest(self.metrics.registry)
+
+
+def _as_record(d: Decision) -> dict[str, Any]:
+    """A decision as /health lists it among the recent ones."""
+    return {"time_s": round(time.time(), 3), "role": d.role, "direction": d.direction,
+            "current": d.current, "desired": d.desired, "kind": d.kind, "reason": d.reason,
+            "infeasible": d.infeasible, "advice": d.advice}  # fmt: skip
 
 
 def _make_source(settings: AutoscalerSettings) -> GatewayMetrics | PrometheusMetrics:

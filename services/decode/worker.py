@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ from radixserve.runtime.service import Peer
 from radixserve.runtime.worker import Worker
 from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
+from radixserve.tracing import NO_SPAN, Span
 from radixserve.transfer import TransferError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ class DecodeWorker(Worker):
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
+        # request id -> how its prompt got its KV: (route, prefill worker), sent on its last chunk
+        self._routes: dict[str, tuple[str, str]] = {}
 
     async def start(self) -> None:
         assert self.context is not None
@@ -143,17 +147,31 @@ class DecodeWorker(Worker):
 
     async def _serve(self, peer: Peer, msg: GenerateRequest) -> None:
         rid = msg.request_id
+        request = self.tracer.join(msg.traceparent)  # the gateway's span of the request
+        streaming = NO_SPAN
         try:
             params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
             hashes = self.page_hashes(ids + resume, msg.page_hashes)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
-                _, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume)
+                admitting = request.child("decode.admission", prompt_tokens=len(ids),
+                                          resumed_tokens=len(resume))  # fmt: skip
+                admission, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume,
+                                                  under=admitting)  # fmt: skip
+                admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
+                self._routes[rid] = (admission.route, "")
             else:
-                out = await self._begin(rid, ids, params, hashes)
+                out = await self._begin(rid, ids, params, hashes, request)
+            streaming = request.child("decode.stream")
             async for output in self.engine.outputs(rid, out):
-                await self.send_to(peer, to_chunk(output))
+                chunk = to_chunk(output)
+                if output.finished:
+                    route, prefill = self._routes.get(rid, ("local", ""))
+                    streaming.end(completion_tokens=output.completion_tokens)
+                    chunk = dataclasses.replace(chunk, route=route, prefill_worker=prefill,
+                                                spans=request.records())  # fmt: skip
+                await self.send_to(peer, chunk)
         except PrefillFailed as exc:
             await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
         except asyncio.CancelledError:
@@ -164,22 +182,29 @@ class DecodeWorker(Worker):
         except Exception as exc:
             await self.fail(peer, rid, exc)
         finally:
+            streaming.end("ended before its last token")  # exported, not carried back
             self._owner.pop(rid, None)
+            self._routes.pop(rid, None)
 
     async def _begin(
-        self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int]
+        self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span
     ) -> asyncio.Queue:
         """Admit the request once (`Worker.admit`: local, host tier, or remote when a
         prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
-        uncached), then, on the remote route, pick the prefill worker; its output queue."""
+        uncached), then, on the remote route, pick the prefill worker; its output queue.
+        Spans under ``request``: ``decode.admission`` (a host-tier load under it), then
+        ``decode.remote_prefill`` on the remote route."""
         tried: frozenset[str] = frozenset()
         while True:
             ready = self.router.ready(self.prefills.links, tried) if self.prefills else []
             remote_over = self.settings.local_prefill_max_tokens if ready else None
+            admitting = request.child("decode.admission", prompt_tokens=len(ids))
             admission, out = await self.admit(rid, ids, params, hashes=hashes,
-                                              remote_over=remote_over)  # fmt: skip
+                                              remote_over=remote_over, under=admitting)  # fmt: skip
+            admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
             if admission.route != "remote":
                 self.counters["local_prefills_total"] += 1
+                self._routes[rid] = (admission.route, "")
                 return out
             link = await self._pick_prefill(hashes, tried)
             if link is None:  # none is ready any more: compute here
@@ -187,7 +212,7 @@ class DecodeWorker(Worker):
                 self.counters["local_prefills_total"] += 1
                 return (await self.admit(rid, ids, params, hashes=hashes))[1]
             try:
-                return await self._remote(link, rid, ids, params, admission, out, hashes)
+                return await self._remote(link, rid, ids, params, admission, out, hashes, request)
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
@@ -236,14 +261,19 @@ class DecodeWorker(Worker):
         admission: Admission,
         out: asyncio.Queue,
         hashes: list[int],
+        request: Span = NO_SPAN,
     ) -> asyncio.Queue:
         """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
-        ``out``); on failure recompute here or raise."""
+        ``out``); on failure recompute here or raise. Its span, ``decode.remote_prefill``
+        under ``request``, is the parent of the prefill worker's spans (carried back on
+        `KVReady`) and of ``prefill.transfer``, timed here where the pages are read."""
         dst = list(admission.page_ids)
         pending = _Pending(link, asyncio.get_running_loop().create_future())
         self._pending[rid] = pending
         self.router.assign(link.name, len(ids))
         answered = consumed = False
+        remote = request.child("decode.remote_prefill", prefill_worker=link.label,
+                               prompt_tokens=len(ids), pages=len(dst))  # fmt: skip
         try:
             await link.send(
                 PrefillRequest(
@@ -252,18 +282,30 @@ class DecodeWorker(Worker):
                     dst_page_ids=tuple(dst),
                     sampling=to_spec(params),
                     num_cached_tokens=admission.cached_tokens,
+                    traceparent=remote.traceparent(),
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
             self.router.answered(link.name, len(ids))
             answered = True
-            await self._pull(link, kv, dst)
+            remote.adopt(kv.spans)
+            transfer = remote.child("prefill.transfer", pages=len(dst),
+                                    bytes=len(dst) * self.engine.info.geometry.page_bytes)  # fmt: skip
+            try:
+                await self._pull(link, kv, dst)
+            except BaseException as exc:
+                transfer.end(exc)
+                raise
+            transfer.end()
             consumed = True
             await send_quietly(link, TransferDone(rid))
+            remote.end()
         except asyncio.CancelledError:
+            remote.end("cancelled")
             await self._give_back(link, rid, consumed)
             raise
         except (PrefillFailed, TransferError, TimeoutError) as exc:
+            remote.end(exc)
             await self._give_back(link, rid, consumed)
             if isinstance(exc, PrefillFailed) and exc.kind == "draining":
                 raise  # not a failure: `_begin` tries the next prefill worker
@@ -282,6 +324,7 @@ class DecodeWorker(Worker):
             if not answered:
                 self.router.answered(link.name, len(ids))
         self.counters["remote_prefills_total"] += 1
+        self._routes[rid] = ("remote", link.name)
         first = list(kv.first_token_ids)
         first_lps = [to_logprob(e) for e in kv.first_logprobs]
         prompt_lps = None

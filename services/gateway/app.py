@@ -40,6 +40,8 @@ from radixserve.services.gateway.errors import (
 )
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
+from radixserve.services.gateway.request_log import RequestLog, trace_id_of
+from radixserve.services.gateway.request_tracing import request_span
 from radixserve.services.gateway.response_output import (
     ResponseBuilder,
     new_id,
@@ -119,10 +121,10 @@ def _chat_deltas(
     index: int, c: Choice, text: str, reason: str | None, logprobs: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
     """A chat choice's chunks for new text (`reply_deltas`); the last chunk carries the
-    finish reason ("tool_calls" when calls were found), the first the tokens'
+    finish reason ("tool_calls" when whole calls were found), the first the tokens'
     log-probabilities."""
     deltas = reply_deltas(c, text, reason is not None)
-    if reason is not None and c.tools is not None and c.tools.calls:
+    if reason is not None and c.tools is not None and c.tools.calls and c.tools.complete:
         reason = "tool_calls"
     if not deltas and (reason or (logprobs and logprobs["content"])):
         deltas = [{}]
@@ -146,6 +148,7 @@ class Gateway:
                                                    settings.tool_parser)  # fmt: skip
         self.in_flight = 0
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
+        self.requests = RequestLog(settings.explorer_request_log_size)  # for /explorer
 
     # -- admission, auth, body -------------------------------------------------------
 
@@ -166,16 +169,15 @@ class Gateway:
         self.metrics.queue_depth.set(self.in_flight)
 
     def authorize(self, request: Request) -> None:
-        keys = self.settings.api_keys
-        if not keys:
+        if not self.settings.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        ok = scheme.lower() == "bearer" and any(
-            secrets.compare_digest(token.encode(), k.encode()) for k in keys
-        )
-        if not ok:
+        if not (scheme.lower() == "bearer" and self.accepts(token.strip())):
             raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+
+    def accepts(self, key: str) -> bool:
+        """Whether ``key`` is one of the API keys (compared in constant time)."""
+        return any(secrets.compare_digest(key.encode(), k.encode()) for k in self.settings.api_keys)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object: 413 over the size limit, 400 if not UTF-8 JSON."""
@@ -247,14 +249,17 @@ class Gateway:
         closed) if the client left first. A `RequestError` is raised here (a 400)."""
         jobs = plan.jobs
         self.acquire(len(jobs))
+        record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs))
+        span = request_span(request)
+        span.set(request_id=rid, prompts=len(jobs))
         streams = [
             self.client.generate(
-                job.prompt_ids, job.params, rid if len(jobs) == 1 else f"{rid}-{i}"
+                job.prompt_ids, job.params, rid if len(jobs) == 1 else f"{rid}-{i}", span=span
             )
             for i, job in enumerate(jobs)
         ]
         gen = Generation(streams, self.metrics)
-        released = False
+        released = failed = False
 
         async def close() -> None:
             nonlocal released
@@ -264,16 +269,19 @@ class Gateway:
                 if not released:
                     released = True
                     self.release(len(jobs))
+                    self.requests.finish(record, gen.lasts, sum(gen.tokens), failed)
 
         try:
             started = await gen.first(request.is_disconnected)  # RequestError → 400
         except BaseException:
+            failed = True
             await close()
             raise
         if not started:  # the client left before the first token (e.g. during prefill)
             logger.info("client left before the first token; aborting")
             await close()
             return None
+        self.requests.first_token(record)
         return gen, close
 
     @staticmethod
@@ -398,7 +406,8 @@ class Gateway:
         if not req.stored:
             return
         outputs = [canonical(input_item(item, "output")) for item in body["output"]]
-        self.responses.put(body["id"], body, Turn((*req.items(), *outputs), parent))
+        turn = Turn((*req.items(), *outputs), parent, num_outputs=len(outputs))
+        self.responses.put(body["id"], body, turn)
 
     async def get_response(self, request: Request) -> JSONResponse:
         self.authorize(request)
@@ -436,3 +445,11 @@ class Gateway:
         if workers:
             body["workers"] = workers
         return body
+
+    async def clear_cache_audit(self, request: Request) -> dict[str, Any]:
+        """POST /debug/cache/audit/clear: the operator's all-clear after a failed-closed
+        cache audit; every engine drops its cached pages and serves from its cache
+        again. Answers each worker's name -> whether it had failed closed (null: no
+        answer in time)."""
+        self.authorize(request)
+        return {"workers": await self.client.clear_cache_audit()}

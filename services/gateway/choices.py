@@ -22,7 +22,7 @@ from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.metrics import RequestTimer, ServingMetrics
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan
-from radixserve.services.gateway.tool_calls import ToolCallStream, split_message
+from radixserve.services.gateway.tool_stream import ToolCallStream, split_message
 
 _DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
 
@@ -150,7 +150,7 @@ class ChoiceBook:
     def add(self, job: int, out: RequestOutput) -> Choice:
         c = self.choices.get((job, out.index))
         if c is None:
-            tools = self.plan.tools.stream() if self.plan.tools else None
+            tools = self.plan.tools.stream(self.plan.stream) if self.plan.tools else None
             c = self.choices[(job, out.index)] = Choice(tools=tools)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[job] = out.prompt_logprobs

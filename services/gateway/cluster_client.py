@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,17 +47,25 @@ from radixserve.protocol import (
     RequestFailed,
     TokenChunk,
 )
+from radixserve.protocol.messages import (
+    CacheAuditClear,
+    CacheAuditCleared,
+    CacheTreeQuery,
+    CacheTreeReply,
+)
 from radixserve.protocol.security import keys_from
-from radixserve.runtime.calls import Tasks, send_quietly
+from radixserve.runtime.calls import Replies, Tasks, send_quietly
 from radixserve.runtime.links import Link, LinkIdentity, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.router import DecodeRouter
 from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.tracing import NO_SPAN, Span
 
 logger = logging.getLogger(__name__)
 
 _MAX_VIEW_PAGES = 1 << 18  # per decode worker, in the gateway's routing view
+_TREE_TIMEOUT_S = 2.0  # a worker's answer to the explorer (one engine call between steps)
 
 
 @dataclass
@@ -127,6 +136,8 @@ class ClusterClient(EngineClient):
         self.kvstore: LinkSet | None = None
         self.view: MemberView | None = None
         self.migrations = 0  # requests moved off a lost or drained decode worker
+        self._trees: Replies[CacheTreeReply] = Replies()  # the explorer's questions
+        self._audit_clears: Replies[CacheAuditCleared] = Replies()
         self._background = Tasks(self.name)
 
     # -- lifetime --------------------------------------------------------------------
@@ -139,7 +150,7 @@ class ClusterClient(EngineClient):
         self.decodes = LinkSet(context, list(s.decode_workers), me, on_message=self._from_decode,
                                on_up=self._decode_up, on_down=self._decode_down,
                                pages=self.pages)  # fmt: skip
-        self.prefills = LinkSet(context, list(s.prefill_workers), me, on_message=self._unexpected,
+        self.prefills = LinkSet(context, list(s.prefill_workers), me, on_message=self._from_prefill,
                                 on_down=self._prefill_down, pages=self.pages)  # fmt: skip
         self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
         self.kvstore = LinkSet(context, [s.kvstore] if s.kvstore else [], me,
@@ -187,7 +198,12 @@ class ClusterClient(EngineClient):
         return self._served_name
 
     async def generate(  # type: ignore[override]
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        span: Span = NO_SPAN,
     ) -> AsyncIterator[RequestOutput]:
         """Serve the request, moving it to another decode worker if its worker is lost
         or drains (module notes); the caller sees one stream under ``request_id``."""
@@ -200,7 +216,7 @@ class ClusterClient(EngineClient):
             attempt = request_id if not refusals + losses else f"{request_id}~{refusals + losses}"
             resumed = params if not sent else dataclasses.replace(params, prompt_logprobs=None)
             outputs = self._generate_on(prompt_ids, hashes, resumed, attempt, tried,
-                                        tuple(sent), wait=bool(losses))  # fmt: skip
+                                        tuple(sent), wait=bool(losses), span=span)  # fmt: skip
             streamed_before = len(sent)
             try:
                 async with contextlib.aclosing(outputs):  # closing us aborts the request now
@@ -237,6 +253,7 @@ class ClusterClient(EngineClient):
             request_id=request_id,
             cached_tokens=first.cached_tokens,
             host_cached_tokens=first.host_cached_tokens,
+            disk_cached_tokens=first.disk_cached_tokens,
             ttft_ms=first.ttft_ms,
         )
 
@@ -249,10 +266,16 @@ class ClusterClient(EngineClient):
         tried: set[str],
         resume: tuple[int, ...] = (),
         wait: bool = False,
+        span: Span = NO_SPAN,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Serve the request on the best decode worker not in ``tried`` (added to it),
         after the ``resume`` tokens already streamed; with ``wait``, wait up to
-        ``migration_wait_s`` for one to be up."""
+        ``migration_wait_s`` for one to be up. ``span``: the request's at the gateway,
+        whose ``gateway.queue`` child runs from its arrival (this attempt's start, for a
+        later attempt) until the request is sent, and which keeps the spans the decode
+        worker carries back on the last chunk."""
+        retry = bool(resume or tried or wait)
+        queued = span.child("gateway.queue", start_ns=None if retry else span.start_ns)
         link = await self._wait_for_decode(hashes, tried) if wait else None
         link = link or self._pick_decode(hashes, tried)
         tried.add(link.name)
@@ -270,10 +293,14 @@ class ClusterClient(EngineClient):
                         sampling=to_spec(params),
                         page_hashes=tuple(hashes),
                         resume_token_ids=resume,
+                        traceparent=span.traceparent(),
                     )
                 )
             except TimeoutError:
+                queued.end("the decode worker did not take the request", decode_worker=link.label)
                 raise _WorkerLost(f"decode worker {link.label} does not take requests") from None
+            queued.end(decode_worker=link.label, prompt_tokens=len(prompt_ids),
+                       resumed_tokens=len(resume))  # fmt: skip
             while True:
                 item = await stream.out.get()
                 if isinstance(item, BaseException):
@@ -283,6 +310,8 @@ class ClusterClient(EngineClient):
                 output = to_output(item)
                 if item.finished:
                     done = True
+                    span.adopt(item.spans)
+                    output = dataclasses.replace(output, decode_worker=link.label)
                 yield output
                 if done:
                     return
@@ -322,6 +351,7 @@ class ClusterClient(EngineClient):
                     "up": link.up,
                     "generation": link.generation,
                     "discovered": link.discovered,
+                    "tp_size": link.ack.tp_size if link.ack is not None else 0,
                 }
                 if link.up:
                     entry.update(link.stats)
@@ -331,6 +361,31 @@ class ClusterClient(EngineClient):
                     entry["routing_view_pages"] = self.router.known_pages(link.name)
                 workers[link.label] = entry
         return workers
+
+    async def cache_tree(
+        self, worker: str, max_nodes: int, text_tokens: int
+    ) -> CacheTreeReply | None:
+        links = [link for ls in (self.decodes, self.prefills) if ls is not None for link in ls.up()]
+        link = next((link for link in links if link.label == worker), None)
+        if link is None:
+            return None
+        query_id = uuid.uuid4().hex
+        query = CacheTreeQuery(query_id, max_nodes, text_tokens)
+        return await self._trees.ask(link, query, query_id, _TREE_TIMEOUT_S)
+
+    async def clear_cache_audit(self) -> dict[str, bool | None]:
+        """`CacheAuditClear` to every worker up, answered in parallel."""
+        links = [link for ls in (self.decodes, self.prefills) if ls is not None for link in ls.up()]
+
+        async def clear(link: Link) -> bool | None:
+            query_id = uuid.uuid4().hex
+            reply = await self._audit_clears.ask(
+                link, CacheAuditClear(query_id), query_id, _TREE_TIMEOUT_S
+            )
+            return None if reply is None else reply.was_failed
+
+        answers = await asyncio.gather(*(clear(link) for link in links))
+        return {link.label: answer for link, answer in zip(links, answers, strict=True)}
 
     # -- routing ---------------------------------------------------------------------
 
@@ -366,7 +421,21 @@ class ClusterClient(EngineClient):
 
     # -- from the workers ------------------------------------------------------------
 
+    def _from_prefill(self, link: Link, msg: Message) -> None:
+        if isinstance(msg, CacheTreeReply):
+            self._trees.answer(msg.query_id, msg)
+        elif isinstance(msg, CacheAuditCleared):
+            self._audit_clears.answer(msg.query_id, msg)
+        else:
+            self._unexpected(link, msg)
+
     def _from_decode(self, link: Link, msg: Message) -> None:
+        if isinstance(msg, CacheTreeReply):
+            self._trees.answer(msg.query_id, msg)
+            return
+        if isinstance(msg, CacheAuditCleared):
+            self._audit_clears.answer(msg.query_id, msg)
+            return
         rid = getattr(msg, "request_id", "")
         stream = self._streams.get(rid)
         if stream is None or stream.link is not link:

@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.protocol.messages import CacheTreeReply
+from radixserve.tracing import NO_SPAN, Span
 
 if TYPE_CHECKING:  # only the in-process client has one; the cluster gateway has no torch
     from radixserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
+
+LOCAL_WORKER = "engine"  # the in-process engine's name where workers are listed (the explorer)
 
 
 class EngineClient(abc.ABC):
@@ -27,9 +31,16 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        span: Span = NO_SPAN,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per engine step until one has `finished` set.
+        ``span``: the request's span at the gateway (`radixserve.tracing`), under which
+        a client records its own steps and keeps the spans its workers carry back.
 
         Contract: raises `RequestError` (e.g. InvalidRequestError for a prompt over the
         context) before the first output for a request that can never be served.
@@ -82,6 +93,19 @@ class EngineClient(abc.ABC):
         /metrics; empty for an in-process engine (see `stats`)."""
         return {}
 
+    async def cache_tree(
+        self, worker: str, max_nodes: int, text_tokens: int
+    ) -> CacheTreeReply | None:
+        """Worker ``worker``'s radix tree (its ``max_nodes`` largest nodes, with their
+        first ``text_tokens`` tokens as text when > 0) and live requests, for the
+        explorer; None if there is no such worker up or it did not answer in time."""
+        return None
+
+    async def clear_cache_audit(self) -> dict[str, bool | None]:
+        """An operator's all-clear for the cache audit, on every engine (worker name ->
+        whether it had failed closed; None: it did not answer in time)."""
+        return {}
+
 
 class LocalEngineClient(EngineClient):
     """An `AsyncEngine` in this process. Owns it: `close()` stops its thread."""
@@ -91,7 +115,12 @@ class LocalEngineClient(EngineClient):
         self._closed = False
 
     async def generate(  # type: ignore[override]
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        span: Span = NO_SPAN,
     ) -> AsyncIterator[RequestOutput]:
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids))
         stream = self._async.stream(prompt_ids, params, request_id)
@@ -119,6 +148,18 @@ class LocalEngineClient(EngineClient):
 
     def stats(self) -> dict[str, int]:
         return dict(self._async.stats().cache)
+
+    async def cache_tree(
+        self, worker: str, max_nodes: int, text_tokens: int
+    ) -> CacheTreeReply | None:
+        if worker != LOCAL_WORKER:
+            return None
+        reply, _ = await self._async.call(lambda e: e.cache_view("local", max_nodes, text_tokens))
+        return reply
+
+    async def clear_cache_audit(self) -> dict[str, bool | None]:
+        was_failed, _ = await self._async.call(lambda e: e.clear_audit())
+        return {LOCAL_WORKER: was_failed}
 
     def close(self) -> None:
         if not self._closed:

@@ -206,7 +206,9 @@ def chat_plan(
     conv = Conversation(messages, template_kwargs, tools, req.requested_max_tokens, param,
                         "messages")  # fmt: skip
     k = req.num_top_logprobs()
-    job = conversation_job(req, conv, client, default_max_tokens, n=n, logprobs=k)
+    tool_plan = tools.plan(tool_format) if tools else None
+    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
+    job = conversation_job(req, conv, client, default_max_tokens, n=n, logprobs=k,
+                           kept_special_ids=kept)  # fmt: skip
     return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
-                include_usage=req.include_usage,
-                tools=tools.plan(tool_format) if tools else None)  # fmt: skip
+                include_usage=req.include_usage, tools=tool_plan)  # fmt: skip

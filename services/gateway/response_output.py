@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.engine.outputs import RequestOutput
+from radixserve.services.gateway.tool_stream import is_json_object
 
 
 def new_id(prefix: str) -> str:
@@ -153,7 +154,8 @@ class ResponseBuilder:
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=copy.deepcopy(part)))  # fmt: skip
         else:
-            status = "completed"  # a call is out whole: the parser let it out at the end
+            if is_json_object(item["arguments"]):  # else a streamed call cut short keeps `status`
+                status = "completed"
             events.append(self._event("response.function_call_arguments.done", **where,
                                       name=item["name"], arguments=item["arguments"]))  # fmt: skip
         item["status"] = status

@@ -28,6 +28,7 @@ from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.field_errors import describe
 from radixserve.services.gateway.plan import Conversation, Plan, conversation_job
+from radixserve.services.gateway.response_output import new_id
 from radixserve.services.gateway.schemas import (
     TOKEN_COUNT,
     FunctionCall,
@@ -164,14 +165,16 @@ def _text(content: str | list[ContentPart]) -> str:
 
 
 def canonical(item: InputItem) -> dict[str, Any]:
-    """The item as the store keeps it: only what the prompt is made from."""
+    """The item as the store keeps it: what the prompt is made from, and its id (the
+    one it was sent with, else a new one) for the listing of input items."""
     if isinstance(item, MessageItem):
-        return {"type": "message", "role": item.role, "content": _text(item.content)}
+        return {"id": item.id or new_id("msg"), "type": "message", "role": item.role,
+                "content": _text(item.content)}  # fmt: skip
     if isinstance(item, FunctionCallItem):
-        return {"type": "function_call", "call_id": item.call_id, "name": item.name,
-                "arguments": item.arguments}  # fmt: skip
-    return {"type": "function_call_output", "call_id": item.call_id,
-            "output": _text(item.output)}  # fmt: skip
+        return {"id": item.id or new_id("fc"), "type": "function_call",
+                "call_id": item.call_id, "name": item.name, "arguments": item.arguments}  # fmt: skip
+    return {"id": item.id or new_id("fco"), "type": "function_call_output",
+            "call_id": item.call_id, "output": _text(item.output)}  # fmt: skip
 
 
 class TextFormat(_Body):
@@ -278,7 +281,8 @@ class ResponsesRequest(_Body):
     def items(self) -> list[dict[str, Any]]:
         """This request's input as stored items."""
         if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
+            return [{"id": new_id("msg"), "type": "message", "role": "user",
+                     "content": self.input}]  # fmt: skip
         return [canonical(item) for item in self.input]
 
     def echo(self) -> dict[str, Any]:
@@ -353,6 +357,8 @@ def response_plan(
                         "max_output_tokens", "input")  # fmt: skip
     sampling = GenerationRequest(temperature=req.temperature, top_p=req.top_p,
                                  response_format=response_format)  # fmt: skip
-    job = conversation_job(sampling, conv, client, default_max_tokens, n=1)
-    return Plan("chat", [job], 1, 1, stream=bool(req.stream),
-                tools=tools.plan(tool_format) if tools else None)  # fmt: skip
+    tool_plan = tools.plan(tool_format) if tools else None
+    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
+    job = conversation_job(sampling, conv, client, default_max_tokens, n=1,
+                           kept_special_ids=kept)  # fmt: skip
+    return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan)

@@ -11,6 +11,10 @@ the turn it continued), shared by the responses that continue it, so a long agen
 keeps each item once however many of its responses are stored. A response continues
 its whole conversation even after the earlier responses are evicted (its chain holds
 them); evicting it releases whatever no stored response still reaches.
+
+`GET /v1/responses/{id}/input_items` lists a response's input as OpenAI does: every
+item it was made from (the conversation it continued, then its own input; not its
+``instructions``), each with its id, in pages (`item_page`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ class Turn:
 
     items: tuple[dict[str, Any], ...]
     parent: Turn | None = None
+    num_outputs: int = 0  # how many of `items`, at the end, are its output
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """The items this turn's response was made from: the conversation it continued,
+        then its own input."""
+        before = self.parent.conversation() if self.parent else []
+        return [*before, *self.items[: len(self.items) - self.num_outputs]]
 
     def conversation(self) -> list[dict[str, Any]]:
         """Every item of the conversation up to and including this turn, in order."""
@@ -104,3 +115,36 @@ class ResponseStore:
             if oldest.stored_at > deadline:
                 return
             self._entries.popitem(last=False)
+
+
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored item in OpenAI's shape of an input item (messages with content parts,
+    every item ``completed``)."""
+    if item["type"] != "message":
+        return {**item, "status": "completed"}
+    kind = "output_text" if item["role"] == "assistant" else "input_text"
+    part: dict[str, Any] = {"type": kind, "text": item["content"]}
+    if kind == "output_text":
+        part.update(annotations=[], logprobs=[])
+    return {**item, "content": [part], "status": "completed"}
+
+
+def item_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of `items` (OpenAI's list object): `limit` items in `order` ("asc":
+    oldest first), starting after the item of id `after`; raises `OpenAIError` naming
+    ``after`` when no item has that id."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise OpenAIError(400, f"after: no input item {after!r} in this response (give "
+                              "the id of an item of its list)", "after")  # fmt: skip
+        start = ids.index(after) + 1
+    data = [listed_item(item) for item in ordered[start : start + limit]]
+    return {"object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + limit < len(ordered)}  # fmt: skip

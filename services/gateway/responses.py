@@ -212,6 +212,16 @@ class ResponseObject(_Doc):
     user: str | None
 
 
+class ResponseItemList(_Doc):
+    """`GET /v1/responses/{id}/input_items`: a page of a response's input items."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class ResponseDeleted(_Doc):
     id: str
     object: Literal["response.deleted"]

@@ -1,5 +1,6 @@
 """The gateway's route table (`create_app`): the OpenAI generation routes and the stored
-responses of the Responses API (handled by `app.Gateway`), the discovery and token
+responses of the Responses API (handled by `app.Gateway`; a stored response's input
+items listed here), the discovery and token
 routes defined here (GET /v1/models, POST /tokenize and /detokenize in vLLM's shapes,
 GET /version), health, metrics, the cache view, and the documented error responses."""
 
@@ -15,9 +16,12 @@ from fastapi import FastAPI, Request
 from radixserve.errors import InvalidRequestError
 from radixserve.services.gateway.app import Gateway
 from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.errors import install_error_handlers
+from radixserve.services.gateway.errors import OpenAIError, install_error_handlers
+from radixserve.services.gateway.explorer import install_explorer
 from radixserve.services.gateway.openapi import body, install_openapi
+from radixserve.services.gateway.request_tracing import install_tracing
 from radixserve.services.gateway.response_request import ResponsesRequest
+from radixserve.services.gateway.response_store import item_page
 from radixserve.services.gateway.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -25,6 +29,7 @@ from radixserve.services.gateway.responses import (
     ErrorResponse,
     ModelList,
     ResponseDeleted,
+    ResponseItemList,
     ResponseObject,
     TokenizeResponse,
     VersionResponse,
@@ -36,6 +41,7 @@ from radixserve.services.gateway.schemas import (
     TokenizeRequest,
 )
 from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.gateway.tools import CHAT_TOOLS, check_tools, template_inputs
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -55,6 +61,14 @@ _STORED_ERRORS: dict[int | str, dict[str, Any]] = {
 #: the path parameter of a stored response's routes (their handlers read it themselves)
 _RESPONSE_ID = {"parameters": [{"name": "response_id", "in": "path", "required": True,
                                 "schema": {"type": "string", "minLength": 1}}]}  # fmt: skip
+_ITEM_PARAMETERS = {"parameters": [
+    *_RESPONSE_ID["parameters"],
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                "maximum": 100, "default": 20}},
+    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+    {"name": "after", "in": "query", "schema": {"type": "string"},
+     "description": "List the items after this item id (in `order`)."},
+]}  # fmt: skip
 _SSE_EVENT = {
     "type": "object",
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
@@ -104,10 +118,14 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
-        messages = [m.to_template(i) for i, m in enumerate(req.messages)]
+        tools = check_tools(req.tools, None, None, False, CHAT_TOOLS)
+        messages, kwargs = template_inputs(req, tools, gw.tool_format)
         text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt),
-                                             **req.template_kwargs())  # fmt: skip
+                                             **kwargs)  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
+    elif req.tools is not None:
+        raise InvalidRequestError("tools are rendered by the chat template: give them with "
+                                  "messages, not with prompt", param="tools")  # fmt: skip
     else:
         ids = tokenizer.encode(req.prompt or "", add_special_tokens=bool(req.add_special_tokens))
     strs = [gw.formatter.text(t) for t in ids] if req.return_token_strs else None
@@ -128,6 +146,34 @@ async def detokenize(request: Request) -> dict[str, Any]:
     return {"prompt": gw.client.tokenizer.decode(req.tokens)}
 
 
+_ITEM_QUERY = ("limit", "order", "after")
+
+
+def _item_query(request: Request) -> tuple[int, str, str | None]:
+    """(limit, order, after) of an input-item listing; 400 naming a bad parameter."""
+    query = request.query_params
+    for name in query:
+        if name not in _ITEM_QUERY:
+            raise OpenAIError(400, f"{name} is not served on input items (accepted: limit, "
+                              "order, after)", name)  # fmt: skip
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise OpenAIError(400, f'order must be "asc" or "desc", got {order!r}', "order")
+    return int(limit), order, query.get("after")
+
+
+async def input_items(request: Request) -> dict[str, Any]:
+    """``GET /v1/responses/{response_id}/input_items``: the items a stored response was
+    made from, newest first by default (OpenAI's list object)."""
+    gw = _gateway(request)
+    limit, order, after = _item_query(request)
+    turn = gw.responses.turn(str(request.path_params["response_id"]), "response_id")
+    return item_page(turn.inputs(), limit, order, after)
+
+
 async def version_route() -> dict[str, str]:
     return {"version": version()}
 
@@ -143,6 +189,7 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
             yield
         finally:
             await client.shutdown()
+            tracer.close()  # posts the spans still queued for the OTLP collector
 
     app = FastAPI(
         title="radixserve gateway",
@@ -165,6 +212,8 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
          _STORED_ERRORS),
         ("/v1/responses/{response_id}", "DELETE", gw.delete_response, ResponseDeleted,
          _RESPONSE_ID, _STORED_ERRORS),
+        ("/v1/responses/{response_id}/input_items", "GET", input_items, ResponseItemList,
+         _ITEM_PARAMETERS, _STORED_ERRORS),
         ("/v1/models", "GET", models, ModelList, None, _AUTH_ERROR),
         ("/tokenize", "POST", tokenize, TokenizeResponse, TokenizeRequest, _ERRORS),
         ("/detokenize", "POST", detokenize, DetokenizeResponse, DetokenizeRequest, _ERRORS),
@@ -177,6 +226,10 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
     for path, handler in (("/health", gw.health), ("/live", gw.live),
                           ("/metrics", gw.metrics_text), ("/debug/cache", gw.debug_cache)):  # fmt: skip
         app.add_api_route(path, handler, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/debug/cache/audit/clear", gw.clear_cache_audit, methods=["POST"],
+                      include_in_schema=False)  # fmt: skip
+    install_explorer(app, gw)
+    tracer = install_tracing(app, gw.settings)
     install_openapi(app)
     app.state.gateway = gw
     return app

@@ -126,7 +126,9 @@ class GenerationRequest(_Body):
         ]  # fmt: skip
         given = [(name, guide) for name, guide in candidates if guide is not None]
         if len(given) > 1:
-            raise OpenAIError(400, "only one structured-output constraint is allowed", given[1][0])
+            first, second = given[0][0], given[1][0]
+            raise OpenAIError(400, f"{second} cannot be combined with {first}: only one "
+                              "structured-output constraint is allowed", second)  # fmt: skip
         return given[0][1] if given else ("", "")
 
     def bias(self) -> dict[int, float]:
@@ -186,10 +188,19 @@ class ToolCall(_Body):
         return {"id": self.id, "type": "function", "function": function}
 
 
+def _only_with_role(role: str, field: str) -> dict[str, Any]:
+    """``field`` is given with ``role`` messages and only there (`to_template` checks it)."""
+    return {"if": {"properties": {"role": {"const": role}}}, "then": {"required": [field]},
+            "else": {"not": {"required": [field]}}}  # fmt: skip
+
+
 def _content_documented_required(schema: dict[str, Any]) -> None:
     # documented as OpenAI's: present (null for an assistant message with tool_calls);
     # an assistant message leaving it out is accepted too
     schema["required"] = [*schema.get("required", []), "content"]
+    calls_only_for_assistants = {"if": {"properties": {"role": {"const": "assistant"}}},
+                                 "else": {"not": {"required": ["tool_calls"]}}}  # fmt: skip
+    schema["allOf"] = [_only_with_role("tool", "tool_call_id"), calls_only_for_assistants]
 
 
 class ChatMessage(_Body):
@@ -342,6 +353,13 @@ class TokenizeRequest(TemplateKwargs):
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="With messages: function tools, rendered as chat completions "
+        "render them (the prompt a chat request with these tools runs).",
+    )  # fmt: skip
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template(i) for i, m in enumerate(self.messages or ())]
 
 
 class DetokenizeRequest(_Body):

@@ -121,3 +121,31 @@ class GatewaySettings(PeerSettings):
         le=30 * 86400,
         description="Responses API: seconds a stored response is kept after it was made.",
     )
+    explorer_prompt_text: bool = Field(
+        False,
+        description="The /explorer page shows the first words of each cached prefix's text; "
+        "off, it shows token counts only and no prompt text leaves the workers.",
+    )
+    explorer_request_log_size: int = Field(
+        512,
+        ge=0,
+        le=1 << 16,
+        description="Recent requests the gateway keeps for /explorer (token counts, route, "
+        "latencies, trace id; no text); 0 = none.",
+    )
+    autoscaler_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        pattern=r"^https?://",
+        description="The autoscaler's HTTP address (its /health lists its recent decisions), "
+        "shown on /explorer; None = no autoscaler.",
+    )
+    trace_buffer: int = Field(
+        512,
+        ge=0,
+        le=1 << 16,
+        description="Traces of the last requests kept in memory for /debug/traces and "
+        "/explorer (their spans on the gateway and the workers; token counts, no text); "
+        "0 = none kept, and with no OTEL_EXPORTER_OTLP_ENDPOINT either, tracing is off.",
+    )

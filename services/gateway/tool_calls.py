@@ -1,23 +1,24 @@
-"""Tool calls in a model's output: one parser per model family, and `ToolCallStream`,
-which splits a choice's text into content and calls, streamed or not.
+"""Tool calls in a model's output: one parser per model family (`PARSERS`); the
+`tool_stream.ToolCallStream` splits a choice's text into content and calls with them.
 
-Formats (`PARSERS`, chosen by `parser_for_template` or the ``tool_parser`` setting):
+Formats (chosen by `parser_for_template` or the ``tool_parser`` setting):
 
 * ``hermes`` (Hermes, Qwen 2.5/3, the generic rendering): ``<tool_call>{"name": ...,
   "arguments": {...}}</tool_call>``, any number, text around them;
 * ``llama3_json`` (Llama 3.x): ``{"name": ..., "parameters": {...}}`` as the whole reply,
   optionally after ``<|python_tag|>``, several separated by ``;``;
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (or the array
-  alone, as the marker is a special token a decode may drop);
+  alone, as the marker is a special token a decode may drop), or the v11 tokenizers'
+  ``[TOOL_CALLS]name[ARGS]{...}`` (optionally ``[CALL_ID]id`` before ``[ARGS]``), one
+  marker per call;
 * ``json`` (a forced call: ``tool_choice`` required or a named function): the whole
   reply is the one ``{"name": ..., "arguments": {...}}`` object the grammar allowed.
 
-Contract: text is content until a call's start marker; from the marker on it is held
-back until the choice finishes, then parsed. Output that does not parse (an unclosed
-tag, invalid JSON, arguments that are not an object, a tool name the request did not
-offer) is returned as content, never an error. Whitespace next to a call is dropped.
-The non-streamed message is built by the same `ToolCallStream`, so streamed deltas
-reassemble to exactly the non-streamed message.
+A parser takes the text from a call's start marker on and returns the calls and the
+text around them, or None when the text is malformed (an unclosed tag, invalid JSON,
+arguments that are not an object). Its `head` finds, in text still growing, where a
+call's arguments object begins once the function's name is known, so that the
+arguments can stream as they are generated.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 #: one parsed call: (function name, arguments as a JSON object)
@@ -90,7 +91,31 @@ def parse_llama3_json(text: str) -> tuple[list[Call], str] | None:
     return calls, ""  # type: ignore[return-value]
 
 
+_MISTRAL_V11_CALL = re.compile(
+    r"\s*\[TOOL_CALLS\]\s*(?P<name>[A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9_-]{1,64})?\[ARGS\]\s*"
+)
+
+
+def _parse_mistral_v11(text: str) -> tuple[list[Call], str] | None:
+    """``[TOOL_CALLS]name[ARGS]{...}`` repeated, nothing else."""
+    decoder, pos, calls = json.JSONDecoder(), 0, []
+    while pos < len(text.rstrip()):
+        head = _MISTRAL_V11_CALL.match(text, pos)
+        if head is None:
+            return None
+        try:
+            args, pos = decoder.raw_decode(text, head.end())
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        calls.append((head["name"], args))
+    return (calls, "") if calls else None
+
+
 def parse_mistral(text: str) -> tuple[list[Call], str] | None:
+    if "[ARGS]" in text:
+        return _parse_mistral_v11(text)
     values = _json_values(text.removeprefix("[TOOL_CALLS]"), "")
     if not values or len(values) != 1 or not isinstance(values[0], list):
         return None
@@ -108,24 +133,43 @@ def parse_json(text: str) -> tuple[list[Call], str] | None:
 
 @dataclass(frozen=True)
 class ToolParser:
-    """A family's format: its parse function and where a call may start (`markers`
-    anywhere in the reply, `leading` only at its start, after whitespace)."""
+    """A family's format: its parse function, where a call may start (`markers`
+    anywhere in the reply, `leading` only at its start, after whitespace), and how its
+    calls' arguments are found while they stream: `opener` finds the next call's start
+    in held text, `head` matches there up to the arguments object (group ``name``).
+    `tokens`: its markers, which some vocabularies make special tokens that a decode
+    leaves out unless asked to keep them."""
 
     name: str
     parse: Parse
     markers: tuple[str, ...]
     leading: tuple[str, ...] = ()
+    opener: re.Pattern[str] | None = None
+    head: re.Pattern[str] | None = None
+    tokens: tuple[str, ...] = ()
 
+
+_NAME_FIELD = r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*'
+_ARGS_OBJECT = r"\s*(?=\{)"  # the arguments are an object: its brace follows
 
 PARSERS = {
     p.name: p
     for p in (
-        ToolParser("hermes", parse_hermes, ("<tool_call>",)),
-        ToolParser("llama3_json", parse_llama3_json, ("<|python_tag|>",), ("{",)),
-        ToolParser("mistral", parse_mistral, ("[TOOL_CALLS]",), ("[",)),
-        ToolParser("json", parse_json, (), ("",)),
+        ToolParser("hermes", parse_hermes, ("<tool_call>",), (), re.compile("<tool_call>"),
+                   re.compile(rf'<tool_call>\s*{_NAME_FIELD}"arguments"\s*:{_ARGS_OBJECT}'),
+                   ("<tool_call>", "</tool_call>")),
+        ToolParser("llama3_json", parse_llama3_json, ("<|python_tag|>",), ("{",),
+                   re.compile(r"<\|python_tag\|>|\{"),
+                   re.compile(rf'(?:<\|python_tag\|>)?\s*{_NAME_FIELD}"(?:parameters|arguments)"'
+                              rf"\s*:{_ARGS_OBJECT}"), ("<|python_tag|>",)),
+        ToolParser("mistral", parse_mistral, ("[TOOL_CALLS]",), ("[",),
+                   re.compile(r"\[TOOL_CALLS\]"),
+                   re.compile(rf"{_MISTRAL_V11_CALL.pattern}{_ARGS_OBJECT}"),
+                   ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
+        ToolParser("json", parse_json, (), ("",), re.compile(r"\{"),
+                   re.compile(rf'{_NAME_FIELD}"arguments"\s*:{_ARGS_OBJECT}')),
     )
-}
+}  # fmt: skip
 
 
 def parser_for_template(source: str | None) -> str:
@@ -143,89 +187,3 @@ def parser_for_template(source: str | None) -> str:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass
-class ToolCallStream:
-    """One choice's text split into content and tool calls as it arrives.
-
-    `feed` returns the deltas (OpenAI ``delta`` dicts: ``{"content": ...}`` or
-    ``{"tool_calls": [...]}``) that can be sent now; `finish` those left at the end.
-    `calls` holds the parsed calls once finished (empty: a plain reply).
-    """
-
-    parser: ToolParser
-    tool_names: Collection[str]
-    single: bool = False  # return at most one call (parallel_tool_calls false)
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    _pending: str = ""  # not yet sent: trailing whitespace, a possible marker prefix
-    _held: str | None = None  # from a start marker on (None: no marker seen)
-    _sent: bool = False  # any content sent
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if self._held is not None:
-            self._held += text
-            return []
-        buf = self._pending + text
-        start = self._start(buf)
-        if start is not None:
-            self._pending, self._held = buf[:start], buf[start:]
-            return []
-        keep = 0  # the start of a marker may end the text, and whitespace precede it
-        for marker in self.parser.markers:
-            keep = max(keep, next((n for n in range(len(marker) - 1, 0, -1)
-                                   if buf.endswith(marker[:n])), 0))  # fmt: skip
-        head = buf[: len(buf) - keep]
-        keep += len(head) - len(head.rstrip())
-        cut = len(buf) - keep
-        if not self._sent and not buf[:cut].strip() and self.parser.leading:
-            cut = 0  # a leading marker may still come after this whitespace
-        self._pending = buf[cut:]
-        return self._content(buf[:cut])
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The deltas left once the choice has finished; sets `calls`."""
-        if self._held is None:
-            return self._content(self._pending)
-        parsed = self.parser.parse(self._held)
-        if parsed is None or any(name not in self.tool_names for name, _ in parsed[0]):
-            return self._content(self._pending + self._held)  # malformed: plain content
-        calls, rest = parsed
-        calls = calls[:1] if self.single else calls
-        deltas = self._content(self._pending.rstrip())
-        if rest:
-            deltas += self._content(("\n" if self._sent else "") + rest)
-        for i, (name, args) in enumerate(calls):
-            call_id, arguments = new_call_id(), json.dumps(args, ensure_ascii=False)
-            self.calls.append({"id": call_id, "type": "function",
-                               "function": {"name": name, "arguments": arguments}})  # fmt: skip
-            # OpenAI's shape: the first delta names the call, the next carry arguments
-            opening = {"index": i, "id": call_id, "type": "function",
-                       "function": {"name": name, "arguments": ""}}  # fmt: skip
-            deltas.append({"tool_calls": [opening]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": arguments}}]})
-        return deltas
-
-    def _start(self, buf: str) -> int | None:
-        """Where a call starts in `buf`, if it does."""
-        if not self._sent:
-            stripped = buf.lstrip()
-            if stripped and any(stripped.startswith(m) for m in self.parser.leading):
-                return len(buf) - len(stripped)
-        found = [i for i in (buf.find(m) for m in self.parser.markers) if i >= 0]
-        return min(found) if found else None
-
-    def _content(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        self._sent = True
-        return [{"content": text}]
-
-
-def split_message(stream: ToolCallStream, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole reply, as its streamed deltas add up."""
-    deltas = stream.feed(text) + stream.finish()
-    content = "".join(d.get("content", "") for d in deltas)
-    if not stream.calls:
-        return text, []  # a plain reply, unchanged
-    return content or None, stream.calls

@@ -32,9 +32,11 @@ import jinja2.meta
 
 from radixserve.engine.grammar import grammar_for
 from radixserve.errors import InvalidRequestError
+from radixserve.model.tokenizer import Tokenizer
 from radixserve.services.gateway.errors import OpenAIError
-from radixserve.services.gateway.schemas import ChatCompletionRequest
-from radixserve.services.gateway.tool_calls import PARSERS, ToolCallStream, parser_for_template
+from radixserve.services.gateway.schemas import ChatCompletionRequest, TokenizeRequest
+from radixserve.services.gateway.tool_calls import PARSERS, parser_for_template
+from radixserve.services.gateway.tool_stream import ToolCallStream
 
 MAX_TOOLS = 128  # as OpenAI's bound
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -84,8 +86,17 @@ class ToolPlan:
     names: frozenset[str]
     single: bool  # parallel_tool_calls false: at most one call is returned
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(PARSERS[self.parser], self.names, self.single)
+    def kept_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """The parser's marker tokens in this vocabulary, for the decode to keep in the
+        text (Llama 3's ``<|python_tag|>`` and Mistral's ``[TOOL_CALLS]`` are special
+        tokens, left out of the text otherwise)."""
+        ids = (tokenizer.token_to_id(token) for token in PARSERS[self.parser].tokens)
+        return tuple(i for i in ids if i is not None)
+
+    def stream(self, incremental: bool) -> ToolCallStream:
+        """A choice's splitter; `incremental` for a streamed choice (its calls' arguments
+        go out as they are generated)."""
+        return ToolCallStream(PARSERS[self.parser], self.names, self.single, incremental)
 
 
 @dataclass(frozen=True)
@@ -317,9 +328,10 @@ def generic_messages(
 
 
 def template_inputs(
-    req: ChatCompletionRequest, tools: ToolRequest | None, fmt: ToolFormat
+    req: ChatCompletionRequest | TokenizeRequest, tools: ToolRequest | None, fmt: ToolFormat
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(messages, extra template variables) for a chat request's prompt."""
+    """(messages, extra template variables) for a chat request's prompt (or the one
+    /tokenize shows)."""
     kwargs = req.template_kwargs()
     if "tools" in kwargs:
         raise _bad("chat_template_kwargs", "cannot set 'tools': give them as the tools field")

@@ -19,9 +19,13 @@ tier, so the tier does not depend on the workers' tensor parallelism.
   tier's measured read rate against the asking worker's prefill rate (a worker that
   recomputes faster gets only what is already in host memory). Those disk pages are
   read into reserved host pages, each record checked (magic, layout, hash, CRC), and
-  committed; the lease that follows covers them. A page that fails is counted in
-  ``disk_corrupt_pages_total``, dropped from the tier and never served: the run stops
-  there and the worker computes the rest. One promotion runs at a time.
+  committed; the lease covers them. Overlapped (the kvstore's ``disk_read_overlap``),
+  the lease goes out once the host pages are reserved and the pages are read in
+  chunks (up to `_PIPELINE_CHUNKS`, of at least ``disk_read_chunk_mib``; a run of one
+  chunk is read first), each announced when committed, so the worker reads them
+  into its device pool while the next chunk is read from disk. A page that fails is
+  counted in ``disk_corrupt_pages_total``, dropped from the tier and never served: the
+  run stops there and the worker computes the rest. One promotion runs at a time.
 * **Restart** (`_rebuild`, when the first worker attaches and the page layout is
   known): every slab of this layout is read and each record checked; the valid ones
   are adopted in their old LRU order, the rest counted (``disk_corrupt_pages_total``);
@@ -41,8 +45,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -71,13 +76,42 @@ _SLABS_PER_BOUND = 8  # the bound is allocated in eighths, as pages arrive
 _RATE_WEIGHT = 0.3  # weight of the newest measurement in the rates' moving averages
 _HOLDER = "disk-promotion"
 _WRITTEN_WAIT_S = 0.5  # longest wait of a promotion for pages of its run being written
+_PIPELINE_CHUNKS = 8  # an overlapped promotion reads in up to this many chunks
 #: the tier's counters (stats and metrics: radixserve_worker_<name> of the kvstore)
 COUNTERS = (
     "disk_writes_total", "disk_write_pages_total", "disk_write_bytes_total",
-    "disk_write_dropped_pages_total", "disk_promotions_total", "disk_read_pages_total",
+    "disk_write_dropped_pages_total", "disk_promotions_total",
+    "disk_overlapped_promotions_total", "disk_read_pages_total",
     "disk_read_bytes_total", "disk_hit_pages_total", "disk_recomputed_pages_total",
     "disk_corrupt_pages_total", "disk_foreign_pages", "disk_restored_pages",
 )  # fmt: skip
+
+
+@dataclass
+class _Run:
+    """A promotion's run: its hashes in order and, per page, whether it is read from disk
+    (else it is in host memory)."""
+
+    hashes: list[int]
+    on_disk: list[bool]
+
+    @property
+    def disk_hashes(self) -> list[int]:
+        return [h for h, disk in zip(self.hashes, self.on_disk) if disk]
+
+    @property
+    def host_hashes(self) -> list[int]:
+        return [h for h, disk in zip(self.hashes, self.on_disk) if not disk]
+
+    def cut_at_unreserved(self, reserved: set[int]) -> None:
+        """End the run before its first disk page without a host page to go to."""
+        n = self.ready(reserved)
+        del self.hashes[n:], self.on_disk[n:]
+
+    def ready(self, read: set[int]) -> int:
+        """Its leading pages readable once the disk pages ``read`` are in host memory."""
+        pending = (i for i, h in enumerate(self.hashes) if self.on_disk[i] and h not in read)
+        return next(pending, len(self.hashes))
 
 
 def promotion_cut(
@@ -104,6 +138,7 @@ class DiskPool:
         self.name, self.root = name, settings.disk_tier_dir
         self.bound_bytes = int(settings.disk_tier_gib * (1 << 30))
         self.buffer_bytes = settings.disk_write_buffer_mib << 20
+        self.chunk_bytes = int(settings.disk_read_chunk_mib * (1 << 20))
         self.index = DiskPageIndex()
         self.files: SlabFiles | None = None
         self.down: str | None = None  # why the tier is off
@@ -357,11 +392,23 @@ class DiskPool:
         return out
 
     async def promote(
-        self, page_hashes: Sequence[int], host: HostPageIndex, prefill_tokens_per_s: float
+        self,
+        page_hashes: Sequence[int],
+        host: HostPageIndex,
+        prefill_tokens_per_s: float,
+        on_plan: Callable[[list[int], int], Awaitable[None]] | None = None,
+        on_ready: Callable[[int, bool], Awaitable[None]] | None = None,
     ) -> set[int]:
         """Read the disk pages of the leading run of ``page_hashes`` into the host tier
         when that is quicker than recomputing them at ``prefill_tokens_per_s`` (0:
-        unknown); the hashes that came from disk."""
+        unknown); the hashes that came from disk. With ``on_plan``, the read overlaps
+        the worker's when it takes more than one chunk (`_chunk_pages`): once host
+        pages are reserved, ``on_plan(run, ready)`` gets the run to lease (host pages
+        and pages being read, in order) and how many of it are readable already, then
+        the disk pages are read in chunks and after each one ``on_ready(ready,
+        failed)`` says how many are readable now (``failed``: the page after them
+        failed and the rest of the run never comes). Without a call of ``on_plan``
+        the caller leases the run afterwards."""
         if not self.up or not any(await self._settled_run(page_hashes, host)):
             return set()
         async with self._promoting:
@@ -371,11 +418,10 @@ class DiskPool:
             read = self.write_buffer.record_bytes / rate if rate else None
             n = promotion_cut(on_disk, read, recompute)
             self.counters["disk_recomputed_pages_total"] += sum(on_disk[n:])
-            want = [h for h, disk in zip(page_hashes[:n], on_disk) if disk]
-            if not want:
+            if not any(on_disk[:n]):
                 return set()
-            keep = [h for h, disk in zip(page_hashes[:n], on_disk) if not disk]
-            return await self._read_into(host, want, keep)
+            run = _Run(list(page_hashes[:n]), on_disk[:n])
+            return await self._read_into(host, run, on_plan, on_ready)
 
     async def _settled_run(self, page_hashes: Sequence[int], host: HostPageIndex) -> list[bool]:
         """`run`, once the pages of it on their way to disk are written (at most
@@ -392,28 +438,68 @@ class DiskPool:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._written.wait(), left)
 
-    async def _read_into(self, host: HostPageIndex, want: list[int], keep: list[int]) -> set[int]:
-        """Read the disk pages ``want`` into newly reserved host pages, holding the host
-        pages ``keep`` of the same run (and the disk slots) meanwhile."""
-        host_hold, _ = host.hold(_HOLDER, keep, math.inf)
+    async def _read_into(
+        self,
+        host: HostPageIndex,
+        run: _Run,
+        on_plan: Callable[[list[int], int], Awaitable[None]] | None,
+        on_ready: Callable[[int, bool], Awaitable[None]] | None,
+    ) -> set[int]:
+        """Read the run's disk pages into newly reserved host pages, holding its host
+        pages (and the disk slots) meanwhile; in chunks told to ``on_ready`` when there
+        is an ``on_plan`` (see `promote`), else in one go."""
+        want = run.disk_hashes
+        host_hold, _ = host.hold(_HOLDER, run.host_hashes, math.inf)
         disk_hold, slots = self.index.hold(_HOLDER, want, math.inf)
         reserved = host.reserve(want)  # may evict other host pages (towards the disk)
         jobs = [(slots[j], page, want[j]) for j, page in reserved]
-        ok = [False] * len(jobs)
+        run.cut_at_unreserved({want[j] for j, _ in reserved})
+        good: list[int] = []
+        bad: list[int] = []
+        size = self._chunk_pages(len(jobs)) if on_plan else max(1, len(jobs))
+        overlap = on_plan is not None and size < len(jobs)  # one chunk: nothing to overlap
+        try:
+            if overlap and on_plan is not None:
+                self.counters["disk_overlapped_promotions_total"] += 1
+                await on_plan(run.hashes, run.ready(set()))
+            for first in range(0, len(jobs), size):
+                chunk = jobs[first : first + size]
+                ok = await self._read_chunk(chunk)
+                good += [h for (_, _, h), fine in zip(chunk, ok) if fine]
+                bad += [h for (_, _, h), fine in zip(chunk, ok) if not fine]
+                host.commit([h for (_, _, h), fine in zip(chunk, ok) if fine])
+                if overlap and on_ready is not None:
+                    await on_ready(run.ready(set(good)), bool(bad))
+                if bad:
+                    break
+        finally:  # (cancelled: the kvstore is stopping; the reader may still fill pages)
+            done = set(good)
+            host.abort([h for _, _, h in jobs if h not in done])
+            host.release(host_hold)
+            self.index.release(disk_hold)
+            self._count_read(good, bad)
+        return set(good)
+
+    def _chunk_pages(self, num_pages: int) -> int:
+        """Pages per chunk of an overlapped promotion of ``num_pages``."""
+        least = -(-self.chunk_bytes // self.read_buffer.record_bytes)
+        return max(1, least, -(-num_pages // _PIPELINE_CHUNKS))
+
+    async def _read_chunk(self, jobs: list[tuple[int, int, int]]) -> list[bool]:
+        """Read a chunk of (slot, host page, hash) on the reader thread; per job, whether
+        it was valid (a failed read turns the tier off and fails them all)."""
         try:
             ok, seconds = await self._io(self._reader, self._read_records, jobs)
-            self._measure("read", len(jobs) * self.read_buffer.record_bytes, seconds)
         except Exception as exc:  # OSError, or the tier's own fault: never a request's
             if not isinstance(exc, OSError):
                 logger.exception("%s: a disk tier read failed", self.name)
             self._fail(f"a read failed: {exc!r}")
-        # (cancelled: the kvstore is stopping and the reader may still fill the pages)
-        good = [h for (_, _, h), fine in zip(jobs, ok) if fine]
-        bad = [h for (_, _, h), fine in zip(jobs, ok) if not fine]
-        host.commit(good)
-        host.abort(bad)
-        host.release(host_hold)
-        self.index.release(disk_hold)
+            return [False] * len(jobs)
+        self._measure("read", len(jobs) * self.read_buffer.record_bytes, seconds)
+        return ok
+
+    def _count_read(self, good: list[int], bad: list[int]) -> None:
+        """Count a promotion's reads; drop the pages that failed their check."""
         if bad and self.up:
             self.index.drop(bad)
             self.counters["disk_corrupt_pages_total"] += len(bad)
@@ -421,11 +507,11 @@ class DiskPool:
                            self.name, len(bad))  # fmt: skip
         for h in reversed(good):  # a page read from disk is in use: up in its LRU
             self.index.touch(h)
+        num_read = len(good) + len(bad)
         self.counters["disk_promotions_total"] += 1
-        self.counters["disk_read_pages_total"] += len(jobs)
-        self.counters["disk_read_bytes_total"] += len(jobs) * self.read_buffer.record_bytes
+        self.counters["disk_read_pages_total"] += num_read
+        self.counters["disk_read_bytes_total"] += num_read * self.read_buffer.record_bytes
         self.counters["disk_hit_pages_total"] += len(good)
-        return set(good)
 
     def _read_records(self, jobs: list[tuple[int, int, int]]) -> tuple[list[bool], float]:
         """On the reader thread: read each (slot, host page, hash), check it and copy the

@@ -201,6 +201,21 @@ class HostPool:
             self._leased.set()
         return HostLease(msg.query_id, lease_id, tuple(pages))
 
+    def lease_loading(self, worker: str, msg: HostLookup, run: list[int], ready: int) -> HostLease:
+        """Lease ``run`` (the leading hashes of ``msg``) to ``worker`` while the disk
+        tier is still reading its pages past the first ``ready`` into their reserved
+        host pages (`DiskPool.promote` with ``on_plan``)."""
+        assert self.index is not None
+        self.counters["host_lookups_total"] += 1
+        if not run:
+            return HostLease(msg.query_id)
+        lease_id, pages = self.index.hold_run(
+            worker, run, time.monotonic() + self.settings.host_lease_s
+        )
+        self._leased.set()
+        disk_pages = len(run) - sum(self.index.stored(h) for h in run)
+        return HostLease(msg.query_id, lease_id, tuple(pages), disk_pages, True, ready)
+
     def release(self, lease_id: int) -> None:
         if self.index is not None:
             self.index.release(lease_id)

@@ -29,6 +29,7 @@ from radixserve.protocol import (
     Deregister,
     HostAttach,
     HostLookup,
+    HostPagesReady,
     HostRelease,
     IndexQuery,
     IndexReply,
@@ -136,18 +137,42 @@ class KVStoreService(Service):
 
     async def _lookup(self, peer: Peer, msg: HostLookup) -> None:
         """Lease the run of ``msg``'s hashes, after reading its disk pages into host
-        memory where that beats the worker computing them."""
+        memory where that beats the worker computing them (`_promote`: with
+        ``disk_read_overlap`` the lease may go out first, the worker reading meanwhile)."""
         assert self.host is not None
         promoted: set[int] = set()
         if self.disk is not None and self.host.index is not None:
-            promoted = await self.disk.promote(
-                msg.page_hashes, self.host.index, msg.prefill_tokens_per_s
-            )
+            promoted, leased = await self._promote(peer, msg)
+            if leased:
+                return
         lease = self.host.lookup(peer.name, msg)
         if promoted:
-            leased = msg.page_hashes[: len(lease.host_page_ids)]
-            lease = dataclasses.replace(lease, disk_pages=sum(h in promoted for h in leased))
+            leased_hashes = msg.page_hashes[: len(lease.host_page_ids)]
+            lease = dataclasses.replace(lease, disk_pages=sum(h in promoted for h in leased_hashes))
         await self.send_to(peer, lease)
+
+    async def _promote(self, peer: Peer, msg: HostLookup) -> tuple[set[int], bool]:
+        """`DiskPool.promote` for ``msg``: the hashes read from disk, and whether the
+        lease went out already (overlapped, for a worker that `reads_loading`: as soon
+        as the host pages were reserved, followed by a `HostPagesReady` per chunk)."""
+        assert self.host is not None and self.host.index is not None and self.disk is not None
+        leased = False
+
+        async def on_plan(run: list[int], ready: int) -> None:
+            nonlocal leased
+            lease = self.host.lease_loading(peer.name, msg, run, ready) if self.host else None
+            if lease is not None:
+                leased = True
+                await self.send_to(peer, lease)
+
+        async def on_ready(ready: int, failed: bool) -> None:
+            await self.send_to(peer, HostPagesReady(msg.query_id, ready, failed))
+
+        index, rate = self.host.index, msg.prefill_tokens_per_s
+        if not (self.settings.disk_read_overlap and msg.reads_loading):
+            return await self.disk.promote(msg.page_hashes, index, rate), False
+        promoted = await self.disk.promote(msg.page_hashes, index, rate, on_plan, on_ready)
+        return promoted, leased
 
     async def _spill(self, peer: Peer, offer: SpillOffer) -> None:
         assert self.host is not None

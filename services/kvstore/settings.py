@@ -64,6 +64,20 @@ class KVStoreSettings(ServiceSettings, TransferSettings):
         description="On stop, how long the host tier's pages the disk tier lacks may take "
         "to be written there, so that a restart finds them; 0 = not written.",
     )
+    disk_read_overlap: bool = Field(
+        True,
+        description="Overlap a disk hit's reads: the worker is leased the run at once and "
+        "reads its pages into device memory chunk by chunk while the rest are still "
+        "read from disk (false: the whole run is read into host memory first).",
+    )
+    disk_read_chunk_mib: float = Field(
+        16.0,
+        ge=0,
+        le=1 << 20,
+        description="Least bytes of a chunk of an overlapped disk read (at most 8 chunks "
+        "a read; 0 = as small as a page): each chunk costs the worker a message and a "
+        "transfer of its own, which a chunk of ~30 ms of disk reading hides.",
+    )
     member_refresh_s: float = Field(
         2.0, gt=0, le=600, description="Period of the member list sent to every watcher."
     )

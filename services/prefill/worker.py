@@ -40,6 +40,7 @@ from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, Transfe
 from radixserve.runtime.service import Peer
 from radixserve.runtime.worker import Worker
 from radixserve.services.prefill.settings import PrefillSettings
+from radixserve.tracing import NO_SPAN
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +126,18 @@ class PrefillWorker(Worker):
         self.beat_now()  # routers see the queue change now, not a heartbeat later
         counted = True
         leased = False
+        # spans under the decode worker's remote prefill, carried back on KVReady: the
+        # queue (arrival to admission: a host-tier load included), then the compute
+        # (admission to the first token: a wait for a batch slot included)
+        request = self.tracer.join(msg.traceparent)
+        queued = request.child("prefill.queue", prompt_tokens=len(ids))
+        computing = NO_SPAN
         try:
             params = to_params(msg.sampling)
-            _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s)
+            _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s,
+                                      under=queued)  # fmt: skip
+            queued.end()
+            computing = request.child("prefill.compute")
             outputs = [output async for output in self.engine.outputs(rid, out)]
             last = outputs[-1]
             firsts = _first_outputs(outputs)  # one per choice, in index order
@@ -149,6 +159,8 @@ class PrefillWorker(Worker):
             self._lending.set()
             computed = last.prompt_tokens - last.cached_tokens
             self._record(computed, time.perf_counter() - arrived)
+            computing.end(computed_tokens=computed, cached_tokens=last.cached_tokens,
+                          host_cached_tokens=last.host_cached_tokens)  # fmt: skip
             self.counters["prefill_requests_total"] += 1
             self.counters["prefill_computed_tokens_total"] += computed
             self.counters["prefill_cached_tokens_total"] += last.cached_tokens
@@ -164,6 +176,7 @@ class PrefillWorker(Worker):
                     disk_cached_tokens=last.disk_cached_tokens,
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
+                    spans=request.records(),
                 ),
             )
         except asyncio.CancelledError:
@@ -174,8 +187,12 @@ class PrefillWorker(Worker):
         except Exception as exc:
             if leased:
                 self._release(rid)
+            queued.end(exc)
+            computing.end(exc)
             await self.fail(peer, rid, exc)
         finally:
+            queued.end("cancelled")  # no-ops for spans already ended
+            computing.end("cancelled")
             if counted:
                 self._queued -= len(ids)
             if not leased:

@@ -4,8 +4,9 @@ The speed ratios are the benchmark's to report (bench/README.md), not this test'
 assert; the test checks that the run is what it claims: the pool outgrew host memory,
 so the oldest prefixes came back from the disk tier (every one of their full pages
 cached), each revisit is classified by one source that served some of it, and the two
-rates the admission compares were measured. It runs the tiny random model (``--model``): the
-tiers are the subject, and the pool is sized by the served model's pages.
+rates the admission compares were measured; after kvstore restarts with the disk read
+overlapped and not, prefixes came back from disk both ways. It runs the tiny random
+model (``--model``): the tiers are the subject, and the pool is sized by its pages.
 """
 
 from __future__ import annotations
@@ -38,4 +39,14 @@ def test_tiers_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
     assert sum(t["hit_rate"] for t in result["tiers"].values()) == pytest.approx(1.0)
     assert result["rates"]["disk_read_bytes_per_s"] > 0
     assert result["rates"]["prefill_tokens_per_s"] > 0
+    # the A/B passes after kvstore restarts: prefixes came back from disk both ways
+    assert result["overlap"], "no disk hit in the overlap passes"
+    for v in result["overlap"].values():
+        assert v["disk_hits"]["sequential"] > 0 and v["disk_hits"]["overlapped"] > 0
     assert "crossover" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scenario", ["all", "peer", "engine"])
+def test_the_pool_preset_is_refused_by_name_outside_the_tiers_scenario(capsys, scenario) -> None:
+    assert main(["bench", "--scenario", scenario, "--preset", "pool"]) != 0
+    assert "--preset pool applies to --scenario tiers only" in capsys.readouterr().err

@@ -363,3 +363,22 @@ def test_write_through_on_store_and_clear_written() -> None:
     assert sorted(h for hashes in spilled[2:] for h in hashes) == sorted(
         page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)
     )
+
+
+def test_drop_unlocked_removes_every_unlocked_node_and_spills_none() -> None:
+    events: list[tuple[str, list[int]]] = []
+    cache, allocator = make_cache(events=events)
+    spilled: list[list[int]] = []
+    cache.set_spill_listener(lambda hashes, pages: spilled.append(pages))
+    run_request(cache, allocator, seq(1, 2, 3))
+    run_request(cache, allocator, seq(1, 2, 7, 8))
+    run_request(cache, allocator, seq(5, 6))
+    locked = cache.match_prefix(seq(5, 6))
+    cache.lock(locked.node)
+    assert cache.drop_unlocked() == 5  # the shared 1, 2, then 3 and 7, 8: all but 5, 6
+    cache.check_integrity()
+    assert spilled == []
+    assert cache.num_cached_pages == 2 and allocator.num_used == 2
+    assert sum(len(hashes) for kind, hashes in events if kind == "removed") == 5
+    cache.unlock(locked.node)
+    assert cache.drop_unlocked() == 2 and allocator.num_used == 0

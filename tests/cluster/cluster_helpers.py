@@ -128,6 +128,7 @@ class TestCluster(LocalCluster):
         kv_cache_memory_gib: float = 0.1,
         float32: bool = False,  # FLOAT32 (float32 weights and compute): tensor parallelism
         model: str | None = None,  # a path (the `tiny_model` fixture's); None: the default
+        env: dict[str, str] | None = None,  # more variables for every process (OTEL_*...)
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,
@@ -154,6 +155,7 @@ class TestCluster(LocalCluster):
                 **_env(
                     "KVSTORE", {**FAST_LIVENESS, "HOST_CAPACITY_GIB": "0.25", **(kvstore or {})}
                 ),
+                **(env or {}),
             },
             prefill_env=_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
             decode_env=_env("DECODE", {**FAST_LIVENESS, **(decode or {})}),

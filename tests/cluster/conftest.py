@@ -12,6 +12,7 @@ import pytest
 
 from tests.cluster.cluster_helpers import PATIENT, Reference, TestCluster, memoised_chat
 from tests.engine.engine_helpers import FLOAT32, TINY, make_engine
+from tests.tracing.otlp_receiver import OtlpReceiver
 
 SHARED = {
     # remote prefill of every prompt over NIXL; room for 64 concurrent streams; a lost
@@ -26,12 +27,17 @@ SHARED = {
 SHARED_TINY = {
     # the defaults, pages over ZMQ (the "remote" clusters move them over NIXL)
     "default-tiny": lambda model: TestCluster(transport="zmq", model=model),
-    # "remote" on the tiny model: faults and load, where the subject is the machinery
+    # "remote" on the tiny model: faults and load, where the subject is the machinery;
+    # every process exports its spans to this process's OTLP receiver
     "remote-tiny": lambda model: TestCluster(
         transport="nixl",
         model=model,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},
         gateway={"MAX_QUEUED_REQUESTS": "64", "MIGRATION_WAIT_S": "90"},
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver().endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
     ),
     # two prefill workers that compute every prompt and write each prefix through to the
     # host tier as they compute it; its tests stop workers (SIGSTOP) to have requests
@@ -46,6 +52,15 @@ SHARED_TINY = {
     ),
 }
 _running: dict[str, TestCluster] = {}
+_receivers: dict[str, OtlpReceiver] = {}
+
+
+def otlp_receiver() -> OtlpReceiver:
+    """The OTLP receiver of this test process, where the "remote-tiny" cluster exports
+    its spans (started with the first cluster that needs it, kept for the session)."""
+    if "otlp" not in _receivers:
+        _receivers["otlp"] = OtlpReceiver()
+    return _receivers["otlp"]
 
 
 def _stop_shared(keep: str | None = None) -> None:
@@ -77,6 +92,8 @@ def _one_shared_cluster(request: pytest.FixtureRequest):
 def _shared_clusters_stop_at_the_end():
     yield
     _stop_shared()
+    while _receivers:
+        _receivers.popitem()[1].close()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ one process.
 - a client that disconnects mid-stream, or while its prompt is on the prefill worker,
   has its request aborted on the decode and the prefill worker;
 - `kill -9` of the only decode worker mid-stream: the stream continues once the
-  supervisor has restarted it, with the uninterrupted answer's text;
+  supervisor has restarted it, with the uninterrupted answer's text; a streamed tool
+  call continues its arguments there and reassembles to the uninterrupted call;
 - `kill -9` of the prefill worker while it holds a request: the decode worker recomputes
   the prompt itself (``on_transfer_failure=recompute``) and the answer is still exact;
 - 64 concurrent streams complete with the single-process answers; with 64 in flight,
@@ -23,10 +24,12 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import httpx
+import jsonschema
 
-from tests.cluster.cluster_helpers import TestCluster
+from tests.cluster.cluster_helpers import TestCluster, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
 SHARED_CLUSTER = "remote-tiny"  # tests/cluster/conftest.py
@@ -119,6 +122,68 @@ def test_kill_9_of_the_only_decode_worker_mid_stream_continues_after_its_restart
     resp = cluster.http.post("/v1/chat/completions", json={**body, "stream": False})
     assert resp.status_code == 200, resp.text
     assert text == resp.json()["choices"][0]["message"]["content"]
+    cluster.wait_clean()
+
+
+NOTE = {  # a call whose arguments take the tiny model hundreds of tokens to write
+    "type": "function",
+    "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 1200,
+                                                 "maxLength": 1400}},
+        "required": ["text"], "additionalProperties": False}},
+}  # fmt: skip
+
+
+def test_kill_9_mid_tool_call_continues_the_call(cluster):
+    """A stream carrying a forced tool call outlives its decode worker's kill: the call's
+    argument fragments continue on the restarted worker (the gateway's parser keeps its
+    state), and they reassemble to the uninterrupted call, valid against its schema."""
+    cluster.wait_clean()
+    old_generation = cluster.workers()["decode-0"]["generation"]
+    migrations = lambda: metric_value(cluster.http.get("/metrics").text,  # noqa: E731
+                                      "radixserve_migrations_total")  # fmt: skip
+    migrated_before = migrations()
+    body = {"model": "default", "messages": chat("Take a note."), "tools": [NOTE],
+            "tool_choice": {"type": "function", "function": {"name": "note"}},
+            "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
+    deltas: list[dict] = []
+    errors: list[dict] = []
+
+    def read() -> None:
+        with cluster.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    (errors if "error" in event else deltas).append(event)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    fragments = lambda: [d for d in deltas for c in d["choices"]  # noqa: E731
+                         for tc in c["delta"].get("tool_calls") or () if "id" not in tc]  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(fragments()) < 4:  # polled closely: the tiny model writes fast
+        assert time.monotonic() < deadline and reader.is_alive(), "no arguments streamed"
+        time.sleep(0.005)
+    os.kill(cluster.supervisor.pid("decode-0"), signal.SIGKILL)
+    before_kill = len(fragments())
+    cluster.wait_restarted("decode-0", old_generation)
+    reader.join(180)
+    assert not reader.is_alive() and not errors, errors
+    calls: dict[int, dict] = {}  # reassembled as the OpenAI SDK does
+    for d in deltas:
+        for tc in d["choices"][0]["delta"].get("tool_calls") or ():
+            call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            call["name"] += tc["function"].get("name") or ""
+            call["arguments"] += tc["function"].get("arguments") or ""
+    assert deltas[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert len(fragments()) > before_kill and migrations() == migrated_before + 1
+    (call,) = calls.values()
+    jsonschema.validate(json.loads(call["arguments"]), NOTE["function"]["parameters"])
+    whole = cluster.http.post("/v1/chat/completions", json={**body, "stream": False})
+    assert whole.status_code == 200, whole.text
+    (expected,) = whole.json()["choices"][0]["message"]["tool_calls"]
+    assert call == {"name": "note", "arguments": expected["function"]["arguments"]}
     cluster.wait_clean()
 
 

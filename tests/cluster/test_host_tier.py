@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,13 @@ def gib(pages: int) -> float:
     """A budget in GiB of ``pages`` of the tiny model's pages (and half a page, so that
     its decimal form, which the workers parse, still rounds down to them)."""
     return (pages + 0.5) * PAGE_BYTES / (1 << 30)
+
+
+def tiers_env(host_pages: int, disk_dir: Path, disk_pages: int) -> dict[str, str]:
+    """The kvstore's settings for a host tier of ``host_pages`` over a disk tier of
+    ``disk_pages`` in ``disk_dir``."""
+    return {"HOST_CAPACITY_GIB": str(gib(host_pages)), "DISK_TIER_DIR": str(disk_dir),
+            "DISK_TIER_GIB": str(gib(disk_pages))}  # fmt: skip
 
 
 def assert_pools(cluster: TestCluster, pages: int) -> None:
@@ -137,11 +145,7 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
         transport="zmq",
         model=tiny_model,
         kv_cache_memory_gib=gib(DEVICE_PAGES),
-        kvstore={
-            "HOST_CAPACITY_GIB": str(gib(HOST_PAGES)),
-            "DISK_TIER_DIR": str(tmp_path),
-            "DISK_TIER_GIB": str(gib(8 * HOST_PAGES)),
-        },
+        kvstore=tiers_env(HOST_PAGES, tmp_path, 8 * HOST_PAGES),
         gateway={"MAX_QUEUED_REQUESTS": "64"},
         # the tiny model computes a prompt in milliseconds: a busy machine must not turn
         # the tiers' lookups into timeouts (the subject here is where pages go, and exactness)

@@ -289,12 +289,13 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
             ask(http, q, system="[after kill] " + SYSTEM)
 
         # 3. SIGTERM of the joined decode worker while it streams (long enough to outlast
-        # the drain's notice and the request sent during it)
+        # the drain's notice, which takes a heartbeat, and the request sent during it)
         results: dict[str, int] = {}
+        length = 480
 
         def stream(tag: str) -> None:
             body = {"model": "default", "messages": chat("Tell me about the library.",
-                    f"[{tag}] " + SYSTEM), "max_tokens": 160, "temperature": 0,
+                    f"[{tag}] " + SYSTEM), "max_tokens": length, "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -316,7 +317,7 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         ask(http, QUESTIONS[3], system="[during drain] " + SYSTEM)  # goes to decode-0
         for t in streams:
             t.join(120)
-        assert results == {"s0": 160, "s1": 160}
+        assert results == {"s0": length, "s1": length}
         assert new_decode.proc.wait(60) == 0, "".join(new_decode.lines)
         wait(lambda: names["decode"] not in workers(), 15, "the drained worker leaving")
 

@@ -21,11 +21,13 @@ import subprocess
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from pydantic_settings import BaseSettings
 
 from radixserve.cli import make_parser
 from radixserve.runtime.probe import ProbeSettings
+from radixserve.runtime.settings import resolved_tp
 from radixserve.runtime.settings_check import PROCESS_VARIABLES
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 from radixserve.services.decode import DecodeSettings
@@ -293,11 +295,16 @@ def test_compose_ports_probes_and_scrapes_agree(monkeypatch: pytest.MonkeyPatch)
     assert not re.fullmatch(drop["regex"], "radixserve_ttft_seconds_bucket")
 
 
-@pytest.mark.parametrize("sizes", [{}, {"RADIXSERVE_PREFILL_TP": "2", "RADIXSERVE_DECODE_TP": "4"}])
-def test_compose_cuda_override_requests_gpus(sizes: dict[str, str]) -> None:
-    """Each prefill (decode) replica reserves a GPU (a literal count: docker-compose 1.29
-    takes no variable there) and gets RADIXSERVE_PREFILL_TP (_DECODE_TP), default 1."""
-    values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"], **sizes}
+@pytest.mark.parametrize("gpus", [{}, {"PREFILL_GPUS": "0,1", "DECODE_GPUS": "2"}])
+def test_compose_cuda_override_gives_each_pool_its_gpus(
+    gpus: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One setting per pool (PREFILL_GPUS, DECODE_GPUS; default "0") becomes the workers'
+    CUDA_VISIBLE_DEVICES, their TP is 'auto' (one rank per GPU seen: resolved with the
+    device count the CUDA runtime would report for that list — no GPU here, so
+    torch.cuda.device_count is replaced by the list's length), and the containers get
+    the host's GPUs (`count: all`, the only non-integer docker-compose 1.29 takes)."""
+    values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"], **gpus}
     cuda = compose_document(values, path=COMPOSE / "docker-compose.cuda.yml")["services"]
     for name in RADIXSERVE_SERVICES:
         assert cuda[name]["image"] == "radixserve:cuda"
@@ -305,9 +312,16 @@ def test_compose_cuda_override_requests_gpus(sizes: dict[str, str]) -> None:
     for name in DRAIN_SERVICES:
         [device] = cuda[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert device["count"] == "all"
+        env = cuda[name]["environment"]
+        visible = gpus.get(f"{name.upper()}_GPUS", "0")
+        assert env["CUDA_VISIBLE_DEVICES"] == visible
         variable = f"RADIXSERVE_{name.upper()}_TP"
-        tp = sizes.get(variable, "1")
-        assert device["count"] == 1 and cuda[name]["environment"][variable] == tp
+        own = PrefillSettings if name == "prefill" else DecodeSettings
+        tp = load_settings(monkeypatch, name, {variable: env[variable]})[own].tp
+        count = len(visible.split(","))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        assert tp == "auto" and resolved_tp(tp) == count
     base = compose_services()
     assert {base[n]["build"]["dockerfile"] for n in RADIXSERVE_SERVICES} == {"compose/Dockerfile"}
 

@@ -217,3 +217,20 @@ def test_unfinished_character_is_flushed_as_decode_shows_it(tok: _Adapter) -> No
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.add(i) for i in partial) == "ok "
     assert detok.flush() == tok.decode(partial)[len("ok ") :]
+
+
+def test_kept_special_tokens_are_spelled_out_where_they_occur(tok: _Adapter) -> None:
+    """A kept special token's text appears in place (the text around it decoded as
+    usual, split across tokens or not); the other special tokens stay out."""
+    with_markers = Tokenizer.from_str(tok.tokenizer.to_str())
+    with_markers.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True),
+                                     AddedToken("[ARGS]", special=True)])  # fmt: skip
+    marked = _Adapter(with_markers)
+    text = 'Sure — 你好[TOOL_CALLS]add[ARGS]{"a": "😀"}<|im_end|>'
+    ids = marked.encode(text)
+    kept = [marked.tokenizer.token_to_id(t) for t in ("[TOOL_CALLS]", "[ARGS]")]
+    assert set(kept) <= set(ids)
+    detok, deltas = _stream(marked, ids, kept=kept)
+    assert "".join(deltas) == detok.text == text.removesuffix("<|im_end|>")
+    plain, deltas = _stream(marked, ids)
+    assert plain.text == 'Sure — 你好add{"a": "😀"}'

@@ -65,3 +65,15 @@ def test_eos_ends_generation_unless_ignored(smol_on):
     )
     assert len(ignored.token_ids) == n and ignored.finish_reason == "length"
     assert ignored.token_ids[: len(normal.token_ids)] == normal.token_ids
+
+
+def test_kept_special_tokens_are_in_the_text(tiny_on):
+    """Special tokens are left out of the text unless the request keeps them (a tool
+    parser's markers): here the default tokenizer's <|im_start|>, forced by a bias."""
+    marker = tiny_on.tokenizer.token_to_id("<|im_start|>")
+    forced = {"max_tokens": 3, "temperature": 0.0, "logit_bias": {marker: 100.0}}
+    [skipped] = tiny_on.generate([PROMPT], SamplingParams(**forced))
+    [kept] = tiny_on.generate([PROMPT], SamplingParams(**forced, kept_special_ids=[marker]))
+    assert skipped.token_ids == kept.token_ids == [marker] * 3
+    assert skipped.text == "" and kept.text == "<|im_start|>" * 3
+    assert_no_leaks(tiny_on)

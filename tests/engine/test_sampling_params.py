@@ -71,6 +71,8 @@ def test_greedy_property(kwargs: dict, greedy: bool) -> None:
         ({"stop": ["x" * 10_000]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ({"kept_special_ids": [-1]}, "kept_special_ids"),
+        ({"kept_special_ids": list(range(17))}, "kept_special_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
     ],
 )

@@ -52,11 +52,15 @@ TOKENS = [5, 6, 7, 8]  # what every fake decode worker generates for PROMPT
 
 
 def decode_script(
-    stop_after: int | None = None, then: ErrorType | None = None, refuse: ErrorType | None = None
+    stop_after: int | None = None,
+    then: ErrorType | None = None,
+    refuse: ErrorType | None = None,
+    cached: int = 0,
 ) -> OnMessage:
     """A decode worker answering a GenerateRequest: ``refuse`` at once with that error,
     or stream TOKENS past the request's ``resume_token_ids``; with ``stop_after``, only
-    that many, then fail with ``then`` (None: go quiet, e.g. until the test kills it)."""
+    that many, then fail with ``then`` (None: go quiet, e.g. until the test kills it).
+    ``cached``: prompt tokens its chunks say were cached, all of them from the disk tier."""
 
     async def answer(peer: FakePeer, identity: bytes, msg: Message) -> None:
         if not isinstance(msg, GenerateRequest):
@@ -74,6 +78,9 @@ def decode_script(
                 finished=last,
                 finish_reason="length" if last else None,
                 prompt_tokens=len(msg.prompt_token_ids),
+                cached_tokens=cached,
+                host_cached_tokens=cached,
+                disk_cached_tokens=cached,
             )
             await peer.send_to(identity, chunk)
         if stop_after is not None and then is not None:
@@ -276,10 +283,12 @@ def test_a_stream_whose_decode_worker_dies_continues_on_another() -> None:
 
 def test_a_stream_drained_past_its_grace_continues_on_another() -> None:
     """d0 streams two tokens, then its drain grace ends (RequestFailed "draining"
-    mid-stream): the stream migrates to d1 with those tokens as resume_token_ids."""
+    mid-stream): the stream migrates to d1 with those tokens as resume_token_ids. d0 had
+    the prompt's 4 tokens from the disk tier, d1 nothing: every output the caller sees
+    reports d0's cached tokens, host and disk ones included."""
 
     async def scenario(context: zmq.asyncio.Context) -> None:
-        d0 = decode_peer(context, "d0", decode_script(stop_after=2, then="draining"))
+        d0 = decode_peer(context, "d0", decode_script(2, "draining", cached=4))
         d1 = decode_peer(context, "d1", decode_script())
         try:
             async with cluster_client([d0.address, d1.address]) as client:
@@ -289,6 +298,10 @@ def test_a_stream_drained_past_its_grace_continues_on_another() -> None:
                 assert sent(d0) == [("r1", HASHES, ())]
                 assert sent(d1) == [("r1~1", HASHES, tuple(TOKENS[:2]))]
                 assert client.stats()["gateway_migrations"] == 1
+                accounting = {
+                    (o.cached_tokens, o.host_cached_tokens, o.disk_cached_tokens) for o in outputs
+                }
+                assert accounting == {(4, 4, 4)}
         finally:
             await d0.close()
             await d1.close()

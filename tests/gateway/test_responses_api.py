@@ -16,7 +16,10 @@ import pytest
 
 from radixserve.services.gateway import GatewaySettings, create_app
 from radixserve.services.gateway.engine_client import EngineClient
+from radixserve.services.gateway.response_output import ResponseBuilder
 from radixserve.services.gateway.response_store import ResponseStore, Turn
+from radixserve.services.gateway.tool_calls import PARSERS
+from radixserve.services.gateway.tool_stream import ToolCallStream
 from tests.gateway.conftest import RunningServer, assert_openai_error
 from tests.gateway.test_tools import ADD, SCHEMAS, WEATHER
 
@@ -109,11 +112,11 @@ def test_function_tools_required_and_named_validate_and_stream(oai):
                 tool_choice={"type": "function", "name": "add"}, max_output_tokens=24)  # fmt: skip
     full = oai.responses.create(**args)
     with oai.responses.stream(**args) as stream:
-        deltas = "".join(e.delta for e in stream
-                         if e.type == "response.function_call_arguments.delta")  # fmt: skip
+        fragments = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         streamed = stream.get_final_response()
     (call,), (again,) = _calls(full), _calls(streamed)
-    assert call.name == again.name == "add" and call.arguments == again.arguments == deltas
+    assert call.name == again.name == "add" and call.arguments == again.arguments
+    assert "".join(fragments) == call.arguments and len(fragments) > 1  # as generated
     # the tool's result continues the stored conversation, whose prompt the cache holds
     follow = oai.responses.create(
         input=[{"type": "function_call_output", "call_id": again.call_id, "output": "5"}],
@@ -156,6 +159,35 @@ def test_store_false_get_and_delete(oai, http):
     assert error["param"] == "stream"
 
 
+def test_input_items_list_a_chain_in_pages(oai, http):
+    """`client.responses.input_items.list`: the items a response was made from (the
+    conversation it continued, then its input; not its instructions), newest first by
+    default, paged with limit and after; an unknown id is a 404 naming it."""
+    first = oai.responses.create(input="Say hi.", instructions=SYSTEM, **FAST)
+    given = [{"type": "message", "role": "user", "content": "And again.", "id": "msg_mine"}]
+    second = oai.responses.create(input=given, previous_response_id=first.id, **FAST)
+    items = oai.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in items.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]  # fmt: skip
+    assert items.data[0].content[0].text == "Say hi."
+    assert items.data[1].id == first.output[0].id
+    assert items.data[1].content[0].text == first.output_text
+    assert items.data[2].id == "msg_mine" and items.has_more is False
+    assert (items.first_id, items.last_id) == (items.data[0].id, "msg_mine")
+    newest = oai.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in newest.data] == ["msg_mine", first.output[0].id] and newest.has_more
+    rest = oai.responses.input_items.list(second.id, limit=2, after=newest.last_id)
+    assert [i.id for i in rest.data] == [items.data[0].id] and not rest.has_more
+    paged = [i.id for i in oai.responses.input_items.list(second.id, limit=1, order="asc")]
+    assert paged == [i.id for i in items.data]  # the SDK's iterator follows `after`
+    with pytest.raises(openai.NotFoundError, match="resp_gone"):
+        oai.responses.input_items.list("resp_gone")
+    path = f"/v1/responses/{second.id}/input_items"
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after"),
+                         ("include=x", "include")):  # fmt: skip
+        assert assert_openai_error(http.get(f"{path}?{query}"), 400)["param"] == param
+
+
 def test_the_store_evicts_the_oldest_first_and_expires():
     now = [0.0]
     store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
@@ -191,8 +223,8 @@ class FailingClient(EngineClient):
     def __init__(self, inner: EngineClient) -> None:
         self.inner = inner
 
-    async def generate(self, prompt_ids, params, request_id):  # type: ignore[override]
-        stream = self.inner.generate(prompt_ids, params, request_id)
+    async def generate(self, prompt_ids, params, request_id, **traced):  # type: ignore[override]
+        stream = self.inner.generate(prompt_ids, params, request_id, **traced)
         try:
             yield await stream.__anext__()  # type: ignore[attr-defined]
             raise RuntimeError("engine fault")
@@ -282,3 +314,19 @@ def test_unserved_and_bad_fields_are_400_naming_the_field(http, fields, param):
     assert error["message"].startswith(param), error
     for raw in ("Input should", "List should", "Value error", "Field required"):
         assert raw not in error["message"], error
+
+
+def test_a_streamed_call_cut_short_is_an_incomplete_item():
+    """Argument fragments stream as `response.function_call_arguments.delta` events; a
+    call cut by max_output_tokens mid-arguments ends `incomplete`, as its response."""
+    builder = ResponseBuilder({"id": "resp_x", "output": []})
+    builder.opening()
+    stream = ToolCallStream(PARSERS["json"], {"add"}, single=True, incremental=True)
+    events = [e for piece in ('{"name":"add","argu', 'ments":{"a":', "1,") for e in
+              builder.feed(stream.feed(piece))]  # fmt: skip
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert deltas == ['{"a":', "1,"]
+    closing = builder.finish("length", {})
+    (item,) = builder.body["output"]
+    assert item["arguments"] == '{"a":1,' and item["status"] == "incomplete"
+    assert closing[-1]["type"] == "response.incomplete"

@@ -193,6 +193,9 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(oai):
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
     first = deltas[0][0]
     assert first.index == 0 and first.id.startswith("call_") and first.function.name
+    fragments = [d[0].function.arguments for d in deltas[1:]]
+    assert len(fragments) > 1 and not any(d[0].id for d in deltas[1:])  # as generated
+    assert "".join(fragments) == full.message.tool_calls[0].function.arguments
 
 
 def test_auto_choice_and_a_tool_loop_are_served(oai):
@@ -245,3 +248,21 @@ def test_bad_tool_fields_are_400_naming_the_field(http, fields, param):
     assert error["param"] == param, error
     assert error["message"].startswith(param) or param in error["message"], error
     assert "List should" not in error["message"] and "Input should" not in error["message"]
+
+
+def test_tokenize_renders_tools_as_chat_does(http):
+    """/tokenize with messages and tools counts the prompt a chat request with those
+    tools runs; tools with a bare prompt, or malformed, are a 400 naming the field."""
+    plain = http.post("/tokenize", json={"messages": ASK}).json()
+    tokenized = http.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    assert tokenized["count"] > plain["count"]
+    text = http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+    assert "<tool_call>" in text and '"get_weather"' in text  # this model: the generic block
+    chat = http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS,
+                                                   "max_tokens": 1}).json()  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+    error = assert_openai_error(http.post("/tokenize", json={"prompt": "Hi", "tools": TOOLS}),
+                                400)  # fmt: skip
+    assert error["param"] == "tools" and "messages" in error["message"]
+    bad = http.post("/tokenize", json={"messages": ASK, "tools": [{"type": "web_search"}]})
+    assert assert_openai_error(bad, 400)["param"] == "tools[0].type"

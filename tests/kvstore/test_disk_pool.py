@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from radixserve.cache.host_index import HostPageIndex
-from radixserve.protocol import HostLookup
+from radixserve.protocol import HostLease, HostLookup
 from radixserve.services.kvstore.disk_files import HEADER_BYTES, RecordBuffer, SlabFiles, seal
 from radixserve.services.kvstore.disk_pool import DiskPool, promotion_cut
 from radixserve.services.kvstore.host_pool import HostPool
@@ -139,6 +139,87 @@ def test_evicted_pages_go_to_disk_and_come_back_exact_through_a_mixed_run(tmp_pa
             assert stats["disk_direct_io"] == 1  # tmp is a real disk filesystem here
             index(host).check_integrity()
             disk.index.check_integrity()
+
+    asyncio.run(scenario())
+
+
+def test_an_overlapped_promotion_leases_its_run_first_and_readies_it_chunk_by_chunk(
+    tmp_path: Path,
+):
+    """The run 1..4 is disk, disk, disk, host (a host tier of 4 pages; 5, 6, 7 evicted 1,
+    2, 3). Overlapped, the run is leased before any disk read (nothing ready: its first
+    page is on disk), then each chunk (one page here: ``disk_read_chunk_mib`` 0) readies
+    more of it; at each step exactly the ready pages are in host memory, with the bytes
+    they were spilled with (the reader may read them), and the index holds: the pages
+    still being read are leased but invisible. The last chunk readies the whole run,
+    host page included. With the default chunk size (16 MiB) the run is one chunk."""
+
+    async def scenario() -> None:
+        async with tiers(tmp_path, disk_read_chunk_mib=0) as (host, disk, w):
+            await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
+            await spill(host, disk, w, [5, 6, 7], [4, 5, 6])
+            assert disk.run([1, 2, 3, 4], index(host)) == [True, True, True, False]
+            seen: list[tuple[str, int, bool]] = []
+            lease = HostLease("q")
+
+            async def on_plan(run: list[int], ready: int) -> None:
+                nonlocal lease
+                lease = host.lease_loading(w.name, HostLookup("q", (1, 2, 3, 4)), run, ready)
+                seen.append(("plan", ready, False))
+                index(host).check_integrity()
+
+            async def on_ready(ready: int, failed: bool) -> None:
+                seen.append(("ready", ready, failed))
+                pages = lease.host_page_ids
+                assert [index(host).stored(h) for h in (1, 2, 3)] == [i < ready for i in range(3)]
+                assert all(same_page(host, pages[i], w, i) for i in range(ready))
+                index(host).check_integrity()
+
+            promoted = await disk.promote([1, 2, 3, 4], index(host), 0.0, on_plan, on_ready)
+            assert promoted == {1, 2, 3}
+            assert seen == [("plan", 0, False), ("ready", 1, False), ("ready", 2, False),
+                            ("ready", 4, False)]  # fmt: skip
+            assert (lease.loading, lease.disk_pages, len(lease.host_page_ids)) == (True, 3, 4)
+            host.release(lease.lease_id)
+            index(host).check_integrity()
+            assert disk.stats()["disk_hit_pages_total"] == 3
+            assert disk.stats()["disk_overlapped_promotions_total"] == 1
+            assert disk._chunk_pages(3) == 1
+            disk.chunk_bytes = 16 << 20
+            assert disk._chunk_pages(3) >= 3 and disk._chunk_pages(20_000) == 2500  # 8 chunks
+
+    asyncio.run(scenario())
+
+
+def test_an_overlapped_promotion_stops_at_a_corrupt_page_and_says_so(tmp_path: Path):
+    """As above with page 2 flipped on disk: the chunk holding it readies nothing more
+    and says ``failed``; page 3 is not read (it stays on disk), page 2 is dropped and
+    counted, and once the lease is released every host page is accounted for."""
+
+    async def scenario() -> None:
+        async with tiers(tmp_path, disk_read_chunk_mib=0) as (host, disk, w):
+            await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
+            await spill(host, disk, w, [5, 6, 7], [4, 5, 6])
+            flip_byte(disk, 2)
+            seen: list[tuple[int, bool]] = []
+            lease = HostLease("q")
+
+            async def on_plan(run: list[int], ready: int) -> None:
+                nonlocal lease
+                lease = host.lease_loading(w.name, HostLookup("q", (1, 2, 3, 4)), run, ready)
+
+            async def on_ready(ready: int, failed: bool) -> None:
+                seen.append((ready, failed))
+
+            promoted = await disk.promote([1, 2, 3, 4], index(host), 0.0, on_plan, on_ready)
+            assert promoted == {1} and seen == [(1, False), (1, True)]
+            assert disk.stats()["disk_corrupt_pages_total"] == 1
+            assert not disk.index.stored(2) and disk.index.stored(3)
+            assert not index(host).stored(3)
+            index(host).check_integrity()
+            host.release(lease.lease_id)
+            index(host).check_integrity()
+            assert index(host).stats()["host_pages_leased"] == 0
 
     asyncio.run(scenario())
 

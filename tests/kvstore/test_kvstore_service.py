@@ -31,6 +31,7 @@ from radixserve.protocol import (
     HostAttachAck,
     HostLease,
     HostLookup,
+    HostPagesReady,
     HostRelease,
     IndexQuery,
     IndexReply,
@@ -388,14 +389,27 @@ def test_a_kvstore_without_a_host_tier_refuses_attach():
     asyncio.run(scenario())
 
 
-def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(tmp_path):
+@pytest.mark.parametrize(
+    ("overlap", "chunk_mib", "reads_loading"),
+    [(True, 0.0, True), (True, 16.0, True), (True, 0.0, False), (False, 0.0, True)],
+    ids=["overlapped", "one chunk: disk first", "older worker: disk first", "disk first"],
+)  # fmt: skip
+def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
+    tmp_path, overlap, chunk_mib, reads_loading
+):
     """A 6-page host tier over a disk tier: a worker spills 8 pages, two of which the
     host tier evicts to disk; the index counts all 8 as loadable. The kvstore stops (it
     writes its host pages to disk on the way out) and a new one starts on the same
     directory: once the worker attaches again, the index counts the 8 pages, and a
-    lookup leases them with ``disk_pages`` 8, byte-exact. A disk tier without a host
-    tier is refused at start."""
-    disk = {"disk_tier_dir": tmp_path, "disk_tier_gib": 64 * 8192 / (1 << 30)}
+    lookup leases them with ``disk_pages`` 8, byte-exact. Overlapped, the lease comes
+    first (``loading``, nothing ready) and `HostPagesReady` follow, each readying more,
+    up to all 8; else (when the run is one chunk of ``disk_read_chunk_mib``: nothing to
+    overlap; when the lookup does not say it ``reads_loading``: a worker of an older
+    version) the lease comes once all are read. A disk tier without a host tier is
+    refused at start."""
+    disk = {"disk_tier_dir": tmp_path, "disk_tier_gib": 64 * 8192 / (1 << 30),
+            "disk_read_overlap": overlap, "disk_read_chunk_mib": chunk_mib}  # fmt: skip
+    loading = overlap and chunk_mib == 0 and reads_loading
 
     async def scenario() -> None:
         buffer, spill_agent = spill_buffer("w1")
@@ -425,8 +439,15 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(tmp_p
                 await until(lambda: service.disk.ready, 5.0, "the rebuild")  # type: ignore[union-attr]
                 assert service.stats()["disk_restored_pages"] == 8
                 assert (await w1.index(*hashes)).host_pages == 8
-                lease = await w1.ask(HostLookup("warm", hashes))
+                lease = await w1.ask(HostLookup("warm", hashes, reads_loading=reads_loading))
                 assert isinstance(lease, HostLease) and lease.disk_pages == 8
+                assert (lease.loading, lease.ready_pages) == (loading, 0)
+                readies = [0]
+                while loading and readies[-1] < 8:
+                    ready = await w1.next()
+                    assert isinstance(ready, HostPagesReady) and not ready.failed, ready
+                    readies.append(ready.ready_pages)
+                assert readies == sorted(set(readies))  # each one readies more
                 reader.add_peer(KVSTORE, 42, ack.metadata)
                 handle = reader.read_pages(KVSTORE, list(lease.host_page_ids), list(range(8)))
                 assert await reader.wait_async(handle) == "done"

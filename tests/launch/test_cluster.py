@@ -178,3 +178,44 @@ def test_the_disk_tier_flags_reach_the_kvstore_settings(monkeypatch, tmp_path, c
     assert (checked["disk_tier_dir"], checked["disk_tier_gib"]) == (str(tmp_path), 3.0)
     assert main(["up", "--disk-tier-gib", "3"]) == 1
     assert "error: --disk-tier-gib needs --disk-tier-dir" in capsys.readouterr().err
+
+
+def test_up_passes_the_response_store_flags_to_the_gateway(monkeypatch, capsys):
+    """`radixserve up --response-store-size N --response-store-ttl-s S` sets the gateway's
+    store bounds as `serve`'s flags do; a bad bound is refused by name before any process
+    starts."""
+    seen: list[ClusterConfig] = []
+
+    def no_cluster(config: ClusterConfig, control_port: int = 0) -> None:
+        seen.append(config)
+        raise KeyboardInterrupt  # stop `up` before it starts a process
+
+    monkeypatch.setattr("radixserve.launch.cluster.build_cluster", no_cluster)
+    assert main(["up", "--response-store-size", "7", "--response-store-ttl-s", "90"]) == 130
+    envs = {s.name: dict(s.env) for s in cluster_specs(seen[0])}
+    gateway = _settings_of(envs["gateway"], GatewaySettings, monkeypatch)
+    assert (gateway.response_store_size, gateway.response_store_ttl_s) == (7, 90.0)
+    assert main(["up", "--response-store-size", "-1"]) == 2
+    assert "response_store_size" in capsys.readouterr().err
+    assert len(seen) == 1
+
+
+def test_up_passes_the_explorer_flag_and_the_autoscalers_address_to_the_gateway(monkeypatch):
+    """`radixserve up --explorer-prompt-text --autoscale` lets the gateway's /explorer show
+    prompt text and read the autoscaler's decisions at its HTTP port; without them the
+    explorer shows token counts only and no autoscaler."""
+    seen: list[ClusterConfig] = []
+
+    def no_cluster(config: ClusterConfig, control_port: int = 0) -> None:
+        seen.append(config)
+        raise KeyboardInterrupt  # stop `up` before it starts a process
+
+    monkeypatch.setattr("radixserve.launch.cluster.build_cluster", no_cluster)
+    assert main(["up", "--explorer-prompt-text", "--autoscale"]) == 130
+    assert main(["up"]) == 130
+    gateways = [_settings_of({s.name: dict(s.env) for s in cluster_specs(config)}["gateway"],
+                             GatewaySettings, monkeypatch) for config in seen]  # fmt: skip
+    assert (
+        gateways[0].explorer_prompt_text and gateways[0].autoscaler_url == "http://127.0.0.1:8090"
+    )
+    assert not gateways[1].explorer_prompt_text and gateways[1].autoscaler_url is None

@@ -18,6 +18,11 @@ from radixserve.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
+    CacheAuditClear,
+    CacheAuditCleared,
+    CacheNodeView,
+    CacheTreeQuery,
+    CacheTreeReply,
     Deregister,
     FinishReason,
     GenerateRequest,
@@ -28,12 +33,14 @@ from radixserve.protocol.messages import (
     HostAttachAck,
     HostLease,
     HostLookup,
+    HostPagesReady,
     HostRelease,
     IndexQuery,
     IndexReply,
     KVEvent,
     KVReady,
     KVResync,
+    LiveRequestView,
     MemberInfo,
     MemberList,
     Message,
@@ -105,6 +112,8 @@ def token_chunks(draw: st.DrawFn) -> TokenChunk:
         ttft_ms=draw(st.none() | millis),
         host_cached_tokens=draw(count),
         disk_cached_tokens=draw(count),
+        route=draw(st.sampled_from(["", "local", "host", "remote"])),
+        prefill_worker=draw(st.text(max_size=30)),
     )
 
 
@@ -129,6 +138,32 @@ members = st.builds(
     address=st.text(min_size=1, max_size=40),
     generation=count,
     draining=st.booleans(),
+)
+
+request_ids = st.lists(ids, max_size=16).map(tuple)
+cache_nodes = st.builds(
+    CacheNodeView,
+    node_id=count,
+    parent_id=count,
+    num_tokens=count,
+    prefix_tokens=count,
+    num_pages=count,
+    subtree_pages=count,
+    hits=count,
+    locks=count,
+    last_hit_s=st.floats(0.0, 1e10, allow_nan=False),
+    text=text,
+    recent_request_ids=request_ids,
+    live_request_ids=request_ids,
+)
+live_requests = st.builds(
+    LiveRequestView,
+    request_id=ids,
+    phase=st.sampled_from(["queued", "host_load", "awaiting_kv", "prefill", "decode", "leased"]),
+    prompt_tokens=count,
+    computed_tokens=count,
+    cached_tokens=count,
+    output_tokens=count,
 )
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
@@ -214,9 +249,19 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         query_id=ids,
         page_hashes=page_hashes,
         prefill_tokens_per_s=st.floats(0, 1e9, allow_nan=False),
+        reads_loading=st.booleans(),
     ),
     HostLease: st.builds(
-        HostLease, query_id=ids, lease_id=count, host_page_ids=page_ids, disk_pages=count
+        HostLease,
+        query_id=ids,
+        lease_id=count,
+        host_page_ids=page_ids,
+        disk_pages=count,
+        loading=st.booleans(),
+        ready_pages=count,
+    ),
+    HostPagesReady: st.builds(
+        HostPagesReady, query_id=ids, ready_pages=count, failed=st.booleans()
     ),
     HostRelease: st.builds(HostRelease, lease_id=st.integers(1, 2**63 - 1)),
     Register: st.builds(Register, member=members),
@@ -225,6 +270,20 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     MemberList: st.builds(
         MemberList, epoch=count, version=count, members=st.lists(members, max_size=5).map(tuple)
     ),
+    CacheTreeQuery: st.builds(
+        CacheTreeQuery, query_id=ids, max_nodes=st.integers(0, 1024), text_tokens=st.integers(0, 64)
+    ),
+    CacheTreeReply: st.builds(
+        CacheTreeReply,
+        query_id=ids,
+        nodes=st.lists(cache_nodes, max_size=4).map(tuple),
+        num_nodes=count,
+        cached_pages=count,
+        requests=st.lists(live_requests, max_size=4).map(tuple),
+        num_live=count,
+    ),
+    CacheAuditClear: st.builds(CacheAuditClear, query_id=ids),
+    CacheAuditCleared: st.builds(CacheAuditCleared, query_id=ids, was_failed=st.booleans()),
 }
 
 any_message = st.one_of(*STRATEGIES.values())

@@ -31,7 +31,7 @@ def test_every_sampling_param_round_trips():
         stop=("x",), stop_token_ids=(3,), ignore_eos=True, n=3, logprobs=4,
         prompt_logprobs=2, presence_penalty=-1.5, frequency_penalty=0.25,
         repetition_penalty=1.2, logit_bias={7: -3.0, 2: 1.5}, min_p=0.1,
-        guide_kind="json_schema", guide='{"type": "object"}',
+        guide_kind="json_schema", guide='{"type": "object"}', kept_special_ids=(4, 8),
     )  # fmt: skip
     msg = GenerateRequest("r", (1, 2), sampling=to_spec(params))
     back = decode(encode(msg))

@@ -39,6 +39,7 @@ from radixserve.protocol import (
     HostAttachAck,
     HostLease,
     HostLookup,
+    HostPagesReady,
     HostRelease,
     Message,
     SpillDone,
@@ -91,7 +92,8 @@ class FakeKVStore:
         self.address = self.channel.endpoint
         shape = (geometry.num_layers, 2, HOST_PAGES, geometry.page_size,
                  geometry.num_kv_heads, geometry.head_dim)  # fmt: skip  # (L, 2, P, S, H, D)
-        self.agent = create_agent("zmq", "kv", torch.zeros(shape), geometry)
+        self.kv = torch.zeros(shape)
+        self.agent = create_agent("zmq", "kv", self.kv, geometry)
         self.ack = ack or HostAttachAck(True, self.agent.metadata(), HOST_PAGES)
         self.answer_hellos = True
         self.attaches = 0
@@ -192,7 +194,7 @@ def test_plan_asks_the_kvstore_only_when_more_than_the_minimum_is_missing(engine
 
             tier.device.discard(hashes[5])  # 5 pages = 20 tokens missing
             planning = asyncio.ensure_future(client.plan("ask", PROMPT, hashes))
-            assert await kv.next() == HostLookup("ask", tuple(hashes[5:]))
+            assert await kv.next() == HostLookup("ask", tuple(hashes[5:]), reads_loading=True)
             await kv.send(HostLease("ask", 3, (0, 1, 2)))
             plan, lease = await asyncio.wait_for(planning, 5.0)
             assert plan == HostPlan(5, 3) and lease == HostLease("ask", 3, (0, 1, 2))
@@ -214,7 +216,9 @@ def test_a_kvstore_that_never_answers_costs_one_timeout_and_its_late_lease_is_re
             assert await tier.client.plan("slow", PROMPT, tier.hashes) is None
             elapsed = time.monotonic() - started
             assert 0.29 <= elapsed < 1.3, elapsed
-            assert await tier.kvstore.next() == HostLookup("slow", tuple(tier.hashes))
+            assert await tier.kvstore.next() == HostLookup(
+                "slow", tuple(tier.hashes), reads_loading=True
+            )
             assert tier.count("host_lookups_total") == 1
             assert tier.count("host_lookup_timeouts_total") == 1
             await tier.kvstore.send(HostLease("slow", 5, (0, 1)))
@@ -231,7 +235,9 @@ def test_the_link_going_down_ends_a_waiting_lookup_at_once(engine):
     async def scenario() -> None:
         async with linked_tier(engine, host_lookup_timeout_s=10.0) as tier:
             planning = asyncio.ensure_future(tier.client.plan("r", PROMPT, tier.hashes))
-            assert await tier.kvstore.next() == HostLookup("r", tuple(tier.hashes))
+            assert await tier.kvstore.next() == HostLookup(
+                "r", tuple(tier.hashes), reads_loading=True
+            )
             tier.kvstore.answer_hellos = False  # it stays down
             started = time.monotonic()
             tier.links.mark_down(tier.link, "the test took it down")
@@ -357,6 +363,51 @@ def test_a_lookup_carries_the_workers_measured_prefill_rate(engine):
             assert plan == HostPlan(0, 5) and lease.disk_pages == 2
             assert tier.count("host_disk_leases_total") == 1
             client.release(lease)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["all ready", "a disk page fails"])
+def test_a_loading_lease_is_read_part_by_part_as_its_pages_are_ready(engine, fails):
+    """A lease of 5 host pages still loading from disk, 2 of them ready: the worker reads
+    those 2 into its device pages at once, while the other 3 are still being "read from
+    disk" (filled in the kvstore's pool only afterwards, so an early read would copy
+    zeros); `HostPagesReady` for all 5 lets it read the rest, and the device pages hold
+    the host pages' bytes. When the kvstore says the rest failed, the read fails
+    (counted) and the prompt is computed."""
+
+    async def scenario() -> None:
+        async with linked_tier(engine) as tier:
+            client, kv = tier.client, tier.kvstore
+            serving = asyncio.Event()
+            server = asyncio.ensure_future(kv.agent.serve_reads_while(lambda: True, serving))
+            serving.set()
+            try:
+                kv.kv[:, :, :2] = torch.rand_like(kv.kv[:, :, :2])
+                planning = asyncio.ensure_future(client.plan("r", PROMPT, tier.hashes))
+                assert isinstance(await kv.next(), HostLookup)
+                lease = HostLease("r", 4, (0, 1, 2, 3, 4), 3, loading=True, ready_pages=2)
+                await kv.send(lease)
+                plan, got = await asyncio.wait_for(planning, 5.0)
+                assert plan == HostPlan(0, 5) and got == lease
+                device = engine.info.kv  # (L, 2, P, S, H, D); pages 1..5 are free
+                dst = (1, 2, 3, 4, 5)
+                reading = asyncio.ensure_future(client.read(lease, dst))
+                await until(lambda: torch.equal(device[:, :, 1:3], kv.kv[:, :, :2]), 5.0,
+                            "the ready pages on device")  # fmt: skip
+                await asyncio.sleep(0.05)
+                assert not reading.done()  # it waits for the pages still on disk
+                kv.kv[:, :, 2:5] = torch.rand_like(kv.kv[:, :, 2:5])
+                await kv.send(HostPagesReady("r", 2 if fails else 5, failed=fails))
+                assert await asyncio.wait_for(reading, 5.0) is not fails
+                assert torch.equal(device[:, :, 1:6], kv.kv[:, :, :5]) is not fails
+                assert tier.count("host_load_failures_total") == int(fails)
+                assert tier.count("host_loads_total") == int(not fails)
+                client.release(lease)
+                assert isinstance(await kv.next(), HostRelease)
+            finally:
+                server.cancel()
+                await asyncio.gather(server, return_exceptions=True)
 
     asyncio.run(scenario())
 

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.cli import main
+from radixserve.runtime.settings import resolved_tp
 from radixserve.runtime.settings_check import (
     UnknownSettingError,
     check_config,
@@ -84,3 +85,22 @@ def test_the_cli_exit_codes(
     monkeypatch.setenv("RADIXSERVE_KVSTORE_PORT", "x")
     assert main(["kvstore", "--check-config"]) == 2
     assert "invalid setting" in capsys.readouterr().err
+
+
+def test_a_workers_tp_is_a_size_or_auto(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`auto` (the compose GPU override's) is one rank per CUDA device the worker sees:
+    1 on this machine (no CUDA); the engine is shown the size it resolves to."""
+    monkeypatch.setenv("RADIXSERVE_PREFILL_TP", "auto")
+    settings = check_config("prefill", {})
+    assert settings["PrefillSettings"]["tp"] == "auto" and resolved_tp("auto") == 1
+    assert check_config("decode", {"tp": "auto"})["EngineSettings"]["tp"] == 1
+    assert check_config("decode", {"tp": 3})["DecodeSettings"]["tp"] == 3
+    for refused in ("0", "65", "two", "1.5"):
+        monkeypatch.setenv("RADIXSERVE_PREFILL_TP", refused)
+        with pytest.raises(ValidationError, match="not a tensor-parallel size from 1 to 64"):
+            check_config("prefill", {})
+    with pytest.raises(SystemExit):
+        main(["decode", "--tp", "0"])
+    assert "--tp: '0' is not a tensor-parallel size" in capsys.readouterr().err
