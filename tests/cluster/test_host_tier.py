@@ -123,6 +123,7 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_
         text = again["choices"][0]["message"]["content"]
         assert text == first["choices"][0]["message"]["content"]
         assert text == tiny_reference_chat(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
+        assert_host_load_span(cluster, again["id"], full_pages)
         cluster.wait(
             lambda: cluster.workers()["prefill-0"].get("host_load_pages_total", 0) >= full_pages,
             10,
@@ -132,6 +133,19 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_
         cluster.wait_clean()
     finally:
         cluster.stop()
+
+
+def assert_host_load_span(cluster: TestCluster, request_id: str, pages: int) -> None:
+    """The request's trace (the gateway's /debug/traces) has the prefill worker's
+    host-tier load, read, under its own span of that request."""
+    listed = cluster.http.get("/debug/traces", params={"limit": 50}).json()["traces"]
+    [summary] = [t for t in listed if t["request_id"] == request_id]
+    spans = cluster.http.get(f"/debug/traces/{summary['trace_id']}").json()["spans"]
+    [load] = [s for s in spans if s["name"] == "prefill.host_load"]
+    parent = {s["span_id"]: s for s in spans}[load["parent_span_id"]]
+    assert load["service"] == parent["service"] == "prefill", (load, parent)
+    assert load["attributes"]["host_pages"] == pages and load["attributes"]["read"], load
+    assert parent["start_ns"] <= load["start_ns"] <= load["end_ns"] <= parent["end_ns"]
 
 
 def disk_hits(cluster: TestCluster) -> float:
