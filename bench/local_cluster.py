@@ -83,7 +83,7 @@ class LocalCluster:
     def _decode_links_up(self) -> bool:
         if tp_pair_error(self.config.prefill_tp, self.config.decode_tp):
             return True  # the decode workers refuse those links (and prefill themselves)
-        decodes = [w for w in self.workers().values() if w["role"] == "decode"]
+        decodes = self._decodes().values()
         return all(w.get("prefills_up", 0) >= self.config.num_prefill for w in decodes)
 
     def debug_cache(self) -> dict[str, Any]:
@@ -104,13 +104,28 @@ class LocalCluster:
         return self.workers().get(name, {"up": False})
 
     def wait_restarted(self, name: str, old_generation: int, timeout_s: float = 120) -> None:
-        """Wait until ``name`` is up again under another generation (a restart)."""
+        """Wait until ``name`` is up again under another generation (a restart), and every
+        decode worker has its link to each prefill worker up again, as told by a heartbeat
+        sent after that (until then a decode worker prefills what it is sent itself)."""
 
         def back() -> bool:
             w = self.worker(name)
             return bool(w["up"]) and w.get("generation") != old_generation
 
         self.wait(back, timeout_s, f"{name} to come back")
+        beats = {key: w.get("heartbeats_total", 0) for key, w in self._decodes().items()}
+
+        def links_up() -> bool:
+            decodes = self._decodes()
+            fresh = all(w.get("heartbeats_total", 0) > beats.get(key, -1)
+                        for key, w in decodes.items())  # fmt: skip
+            return fresh and self._decode_links_up()
+
+        self.wait(links_up, timeout_s, "decode workers' links to prefill workers")
+
+    def _decodes(self) -> dict[str, dict[str, Any]]:
+        workers = self.workers().items()
+        return {key: w for key, w in workers if w.get("role") == "decode" and w.get("up")}
 
     def wait_host_tier(self, timeout_s: float = 60.0) -> None:
         """Wait until every prefill and decode worker has attached to the kvstore's host

@@ -95,8 +95,9 @@ def spill_then_load(cluster: TestCluster, reference) -> None:
     )
     cluster.wait_clean()
     prefill = cluster.worker("prefill-0")
-    assert prefill.get("host_loads_total", 0) >= 1, prefill
-    assert prefill.get("host_load_pages_total", 0) * 16 >= 256, prefill
+    host = {key: value for key, value in prefill.items() if key.startswith("host_")}
+    assert prefill.get("host_loads_total", 0) >= 1, host
+    assert prefill.get("host_load_pages_total", 0) * 16 >= 256, host
 
 
 def test_a_prefix_spilled_by_tp2_decode_is_loaded_by_tp1_decode(
