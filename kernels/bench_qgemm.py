@@ -20,6 +20,10 @@ measured first at the same thread count. One table on stdout; ``--json`` writes 
 
 from __future__ import annotations
 
+import radixserve  # noqa: F401  # first: OpenMP's wait policy, before torch loads
+
+# isort: split
+
 import argparse
 import json
 import time

@@ -13,6 +13,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import radixserve  # noqa: F401  # first: OpenMP's wait policy, set before torch loads
+
+# isort: split
+
 import pytest
 
 

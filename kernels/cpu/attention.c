@@ -105,15 +105,17 @@ static inline float load_at(const void *base, int64_t i, int bf16) {
 static void load_block(const Call *c, int64_t seq, int64_t g, int64_t blk, int64_t lo,
                        int64_t hi, float *kb, float *vb) {
     const int64_t d = c->dim;
-    for (int t = 0; t < KEYS; t++) {
+    const int64_t *pages = c->page_table + seq * c->table_stride;
+    int64_t index = blk * KEYS / c->page_size, slot = blk * KEYS % c->page_size;
+    for (int t = 0; t < KEYS; t++, slot++) {  /* (index, slot): key j's page and slot */
+        if (slot == c->page_size) index++, slot = 0;
         int64_t j = blk * KEYS + t;
         if (j < lo || j > hi) {
             memset(kb + t * d, 0, d * sizeof(float));
             memset(vb + t * d, 0, d * sizeof(float));
             continue;
         }
-        int64_t page = c->page_table[seq * c->table_stride + j / c->page_size];
-        int64_t at = ((page * c->page_size + j % c->page_size) * c->kv_heads + g) * d;
+        int64_t at = ((pages[index] * c->page_size + slot) * c->kv_heads + g) * d;
         if (c->bf16) {  /* a loop the compiler vectorizes: widen and shift */
             const uint16_t *k = (const uint16_t *)c->k_cache + at;
             const uint16_t *v = (const uint16_t *)c->v_cache + at;
@@ -202,8 +204,11 @@ static inline float tree16_512(__m512 v) {
     return _mm_cvtss_f32(h1);
 }
 
-static void update_512(const float *q, const float *kb, const float *vb, int64_t d,
-                       float scale, int64_t lo, int64_t hi, int64_t first, State *st) {
+/* The body, inlined with d a constant where it is one (64, 128: the loops unroll, q and
+   the accumulators stay in registers). The arithmetic is the same for every d. */
+static inline __attribute__((always_inline)) void update_512_body(
+    const float *q, const float *kb, const float *vb, const int64_t d, float scale,
+    int64_t lo, int64_t hi, int64_t first, State *st) {
     __m512 part[KEYS];
     for (int i = 0; i < KEYS; i++) {
         const float *k = kb + (4 * (i % 4) + i / 4) * d;  /* key 4 (i % 4) + i / 4 */
@@ -228,14 +233,29 @@ static void update_512(const float *q, const float *kb, const float *vb, int64_t
     st->l = fmaf(st->l, alpha, tree16_512(e));
     float ev[KEYS];
     _mm512_storeu_ps(ev, e);
-    for (int64_t c = 0; c < d; c += 16) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(st->acc + c), _mm512_set1_ps(alpha));
-        for (int t = 0; t < KEYS; t++)
-            if (ev[t] != 0.0f)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(ev[t]), _mm512_loadu_ps(vb + t * d + c), acc);
-        _mm512_storeu_ps(st->acc + c, acc);
+    /* acc[i] * alpha, then fma(e[t], v_t[i], .) for t in order, keys with e[t] = 0
+       skipped: keys outer, the row's accumulators held across them */
+    __m512 acc[MAX_DIM / 16];
+    for (int64_t c = 0; c < d / 16; c++)
+        acc[c] = _mm512_mul_ps(_mm512_loadu_ps(st->acc + 16 * c), _mm512_set1_ps(alpha));
+    __mmask16 live = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    for (int t = 0; t < KEYS; t++) {
+        if (!((live >> t) & 1)) continue;
+        __m512 w = _mm512_set1_ps(ev[t]);
+        for (int64_t c = 0; c < d / 16; c++)
+            acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * d + 16 * c), acc[c]);
     }
+    for (int64_t c = 0; c < d / 16; c++) _mm512_storeu_ps(st->acc + 16 * c, acc[c]);
     st->m = m;
+}
+
+static void update_512(const float *q, const float *kb, const float *vb, int64_t d,
+                       float scale, int64_t lo, int64_t hi, int64_t first, State *st) {
+    switch (d) {
+    case 64: update_512_body(q, kb, vb, 64, scale, lo, hi, first, st); break;
+    case 128: update_512_body(q, kb, vb, 128, scale, lo, hi, first, st); break;
+    default: update_512_body(q, kb, vb, d, scale, lo, hi, first, st);
+    }
 }
 #define UPDATE update_512
 
@@ -368,7 +388,8 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g) {
 
 const char *attention_path(void) { return ATTENTION_PATH; }
 
-/* Items [item_begin, item_end) of chunks x kv heads: item i is rows
+/* Items item_begin, item_begin + item_step, ... below item_end of chunks x kv heads
+   (the caller's threads take interleaved strides: later rows cost more): item i is rows
    [chunks[i / kv_heads], chunks[i / kv_heads + 1]) (one sequence's), kv head
    i % kv_heads. out (T, H, D) in the dtype of q and the caches (bfloat16 or float32). */
 void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
@@ -376,11 +397,11 @@ void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
                      const int64_t *row_pos, const int64_t *page_table, int64_t table_stride,
                      int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim,
                      int64_t window, double scale, int64_t bf16, const int64_t *chunks,
-                     int64_t item_begin, int64_t item_end) {
+                     int64_t item_begin, int64_t item_end, int64_t item_step) {
     Call c = {q, q_row, q_head, k_cache, v_cache, out, row_seq, row_pos, page_table,
               table_stride, page_size, heads, kv_heads, dim, window, (float)scale, (int)bf16};
     FLUSH_BEGIN
-    for (int64_t i = item_begin; i < item_end; i++)
+    for (int64_t i = item_begin; i < item_end; i += item_step)
         attend_item(&c, chunks[i / kv_heads], chunks[i / kv_heads + 1], i % kv_heads);
     FLUSH_END
 }

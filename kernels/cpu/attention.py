@@ -25,7 +25,7 @@ import torch
 
 from radixserve.kernels.cpu.decode_attention import decode_attention as gathered_decode
 from radixserve.kernels.cpu.native import native_library
-from radixserve.kernels.cpu.threads import run_split
+from radixserve.kernels.cpu.threads import run_strided
 from radixserve.kernels.reference.extend_attention import extend_attention as reference_extend
 
 ROWS_PER_ITEM = 64  # rows of one sequence that share each block of K/V read in a work item
@@ -41,7 +41,7 @@ class PagedAttention:
         lib.attention_path.restype = ctypes.c_char_p
         lib.paged_attention.restype = None
         lib.paged_attention.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
-                                        _I, _I, ctypes.c_double, _I, _P, _I, _I]  # fmt: skip
+                                        _I, _I, ctypes.c_double, _I, _P, _I, _I, _I]  # fmt: skip
         self._lib = lib
         self.path: str = lib.attention_path().decode()  # "avx512", "avx2" or "plain"
 
@@ -70,7 +70,8 @@ class PagedAttention:
                 int(q.dtype == torch.bfloat16), bounds.data_ptr())  # fmt: skip
         items = (len(chunks) - 1) * kv_heads
         work = int(row_pos.clamp(min=0).sum()) * heads * dim // 16
-        run_split(lambda b, e: self._lib.paged_attention(*args, b, e), items, work >= _SPLIT_WORK)
+        run_strided(lambda first, step: self._lib.paged_attention(*args, first, items, step),
+                    items, work >= _SPLIT_WORK)  # fmt: skip
         return out
 
 

@@ -20,8 +20,23 @@ def run_split(call: Callable[[int, int], None], items: int, parallel: bool) -> N
     of threads contiguous ranges, the first in the caller."""
     parts = min(torch.get_num_threads(), items) if parallel else 1
     bounds = [items * i // parts for i in range(parts + 1)]
-    others = [_pool().submit(call, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    call(bounds[0], bounds[1])
+    _run([(call, bounds[i], bounds[i + 1]) for i in range(parts)])
+
+
+def run_strided(call: Callable[[int, int], None], items: int, parallel: bool) -> None:
+    """call(first, step) covering items [0, items) as first, first + step, ...: in this
+    thread (0, 1), or one such stride per thread of up to torch's number, the first in
+    the caller; for items whose cost grows along the range (attention rows), which
+    contiguous ranges would split unevenly."""
+    parts = min(torch.get_num_threads(), items) if parallel else 1
+    _run([(call, i, parts) for i in range(parts)])
+
+
+def _run(calls: list[tuple[Callable[[int, int], None], int, int]]) -> None:
+    """Each (call, a, b) as call(a, b): the first in this thread, the others on the pool."""
+    others = [_pool().submit(call, a, b) for call, a, b in calls[1:]]
+    call, a, b = calls[0]
+    call(a, b)
     for future in others:
         future.result()
 
