@@ -29,7 +29,7 @@ from pathlib import Path
 POLICIES = ("spin", "passive")
 
 CHILD = """
-import json, random, statistics, sys, time
+import json, os, random, statistics, sys, time
 import torch  # first: libgomp reads its environment as torch loads it
 import radixserve
 from radixserve.engine.engine import Engine
@@ -53,7 +53,7 @@ decode = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 results = engine.generate([[i + 10] + ids[1:200] for i in range(4)], decode)
 itl = statistics.mean((r.e2e_ms - r.ttft_ms) / 63 for r in results)
 print(json.dumps({"prefill_ms": statistics.median(prefill) * 1e3, "itl_ms": itl,
-                  "policy": __import__("os").environ.get("OMP_WAIT_POLICY", "")}))
+                  "policy": os.environ.get("OMP_WAIT_POLICY", "")}))
 """
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -57,8 +57,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from radixserve.engine.outputs import RequestOutput
+from radixserve.engine.outputs import RequestOutput, cached_by_tier
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +177,10 @@ class ServingMetrics:
         """Count one finished (or aborted) request; ``host_cached_tokens`` of its
         ``cached_tokens`` came through the kvstore, ``disk_cached_tokens`` of those from
         its disk tier (the rest from host memory)."""
-        host = min(host_cached_tokens, cached_tokens)
-        disk = min(disk_cached_tokens, host)
+        device, host, disk = cached_by_tier(cached_tokens, host_cached_tokens, disk_cached_tokens)
         self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.labels(tier="device").inc(cached_tokens - host)
-        self.cached_tokens.labels(tier="host").inc(host - disk)
+        self.cached_tokens.labels(tier="device").inc(device)
+        self.cached_tokens.labels(tier="host").inc(host)
         self.cached_tokens.labels(tier="disk").inc(disk)
         self.prefill_computed_tokens.inc(max(prompt_tokens - cached_tokens, 0))
         self.generation_tokens.inc(completion_tokens)

@@ -56,6 +56,20 @@ class RequestOutput:
     prefill_worker: str = ""
     decode_worker: str = ""
 
+    def cached_by_tier(self) -> tuple[int, int, int]:
+        """This output's cached tokens as (device, host memory, disk)."""
+        return cached_by_tier(self.cached_tokens, self.host_cached_tokens,
+                              self.disk_cached_tokens)  # fmt: skip
+
+
+def cached_by_tier(cached: int, host_cached: int, disk_cached: int) -> tuple[int, int, int]:
+    """``cached`` tokens as (device, host memory, disk), of which ``host_cached`` came
+    through the kvstore and ``disk_cached`` of those from its disk tier (each clamped to
+    the count it is a part of)."""
+    host = min(host_cached, cached)
+    disk = min(disk_cached, host)
+    return cached - host, host - disk, disk
+
 
 @dataclass(frozen=True)
 class GenerationResult:

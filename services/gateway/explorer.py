@@ -38,6 +38,7 @@ from radixserve.protocol.messages import MAX_TREE_NODES, CacheTreeReply
 from radixserve.services.gateway.app import Gateway
 from radixserve.services.gateway.engine_client import LOCAL_WORKER
 from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.query import int_param
 
 TEXT_TOKENS = 12  # a node's first tokens shown as text (with explorer_prompt_text)
 DEFAULT_NODES = 48
@@ -59,15 +60,6 @@ def page_html() -> str:
     css = (folder / "explorer.css").read_text(encoding="utf-8")
     js = (folder / "explorer.js").read_text(encoding="utf-8")
     return html.replace("/*EXPLORER_CSS*/", css).replace("/*EXPLORER_JS*/", js)
-
-
-def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise OpenAIError(400, f"{name} must be an integer from {lo} to {hi}, got {raw!r}", name)
-    return int(raw)
 
 
 def _state(stats: dict[str, Any]) -> str:
@@ -146,7 +138,7 @@ class Explorer:
     async def tree(self, request: Request) -> dict[str, Any]:
         gw = self._authorized(request)
         worker = request.query_params.get("worker", "")
-        nodes = _int_param(request, "nodes", DEFAULT_NODES, 1, MAX_TREE_NODES)
+        nodes = int_param(request, "nodes", DEFAULT_NODES, 1, MAX_TREE_NODES)
         if not worker:
             raise OpenAIError(400, "worker is required: a worker's name from "
                               "/debug/explorer/workers", "worker")  # fmt: skip
@@ -164,7 +156,7 @@ class Explorer:
 
     async def requests(self, request: Request) -> dict[str, Any]:
         gw = self._authorized(request)
-        limit = _int_param(request, "limit", 100, 1, MAX_LISTED_REQUESTS)
+        limit = int_param(request, "limit", 100, 1, MAX_LISTED_REQUESTS)
         return {"requests": gw.requests.recent(limit)}
 
     async def autoscaler(self, request: Request) -> dict[str, Any]:

@@ -98,12 +98,11 @@ class RequestLog:
         record.status = "failed" if failed else "done" if done else "aborted"
         record.completion_tokens = tokens
         for out in outs:
-            host = min(out.host_cached_tokens, out.cached_tokens)
-            disk = min(out.disk_cached_tokens, host)
+            device, host, disk = out.cached_by_tier()
             record.prompt_tokens += out.prompt_tokens
             record.cached_tokens += out.cached_tokens
-            record.device_cached_tokens += out.cached_tokens - host
-            record.host_cached_tokens += host - disk
+            record.device_cached_tokens += device
+            record.host_cached_tokens += host
             record.disk_cached_tokens += disk
             record.finish_reason = out.finish_reason or record.finish_reason
             record.route = out.route or record.route

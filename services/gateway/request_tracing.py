@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.query import int_param, only_params
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.gateway.trace_store import TraceStore
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter, parse_traceparent
@@ -101,23 +102,15 @@ def _store(request: Request) -> TraceStore:
     return store
 
 
-def _limit(request: Request, most: int) -> int:
+def _limit(request: Request) -> int:
     """The ``limit`` query parameter (default `DEFAULT_LIMIT`); any other is refused."""
-    for name in request.query_params:
-        if name != "limit":
-            raise OpenAIError(400, f"{name} is not a parameter of /debug/traces (limit is)", name)
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return min(DEFAULT_LIMIT, most)
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise OpenAIError(400, f"limit must be an integer in [1, {most}], got {raw[:32]!r}",
-                          "limit")  # fmt: skip
-    return int(raw)
+    only_params(request, ("limit",), "/debug/traces")
+    return int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
 
 
 async def debug_traces(request: Request) -> dict[str, Any]:
     store = _store(request)
-    limit = _limit(request, MAX_LIMIT)
+    limit = _limit(request)
     return {"traces": store.summaries(limit)}
 
 

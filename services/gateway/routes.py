@@ -19,6 +19,7 @@ from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError, install_error_handlers
 from radixserve.services.gateway.explorer import install_explorer
 from radixserve.services.gateway.openapi import body, install_openapi
+from radixserve.services.gateway.query import int_param, only_params
 from radixserve.services.gateway.request_tracing import install_tracing
 from radixserve.services.gateway.response_request import ResponsesRequest
 from radixserve.services.gateway.response_store import item_page
@@ -151,18 +152,12 @@ _ITEM_QUERY = ("limit", "order", "after")
 
 def _item_query(request: Request) -> tuple[int, str, str | None]:
     """(limit, order, after) of an input-item listing; 400 naming a bad parameter."""
-    query = request.query_params
-    for name in query:
-        if name not in _ITEM_QUERY:
-            raise OpenAIError(400, f"{name} is not served on input items (accepted: limit, "
-                              "order, after)", name)  # fmt: skip
-    limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise OpenAIError(400, f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
-    order = query.get("order", "desc")
+    only_params(request, _ITEM_QUERY, "input items")
+    limit = int_param(request, "limit", 20, 1, 100)
+    order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise OpenAIError(400, f'order must be "asc" or "desc", got {order!r}', "order")
-    return int(limit), order, query.get("after")
+    return limit, order, request.query_params.get("after")
 
 
 async def input_items(request: Request) -> dict[str, Any]:
