@@ -365,8 +365,7 @@ class ClusterClient(EngineClient):
     async def cache_tree(
         self, worker: str, max_nodes: int, text_tokens: int
     ) -> CacheTreeReply | None:
-        links = [link for ls in (self.decodes, self.prefills) if ls is not None for link in ls.up()]
-        link = next((link for link in links if link.label == worker), None)
+        link = next((link for link in self._workers_up() if link.label == worker), None)
         if link is None:
             return None
         query_id = uuid.uuid4().hex
@@ -375,7 +374,7 @@ class ClusterClient(EngineClient):
 
     async def clear_cache_audit(self) -> dict[str, bool | None]:
         """`CacheAuditClear` to every worker up, answered in parallel."""
-        links = [link for ls in (self.decodes, self.prefills) if ls is not None for link in ls.up()]
+        links = self._workers_up()
 
         async def clear(link: Link) -> bool | None:
             query_id = uuid.uuid4().hex
@@ -421,20 +420,28 @@ class ClusterClient(EngineClient):
 
     # -- from the workers ------------------------------------------------------------
 
-    def _from_prefill(self, link: Link, msg: Message) -> None:
+    def _workers_up(self) -> list[Link]:
+        """The decode and prefill workers' links that are up."""
+        pools = (self.decodes, self.prefills)
+        return [link for pool in pools if pool is not None for link in pool.up()]
+
+    def _answered(self, msg: Message) -> bool:
+        """Whether ``msg`` answers one of the gateway's questions to any worker (the
+        explorer's cache tree, the audit's clear); it is then handed over."""
         if isinstance(msg, CacheTreeReply):
             self._trees.answer(msg.query_id, msg)
         elif isinstance(msg, CacheAuditCleared):
             self._audit_clears.answer(msg.query_id, msg)
         else:
+            return False
+        return True
+
+    def _from_prefill(self, link: Link, msg: Message) -> None:
+        if not self._answered(msg):
             self._unexpected(link, msg)
 
     def _from_decode(self, link: Link, msg: Message) -> None:
-        if isinstance(msg, CacheTreeReply):
-            self._trees.answer(msg.query_id, msg)
-            return
-        if isinstance(msg, CacheAuditCleared):
-            self._audit_clears.answer(msg.query_id, msg)
+        if self._answered(msg):
             return
         rid = getattr(msg, "request_id", "")
         stream = self._streams.get(rid)
