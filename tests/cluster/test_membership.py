@@ -108,6 +108,12 @@ def wait(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+# streams the kill and the SIGTERM land in: on the tiny model (milliseconds a token) long
+# enough to outlast the heartbeat after which the gateway sees them running (a run with
+# 128 saw decode-0's streams end before the kill, nothing to migrate)
+LONG_STREAM_TOKENS = 480
+
+
 def ask(http: httpx.Client, question: str, max_tokens: int = 8, system: str = SYSTEM) -> dict:
     body = {"model": "default", "messages": chat(question, system), "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
@@ -137,7 +143,7 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
     Each stream's text equals the same request run after, uninterrupted."""
     bodies = [
         {"model": "default", "messages": chat(QUESTIONS[i % 3], f"[migrate {i}] " + SYSTEM),
-         "max_tokens": 128, "ignore_eos": True,
+         "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True,
          **({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_k": 8, "seed": 11 + i})}
         for i in range(4)
     ]  # fmt: skip
@@ -152,7 +158,7 @@ def kill_decode_mid_stream(http: httpx.Client, up: Proc, workers, other: str) ->
         t.start()
     # (long enough that streams on both workers overlap however the 2 cores are shared,
     # and that decode-0's still run when the kill lands, a heartbeat after the gateway saw
-    # them: on 2 cores that was 0.25-0.45 s in, with at most 14 of the 128 tokens sent)
+    # them: on 2 cores that was 0.25-0.45 s in, with at most 14 tokens sent)
     wait(lambda: sum(p[0] >= 2 for p in progress) >= 2 and workers()["decode-0"].get(
         "live_requests", 0) > 0 and workers()[other].get("live_requests", 0) > 0, 120,
         "streams running on both decode workers")  # fmt: skip
@@ -291,7 +297,7 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         # 3. SIGTERM of the joined decode worker while it streams (long enough to outlast
         # the drain's notice, which takes a heartbeat, and the request sent during it)
         results: dict[str, int] = {}
-        length = 480
+        length = LONG_STREAM_TOKENS
 
         def stream(tag: str) -> None:
             body = {"model": "default", "messages": chat("Tell me about the library.",
