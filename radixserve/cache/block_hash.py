@@ -50,6 +50,38 @@ def hash_namespace(model_name: str, salt: str = "") -> bytes:
     return digest.digest()
 
 
+def cache_scope(*, tenant: str = "", group: str = "", salt: str = "") -> str:
+    """The canonical scope of a request's KV inside one model identity.
+
+    Requests share cached pages only if their scopes are equal. Each component is
+    domain-tagged and length-prefixed, so a salt can never equal a tenant or a group
+    (``cache_scope(salt="tenant:x") != cache_scope(tenant="x")``). A tenant that joined
+    a shared ``group`` is scoped by the group instead of its own name. All empty: the
+    default scope (the engine's own namespace, what a single-tenant deployment uses).
+    """
+    owner = ("group", group) if group else ("tenant", tenant) if tenant else None
+    parts = [owner] if owner else []
+    if salt:
+        parts.append(("salt", salt))
+    return "".join(f"{tag}:{len(value)}:{value};" for tag, value in parts)
+
+
+_SCOPE_DOMAIN = b"radixserve.scope.v1"
+
+
+def scoped_namespace(root: bytes, scope: str) -> bytes:
+    """The namespace of pages computed under ``scope`` (`cache_scope`) by the weights
+    whose namespace is ``root`` (`hash_namespace`). The default scope ("") is ``root``
+    itself, so a single-tenant deployment names its pages as before."""
+    if not scope:
+        return root
+    digest = hashlib.sha256(_SCOPE_DOMAIN)
+    digest.update(len(root).to_bytes(4, "big"))
+    digest.update(root)
+    digest.update(scope.encode("utf-8"))
+    return digest.digest()
+
+
 def page_hashes(
     token_ids: Sequence[int],
     page_size: int,

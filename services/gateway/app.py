@@ -33,6 +33,7 @@ from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
 from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.engine_client import EngineClient
+from radixserve.services.gateway.tenants import ANONYMOUS, Principal
 from radixserve.services.gateway.errors import (
     OpenAIError,
     error_body,
@@ -168,12 +169,14 @@ class Gateway:
         self.in_flight -= count
         self.metrics.queue_depth.set(self.in_flight)
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> Principal:
+        """The caller's `Principal` (401 without a valid key when keys are configured)."""
         if not self.settings.api_keys:
-            return
+            return ANONYMOUS
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if not (scheme.lower() == "bearer" and self.accepts(token.strip())):
             raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+        return ANONYMOUS
 
     def accepts(self, key: str) -> bool:
         """Whether ``key`` is one of the API keys (compared in constant time)."""
