@@ -42,7 +42,7 @@ from radixserve.bench.chaos_schedule import KINDS, TP_KINDS, build_schedule
 from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.workload import MultiTurnSize, MultiTurnWorkload, build_multi_turn
 from radixserve.engine.engine import Engine
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def cluster_config(options: ChaosOptions) -> ClusterConfig:
         num_decode=options.num_decode,
         decode_tp=options.decode_tp,
         transport=options.transport,
-        port=free_port(),
+        port=0,
         host_tier_gib=options.kv_cache_gib,
         engine_env={
             # answers are checked token for token, and a migrated stream recomputes its

@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from radixserve.bench.random_checkpoint import random_checkpoint
 from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.page_proof import chain_proofs
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.engine import Engine
 from radixserve.model.model_files import open_model
@@ -102,16 +103,20 @@ async def client_of(
         context.term()
 
 
-async def fill(service: KVStoreService, prefixes: list[list[int]]) -> None:
-    """Random pages for every prefix's hashes, written through the host tier to disk."""
+async def fill(
+    service: KVStoreService, prompts: list[list[int]], prefixes: list[list[int]], namespace: bytes
+) -> None:
+    """Random pages for every prefix's hashes (with the tokens they are hashed from),
+    written through the host tier to disk."""
     host, disk = service.host, service.disk
     assert host is not None and host.index is not None and host.kv is not None
     assert disk is not None
-    for hashes in prefixes:
+    for prompt, hashes in zip(prompts, prefixes):
+        proofs = chain_proofs(namespace, None, prompt[: len(hashes) * PAGE], hashes)
         reserved = host.index.reserve(hashes)  # evicts the prefix before: towards the disk
         for _, page in reserved:
             host.kv[:, :, page].normal_()
-        host.index.commit([hashes[i] for i, _ in reserved])
+        host.index.commit([hashes[i] for i, _ in reserved], [proofs[i] for i, _ in reserved])
         while not disk.idle:  # the evicted prefix written before the next evicts this one
             await asyncio.sleep(0.01)
     await disk.flush(host.index, 600)
@@ -161,7 +166,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
                 while not service.disk.ready:  # the rebuild from the files
                     await asyncio.sleep(0.01)
                 if r == 0:
-                    await fill(service, prefixes)
+                    await fill(service, prompts, prefixes, namespace)
                 await load(client, "warm-up", prompts[0], prefixes[0])  # connects the agents
                 for i in range(1, args.prefixes):
                     await released(service)  # the lease before: its pages may be evicted

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from radixserve.bench.local_cluster import LocalCluster
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 
 SYSTEM = (
     "You are the support assistant of Northwind Telecom. Be brief and friendly; answer in "
@@ -180,7 +180,7 @@ def run_gateway_bench(quick: bool = False, out_path: str | None = None) -> int:
         env = dict(engine_env)
         if not cache:
             env["RADIXSERVE_PREFIX_CACHE"] = "false"
-        return ClusterConfig(port=free_port(), engine_env=env, num_threads=threads)
+        return ClusterConfig(port=0, engine_env=env, num_threads=threads)
 
     print("gateway bench: cluster with the prefix cache ON ...", file=sys.stderr)
     on, answers, decode_on = _run_conversation(config(True), system, turns, max_tokens, None)

@@ -3,6 +3,7 @@ benchmarks and the cluster tests, supervised from the calling thread."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -33,11 +34,12 @@ class LocalCluster:
         restart_backoff_s: float = 0.2,
         startup_timeout_s: float = 180.0,
     ) -> None:
-        self.config = config
-        self.url = config.url
         keys = json.loads(config.gateway_env.get("RADIXSERVE_GATEWAY_API_KEYS", "[]"))
-        self.api_key: str | None = keys[0] if keys else None  # what /debug/cache is asked with
+        admins = [k["key"] for k in keys if isinstance(k, dict) and k.get("role") == "admin"]
+        self.api_key: str | None = admins[0] if admins else None  # what /debug/cache is asked with
         self.processes = build_cluster(config, restart_backoff_s=restart_backoff_s)
+        self.url = self.processes.url  # with port 0, the port bound
+        self.config = dataclasses.replace(config, port=int(self.url.rsplit(":", 1)[1]))
         self.supervisor = self.processes.supervisor
         try:
             self.supervisor.start()

@@ -73,7 +73,7 @@ from radixserve.bench.workload import (
     build_multi_turn,
     build_rag,
 )
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 
 
 class PeerClient(Client):
@@ -146,7 +146,7 @@ def cluster_target(options: PeerOptions, mode: str) -> Target:
 
     @contextlib.contextmanager
     def start() -> Iterator[Deployment]:
-        config = ClusterConfig(port=free_port(), engine_env=env)
+        config = ClusterConfig(port=0, engine_env=env)
         with LocalCluster(config) as cluster:
             yield Deployment(cluster.url, cluster_settings(config))
 

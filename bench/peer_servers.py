@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,6 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from radixserve.launch.cluster import free_port
 from radixserve.launch.deathsig import pdeathsig_preexec  # SIGTERM to the child if we die
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,16 @@ class ServerError(RuntimeError):
     """A peer did not start (its log's tail says why)."""
 
 
+def _unused_port() -> int:
+    """A loopback port nothing holds now, for a peer server: another program that takes
+    a port number only, and cannot inherit a bound socket as radixserve's services do
+    (`radixserve.launch.listeners`). Something may take the port before the peer binds
+    it: `ServerProcess` then starts it again on another."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class ServerProcess:
     """One peer as a child process on a free loopback port: ``with`` starts it and waits
     until it has answered a one-token completion; leaving the block stops it."""
@@ -213,7 +223,15 @@ class ServerProcess:
         self.stop()
 
     def _start(self, argv: tuple[str, ...]) -> None:
-        port = free_port()
+        for attempt in range(3):
+            try:
+                self._start_on(argv, _unused_port())
+                return
+            except ServerError as exc:  # its port taken before it bound it: another one
+                if "already in use" not in str(exc).lower() or attempt == 2:
+                    raise
+
+    def _start_on(self, argv: tuple[str, ...], port: int) -> None:
         self.argv = [arg.replace("{port}", str(port)) for arg in argv]
         self.url = f"http://127.0.0.1:{port}"
         with open(self.log_path, "ab") as log:

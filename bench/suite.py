@@ -86,7 +86,7 @@ from radixserve.bench.workload import (
     build_rag,
 )
 from radixserve.errors import RadixServeError
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 
 SCENARIOS = ("multi-turn", "rag")
 FLOOR_REQUESTS = 8  # at most this many delta-alone requests make the floor
@@ -334,7 +334,7 @@ def cluster_config(options: SuiteOptions, cache_on: bool) -> ClusterConfig:
         num_prefill=options.num_prefill,
         num_decode=options.num_decode,
         transport=options.transport,
-        port=free_port(),
+        port=0,
         engine_env=env,
     )
 

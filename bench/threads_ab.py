@@ -33,7 +33,7 @@ from typing import Any
 from radixserve.bench import peer
 from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.peer_report import multi_turn_stats, run_stats
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 
 POLICIES = ("shared", "split", "all")
 MODES = ("on", "busted")
@@ -49,7 +49,7 @@ def target(policy: str, mode: str) -> peer.Target:
 
     @contextlib.contextmanager
     def start() -> Iterator[peer.Deployment]:
-        config = ClusterConfig(port=free_port(), num_threads=threads_of(policy), engine_env=env)
+        config = ClusterConfig(port=0, num_threads=threads_of(policy), engine_env=env)
         with LocalCluster(config) as cluster:
             yield peer.Deployment(cluster.url, {"policy": policy, "mode": mode})
 

@@ -55,7 +55,7 @@ from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.bench.peer_report import write_json
 from radixserve.bench.report import percentile
 from radixserve.cache.kv_pool import KVPool
-from radixserve.launch.cluster import ClusterConfig, cluster_specs, free_port
+from radixserve.launch.cluster import ClusterConfig, kvstore_spec
 from radixserve.model.model_files import open_model
 
 TIERS = ("disk", "host", "device")
@@ -118,7 +118,7 @@ def run_tiers_bench(
            "RADIXSERVE_MAX_MODEL_LEN": str(max(lengths) + 512)}  # fmt: skip
     disk_dir = tempfile.mkdtemp(prefix="radixserve-tiers-")
     config = ClusterConfig(
-        num_prefill=0, num_decode=1, port=free_port(), engine_env=env,
+        num_prefill=0, num_decode=1, port=0, engine_env=env,
         num_threads=os.cpu_count() or 1, host_tier_gib=round(pool_pages / 4 * gib, 6),
         disk_tier_dir=disk_dir, disk_tier_gib=round(2 * pool_pages * gib + 0.01, 6),
         decode_env={"RADIXSERVE_DECODE_HOST_LOAD_MIN_TOKENS": "0"},
@@ -161,10 +161,10 @@ def _restart_kvstore(cluster: LocalCluster, overlap: bool) -> None:
     again on its port and directory with ``disk_read_overlap`` = ``overlap``: its host
     memory starts empty, so every prefix not on the device comes back from disk."""
     old = cluster.workers()["kvstore"]
-    port = int(old["address"].rsplit(":", 1)[1])
+    [listener] = cluster.supervisor.spec("kvstore").sockets.values()
     env = {**cluster.config.engine_env, "RADIXSERVE_KVSTORE_DISK_READ_OVERLAP": str(overlap)}
     config = dataclasses.replace(cluster.config, engine_env=env)
-    [spec] = [s for s in cluster_specs(config, kvstore_port=port) if s.name == "kvstore"]
+    spec = kvstore_spec(config, listener.dup())  # its socket, kept: the same port
     cluster.supervisor.retire("kvstore", 60)
     cluster.wait(lambda: "kvstore" not in cluster.supervisor.names(), 90, "the kvstore to stop")
     cluster.supervisor.add(spec)

@@ -40,7 +40,8 @@ import httpx
 
 from radixserve.bench.gateway_chat import QUESTIONS, stream_turn, system_prompt
 from radixserve.bench.local_cluster import LocalCluster
-from radixserve.launch.cluster import ClusterConfig, base_env, free_port, gateway_healthy
+from radixserve.launch.cluster import ClusterConfig, base_env, gateway_healthy
+from radixserve.launch.listeners import Listener
 from radixserve.protocol import decode, encode
 from radixserve.protocol.messages import KVReady, TokenChunk
 from radixserve.services.gateway.trace_store import TraceStore
@@ -74,16 +75,18 @@ class _Sink:
 
 def _gateway(config: ClusterConfig, kvstore: str, mode: str, sink: str) -> tuple[Any, str]:
     """A gateway process of ``mode`` on the cluster's kvstore, healthy; (process, url)."""
-    port = free_port()
+    listener = Listener()  # bound here, inherited by the gateway: no port handed on
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update({k: v for k, v in base_env(config).items() if not k.startswith("OTEL_")})
-    env.update(RADIXSERVE_GATEWAY_PORT=str(port), RADIXSERVE_GATEWAY_KVSTORE=kvstore,
+    env.update(RADIXSERVE_GATEWAY_PORT=str(listener.port), RADIXSERVE_GATEWAY_KVSTORE=kvstore,
+               RADIXSERVE_GATEWAY_LISTEN_FD=str(listener.fileno()),
                RADIXSERVE_GATEWAY_TRACE_BUFFER="0" if mode == "off" else "512")  # fmt: skip
     if mode == "otlp":
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink, OTEL_BSP_SCHEDULE_DELAY="1000")
     process = subprocess.Popen([sys.executable, "-m", "radixserve.services.gateway"], env=env,
-                               stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+                               stdout=subprocess.DEVNULL, pass_fds=(listener.fileno(),))  # fmt: skip
+    listener.close()  # the gateway's copy is the one that serves
+    url = f"http://127.0.0.1:{listener.port}"
     deadline = time.monotonic() + 120
     while not gateway_healthy(url):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -172,7 +175,7 @@ def run(quick: bool) -> dict[str, Any]:
     turns, rounds, max_tokens, stores = (3, 2, 8, 6) if quick else (8, 3, 16, 28)
     sink = _Sink()
     config = ClusterConfig(
-        port=free_port(),
+        port=0,
         num_threads=max(1, (os.cpu_count() or 1) // 2),
         engine_env={
             "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.5",

@@ -15,7 +15,9 @@ radixserve_live_requests (gauges); radixserve_cache_audit_total{result} (result 
 "mismatch", "skipped": the engine's cache audit, `radixserve.engine.cache_audit`; behind
 a cluster gateway per worker, with the ``worker`` and ``role`` labels) and
 radixserve_cache_audit_fail_closed (1 while an engine serves nothing from its cache;
-per worker: radixserve_worker_audit_fail_closed).
+per worker: radixserve_worker_audit_fail_closed); radixserve_kv_identity_mismatch_total
+(per worker and the kvstore: host- or disk-tier pages refused because their stored tokens
+do not prove their hash or do not match the prompt's).
 
 Behind a disaggregated gateway the workers' own numbers arrive in their heartbeats and
 are exported per worker (labels ``worker``, ``role``): ``radixserve_worker_<key>`` for
@@ -239,7 +241,12 @@ def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
 #: the cache audit's counters in an engine's stats, by the result they count; matches
 #: are the audits checked less those that did not match
 _AUDIT_COUNTERS = ("audit_checked", "audit_mismatches", "audit_skipped")
-_NOT_EXPORTED = frozenset({"role", "address", "up", "generation", *_AUDIT_COUNTERS})
+#: a worker's (or the kvstore's) count of stored KV pages refused because their tokens
+#: did not prove their hash (`radixserve.cache.page_proof`)
+IDENTITY_MISMATCH = "kv_identity_mismatch_total"
+_NOT_EXPORTED = frozenset(
+    {"role", "address", "up", "generation", IDENTITY_MISMATCH, *_AUDIT_COUNTERS}
+)
 
 
 def _audit_results(stats: Mapping[str, Any]) -> list[tuple[str, float]]:
@@ -282,9 +289,17 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
         "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
     )
     audit = CounterMetricFamily("radixserve_cache_audit", _AUDIT_DOC, labels=[*labels, "result"])
+    mismatch = CounterMetricFamily(
+        "radixserve_kv_identity_mismatch",
+        "KV pages of the host or disk tier refused because their stored tokens do not "
+        "prove their hash or do not match the prompt's (dropped, recomputed).",
+        labels=labels,
+    )
     for name, stats in sorted(snapshot.items()):
         ids = [name, str(stats.get("role", ""))]
         up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
+        if IDENTITY_MISMATCH in stats:
+            mismatch.add_metric(ids, float(stats[IDENTITY_MISMATCH]))
         for result, count in _audit_results(stats):
             audit.add_metric([*ids, result], count)
         if "kv_transfers_total" in stats:
@@ -311,6 +326,8 @@ def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
     yield transfer
     if audit.samples:
         yield audit
+    if mismatch.samples:
+        yield mismatch
     yield from families.values()
 
 

@@ -157,6 +157,7 @@ class FakeEngine:
         host: HostPlan | None = None,
         lease_s: float | None = None,
         resume: Sequence[int] = (),
+        cache_scope: str = "",
     ) -> tuple[Admission, asyncio.Queue]:
         ids, resumed = list(prompt_ids), list(resume)
         local = lease_s is not None or bool(resumed)
@@ -169,6 +170,7 @@ class FakeEngine:
             lease_s=lease_s,
             resume=resumed,
             route=route,
+            cache_scope=cache_scope,
         )
         req = _Request(len(ids), params.max_tokens, asyncio.Queue())
         self._requests[request_id] = req

@@ -29,8 +29,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.launch.cluster import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 # source folder -> the package it installs as (pyproject.toml's package-dir)
 PACKAGE_ROOTS = {
@@ -165,13 +163,13 @@ class Up:
 def up(installed: Path, tmp_path: Path) -> Iterator[Up]:
     """`radixserve up` from the installed wheel, cwd outside the checkout. Every process
     it started is killed at the end, whatever happened."""
-    port, log = free_port(), tmp_path / "up.log"
-    cmd = [str(installed / "radixserve"), "up", "--port", str(port), "--transport", "zmq",
+    log = tmp_path / "up.log"  # --port 0: the port bound is printed (`_wait_healthy`)
+    cmd = [str(installed / "radixserve"), "up", "--port", "0", "--transport", "zmq",
            "--host-tier-gib", "0.1", "--kv-cache-gib", "0.1"]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=out,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    cluster = Up(f"http://127.0.0.1:{port}", proc, log)
+    cluster = Up("", proc, log)
     try:
         yield cluster
     finally:
@@ -188,8 +186,10 @@ def _wait_healthy(cluster: Up, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and cluster.proc.poll() is None:
         cluster.pids.update(_descendants(cluster.proc.pid))
+        if not cluster.url and "OpenAI API at " in (text := cluster.log.read_text()):
+            cluster.url = text.split("OpenAI API at ", 1)[1].split("/v1", 1)[0]
         try:
-            if httpx.get(f"{cluster.url}/health", timeout=2).status_code == 200:
+            if cluster.url and httpx.get(f"{cluster.url}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass

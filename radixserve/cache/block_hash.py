@@ -9,13 +9,14 @@ without exchanging tokens:
     h_1 = H(namespace, h_0,     tokens[P      : 2P])
     h_i = H(namespace, h_{i-1}, tokens[i*P    : (i+1)*P])
 
-    H = first 8 bytes (big-endian) of SHA-256 over
-        "radixserve.page.v1" | len(namespace) u32 BE | namespace
-        | (0x00 for the first page, or 0x01 + parent u64 BE) | tokens as u32 LE
+    H = first 16 bytes (big-endian) of SHA-256 over
+        "radixserve.page.v2" | len(namespace) u32 BE | namespace
+        | (0x00 for the first page, or 0x01 + parent u128 BE) | tokens as u32 LE
 
-Hashes are unsigned 64-bit ints so they travel in msgpack. Only whole pages are hashed:
-a trailing partial page has no hash. Never uses Python's ``hash()`` (salted per process).
-Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
+Hashes are unsigned 128-bit ints (`HASH_BYTES`): too wide for a msgpack int, they travel
+as 16 big-endian bytes each (`hashes_to_bytes`, the protocol's `HashesSpec`). Only whole
+pages are hashed: a trailing partial page has no hash. Never uses Python's ``hash()``
+(salted per process). Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from collections.abc import Sequence
 logger = logging.getLogger(__name__)
 
 _NAMESPACE_DOMAIN = b"radixserve.namespace.v1"
-_PAGE_DOMAIN = b"radixserve.page.v1"
+_PAGE_DOMAIN = b"radixserve.page.v2"
+HASH_BYTES = 16  # a page hash: the first 16 bytes of its SHA-256
+HASH_LIMIT = 1 << (8 * HASH_BYTES)
 _FIRST_PAGE_TAG = b"\x00"
 _CHILD_PAGE_TAG = b"\x01"
 # An array typecode of exactly 4 bytes ("I" on every mainstream platform).
@@ -88,7 +91,7 @@ def page_hashes(
     namespace: bytes,
     parent: int | None = None,
 ) -> list[int]:
-    """Chained hashes of the full pages of ``token_ids``, one u64 per page.
+    """Chained hashes of the full pages of ``token_ids``, one u128 per page.
 
     ``parent`` is the hash of the page just before ``token_ids[0]`` (``None`` when the
     tokens start the sequence), so hashing a sequence in pieces gives the same list as
@@ -114,8 +117,25 @@ def page_hashes(
         if prev is None:
             page_digest.update(_FIRST_PAGE_TAG)
         else:
-            page_digest.update(_CHILD_PAGE_TAG + prev.to_bytes(8, "big"))
+            page_digest.update(_CHILD_PAGE_TAG + prev.to_bytes(HASH_BYTES, "big"))
         page_digest.update(data[offset : offset + step])
-        prev = int.from_bytes(page_digest.digest()[:8], "big")
+        prev = int.from_bytes(page_digest.digest()[:HASH_BYTES], "big")
         hashes.append(prev)
     return hashes
+
+
+def hashes_to_bytes(hashes: Sequence[int]) -> bytes:
+    """``hashes`` as `HASH_BYTES` big-endian bytes each (``OverflowError`` for a value
+    outside ``[0, HASH_LIMIT)``)."""
+    return b"".join(h.to_bytes(HASH_BYTES, "big") for h in hashes)
+
+
+def hashes_from_bytes(data: bytes) -> tuple[int, ...]:
+    """The hashes packed by `hashes_to_bytes` (``ValueError`` unless ``len(data)`` is a
+    multiple of `HASH_BYTES`)."""
+    if len(data) % HASH_BYTES:
+        raise ValueError(f"{len(data)} bytes are not a whole number of {HASH_BYTES}-byte hashes")
+    view = memoryview(data)
+    return tuple(
+        int.from_bytes(view[i : i + HASH_BYTES], "big") for i in range(0, len(data), HASH_BYTES)
+    )

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
 from radixserve.cache.host_index import HostPageIndex
+from radixserve.cache.page_proof import PageProof
 
 
 class DiskPageIndex(HostPageIndex):
@@ -31,10 +32,15 @@ class DiskPageIndex(HostPageIndex):
     def __init__(self) -> None:
         super().__init__(0)
 
-    def adopt(self, num_slots: int, found: Sequence[tuple[int, int]] = ()) -> range:
+    def adopt(
+        self,
+        num_slots: int,
+        found: Sequence[tuple[int, int]] = (),
+        proofs: Sequence[PageProof] | None = None,
+    ) -> range:
         """Add ``num_slots`` slots (a new file's): those in ``found`` ((hash, slot) in
-        the order they were written, slots counted from the first new one) are stored,
-        the rest free. The new slot ids."""
+        the order they were written, slots counted from the first new one; ``proofs``
+        theirs) are stored, the rest free. The new slot ids."""
         slots, hashes = {slot for _, slot in found}, {h for h, _ in found}
         if len(slots) < len(found) or len(hashes) < len(found) or hashes & set(self._stored):
             raise ValueError("a slot or a page hash adopted twice")
@@ -43,6 +49,8 @@ class DiskPageIndex(HostPageIndex):
         first = self.num_pages
         self.num_pages += num_slots
         self._stored.update((h, first + slot) for h, slot in found)
+        if proofs is not None:
+            self._proofs.update((h, proof) for (h, _), proof in zip(found, proofs))
         self._free.extend(first + s for s in reversed(range(num_slots)) if s not in slots)
         return range(first, self.num_pages)
 
@@ -57,6 +65,7 @@ class DiskPageIndex(HostPageIndex):
             if page in self._readers:
                 raise ValueError(f"disk slot {page} is being read; release it first")
             del self._stored[h]
+            self._proofs.pop(h, None)
             self._free.append(page)
             dropped += 1
         return dropped

@@ -21,8 +21,10 @@ A page is in one of three states::
   committed) covers those pages too; one of them aborted while leased is *retiring*
   and free once its last reader is gone.
 
-An evicted page's bytes are about to be overwritten: ``on_evict(hash, page)`` is called
-first (the kvstore copies them towards the disk tier).
+An evicted page's bytes are about to be overwritten: ``on_evict(hash, page, proof)`` is
+called first (the kvstore copies them towards the disk tier). Each stored page keeps the
+`PageProof` it was committed with (its tokens and what its hash chains from), until it
+leaves the tier.
 
 Not thread-safe: the kvstore's event loop drives it.
 """
@@ -34,6 +36,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+from radixserve.cache.page_proof import PageProof
+
+EvictCallback = Callable[[int, int, PageProof | None], None]
 
 
 @dataclass
@@ -49,7 +55,7 @@ class HostPageIndex:
     TIER: ClassVar[str] = "host"  # the prefix of the stats' keys
     MIN_PAGES: ClassVar[int] = 1
 
-    def __init__(self, num_pages: int, on_evict: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, num_pages: int, on_evict: EvictCallback | None = None) -> None:
         if num_pages < self.MIN_PAGES:
             raise ValueError(f"a {self.TIER} pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
@@ -60,6 +66,7 @@ class HostPageIndex:
         self._retiring: set[int] = set()  # aborted while leased: free once unleased
         self._readers: dict[int, int] = {}  # page -> leases on it
         self._leases: dict[int, _Lease] = {}
+        self._proofs: dict[int, PageProof] = {}  # hash -> proof, of stored pages
         self._lease_ids = itertools.count(1)
         self.evictions_total = 0
         self.stored_total = 0
@@ -118,6 +125,10 @@ class HostPageIndex:
     def stored(self, page_hash: int) -> bool:
         return page_hash in self._stored
 
+    def proof(self, page_hash: int) -> PageProof | None:
+        """The proof a stored page was committed with (None: none given, or not stored)."""
+        return self._proofs.get(page_hash)
+
     def stored_pages(self) -> list[tuple[int, int]]:
         """(hash, page) of every stored page, least recently used first."""
         return list(self._stored.items())
@@ -165,10 +176,13 @@ class HostPageIndex:
             out.append((i, page))
         return out
 
-    def commit(self, page_hashes: Sequence[int]) -> None:
-        """The pages reserved for these hashes now hold their KV: make them visible."""
-        for h in page_hashes:
+    def commit(self, page_hashes: Sequence[int], proofs: Sequence[PageProof] | None = None) -> None:
+        """The pages reserved for these hashes now hold their KV (and ``proofs[i]`` is
+        what hash i is recomputed from): make them visible."""
+        for i, h in enumerate(page_hashes):
             self._stored[h] = self._writing.pop(h)
+            if proofs is not None:
+                self._proofs[h] = proofs[i]
             self.stored_total += 1
 
     def abort(self, page_hashes: Sequence[int]) -> None:
@@ -187,9 +201,10 @@ class HostPageIndex:
         for h, page in self._stored.items():  # oldest first
             if page not in self._readers:
                 del self._stored[h]
+                proof = self._proofs.pop(h, None)
                 self.evictions_total += 1
                 if self.on_evict is not None:
-                    self.on_evict(h, page)
+                    self.on_evict(h, page, proof)
                 return page
         return None
 

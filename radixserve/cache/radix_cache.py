@@ -41,6 +41,14 @@ requests whose cached prefix ran through it (``hits``, stamped with the wall-clo
 ``last_hit_s``), and the node where such a prefix ended keeps the latest few request
 ids; `note_use` does this in the walk up the path it already made, so a hit stays
 O(depth) and the memory bounded (`RECENT_IDS` ids per node).
+
+Scopes (`radixserve.cache.block_hash.scoped_namespace`): every walk takes the namespace
+its request's pages are hashed in (default: the cache's own). The root serves the
+cache's own namespace; each other namespace has a *scope root* (no key, no pages, its
+parent the root, so locks still count on the root) whose subtree holds that scope's
+pages only, so a request never matches a page computed under another scope. A scope
+root exists only while it has children or locks (a salt per request cannot grow the
+tree's memory); it is never evicted itself, and the views walk every scope.
 """
 
 from __future__ import annotations
@@ -54,13 +62,15 @@ from dataclasses import dataclass
 
 from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.page_proof import PageProof, chain_proofs
 
 logger = logging.getLogger(__name__)
 
 RECENT_IDS = 8  # request ids a node remembers (`RadixNode.recent_ids`)
 
 EventCallback = Callable[[str, list[int]], None]
-SpillCallback = Callable[[list[int], list[int]], None]  # (page hashes, page ids)
+# (page hashes, page ids, each page's proof: `radixserve.cache.page_proof`)
+SpillCallback = Callable[[list[int], list[int], list[PageProof]], None]
 
 
 class RadixNode:
@@ -81,6 +91,7 @@ class RadixNode:
         "hits",
         "last_hit_s",
         "recent_ids",
+        "namespace",
     )
 
     def __init__(
@@ -91,6 +102,7 @@ class RadixNode:
         hashes: list[int],
         parent: RadixNode | None,
         last_access: int,
+        namespace: bytes = b"",
     ) -> None:
         self.node_id = node_id
         self.key = key
@@ -109,6 +121,12 @@ class RadixNode:
         # `RECENT_IDS`; those that ended below are on the descendants): the explorer's
         # "who used this prefix", kept on one node per hit so a hit stays O(depth)
         self.recent_ids: list[str] | None = None
+        self.namespace = namespace  # what its pages are hashed in (its scope's)
+
+    @property
+    def is_root(self) -> bool:
+        """The root or a scope root: no key, no pages, never evicted."""
+        return not self.key
 
     @property
     def last_hash(self) -> int | None:
@@ -146,7 +164,8 @@ class RadixCache:
         self._write_through_uses = 0
         self._clock = itertools.count(1)  # `last_access` stamps
         self._node_ids = itertools.count(1)
-        self.root = RadixNode(next(self._node_ids), [], [], [], None, 0)
+        self.root = RadixNode(next(self._node_ids), [], [], [], None, 0, namespace)
+        self._scopes: dict[bytes, RadixNode] = {}  # namespace -> scope root (not the root's)
         self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
         self._num_cached_pages = 0
         self._num_locked_pages = 0
@@ -166,6 +185,11 @@ class RadixCache:
         return sum(1 for _ in self._nodes())
 
     @property
+    def num_scopes(self) -> int:
+        """Scope roots now held (namespaces other than the cache's own). O(1)."""
+        return len(self._scopes)
+
+    @property
     def num_locked_pages(self) -> int:
         """Pages in nodes with ``lock_ref > 0``. O(1)."""
         return self._num_locked_pages
@@ -180,22 +204,30 @@ class RadixCache:
         """Pages ``evict`` could release now. O(1)."""
         return self._num_cached_pages - self._num_locked_pages
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Find the longest cached prefix of ``token_ids`` made of whole pages.
+    def match_prefix(self, token_ids: Sequence[int], namespace: bytes | None = None) -> MatchResult:
+        """Find the longest cached prefix of ``token_ids`` made of whole pages, among the
+        pages of ``namespace`` (None: the cache's own; see the module notes on scopes).
 
-        A trailing partial page never matches. If the match ends inside a node's key,
-        that node is split so ``result.node`` ends exactly at the match (what is cached
-        does not change). Stamps ``last_access`` on the matched path; takes no
-        references and no locks. O(len(token_ids)).
+        A trailing partial page never matches; nor does anything in a scope that holds
+        nothing (the result's node is then the root, which a caller may lock). If the
+        match ends inside a node's key, that node is split so ``result.node`` ends
+        exactly at the match (what is cached does not change). Stamps ``last_access`` on
+        the matched path; takes no references and no locks. O(len(token_ids)).
         """
         tokens = token_ids if type(token_ids) is list else list(token_ids)
         limit = len(tokens) - len(tokens) % self.page_size
         self.num_matches += 1
-        node, num_tokens, pages = self._descend(tokens, limit, next(self._clock))
+        start = self._scope_root(namespace, create=False)
+        if start is None:  # a scope with nothing cached
+            return MatchResult([], self.root, 0, None)
+        node, num_tokens, pages = self._descend(start, tokens, limit, next(self._clock))
         return MatchResult(pages, node, num_tokens, node.last_hash)
 
-    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
-        """Cache ``token_ids`` (whole pages) held by ``page_ids``; return tokens already cached.
+    def insert(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], namespace: bytes | None = None
+    ) -> int:
+        """Cache ``token_ids`` (whole pages) held by ``page_ids`` in ``namespace`` (None:
+        the cache's own); return tokens already cached there.
 
         For the uncached tail the tree takes one reference on each given page and
         hashes it. For the cached head it keeps its own pages and ignores the given ones;
@@ -203,17 +235,19 @@ class RadixCache:
         which frees those duplicates. Raises ``ValueError`` if
         ``len(token_ids) != len(page_ids) * page_size``.
         """
-        return self._insert(list(token_ids), page_ids)[1]
+        return self._insert(list(token_ids), page_ids, namespace)[1]
 
-    def insert_path(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> MatchResult:
+    def insert_path(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], namespace: bytes | None = None
+    ) -> MatchResult:
         """`insert`, returning the cached path of ``token_ids`` afterwards: its canonical
         pages and the node ending there (what a running request re-points at), from the
         same walk."""
-        node, _, pages = self._insert(list(token_ids), page_ids)
+        node, _, pages = self._insert(list(token_ids), page_ids, namespace)
         return MatchResult(pages, node, len(token_ids), node.last_hash)
 
     def _insert(
-        self, tokens: list[int], page_ids: Sequence[int]
+        self, tokens: list[int], page_ids: Sequence[int], namespace: bytes | None
     ) -> tuple[RadixNode, int, list[int]]:
         """Insert; (the node ending at ``tokens``' end, tokens already cached, the path's
         pages)."""
@@ -222,12 +256,33 @@ class RadixCache:
                 f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self.page_size}"
             )
         tick = next(self._clock)
-        node, num_cached, pages = self._descend(tokens, len(tokens), tick)
+        # no tokens: nothing to hang anywhere (a scope without pages gets no scope root)
+        start = self._scope_root(namespace, create=bool(tokens)) or self.root
+        node, num_cached, pages = self._descend(start, tokens, len(tokens), tick)
         if num_cached < len(tokens):
             new_pages = list(page_ids[num_cached // self.page_size :])
             node = self._add_leaf(node, tokens[num_cached:], new_pages, tick)
             pages = pages + new_pages
         return node, num_cached, pages
+
+    def _scope_root(self, namespace: bytes | None, create: bool) -> RadixNode | None:
+        """Where the pages of ``namespace`` hang: the root for the cache's own, else its
+        scope root (made if ``create``; None if it has none)."""
+        if namespace is None or namespace == self.namespace:
+            return self.root
+        scope = self._scopes.get(namespace)
+        if scope is None and create:
+            scope = RadixNode(next(self._node_ids), [], [], [], self.root, 0, namespace)
+            self._scopes[namespace] = scope
+        return scope
+
+    def _prune_scope(self, node: RadixNode) -> None:
+        """Forget ``node`` if it is a scope root with no children and no locks."""
+        if node is self.root or not node.is_root or node.children or node.lock_ref:
+            return
+        del self._scopes[node.namespace]
+        node.parent = None
+        self.version += 1  # a match that ended on it is stale
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and all its ancestors from eviction until ``unlock(node)``."""
@@ -250,11 +305,13 @@ class RadixCache:
         current: RadixNode | None = node
         while current is not None:
             current.lock_ref -= 1
+            parent = current.parent
             if current.lock_ref == 0:
                 self._num_locked_pages -= len(current.page_ids)
-                if not current.children and current is not self.root:
+                if not current.children and not current.is_root:
                     self._evictable.add(current)
-            current = current.parent
+                self._prune_scope(current)
+            current = parent
 
     def evict(self, num_pages: int) -> int:
         """Remove least-recently-used unlocked leaves until ``num_pages`` pages are released.
@@ -272,7 +329,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             if self._on_spill is not None and not node.written:
-                self._on_spill(list(node.page_hashes), list(node.page_ids))
+                self._on_spill(list(node.page_hashes), list(node.page_ids), _proofs(node))
             released += self._remove_leaf(node)
             if parent in self._evictable:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
@@ -302,13 +359,13 @@ class RadixCache:
         """A request (``request_id``) starts from the cached prefix ending at ``node``:
         count the hit on the path (its hit count and time, the id on ``node``) and write
         the prefix through once its uses reach the threshold. O(depth)."""
-        if node is self.root:
+        if node.is_root:
             return
         self._check_attached(node)
         now = time.time()
         threshold = self._write_through_uses
         current: RadixNode | None = node
-        while current is not None and current is not self.root:
+        while current is not None and not current.is_root:
             current.hits += 1
             current.last_hit_s = now
             if threshold >= 1:
@@ -329,7 +386,7 @@ class RadixCache:
         below: dict[int, int] = {}
         for node in reversed(list(self._nodes())):  # children before their parents
             below[id(node)] = len(node.page_ids) + sum(below[id(c)] for c in node.children.values())
-        heap = [(-below[id(c)], c.node_id, c) for c in self.root.children.values()]
+        heap = [(-below[id(c)], c.node_id, c) for c in self._top_nodes()]
         heapq.heapify(heap)
         chosen: list[tuple[RadixNode, int]] = []
         while heap and len(chosen) < max_nodes:
@@ -344,7 +401,7 @@ class RadixCache:
         assert self._on_spill is not None
         path: list[RadixNode] = []
         current: RadixNode | None = node
-        while current is not None and current is not self.root:
+        while current is not None and not current.is_root:
             if not current.written:
                 path.append(current)
             current = current.parent
@@ -352,19 +409,33 @@ class RadixCache:
             return
         hashes: list[int] = []
         pages: list[int] = []
+        proofs: list[PageProof] = []
         for current in reversed(path):
             current.written = True
             hashes.extend(current.page_hashes)
             pages.extend(current.page_ids)
-        self._on_spill(hashes, pages)
+            proofs.extend(_proofs(current))
+        self._on_spill(hashes, pages, proofs)
 
     def all_page_hashes(self) -> list[int]:
         """Every cached page's hash, parents before children (a snapshot for a resync)."""
         return [h for node in self._nodes() for h in node.page_hashes]
 
+    def roots(self) -> list[RadixNode]:
+        """The root, then every scope root (each a namespace's tree; `RadixNode.namespace`)."""
+        return [self.root, *self._scopes.values()]
+
+    def _top_nodes(self) -> list[RadixNode]:
+        """The children of the root and of every scope root: each scope's first nodes."""
+        tops = list(self.root.children.values())
+        for scope in self._scopes.values():
+            tops.extend(scope.children.values())
+        return tops
+
     def _nodes(self) -> Iterator[RadixNode]:
-        """Every node but the root, each before its children (depth first)."""
-        stack = list(self.root.children.values())
+        """Every node but the root and the scope roots, each before its children (depth
+        first), every scope's."""
+        stack = self._top_nodes()
         while stack:
             node = stack.pop()
             yield node
@@ -380,14 +451,17 @@ class RadixCache:
         root = self.root
         if root.key or root.page_ids or root.page_hashes or root.parent is not None:
             raise AssertionError("root must be empty and parentless")
+        if root.namespace != self.namespace:
+            raise AssertionError("the root's namespace is not the cache's")
+        self._check_scopes()
         owned: set[int] = set()
         locked_pages = 0
         evictable: set[RadixNode] = set()
-        for node in [root, *self._nodes()]:
+        for node in [root, *self._scopes.values(), *self._nodes()]:
             self._check_node(node, owned)
             if node.lock_ref > 0:
                 locked_pages += len(node.page_ids)
-            elif not node.children and node is not root:
+            elif not node.children and not node.is_root:
                 evictable.add(node)
         if len(owned) != self._num_cached_pages:
             raise AssertionError(f"{len(owned)} pages owned, counter {self._num_cached_pages}")
@@ -396,23 +470,37 @@ class RadixCache:
         if evictable != self._evictable:
             raise AssertionError("evictable-leaf set disagrees with the tree")
 
+    def _check_scopes(self) -> None:
+        """The scope roots' part of ``check_integrity``: each is an empty node under the
+        root, of its own namespace, kept only while it has children or locks."""
+        for namespace, scope in self._scopes.items():
+            if scope.key or scope.page_ids or scope.parent is not self.root:
+                raise AssertionError(f"scope root {scope!r} is not an empty node under the root")
+            if scope.namespace != namespace or namespace == self.namespace:
+                raise AssertionError(f"scope root {scope!r} is filed under another namespace")
+            if not scope.children and not scope.lock_ref:
+                raise AssertionError(f"scope root {scope!r} is kept with nothing under it")
+            if scope.last_access > self.root.last_access:
+                raise AssertionError(f"scope root {scope!r} was accessed after the root")
+
     def _check_node(self, node: RadixNode, owned: set[int]) -> None:
         """Per-node part of ``check_integrity``; adds the node's pages to ``owned``."""
         page_size = self.page_size
         num_pages = len(node.page_ids)
-        if node is not self.root and (not node.key or len(node.key) % page_size):
+        if not node.is_root and len(node.key) % page_size:
             raise AssertionError(f"{node!r} key of {len(node.key)} tokens is not page-aligned")
         if num_pages * page_size != len(node.key) or len(node.page_hashes) != num_pages:
             raise AssertionError(f"{node!r} key, page_ids and page_hashes disagree")
-        if node.own_locks < 0 or node.lock_ref != node.own_locks + sum(
-            child.lock_ref for child in node.children.values()
-        ):
+        below = [*node.children.values(), *(self._scopes.values() if node is self.root else ())]
+        if node.own_locks < 0 or node.lock_ref != node.own_locks + sum(c.lock_ref for c in below):
             raise AssertionError(f"{node!r} breaks lock_ref == own_locks + children's")
         for first_page, child in node.children.items():
             if child.parent is not node or tuple(child.key[:page_size]) != first_page:
                 raise AssertionError(f"{child!r} is keyed or linked wrongly under {node!r}")
             if child.last_access > node.last_access:
                 raise AssertionError(f"{child!r} was accessed after its parent")
+            if child.namespace != node.namespace:
+                raise AssertionError(f"{child!r} is in another scope than its parent {node!r}")
         for page in node.page_ids:
             if page in owned:
                 raise AssertionError(f"page {page} is owned twice")
@@ -420,20 +508,23 @@ class RadixCache:
                 raise AssertionError(f"owned page {page} is free in the allocator")
             owned.add(page)
         parent_hash = node.parent.last_hash if node.parent is not None else None
-        expected = page_hashes(node.key, page_size, self.namespace, parent_hash)
+        expected = page_hashes(node.key, page_size, node.namespace, parent_hash)
         if node.page_hashes != expected:
             raise AssertionError(f"{node!r} page hashes differ from a recomputation")
 
     def _descend(
-        self, tokens: list[int], limit: int, tick: int
+        self, start: RadixNode, tokens: list[int], limit: int, tick: int
     ) -> tuple[RadixNode, int, list[int]]:
-        """Walk the longest cached prefix of ``tokens[:limit]`` (limit page-aligned).
+        """Walk the longest cached prefix of ``tokens[:limit]`` (limit page-aligned) down
+        from ``start`` (the root or a scope root).
 
         Splits the last node if the match ends inside it and stamps ``tick`` on the
-        path. Returns (deepest node, matched token count, matched page ids).
+        path (the root included). Returns (deepest node, matched token count, matched
+        page ids).
         """
         page_size = self.page_size
-        node = self.root
+        self.root.last_access = tick
+        node = start
         node.last_access = tick
         pos = 0
         pages: list[int] = []
@@ -495,6 +586,7 @@ class RadixCache:
             node.page_hashes[:num_pages],
             parent,
             node.last_access,
+            node.namespace,
         )
         upper.lock_ref = node.lock_ref
         upper.uses, upper.written = node.uses, node.written
@@ -513,9 +605,9 @@ class RadixCache:
         """Attach a new unlocked leaf, taking one reference on each of its pages."""
         if len(set(pages)) != len(pages):
             raise ValueError("the same page id is given for two pages")
-        hashes = page_hashes(key, self.page_size, self.namespace, parent.last_hash)
+        hashes = page_hashes(key, self.page_size, parent.namespace, parent.last_hash)
         self._allocator.incref(pages)
-        leaf = RadixNode(next(self._node_ids), key, pages, hashes, parent, tick)
+        leaf = RadixNode(next(self._node_ids), key, pages, hashes, parent, tick, parent.namespace)
         parent.children[tuple(key[: self.page_size])] = leaf
         self._evictable.discard(parent)
         self._evictable.add(leaf)
@@ -548,12 +640,19 @@ class RadixCache:
         self._num_cached_pages -= len(node.page_ids)
         self.version += 1
         self._allocator.decref(node.page_ids)
-        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+        if not parent.is_root and not parent.children and parent.lock_ref == 0:
             self._evictable.add(parent)
+        self._prune_scope(parent)
         if self._on_event is not None:
             self._on_event("removed", list(node.page_hashes))
         return len(node.page_ids)
 
     def _check_attached(self, node: RadixNode) -> None:
-        if node is not self.root and node.parent is None:
+        if node is not self.root and node.parent is None:  # a pruned scope root too
             raise ValueError(f"{node!r} is no longer in the tree (evicted)")
+
+
+def _proofs(node: RadixNode) -> list[PageProof]:
+    """What each of ``node``'s page hashes is recomputed from (for the host tier)."""
+    parent = node.parent.last_hash if node.parent is not None else None
+    return chain_proofs(node.namespace, parent, node.key, node.page_hashes)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from radixserve.errors import RequestError
@@ -57,8 +58,20 @@ def _fraction(text: str) -> float:
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 
+def auth_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the gateway: `radixserve serve`, `up` and `gateway`."""
+    p.add_argument("--api-key-file", type=Path, metavar="FILE",
+                   help="file of accepted API keys (RADIXSERVE_GATEWAY_API_KEYS_FILE): a JSON "
+                   'list of keys or {"key", "tenant", "role", "cache_group"} entries, or one '
+                   "key per line")  # fmt: skip
+    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                   help="serve a non-loopback --host with no API keys (anyone who reaches it "
+                   "may use every route); without it such a gateway refuses to start")  # fmt: skip
+
+
 def gateway_args(p: argparse.ArgumentParser) -> None:
     """The gateway's own flags, the same on `radixserve serve` and `radixserve up`."""
+    auth_args(p)
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -268,11 +281,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser",
             "response_store_size", "response_store_ttl_s", "explorer_prompt_text",
-            "trace_buffer")  # fmt: skip
+            "trace_buffer", "api_key_file", "allow_unauthenticated")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
     gateway_settings = GatewaySettings(**overrides)  # validate before the (slow) model load
+    gateway_settings.require_secure()
     engine_settings = build_settings(args)
     client = LocalEngineClient(AsyncEngine(engine_settings))  # built on its thread
     print(
@@ -303,7 +317,11 @@ def add_commands(sub: Any) -> None:
     srv.add_argument("--host", help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="listen port (default 8000)")
     srv.add_argument(
-        "--api-key", action="append", dest="api_keys", help="accepted key (repeatable)"
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        help="accepted key, 16+ characters, a tenant of its own with role user (repeatable; "
+        "tenants and admin keys: --api-key-file or RADIXSERVE_GATEWAY_API_KEYS)",
     )
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
     gateway_args(srv)

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from radixserve.cli.engine import (
+    auth_args,
     engine_args,
     engine_env,
     gateway_args,
@@ -42,8 +43,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     store = {key: getattr(args, key)
              for key in ("response_store_size", "response_store_ttl_s", "trace_buffer")
              if getattr(args, key) is not None}  # fmt: skip
-    GatewaySettings(**store)  # a bad bound is refused by name before any process starts
     gateway_env.update({f"RADIXSERVE_GATEWAY_{k.upper()}": str(v) for k, v in store.items()})
+    auth = _gateway_auth(args)
+    # a bad bound, a bad key or an unauthenticated non-loopback host is refused by name
+    # before any process starts (the gateway reads RADIXSERVE_GATEWAY_API_KEYS itself)
+    GatewaySettings(host=args.host, **store, **auth).require_secure()
+    if "api_key_file" in auth:
+        gateway_env["RADIXSERVE_GATEWAY_API_KEYS_FILE"] = str(auth["api_key_file"].resolve())
+    if auth.get("allow_unauthenticated"):
+        gateway_env["RADIXSERVE_GATEWAY_ALLOW_UNAUTHENTICATED"] = "true"
     try:
         config = ClusterConfig(
             num_prefill=args.prefill,
@@ -73,12 +81,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"(KV transfer over {config.transport}) ...",
         flush=True,
     )
-    cluster = build_cluster(config, control_port=args.control_port)
+    try:  # every listening socket is bound here, before any process starts
+        cluster = build_cluster(config, control_port=args.control_port)
+    except OSError as exc:  # a port in use, by its address
+        raise UsageError(exc.strerror or str(exc)) from None
+    url = cluster.url or config.url  # with --port 0, the port bound
 
     def announce() -> None:
         print(
-            f"radixserve: cluster up. OpenAI API at {config.url}/v1 "
-            f"(metrics {config.url}/metrics, cache {config.url}/debug/cache). Ctrl-C stops it.",
+            f"radixserve: cluster up. OpenAI API at {url}/v1 "
+            f"(metrics {url}/metrics, cache {url}/debug/cache). Ctrl-C stops it.",
             flush=True,
         )
         if cluster.control is not None and cluster.kvstore is not None:
@@ -94,7 +106,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     pools = cluster.pools
     try:
         code = cluster.supervisor.run(
-            ready=lambda: gateway_healthy(config.url, 0.5),
+            ready=lambda: gateway_healthy(url, 0.5),
             on_ready=announce,
             on_poll=pools.reconcile if pools is not None else None,
         )
@@ -102,6 +114,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
     print("radixserve: cluster stopped", flush=True)
     return code
+
+
+def _gateway_auth(args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's auth flags given, as settings fields."""
+    return {key: getattr(args, key) for key in ("api_key_file", "allow_unauthenticated")
+            if getattr(args, key, None) is not None}  # fmt: skip
 
 
 def _tp(size: int) -> str:
@@ -124,7 +142,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     if args.command == "gateway":
         from radixserve.services.gateway.__main__ import main as gateway_main
 
-        return gateway_main()
+        return gateway_main(_gateway_auth(args))
     if args.command == "autoscaler":
         from radixserve.services.autoscaler.__main__ import main as autoscaler_main
 
@@ -133,6 +151,13 @@ def cmd_service(args: argparse.Namespace) -> int:
     from radixserve.runtime.worker import run_worker
 
     overrides = _service_overrides(args)
+    if args.command in ("kvstore", "prefill", "decode"):  # refused before the model loads
+        from radixserve.services.decode import DecodeSettings
+        from radixserve.services.kvstore import KVStoreSettings
+        from radixserve.services.prefill import PrefillSettings
+
+        own = {"kvstore": KVStoreSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+        own[args.command](**overrides).require_secure(args.command)
     if args.command == "kvstore":
         from radixserve.services.kvstore import KVStoreService, KVStoreSettings
 
@@ -166,7 +191,10 @@ def _check_config(args: argparse.Namespace) -> int:
 
     from radixserve.runtime.settings_check import check_config
 
-    settings = check_config(args.command, _service_overrides(args))
+    overrides = _service_overrides(args)
+    if args.command == "gateway":
+        overrides.update(_gateway_auth(args))
+    settings = check_config(args.command, overrides)
     print(json.dumps(settings, indent=2, sort_keys=True))
     return 0
 
@@ -252,7 +280,8 @@ def add_commands(sub: Any) -> None:
                     "(default 4; 0 = none)")  # fmt: skip
     disk_tier_args(up)
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-    up.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    up.add_argument("--port", type=int, default=8000,
+                    help="gateway port (default 8000; 0: any free one, printed)")  # fmt: skip
     gateway_args(up)
     up.add_argument("--local-prefill-max-tokens", type=int,
                     help="decode prefills locally when at most this many tokens are uncached")  # fmt: skip
@@ -306,6 +335,8 @@ def add_commands(sub: Any) -> None:
                                  "per visible CUDA device")  # fmt: skip
         if name == "kvstore":
             disk_tier_args(service)
+        if name == "gateway":
+            auth_args(service)
         if name in ("prefill", "decode", "kvstore"):
             service.add_argument("--name", help="name in the cluster (default <role>-<port>)")
             service.add_argument("--host", help="listen address (default 127.0.0.1)")

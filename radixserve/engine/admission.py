@@ -55,6 +55,7 @@ class HostLoad:
     head_pages: list[int]  # the device-cached head, locked through `node`
     page_ids: list[int]  # the pages the host-tier read fills, in order
     node: RadixNode
+    namespace: bytes | None = None  # the request's (`Request.namespace`)
 
 
 def choose_route(prompt_len: int, cached: int, host_tokens: int, remote_over: int | None) -> Route:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from radixserve.cache.radix_cache import SpillCallback
 from radixserve.engine.admission import Admission, HostPlan
 from radixserve.engine.engine import Engine
 from radixserve.engine.info import EngineInfo, EngineStats
@@ -114,12 +115,14 @@ class AsyncEngine:
         host: HostPlan | None = None,
         lease_s: float | None = None,
         resume: Sequence[int] = (),
+        cache_scope: str = "",
     ) -> tuple[Admission, OutputQueue]:
         """`Engine.admit` between two steps; the admission and the queue of the request's
         outputs from now on."""
         admission, out = await self.call(
             lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
-                              host=host, lease_s=lease_s, resume=resume),
+                              host=host, lease_s=lease_s, resume=resume,
+                              cache_scope=cache_scope),
             watch=request_id,
         )  # fmt: skip
         assert out is not None
@@ -173,13 +176,14 @@ class AsyncEngine:
 
     def listen_spills(
         self,
-        on_spill: Callable[[list[int], list[int]], None] | None,
+        on_spill: SpillCallback | None,
         write_through_uses: int = 0,
         buffer: torch.Tensor | None = None,
         buffer_path: str | None = None,
     ) -> None:
         """Hand pages the cache evicts (and, with ``write_through_uses``, prefixes used
-        that often) to ``on_spill(hashes, page_ids)`` on the engine thread; None stops.
+        that often) to ``on_spill(hashes, page_ids, proofs)`` on the engine thread; None
+        stops.
         Starting forgets what was handed over before (the tier it went to is new).
         ``buffer`` (whole pages; a file at ``buffer_path`` with tensor parallelism, so
         every rank maps it) is where `copy_out` copies them."""
@@ -234,12 +238,16 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_scope: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
         (e.g. InvalidRequestError) before the first output for input it can't serve.
-        `request_id` must be unique among live requests; one is made up if not given."""
+        `request_id` must be unique among live requests; one is made up if not given.
+        The request shares cached KV only within its ``cache_scope`` (`Engine.add_request`)."""
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
-        _, out = await self.call(lambda e: e.add_request(prompt, params, rid), watch=rid)
+        _, out = await self.call(
+            lambda e: e.add_request(prompt, params, rid, cache_scope), watch=rid
+        )
         assert out is not None
         async for item in self.outputs(rid, out):
             yield item

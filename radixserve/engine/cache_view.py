@@ -111,7 +111,7 @@ def _node(
     text = tokenizer.decode(node.key[:text_tokens]) if text_tokens > 0 else ""
     return CacheNodeView(
         node_id=node.node_id,
-        parent_id=parent.node_id if parent is not None and parent.parent is not None else 0,
+        parent_id=parent.node_id if parent is not None and not parent.is_root else 0,
         num_tokens=len(node.key),
         prefix_tokens=_prefix_tokens(node),
         num_pages=len(node.page_ids),

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.block_hash import hash_namespace, page_hashes, scoped_namespace
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.admission import Admission, HostLoad, HostPlan, choose_route
@@ -48,9 +48,11 @@ from radixserve.engine.structured import GuideCompiler, advance
 from radixserve.engine.tp_group import TPGroup, threads_per_rank
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
+from radixserve.model.identity import checkpoint_identity
 from radixserve.model.tp import TPShard
 from radixserve.protocol.messages import CacheTreeReply
 from radixserve.settings import EngineSettings
+from radixserve.transfer.compat import dtype_name
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -115,7 +117,8 @@ class Engine:
         self.page_size = settings.page_size
         num_pages = self.kv_pool.num_pages
         self.allocator = PageAllocator(num_pages)
-        self.namespace = hash_namespace(self.config.name, settings.cache_salt)
+        self.identity = checkpoint_identity(checkpoint, shard.plan, dtype_name(self.dtype))
+        self.namespace = hash_namespace(self.identity.key, settings.cache_salt)
         self.cache = (
             RadixCache(self.allocator, self.page_size, self.namespace)
             if settings.prefix_cache
@@ -177,8 +180,10 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None,
         request_id: str | None,
+        cache_scope: str = "",
     ) -> Request:
-        """Validate and register a request (not yet scheduled)."""
+        """Validate and register a request (not yet scheduled); its KV is shared only
+        with requests of the same ``cache_scope`` (`radixserve.cache.block_hash.cache_scope`)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt)
         if len(prompt_ids) >= self.max_model_len:
@@ -213,6 +218,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.kept_special_ids
             ),
+            cache_scope=cache_scope,
+            namespace=scoped_namespace(self.namespace, cache_scope) if cache_scope else None,
         )
         req.guide = guide
         req.forked = params.n == 1
@@ -225,9 +232,11 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_scope: str = "",
     ) -> str:
-        """Queue a request; raises RequestError subclasses for input it can never serve."""
-        req = self._new_request(prompt, params, request_id)
+        """Queue a request; raises RequestError subclasses for input it can never serve.
+        It shares cached KV only with requests of the same ``cache_scope``."""
+        req = self._new_request(prompt, params, request_id, cache_scope)
         self._queue(req)
         return req.request_id
 
@@ -243,6 +252,7 @@ class Engine:
         host: HostPlan | None = None,
         lease_s: float | None = None,
         resume: Sequence[int] = (),
+        cache_scope: str = "",
     ) -> Admission:
         """Take a request in and decide how its prompt gets its KV, in one operation
         (`radixserve.engine.admission`): queued to compute here (``local``), pages
@@ -252,11 +262,13 @@ class Engine:
         (a prefill worker) only the first token is sampled and the prompt's pages are
         kept for a reader under a lease, named in the last output (``leased_page_ids``).
         With ``resume`` (a stream migrated from a worker that died) the request continues
-        after those already-generated tokens (`_resume`); it never prefills remotely."""
+        after those already-generated tokens (`_resume`); it never prefills remotely.
+        Its KV is shared only with requests of the same ``cache_scope``: the caller's
+        ``host`` plan and a prefill worker must use the same scope."""
         if lease_s is not None:
             params = params or SamplingParams()
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        req = self._new_request(prompt, params, request_id)
+        req = self._new_request(prompt, params, request_id, cache_scope)
         req.lease_s = lease_s
         if resume:
             self._resume(req, resume)
@@ -334,7 +346,9 @@ class Engine:
             return None
         pages = self.allocator.alloc(num_pages)
         tokens = req.token_ids[: cached + num_pages * size]
-        self._host_loads[req.request_id] = HostLoad(tokens, list(match.page_ids), pages, match.node)
+        self._host_loads[req.request_id] = HostLoad(
+            tokens, list(match.page_ids), pages, match.node, req.namespace
+        )
         return list(pages)
 
     def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
@@ -347,7 +361,7 @@ class Engine:
             return
         assert self.cache is not None
         if ok:
-            self.cache.insert(load.tokens, load.head_pages + load.page_ids)
+            self.cache.insert(load.tokens, load.head_pages + load.page_ids, load.namespace)
         self.allocator.decref(load.page_ids)
         self.cache.unlock(load.node)
         req = self._requests.get(request_id)
@@ -495,7 +509,7 @@ class Engine:
         """Have ranks 1..N-1 start their KV transfer agents (`radixserve.transfer.group`):
         ``request`` as `radixserve.engine.tp_rank.run_call`'s "agent" reads it."""
         assert self.tp_group is not None, "no tensor-parallel ranks"
-        self.tp_group.call({**request, "op": "agent"})
+        self.tp_group.call({**request, "op": "agent", "identity": self.identity.digest})
 
     def set_spill_buffer(self, buffer: torch.Tensor, path: str | None) -> None:
         """Where `copy_out` copies spilled pages: a host tensor of whole pages, which
@@ -641,7 +655,8 @@ class Engine:
         """The ids and hashes of the pages ``req``'s cached prefix was read from."""
         num_pages = req.num_cached_tokens // self.page_size
         tokens = req.prompt_ids[: num_pages * self.page_size]
-        return req.page_ids[:num_pages], page_hashes(tokens, self.page_size, self.namespace)
+        namespace = req.namespace or self.namespace
+        return req.page_ids[:num_pages], page_hashes(tokens, self.page_size, namespace)
 
     def _audit_step(self) -> None:
         """The engine is idle: run one prefill chunk of the audit's shadow prefill (what a

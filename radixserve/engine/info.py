@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from radixserve.model.identity import ModelIdentity
 from radixserve.model.model_files import served_model_id
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.shards import KVShard
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What an engine serves. ``geometry`` is the page geometry peers must share (checked
+    """What an engine serves. ``identity`` names the weights, quantization, dtype and
+    adapter that compute its pages (`ModelIdentity`, part of ``hash_namespace`` and of
+    ``geometry``); ``geometry`` is the page geometry peers must share (checked
     at every handshake); ``kv`` the pool's memory, (L, 2, P, page_size, H, D), which
     transfer agents register (rank 0's heads of it, ``kv_shard``, with tensor
     parallelism: ``kv_shard.size`` ranks)."""
@@ -35,11 +38,12 @@ class EngineInfo:
     vocab_size: int
     page_size: int
     prefix_cache: bool
-    hash_namespace: bytes  # the radix cache's page-hash namespace (model and cache salt)
+    hash_namespace: bytes  # the radix cache's page-hash namespace (identity and cache salt)
     geometry: PoolCompat
     kv_shard: KVShard  # the KV heads ``kv`` holds (rank 0's, with tensor parallelism)
     kv: torch.Tensor = field(repr=False)
     tokenizer: Tokenizer = field(repr=False)
+    identity: ModelIdentity | None = None  # what computed its pages (None: not stated)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -52,11 +56,15 @@ class EngineInfo:
             prefix_cache=engine.cache is not None,
             hash_namespace=engine.namespace,
             geometry=PoolCompat.of(
-                engine.kv_pool.kv, engine.config.name, engine.config.num_kv_heads
+                engine.kv_pool.kv,
+                engine.config.name,
+                engine.config.num_kv_heads,
+                engine.identity.digest,
             ),
             kv_shard=engine.kv_shard,
             kv=engine.kv_pool.kv,
             tokenizer=engine.tokenizer,
+            identity=engine.identity,
         )
 
 

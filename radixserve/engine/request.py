@@ -15,6 +15,10 @@ Lifecycle (see docs/architecture.md §1):
 A request with ``n`` choices is a group: the first member (choice 0, internal id = the
 request id) computes the prompt; when it samples its first token it forks into n
 members that share the prompt's pages (`Scheduler.fork`), each with its own output.
+
+A request's pages are cached in its ``namespace``: the engine's own for the default
+scope (""), else the one its ``cache_scope`` names (`radixserve.cache.block_hash`), so it
+matches only pages computed under the same scope (`radixserve.cache.radix_cache`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class Request:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     group_id: str = ""  # the request id clients know; "" = request_id
+    cache_scope: str = ""  # whose KV it may share (`cache_scope`); "" = the default scope
+    namespace: bytes | None = None  # its pages' hash namespace; None = the engine's own
     index: int = 0  # the choice within its group
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
@@ -84,6 +90,8 @@ class Request:
             params=self.params,
             detokenizer=detokenizer,
             group_id=self.group_id,
+            cache_scope=self.cache_scope,
+            namespace=self.namespace,
             index=index,
             arrival_time=self.arrival_time,
             group=self.group,

@@ -146,8 +146,9 @@ class Scheduler:
         return req.num_tokens - (match.num_tokens if match is not None else 0)
 
     def match(self, req: Request) -> MatchResult | None:
-        """``req``'s longest cached prefix (never its last token: its logits are needed),
-        walked once and kept while the tree has not changed (`RadixCache.version`): the
+        """``req``'s longest cached prefix in its cache scope (`Request.namespace`;
+        never its last token: its logits are needed), walked once and kept while the
+        tree has not changed (`RadixCache.version`): the
         engine's admission, this step's short-delta check and `_admit` share one walk.
         None without a cache, for a scored prompt (it computes all of it) and while the
         cache does not serve (`serve_from_cache`)."""
@@ -155,7 +156,7 @@ class Scheduler:
             return None
         kept = req.match
         if kept is None or kept[0] != self.cache.version or kept[1] != req.num_tokens:
-            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
+            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.namespace)
             kept = req.match = (self.cache.version, req.num_tokens, match)
         return kept[2]
 
@@ -295,7 +296,8 @@ class Scheduler:
         if self.cache is not None and cache_kv:
             aligned = min(req.num_computed // self.page_size, len(req.page_ids))
             if aligned:
-                self.cache.insert(req.token_ids[: aligned * self.page_size], req.page_ids[:aligned])
+                tokens = req.token_ids[: aligned * self.page_size]
+                self.cache.insert(tokens, req.page_ids[:aligned], req.namespace)
         self.allocator.decref(req.page_ids)
         self.allocator.release(req.request_id)
         if req.locked_node is not None:
@@ -313,7 +315,7 @@ class Scheduler:
         if num_pages == 0:
             return
         tokens = req.token_ids[: num_pages * self.page_size]
-        match = self.cache.insert_path(tokens, req.page_ids[:num_pages])
+        match = self.cache.insert_path(tokens, req.page_ids[:num_pages], req.namespace)
         for i, canonical in enumerate(match.page_ids):
             mine = req.page_ids[i]
             if mine != canonical:

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -103,8 +104,9 @@ def run_call(state: RankState, request: dict) -> None:
         network = TransferNetwork(net["bind"], net["advertise"], net["port_min"],
                                   net["port_max"], keys_from(net["secret"]))  # fmt: skip
         shard = state.shard.kv_shard
+        compat = replace(state.compat, identity=request.get("identity", ""))  # rank 0's
         agent = create_agent(request["backend"], f"{request['name']}.tp{shard.rank}",
-                             state.shard.kv_pool.kv, state.compat, request["timeout_s"],
+                             state.shard.kv_pool.kv, compat, request["timeout_s"],
                              request["nixl_progress_thread"], network, shard)  # fmt: skip
         serve_rank(agent, request["endpoint"], shard.rank)
     elif op == "spill_buffer":  # rank 0's host-tier spill buffer, mapped from its file

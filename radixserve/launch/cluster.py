@@ -6,11 +6,16 @@ runs the same processes for the benchmarks and tests.)
 `cluster_specs` turns a `ClusterConfig` into one `ProcessSpec` per process — the
 kvstore, prefill workers, decode workers, then the gateway — each configured only
 through environment settings (``RADIXSERVE_*``), exactly as compose or Kubernetes would
-run them. Workers listen on free loopback ports; the gateway on ``host:port``. With the
-kvstore (the default) nobody is told another's address but the kvstore's: workers
-register there and the gateway and decode workers find them through its membership
-(`radixserve.runtime.membership`), so workers can be added and removed while it
-runs (`LocalPools`, `join_command`). Without it, the addresses are static lists.
+run them. Every listening socket of a service (the kvstore's and each worker's control
+socket, the gateway's ``host:port``, the autoscaler's HTTP port) is bound here, in the
+supervisor's process, before anything starts, and inherited by the service
+(`radixserve.launch.listeners`): ports are never probed and handed on, so two services
+cannot be given one port, and a restarted service keeps its port. Port 0 (``--port 0``,
+the tests and benchmarks) means any free port; the bound one is in
+`ClusterProcesses.url`. With the kvstore (the default) nobody is told another's address
+but the kvstore's: workers register there and the gateway and decode workers find them
+through its membership (`radixserve.runtime.membership`), so workers can be added and
+removed while it runs (`LocalPools`, `join_command`). Without it, the addresses are static lists.
 `radixserve up` runs them under a `Supervisor`: it waits for the gateway's /health
 (`gateway_healthy`), prints the URL, restarts whatever crashes and stops everything on
 Ctrl-C or SIGTERM.
@@ -30,12 +35,12 @@ import json
 import logging
 import os
 import shlex
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
 
 from radixserve.engine.cores import board_path
+from radixserve.launch.listeners import Listener
 from radixserve.launch.local_pools import LocalPools, PoolControl
 from radixserve.launch.supervisor import ProcessSpec, Supervisor
 from radixserve.launch.warm import WarmServer, available
@@ -58,7 +63,7 @@ class ClusterConfig:
     disk_tier_gib: float | None = None  # its bound (None: the kvstore's default)
     transport: str = "nixl"
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 8000  # the gateway's (0: any free port, bound by `build_cluster`)
     engine_env: dict[str, str] = field(default_factory=dict)  # RADIXSERVE_* for every worker
     prefill_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_PREFILL_*
     decode_env: dict[str, str] = field(default_factory=dict)  # extra RADIXSERVE_DECODE_*
@@ -100,13 +105,6 @@ class ClusterConfig:
         return f"http://{self.host}:{self.port}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def base_env(config: ClusterConfig) -> dict[str, str]:
     """What every process of the cluster gets: the engine settings and a thread count
     (with a core board, the most a worker takes when the others are idle)."""
@@ -135,13 +133,23 @@ def _service_spec(name: str, service: str, env: dict[str, str]) -> ProcessSpec:
     return ProcessSpec(name, [sys.executable, "-m", f"radixserve.services.{service}"], env)
 
 
+def _listening(
+    name: str, service: str, env: dict[str, str], prefix: str, listener: Listener
+) -> ProcessSpec:
+    """`_service_spec` of a service that serves on ``listener`` (``<prefix>LISTEN_FD``),
+    its ``<prefix>PORT`` the listener's port."""
+    env[f"{prefix}PORT"] = str(listener.port)
+    spec = _service_spec(name, service, env)
+    return dataclasses.replace(spec, sockets={f"{prefix}LISTEN_FD": listener})
+
+
 def worker_spec(
     config: ClusterConfig, role: str, index: int, kvstore: str | None, prefill_addrs: list[str]
 ) -> tuple[ProcessSpec, str]:
-    """Worker ``index`` of ``role`` on a free port, and its control address. With a
-    ``kvstore`` address it registers there; otherwise a decode worker is told the
-    ``prefill_addrs``."""
-    name, port, prefix = f"{role}-{index}", free_port(), f"RADIXSERVE_{role.upper()}_"
+    """Worker ``index`` of ``role`` on a loopback port bound now (its spec holds the
+    socket), and its control address. With a ``kvstore`` address it registers there;
+    otherwise a decode worker is told the ``prefill_addrs``."""
+    name, prefix, listener = f"{role}-{index}", f"RADIXSERVE_{role.upper()}_", Listener()
     extra = config.prefill_env if role == "prefill" else config.decode_env
     tp = config.prefill_tp if role == "prefill" else config.decode_tp
     env = {
@@ -149,36 +157,77 @@ def worker_spec(
         **({f"{prefix}TP": str(tp)} if tp > 1 else {}),
         **({f"{prefix}KVSTORE": kvstore} if kvstore else {}),
         f"{prefix}NAME": name,
-        f"{prefix}PORT": str(port),
         f"{prefix}TRANSFER_BACKEND": config.transport,
         **extra,
     }
     if role == "decode" and not kvstore:
         env["RADIXSERVE_DECODE_PREFILL_WORKERS"] = json.dumps(prefill_addrs)
-    return _service_spec(name, role, env), f"tcp://127.0.0.1:{port}"
+    spec = _listening(name, role, env, prefix, listener)
+    return spec, f"tcp://127.0.0.1:{listener.port}"
 
 
-def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> list[ProcessSpec]:
+def kvstore_spec(config: ClusterConfig, listener: Listener) -> ProcessSpec:
+    """The kvstore, serving on ``listener`` (its address: ``tcp://127.0.0.1:<port>``)."""
+    env = {
+        **base_env(config),
+        "RADIXSERVE_KVSTORE_NAME": "kvstore",
+        "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
+    }
+    if config.host_tier_gib is not None:
+        env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
+    if config.disk_tier_dir is not None:
+        env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"] = config.disk_tier_dir
+    if config.disk_tier_gib is not None:
+        env["RADIXSERVE_KVSTORE_DISK_TIER_GIB"] = str(config.disk_tier_gib)
+    return _listening("kvstore", "kvstore", env, "RADIXSERVE_KVSTORE_", listener)
+
+
+@dataclass
+class ClusterSockets:
+    """The listening sockets of a cluster's services whose addresses others are told:
+    the gateway's (``host:port``), the kvstore's and the autoscaler's. Port 0 is bound
+    at once; a given port by `bind` (before anything starts)."""
+
+    gateway: Listener
+    kvstore: Listener | None
+    autoscaler: Listener | None
+
+    @classmethod
+    def of(cls, config: ClusterConfig, kvstore_port: int = 0) -> ClusterSockets:
+        return cls(
+            gateway=Listener(config.host, config.port),
+            kvstore=Listener("127.0.0.1", kvstore_port) if config.kvstore else None,
+            autoscaler=_autoscaler_listener(config) if config.autoscale else None,
+        )
+
+    def bind(self) -> None:
+        """Bind every socket (`OSError` naming the address of one that cannot be)."""
+        for listener in (self.gateway, self.kvstore, self.autoscaler):
+            if listener is not None:
+                listener.bind()
+
+
+def _autoscaler_listener(config: ClusterConfig) -> Listener:
+    """The autoscaler's HTTP socket, where its settings say (``autoscaler_env``, else
+    this process's environment; default 127.0.0.1:8090, 0 = any free port)."""
+    env = {**os.environ, **config.autoscaler_env}
+    host = env.get("RADIXSERVE_AUTOSCALER_HOST", "127.0.0.1")
+    return Listener(host, int(env.get("RADIXSERVE_AUTOSCALER_PORT", "8090")))
+
+
+def cluster_specs(
+    config: ClusterConfig, kvstore_port: int | None = None, sockets: ClusterSockets | None = None
+) -> list[ProcessSpec]:
     """The processes of the cluster, the kvstore and workers first, each with its own
-    environment (``kvstore_port``: where the kvstore listens; default a free port)."""
+    environment and listening socket (``sockets``: those of the gateway, kvstore and
+    autoscaler, default `ClusterSockets.of` ``config``, the kvstore on ``kvstore_port``
+    or any free port). The autoscaler is not among them (`autoscaler_spec`)."""
+    sockets = sockets or ClusterSockets.of(config, kvstore_port or 0)
     specs: list[ProcessSpec] = []
     kvstore: str | None = None
-    if config.kvstore:
-        port = kvstore_port or free_port()
-        env = {
-            **base_env(config),
-            "RADIXSERVE_KVSTORE_NAME": "kvstore",
-            "RADIXSERVE_KVSTORE_PORT": str(port),
-            "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
-        }
-        if config.host_tier_gib is not None:
-            env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
-        if config.disk_tier_dir is not None:
-            env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"] = config.disk_tier_dir
-        if config.disk_tier_gib is not None:
-            env["RADIXSERVE_KVSTORE_DISK_TIER_GIB"] = str(config.disk_tier_gib)
-        specs.append(_service_spec("kvstore", "kvstore", env))
-        kvstore = f"tcp://127.0.0.1:{port}"
+    if sockets.kvstore is not None:
+        specs.append(kvstore_spec(config, sockets.kvstore))
+        kvstore = f"tcp://127.0.0.1:{sockets.kvstore.port}"
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for i in range(count):
@@ -188,18 +237,21 @@ def cluster_specs(config: ClusterConfig, kvstore_port: int | None = None) -> lis
     env = {
         **base_env(config),
         "RADIXSERVE_GATEWAY_HOST": config.host,
-        "RADIXSERVE_GATEWAY_PORT": str(config.port),
         **({"RADIXSERVE_GATEWAY_KVSTORE": kvstore} if kvstore else {}),
         **config.gateway_env,
     }
-    autoscaler_port = config.autoscaler_env.get("RADIXSERVE_AUTOSCALER_PORT", "8090")
-    if config.autoscale and autoscaler_port != "0":  # its decisions, on the gateway's /explorer
-        env.setdefault("RADIXSERVE_GATEWAY_AUTOSCALER_URL", f"http://127.0.0.1:{autoscaler_port}")
+    if sockets.autoscaler is not None:  # its decisions, on the gateway's /explorer
+        env.setdefault("RADIXSERVE_GATEWAY_AUTOSCALER_URL", _url(sockets.autoscaler))
     if not kvstore:
         env["RADIXSERVE_GATEWAY_DECODE_WORKERS"] = json.dumps(addresses["decode"])
         env["RADIXSERVE_GATEWAY_PREFILL_WORKERS"] = json.dumps(addresses["prefill"])
-    specs.append(_service_spec("gateway", "gateway", env))
+    specs.append(_listening("gateway", "gateway", env, "RADIXSERVE_GATEWAY_", sockets.gateway))
     return specs
+
+
+def _url(listener: Listener) -> str:
+    host = "127.0.0.1" if listener.host in ("0.0.0.0", "") else listener.host
+    return f"http://{host}:{listener.port}"
 
 
 def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> str:
@@ -223,8 +275,11 @@ def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> 
     return " ".join([*env, shlex.join(argv)])
 
 
-def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
-    """The autoscaler, sizing this cluster's pools through its control API (``local``)."""
+def autoscaler_spec(
+    config: ClusterConfig, control_url: str, listener: Listener | None = None
+) -> ProcessSpec:
+    """The autoscaler, sizing this cluster's pools through its control API (``local``),
+    its HTTP side on ``listener`` (default: bound on the port its settings give)."""
     env = {
         **base_env(config),
         "RADIXSERVE_AUTOSCALER_CONNECTOR": "local",
@@ -232,7 +287,8 @@ def autoscaler_spec(config: ClusterConfig, control_url: str) -> ProcessSpec:
         "RADIXSERVE_AUTOSCALER_GATEWAY_URL": config.url,
         **config.autoscaler_env,
     }
-    return _service_spec("autoscaler", "autoscaler", env)
+    listener = listener or _autoscaler_listener(config)
+    return _listening("autoscaler", "autoscaler", env, "RADIXSERVE_AUTOSCALER_", listener)
 
 
 @dataclass
@@ -246,6 +302,8 @@ class ClusterProcesses:
     control: PoolControl | None
 
     core_board: str | None = None  # removed at stop
+    url: str = ""  # the gateway's, on the port bound (``http://host:port``)
+    autoscaler_url: str | None = None  # the autoscaler's HTTP side (/health, /metrics)
 
     def stop(self) -> None:
         self.supervisor.stop()
@@ -260,21 +318,25 @@ def build_cluster(
     config: ClusterConfig, restart_backoff_s: float = 1.0, control_port: int = 0
 ) -> ClusterProcesses:
     """The supervisor of ``config``'s processes (not started) with its pools and control
-    API (started) when the cluster has a kvstore. Without ``num_threads`` the workers
+    API (started) when the cluster has a kvstore. Every listening socket is bound first:
+    a port in use is an `OSError` naming it, before any process starts; with port 0
+    the gateway's port is the one bound (``url``). Without ``num_threads`` the workers
     share the cores through a core board in the temporary directory."""
+    sockets = ClusterSockets.of(config)
+    sockets.bind()
+    config = dataclasses.replace(config, port=sockets.gateway.port)
     board = None
     if config.num_threads is None and config.core_board is None:
         board = board_path(tempfile.gettempdir(), f"{os.getpid()}-{config.port}")
         config = dataclasses.replace(config, core_board=board)
-    kvstore_port = free_port() if config.kvstore else None
     supervisor = Supervisor(
-        cluster_specs(config, kvstore_port),
+        cluster_specs(config, sockets=sockets),
         restart_backoff_s=restart_backoff_s,
         warm=WarmServer(WARM_SERVICES) if available() else None,
     )
-    if kvstore_port is None:
-        return ClusterProcesses(supervisor, None, None, None, board)
-    kvstore = f"tcp://127.0.0.1:{kvstore_port}"
+    if sockets.kvstore is None:
+        return ClusterProcesses(supervisor, None, None, None, board, config.url)
+    kvstore = f"tcp://127.0.0.1:{sockets.kvstore.port}"
 
     def spawn(role: str, index: int) -> ProcessSpec:
         return worker_spec(config, role, index, kvstore, [])[0]
@@ -283,9 +345,11 @@ def build_cluster(
     pools = LocalPools(supervisor, initial, spawn, config.drain_timeout_s)
     control = PoolControl(pools, port=control_port)
     control.start()
-    if config.autoscale:
-        supervisor.add(autoscaler_spec(config, control.url))
-    return ClusterProcesses(supervisor, kvstore, pools, control, board)
+    scaler = None
+    if sockets.autoscaler is not None:
+        supervisor.add(autoscaler_spec(config, control.url, sockets.autoscaler))
+        scaler = _url(sockets.autoscaler)
+    return ClusterProcesses(supervisor, kvstore, pools, control, board, config.url, scaler)
 
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:

@@ -29,6 +29,11 @@ Contracts:
     timeout_s)` sends it SIGTERM (a worker drains, then exits 0), never restarts it,
     SIGKILLs its group if it is still running after `timeout_s`, and forgets it once it
     has exited (its exit code stays in `retired`).
+  * A spec's `sockets` (setting name -> `Listener`, `radixserve.launch.listeners`) are
+    listening sockets the supervisor holds and the process inherits, the setting set to
+    the descriptor's number: every incarnation of the process gets the same socket, so
+    its port never changes. They are closed when the process is retired or the
+    supervisor stops.
   * Signal handlers only set a flag. A Supervisor is not thread-safe and starts once.
 """
 
@@ -48,6 +53,7 @@ from types import FrameType
 
 from radixserve.errors import RadixServeError
 from radixserve.launch.deathsig import pdeathsig_preexec
+from radixserve.launch.listeners import Listener
 from radixserve.launch.warm import WarmProcess, WarmServer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,12 @@ class ProcessSpec:
     argv: list[str]  # full command line, e.g. [sys.executable, "-m", "radixserve.cli", ...]
     env: Mapping[str, str] = field(default_factory=dict)  # added on top of os.environ
     restart: bool = True  # restart it when it exits on its own
+    #: listening sockets it inherits: setting (e.g. RADIXSERVE_KVSTORE_LISTEN_FD) -> socket
+    sockets: Mapping[str, Listener] = field(default_factory=dict)
+
+    def close_sockets(self) -> None:
+        for listener in self.sockets.values():
+            listener.close()
 
 
 @dataclass
@@ -174,12 +186,17 @@ class Supervisor:
         """Every supervised process, retiring ones included, in start order."""
         return [c.spec.name for c in self._children]
 
+    def spec(self, name: str) -> ProcessSpec:
+        """How ``name`` is run."""
+        return self._child(name).spec
+
     def retiring(self, name: str) -> bool:
         return self._child(name).retire_by is not None
 
     def _forget(self, child: _Child) -> None:
         self._children.remove(child)
         del self._by_name[child.spec.name]
+        child.spec.close_sockets()
 
     def _poll_retiring(self, child: _Child, now: float) -> None:
         assert child.retire_by is not None
@@ -284,6 +301,8 @@ class Supervisor:
                 code = child.proc.wait()
             logger.info("%s stopped (%s)", child.spec.name, _describe_exit(code))
             child.proc = None
+        for child in self._children:
+            child.spec.close_sockets()
         if self._warm is not None:
             self._warm.close()
 
@@ -313,12 +332,13 @@ class Supervisor:
 
     def _spawn(self, child: _Child) -> None:
         spec = child.spec
-        env = {**os.environ, **spec.env}
+        fds = {name: listener.fileno() for name, listener in spec.sockets.items()}
+        env = {**os.environ, **spec.env, **{name: str(fd) for name, fd in fds.items()}}
         module = self._warm_module(spec.argv)
         if module is not None:
             assert self._warm is not None
             try:
-                child.proc = self._warm.spawn(module, env, list(spec.argv))
+                child.proc = self._warm.spawn(module, env, list(spec.argv), fds)
             except OSError as e:
                 logger.warning("%s: warm start failed (%s); starting it afresh", spec.name, e)
                 module = None
@@ -329,6 +349,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=pdeathsig_preexec(),
+                pass_fds=tuple(fds.values()),
             )
         child.started_at = time.monotonic()
         assert child.proc is not None

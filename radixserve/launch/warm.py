@@ -11,9 +11,12 @@ rewritten to the one it stands for so ``ps`` and ``/proc/<pid>/cmdline`` show it
 
 The server imports and never runs anything: no thread pool is started before a fork
 (torch starts its own on a child's first operation, with that child's thread count).
-The supervisor drives it over two pipes, a JSON line each way: ``{"module", "env"}``
-answered by ``{"pid"}``, and ``{"exit": pid, "code"}`` when the server reaps a child
-(the code as `subprocess.Popen.returncode` gives it). Children get SIGTERM when the
+The supervisor drives it with one JSON message each way: ``{"module", "env", "args",
+"fds"}`` on a Unix ``SOCK_SEQPACKET`` socket, with the listening sockets the child
+inherits (`radixserve.launch.listeners`) attached as ``SCM_RIGHTS`` (``fds`` names the
+setting each one's number goes in), answered by ``{"pid"}`` on a pipe, and
+``{"exit": pid, "code"}`` when the server reaps a child (the code as
+`subprocess.Popen.returncode` gives it). Children get SIGTERM when the
 server dies and the server when the supervisor does (PR_SET_PDEATHSIG), so the chain
 `Supervisor` documents holds; a server that dies is restarted by the next spawn.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
 import json
 import os
@@ -32,6 +36,7 @@ import queue
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +48,8 @@ from radixserve.launch.deathsig import die_with_parent, pdeathsig_preexec, prctl
 
 _REAP_INTERVAL_S = 0.05  # how often the server reaps its children
 _SPAWN_TIMEOUT_S = 60.0  # the server answers a fork at once; the first waits for imports
+_MAX_REQUEST_BYTES = 1 << 20  # one request: the child's environment and command line
+_MAX_FDS = 16  # sockets one child inherits
 
 
 def available() -> bool:
@@ -90,25 +97,42 @@ class WarmServer:
     def __init__(self, modules: Sequence[str]) -> None:
         self.modules = tuple(modules)  # imported by the server, and the ones it may run
         self._proc: subprocess.Popen[bytes] | None = None
-        self._to: IO[bytes] | None = None
+        self._to: socket.socket | None = None
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._children: dict[int, WarmProcess] = {}
         self._early: dict[int, int] = {}  # exits read before their spawn registered them
 
-    def spawn(self, module: str, env: Mapping[str, str], args: list[str]) -> WarmProcess:
-        """Fork ``python -m module`` with exactly ``env`` (``args``: its command line)."""
+    def spawn(
+        self,
+        module: str,
+        env: Mapping[str, str],
+        args: list[str],
+        fds: Mapping[str, int] | None = None,
+    ) -> WarmProcess:
+        """Fork ``python -m module`` with exactly ``env`` (``args``: its command line),
+        inheriting the descriptors ``fds`` (setting -> descriptor here: in the child the
+        setting holds its number there)."""
         if module not in self.modules:
             raise ValueError(f"{module} is not one of the warm server's modules")
+        if len(fds or {}) > _MAX_FDS:
+            raise ValueError(f"a warm child inherits at most {_MAX_FDS} sockets")
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._to is not None
+        request = {"module": module, "env": dict(env), "args": args, "fds": list(fds or {})}
+        data = json.dumps(request).encode()
         try:
-            self._to.write(json.dumps({"module": module, "env": dict(env), "args": args})
-                           .encode() + b"\n")  # fmt: skip
-            self._to.flush()
+            socket.send_fds(self._to, [data], list((fds or {}).values()))
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # not sent; the server and its children are fine
+                raise OSError(f"the request to fork {module} is too large for the warm-start "
+                              f"server ({len(data)} bytes)") from exc  # fmt: skip
+            self.close()
+            raise OSError(f"the warm-start server did not fork {module}: {exc}") from exc
+        try:
             reply = self._replies.get(timeout=_SPAWN_TIMEOUT_S)
-        except (OSError, queue.Empty) as exc:
+        except queue.Empty as exc:
             self.close()
             raise OSError(f"the warm-start server did not fork {module}: {exc}") from exc
         if "error" in reply:
@@ -136,7 +160,8 @@ class WarmServer:
             proc.wait()
 
     def _start(self) -> None:
-        to_server, from_supervisor = os.pipe()
+        requests, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        to_server = server_end.detach()  # the server reads its requests there
         from_server, to_supervisor = os.pipe()
         try:
             self._proc = subprocess.Popen(
@@ -156,7 +181,7 @@ class WarmServer:
         finally:
             os.close(to_server)
             os.close(to_supervisor)
-        self._to = os.fdopen(from_supervisor, "wb")
+        self._to = requests
         self._replies = queue.Queue()
         reader = threading.Thread(
             target=self._read, args=(os.fdopen(from_server, "rb"),), daemon=True,
@@ -202,7 +227,8 @@ def _set_cmdline(args: Sequence[str]) -> None:
 
 
 def _child(request: dict[str, Any], fds: Sequence[int], server_pid: int) -> None:
-    """In the forked child: become ``python -m module`` and run it; never returns."""
+    """In the forked child: become ``python -m module`` and run it (closing the server's
+    descriptors ``fds``); never returns."""
     code = 1
     try:
         for fd in fds:
@@ -236,7 +262,7 @@ def _serve(read_fd: int, write_fd: int, modules: Sequence[str]) -> None:
         importlib.import_module(module)
     prctl()  # loaded before any fork
     out = os.fdopen(write_fd, "wb", buffering=0)
-    pending = b""
+    requests = socket.socket(fileno=read_fd)  # SOCK_SEQPACKET: one message a request
     server_pid = os.getpid()
 
     def send(message: dict[str, Any]) -> None:
@@ -254,20 +280,38 @@ def _serve(read_fd: int, write_fd: int, modules: Sequence[str]) -> None:
         ready, _, _ = select.select([read_fd], [], [], _REAP_INTERVAL_S)
         if not ready:
             continue
-        chunk = os.read(read_fd, 1 << 16)
-        if not chunk:
-            return  # the supervisor closed the pipe, or died
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            if request["module"] not in modules:
-                send({"error": f"{request['module']} is not one of {', '.join(modules)}"})
+        data, fds, flags, _ = socket.recv_fds(requests, _MAX_REQUEST_BYTES, _MAX_FDS)
+        if not data:
+            return  # the supervisor closed its end, or died
+        try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                send({"error": "the request was cut (too large, or too many sockets)"})
                 continue
-            pid = os.fork()
-            if pid == 0:
-                _child(request, (read_fd, write_fd), server_pid)
-            send({"pid": pid})
+            send(_fork(json.loads(data), fds, modules, (read_fd, write_fd), server_pid))
+        finally:
+            for fd in fds:  # the child has its copies
+                os.close(fd)
+
+
+def _fork(
+    request: dict[str, Any],
+    fds: list[int],
+    modules: Sequence[str],
+    own: Sequence[int],
+    server_pid: int,
+) -> dict[str, Any]:
+    """Fork the child ``request`` asks for, with the descriptors ``fds`` received with it;
+    the answer to send."""
+    if request["module"] not in modules:
+        return {"error": f"{request['module']} is not one of {', '.join(modules)}"}
+    names = request.get("fds", [])
+    if len(names) != len(fds):
+        return {"error": f"expected {len(names)} descriptors, received {len(fds)}"}
+    request["env"].update({name: str(fd) for name, fd in zip(names, fds)})
+    pid = os.fork()
+    if pid == 0:
+        _child(request, own, server_pid)
+    return {"pid": pid}
 
 
 if __name__ == "__main__":

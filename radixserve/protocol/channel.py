@@ -62,13 +62,18 @@ class _ChannelBase:
         identity: bytes | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         keys: ClusterKeys | None = None,
+        use_fd: int | None = None,
     ) -> _C:
         """A channel on a new socket bound (``bind``) or connected to ``address``; pass a
-        `zmq.asyncio.Context` for an `AsyncChannel`."""
+        `zmq.asyncio.Context` for an `AsyncChannel`. ``use_fd``: bind by serving on this
+        listening TCP socket's descriptor (ZMQ's ``USE_FD``; the socket closes it) rather
+        than binding ``address``'s port (`radixserve.launch.listeners`)."""
         socket = context.socket(socket_type)
         try:
             if keys is not None:
                 keys.secure(socket, bind)
+            if use_fd is not None:
+                socket.setsockopt(zmq.USE_FD, use_fd)
             _configure(socket, address, bind, identity, max_frame_bytes)
             return cls(socket, max_frame_bytes=max_frame_bytes)
         except BaseException:

@@ -27,9 +27,11 @@ import msgpack
 from radixserve.errors import RadixServeError
 from radixserve.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
 from radixserve.protocol.wire import (
+    HASH_BYTES,
     BoolSpec,
     BytesSpec,
     FloatSpec,
+    HashesSpec,
     IntSpec,
     ListSpec,
     Message,
@@ -186,6 +188,8 @@ def _check_value(spec: WireSpec, value: object, path: str) -> Any:
         return value
     if isinstance(spec, ListSpec):
         return _check_list(spec, value, path)
+    if isinstance(spec, HashesSpec):
+        return _check_hashes(spec, value, path)
     if isinstance(spec, NestedSpec):
         if not isinstance(value, dict):
             raise _bad(path, "a map", value)
@@ -230,6 +234,30 @@ def _check_list(spec: ListSpec, value: object, path: str) -> tuple[Any, ...]:
     return tuple(_check_value(item, x, f"{path}[{i}]") for i, x in enumerate(value))
 
 
+def _check_hashes(spec: HashesSpec, value: object, path: str) -> tuple[int, ...]:
+    if not isinstance(value, bytes):
+        raise _bad(path, f"bytes (msgpack bin) of {HASH_BYTES}-byte page hashes", value)
+    count, rest = divmod(len(value), HASH_BYTES)
+    if rest:
+        raise ProtocolError(
+            f"{path}: expected a multiple of {HASH_BYTES} bytes (page hashes), got {len(value)}"
+        )
+    if count > spec.max_len:
+        raise ProtocolError(f"{path}: expected at most {spec.max_len} page hashes, got {count}")
+    view = memoryview(value)
+    return tuple(
+        int.from_bytes(view[i : i + HASH_BYTES], "big") for i in range(0, len(value), HASH_BYTES)
+    )
+
+
+def _hashes_to_wire(value: object, path: str) -> bytes:
+    """Page hashes (ints in ``[0, 2**128)``) as the bin `_check_hashes` reads."""
+    limit = 1 << (8 * HASH_BYTES)
+    if not isinstance(value, tuple | list) or not all(is_int(h) and 0 <= h < limit for h in value):
+        raise _bad(path, f"a list of page hashes in [0, 2**{8 * HASH_BYTES})", value)
+    return b"".join(h.to_bytes(HASH_BYTES, "big") for h in value)
+
+
 def _check_stats(spec: StatsSpec, value: object, path: str) -> dict[str, int | float]:
     if not isinstance(value, Mapping):
         raise _bad(path, "a map", value)
@@ -254,7 +282,9 @@ def _struct_to_wire(struct: WireStruct) -> dict[str, Any]:
     body: dict[str, Any] = {}
     for f in dataclasses.fields(struct):
         value = getattr(struct, f.name)
-        if isinstance(value, WireStruct):
+        if isinstance(wire_spec(f), HashesSpec):
+            value = _hashes_to_wire(value, f"{type(struct).__name__}.{f.name}")
+        elif isinstance(value, WireStruct):
             value = _struct_to_wire(value)
         elif isinstance(value, tuple):
             value = [_struct_to_wire(v) if isinstance(v, WireStruct) else v for v in value]

@@ -14,7 +14,9 @@ trace context and spans (`traceparent`, `spans`), `TokenChunk.route` /
 `prefill_worker`, `SamplingSpec`'s kept special tokens, a host lease still loading
 from disk (`HostLookup.reads_loading`, `HostLease.loading` / `ready_pages`), and the
 `HostPagesReady`, `CacheTreeQuery` / `CacheTreeReply` and `CacheAuditClear` /
-`CacheAuditCleared` messages.
+`CacheAuditCleared` messages. 5.0: page hashes are 128-bit, each list of them one bin of
+16 bytes per hash (`HashesSpec`); a `SpillOffer` carries its pages' tokens and what their
+hashes chain from (`SpillRun`), a `HostLease` the stored tokens of its pages.
 
 Flow of the disaggregated design::
 
@@ -53,6 +55,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
     BoolSpec,
     BytesSpec,
     FloatSpec,
+    HashesSpec,
     IntSpec,
     ListSpec,
     Message,
@@ -64,7 +67,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (4, 1)
+PROTOCOL_VERSION: tuple[int, int] = (5, 0)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -90,8 +93,9 @@ ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
 DURATION_MS = FloatSpec()
 TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
 PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
-PAGE_HASH = IntSpec(0, 2**64 - 1)
-PAGE_HASHES = ListSpec(PAGE_HASH, MAX_PAGES_PER_MESSAGE)
+PAGE_HASHES = HashesSpec(MAX_PAGES_PER_MESSAGE)  # 128-bit hashes, 16 bytes each
+PARENT_HASH = HashesSpec(1)  # a page's parent: none (the first page) or one hash
+NAMESPACE = BytesSpec(64)
 ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
 LOAD_STATS = StatsSpec(
     MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
@@ -119,7 +123,9 @@ class HelloAck(Message):
     geometry (``page_size``, ``hash_namespace``, ``pool_digest``, and ``tp_size``, the
     ranks its pool is split over: a link whose peer pages differ from its own, or whose
     TP size cannot exchange pages with its own, is refused,
-    `radixserve.runtime.links.PageGeometry`) and, if it owns KV pages peers may read, the agent's opaque
+    `radixserve.runtime.links.PageGeometry`), the ``model_identity`` its pages were
+    computed by (`radixserve.model.identity.ModelIdentity.key`; "" from an older worker)
+    and, if it owns KV pages peers may read, the agent's opaque
     ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a
     compatible pool before its first transfer.
     """
@@ -137,6 +143,7 @@ class HelloAck(Message):
     pool_digest: str = field(default="", metadata=_spec(StrSpec(64)))
     tp_size: int = field(default=0, metadata=_spec(COUNT))
     transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
+    model_identity: str = field(default="", metadata=_spec(StrSpec(MAX_ERROR_CHARS)))
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,8 @@ MAX_SPANS_PER_MESSAGE = 64
 MAX_SPAN_LABELS = 16
 SPAN_ID = StrSpec(16, min_chars=16)  # 16 lowercase hex digits (W3C trace context)
 TRACEPARENT = StrSpec(55)  # a W3C ``traceparent`` (version 00), "" when not traced
+# whose KV a request may share (`radixserve.cache.block_hash.cache_scope`); "" = default
+CACHE_SCOPE = StrSpec(1024)
 SPAN_STATUSES: frozenset[str] = frozenset({"unset", "ok", "error"})
 
 
@@ -234,6 +243,8 @@ class GenerateRequest(Message):
     # the gateway's request span (`radixserve.tracing`): the decode worker's spans are its
     # children; "" = not traced
     traceparent: str = field(default="", metadata=_spec(TRACEPARENT))
+    # the scope its KV is cached and matched in; ``page_hashes`` are in its namespace
+    cache_scope: str = field(default="", metadata=_spec(CACHE_SCOPE))
 
 
 @dataclass(frozen=True)
@@ -257,6 +268,7 @@ class PrefillRequest(Message):
     )
     num_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     traceparent: str = field(default="", metadata=_spec(TRACEPARENT))  # the decode side's span
+    cache_scope: str = field(default="", metadata=_spec(CACHE_SCOPE))  # the request's
 
     def invariant_error(self) -> str | None:
         if self.num_cached_tokens >= len(self.token_ids):
@@ -500,20 +512,43 @@ class HostAttachAck(Message):
 
 
 @dataclass(frozen=True)
+class SpillRun(WireStruct):
+    """``num_pages`` consecutive pages of a `SpillOffer`, chained from ``parent`` (empty:
+    the first of them starts a sequence) in ``namespace``: what the kvstore recomputes
+    their hashes from, with their tokens."""
+
+    num_pages: int = field(metadata=_spec(IntSpec(1, MAX_PAGES_PER_MESSAGE)))
+    namespace: bytes = field(metadata=_spec(NAMESPACE))
+    parent: tuple[int, ...] = field(default=(), metadata=_spec(PARENT_HASH))
+
+
+@dataclass(frozen=True)
 class SpillOffer(Message):
     """Worker -> kvstore: pages it evicted (or writes through), staged in its spill buffer
-    at ``buffer_page_ids``, one per chained hash; the kvstore copies those it lacks."""
+    at ``buffer_page_ids``, one per chained hash; the kvstore copies those it lacks.
+    ``token_ids``: every page's tokens (page size each), and ``runs`` what their hashes
+    chain from: the kvstore stores only pages whose hash it recomputes from them."""
 
     TYPE_TAG: ClassVar[str] = "spill_offer"
     spill_id: int = field(metadata=_spec(IntSpec(1)))
     page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
     buffer_page_ids: tuple[int, ...] = field(metadata=_spec(PAGE_IDS))
+    token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
+    runs: tuple[SpillRun, ...] = field(
+        default=(), metadata=_spec(ListSpec(NestedSpec(SpillRun), MAX_PAGES_PER_MESSAGE))
+    )
 
     def invariant_error(self) -> str | None:
         if len(self.page_hashes) != len(self.buffer_page_ids):
             return (
                 f"{len(self.page_hashes)} page hashes for {len(self.buffer_page_ids)} buffer pages"
             )
+        if self.runs and sum(run.num_pages for run in self.runs) != len(self.page_hashes):
+            return (
+                f"runs of {sum(r.num_pages for r in self.runs)} pages for {len(self.page_hashes)}"
+            )
+        if self.page_hashes and len(self.token_ids) % len(self.page_hashes):
+            return f"{len(self.token_ids)} tokens for {len(self.page_hashes)} pages"
         return None
 
 
@@ -549,7 +584,9 @@ class HostLease(Message):
     pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found.
     ``disk_pages`` of them are read from the disk tier for this lookup. With ``loading``
     that read is still under way: only the first ``ready_pages`` may be read now, and
-    `HostPagesReady` messages say when more may (the worker reads those meanwhile)."""
+    `HostPagesReady` messages say when more may (the worker reads those meanwhile).
+    ``token_ids``: the tokens the tier stored with those pages (page size each), which
+    the worker checks against its prompt before it uses any of them."""
 
     TYPE_TAG: ClassVar[str] = "host_lease"
     query_id: str = field(metadata=_spec(REQUEST_ID))
@@ -558,6 +595,7 @@ class HostLease(Message):
     disk_pages: int = field(default=0, metadata=_spec(COUNT))
     loading: bool = field(default=False, metadata=_spec(BoolSpec()))
     ready_pages: int = field(default=0, metadata=_spec(COUNT))
+    token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
 
 
 @dataclass(frozen=True)

@@ -20,16 +20,66 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from dataclasses import dataclass
 
 import zmq
 from pydantic import AliasChoices
 from zmq.utils import z85
 
+from radixserve.errors import ConfigurationError
+
 MAC_BYTES = 32
 #: the settings field's sources: one variable for every service, whatever its prefix
 CLUSTER_SECRET_ALIAS = AliasChoices("cluster_secret", "RADIXSERVE_CLUSTER_SECRET")
 _LABELS = (b"radixserve curve server", b"radixserve curve client", b"radixserve mac")
+
+
+#: example values that documentation and example files carry: refused as secrets and keys
+PLACEHOLDERS = frozenset({
+    "replace-me-with-openssl-rand-hex-32",
+    "changeme", "change-me", "secret", "password",
+})  # fmt: skip
+SECRET_SETTING = "RADIXSERVE_CLUSTER_SECRET"
+
+
+def is_placeholder(value: str) -> bool:
+    """Whether ``value`` is an example's placeholder rather than a secret of its own."""
+    lowered = value.strip().lower()
+    return lowered in PLACEHOLDERS or lowered.startswith("replace-me")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen or dial host reaches this machine only (127.0.0.0/8, ::1,
+    localhost); a name or every interface (0.0.0.0, ::) is not."""
+    name = host.strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def dial_host(address: str) -> str:
+    """The host of a ``tcp://host:port`` address (the whole address if it has no scheme)."""
+    rest = address.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0] if ":" in rest else rest
+
+
+class InsecureBindError(ConfigurationError):
+    """A service asked to be reachable from other machines without authentication."""
+
+
+def require_secret(secret: object, exposed: list[str], service: str) -> None:
+    """Refuse to start ``service`` when ``exposed`` (its non-loopback listen or dial
+    addresses) is not empty and no cluster secret is set."""
+    if exposed and keys_from(secret) is None:
+        raise InsecureBindError(
+            f"{service} would be reachable beyond this machine ({', '.join(exposed)}) with no "
+            f"authentication: set {SECRET_SETTING}, the same 16+ character secret for every "
+            "service of the cluster (openssl rand -hex 32), or listen on 127.0.0.1"
+        )
 
 
 class AuthError(ValueError):

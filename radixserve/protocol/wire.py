@@ -17,6 +17,7 @@ MAX_DURATION_MS = 1e12
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TOKENS_PER_MESSAGE = 1 << 21
 MAX_TEXT_CHARS = 1 << 20
+HASH_BYTES = 16  # a page hash on the wire (`HashesSpec`): radixserve.cache.block_hash's
 
 # --- wire specs: declarative bounds, interpreted by the codec -------------------------
 
@@ -59,6 +60,15 @@ class BytesSpec:
 
 
 @dataclass(frozen=True)
+class HashesSpec:
+    """Page hashes (`radixserve.cache.block_hash`: 128-bit ints, wider than a msgpack
+    int): on the wire one bin of `HASH_BYTES` big-endian bytes per hash, at most
+    ``max_len`` hashes; held as a tuple of ints."""
+
+    max_len: int
+
+
+@dataclass(frozen=True)
 class ListSpec:
     """A list of ``min_len..max_len`` items, each matching ``item``; held as a tuple."""
 
@@ -97,6 +107,7 @@ WireSpec = (
     | BoolSpec
     | StrSpec
     | BytesSpec
+    | HashesSpec
     | ListSpec
     | OptionalSpec
     | NestedSpec

@@ -10,7 +10,10 @@ reused. A full buffer drops the pages (counted).
 **Load** (`plan`, `read`, `release`): only when more than ``host_load_min_tokens`` of a
 prompt are missing past its device hit (found in the worker's view of its own cache, so
 no engine call waits for a step) does the worker ask the kvstore to lease the longest
-run it holds (`HostLookup` -> `HostLease`); the engine's one admission allocates pages
+run it holds (`HostLookup` -> `HostLease`), checks the tokens the tier stored with those
+pages against its prompt's (a page that differs is counted in
+``kv_identity_mismatch_total``; the lease is cut before it and the rest of the prompt
+computed); the engine's one admission allocates pages
 for it, the agent reads the host pages into them and the lease is released. Any failure
 ends the load with nothing inserted and the prompt computed. The lookup carries the
 worker's measured prefill rate: the kvstore first reads the run's pages that are on its
@@ -42,6 +45,7 @@ from collections.abc import Sequence, Set
 
 import torch
 
+from radixserve.cache.page_proof import PageProof, tokens_match, unpack_tokens
 from radixserve.engine.admission import HostPlan
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.protocol import (
@@ -54,7 +58,9 @@ from radixserve.protocol import (
     Message,
     SpillDone,
     SpillOffer,
+    SpillRun,
 )
+from radixserve.protocol.wire import MAX_TOKENS_PER_MESSAGE
 from radixserve.runtime.calls import Replies, Tasks, send_quietly
 from radixserve.runtime.links import Link
 from radixserve.runtime.network import transfer_network
@@ -98,6 +104,24 @@ def lookup_wait_s(
         compute_s = num_tokens / prefill_tokens_per_s
         wait_s = max(wait_s, min(compute_s, settings.host_load_timeout_s))
     return wait_s
+
+
+def spill_offer(
+    spill_id: int, hashes: list[int], slots: list[int], proofs: list[PageProof]
+) -> SpillOffer:
+    """The offer of pages ``hashes`` staged at ``slots``: their tokens, and a run per
+    stretch of pages each chained from the one before it in one namespace."""
+    runs: list[SpillRun] = []
+    tokens: list[int] = []
+    for i, proof in enumerate(proofs):
+        tokens += unpack_tokens(proof.tokens)
+        last = runs[-1] if runs else None
+        if last is not None and proof.namespace == last.namespace and proof.parent == hashes[i - 1]:
+            runs[-1] = SpillRun(last.num_pages + 1, last.namespace, last.parent)
+        else:
+            parent = () if proof.parent is None else (proof.parent,)
+            runs.append(SpillRun(1, proof.namespace, parent))
+    return SpillOffer(spill_id, tuple(hashes), tuple(slots), tuple(tokens), tuple(runs))
 
 
 class _Loading:
@@ -153,13 +177,14 @@ class HostTierClient:
         self.page_size = geometry.page_size
         self.link: Link | None = None
         self.attached = False
+        self.settled = False  # the kvstore answered this link's attach (accepted or not)
         self.disk_tier = False  # the kvstore may read a lookup's pages from disk first
         self.kvstore_agent = ""  # peer name of the host pool's agent in the worker's agent
-        self.counters: Counter[str] = Counter()  # engine thread and loop: under _lock
+        self.counters: Counter[str] = Counter({"kv_identity_mismatch_total": 0})  # under _lock
         self.load_seconds = 0.0
         self._lock = threading.Lock()
         self._free = list(range(num_pages - 1, -1, -1))  # buffer pages; under _lock
-        self._offers: asyncio.Queue[tuple[list[int], list[int]]] = asyncio.Queue()
+        self._offers: asyncio.Queue[tuple[list[int], list[int], list[PageProof]]] = asyncio.Queue()
         self._outstanding: dict[int, list[int]] = {}  # spill id -> buffer pages
         self._spill_ids = 0
         self._leases: Replies[HostLease] = Replies()
@@ -196,7 +221,7 @@ class HostTierClient:
         """The kvstore is gone (or silent): stop spilling. The buffer pages it was reading
         are reused only after `_QUARANTINE_S`, past any deadline of its reads, in case
         it was only silent."""
-        self.attached = False
+        self.attached = self.settled = False
         self.engine.listen_spills(None)
         held = [page for pages in self._outstanding.values() for page in pages]
         self._outstanding.clear()
@@ -235,6 +260,7 @@ class HostTierClient:
         return True
 
     def _attached(self, link: Link, ack: HostAttachAck) -> None:
+        self.settled = True
         if not ack.accepted:
             logger.warning("%s: the kvstore refused the host tier: %s", self.name, ack.reason)
             return
@@ -254,8 +280,9 @@ class HostTierClient:
 
     # -- spill --------------------------------------------------------------------------
 
-    def _on_spill(self, hashes: list[int], page_ids: list[int]) -> None:
-        """On the engine thread, before the cache lets ``page_ids`` go: stage them."""
+    def _on_spill(self, hashes: list[int], page_ids: list[int], proofs: list[PageProof]) -> None:
+        """On the engine thread, before the cache lets ``page_ids`` go: stage them (with
+        what their hashes are recomputed from, ``proofs``)."""
         with self._lock:
             n = min(len(page_ids), len(self._free))
             slots = [self._free.pop() for _ in range(n)]
@@ -267,14 +294,16 @@ class HostTierClient:
             self.counters["host_spills_total"] += 1
             self.counters["host_spill_pages_total"] += n
             self.counters["host_spill_bytes_total"] += n * self.page_bytes
-        self._loop.call_soon_threadsafe(self._offers.put_nowait, (hashes[:n], slots))
+        self._loop.call_soon_threadsafe(self._offers.put_nowait, (hashes[:n], slots, proofs[:n]))
 
     async def _send_offers(self) -> None:
         while True:
-            hashes, slots = await self._offers.get()
-            while not self._offers.empty() and len(hashes) < _MAX_PAGES_PER_OFFER:
-                more_hashes, more_slots = self._offers.get_nowait()
+            hashes, slots, proofs = await self._offers.get()
+            most = min(_MAX_PAGES_PER_OFFER, MAX_TOKENS_PER_MESSAGE // self.page_size)
+            while not self._offers.empty() and len(hashes) < most:
+                more_hashes, more_slots, more_proofs = self._offers.get_nowait()
                 hashes, slots = hashes + more_hashes, slots + more_slots
+                proofs = proofs + more_proofs
             link = self.link
             if not self.attached or link is None or not link.up:
                 with self._lock:
@@ -284,7 +313,8 @@ class HostTierClient:
             self._outstanding[self._spill_ids] = slots
             self._busy.set()
             try:
-                await link.send(SpillOffer(self._spill_ids, tuple(hashes), tuple(slots)), 0)
+                offer = spill_offer(self._spill_ids, hashes, slots, proofs)
+                await link.send(offer, 0)
             except TimeoutError:
                 with self._lock:
                     self._free.extend(self._outstanding.pop(self._spill_ids, []))
@@ -310,9 +340,20 @@ class HostTierClient:
         lease = await self._lookup(request_id, hashes[device_pages:full])
         if lease is None or not lease.lease_id:
             return None
+        start = device_pages * self.page_size
+        proved = tokens_match(lease.token_ids, token_ids[start:], self.page_size)
+        if proved < len(lease.host_page_ids):  # stored under these hashes, other tokens
+            self._count("kv_identity_mismatch_total", len(lease.host_page_ids) - proved)
+            logger.warning("%s: %d of %d host-tier pages leased for %s hold other tokens "
+                           "than the prompt's; not used", self.name,
+                           len(lease.host_page_ids) - proved, len(lease.host_page_ids),
+                           request_id)  # fmt: skip
+        if not proved:
+            self.release(lease)
+            return None
         if lease.disk_pages:
             self._count("host_disk_leases_total")
-        return HostPlan(device_pages, len(lease.host_page_ids)), lease
+        return HostPlan(device_pages, proved), lease
 
     def release(self, lease: HostLease) -> None:
         self._loading.pop(lease.query_id, None)
@@ -394,9 +435,9 @@ class HostTierClient:
             raise
         return False
 
-    def _count(self, key: str) -> None:
+    def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self.counters[key] += 1
+            self.counters[key] += n
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:
@@ -405,4 +446,7 @@ class HostTierClient:
             stats["host_spill_buffer_pages"] = self.buffer.shape[2]
             stats["host_load_seconds_total"] = self.load_seconds
         stats["host_attached"] = int(self.attached)
+        # 0 until the kvstore answered the attach: the gateway is not ready meanwhile (a
+        # request would compute what the host and disk tiers hold)
+        stats["host_attach_settled"] = int(self.settled)
         return stats

@@ -15,11 +15,14 @@ Contracts:
   new `HelloAck` brings it up again (``on_up``). Heartbeats stay for peers that hang
   without closing anything.
 - A set given a `PageGeometry` (links to workers whose KV pages this side routes by, or
-  reads) refuses a worker whose `HelloAck` names another page size or page-hash
-  namespace (model, cache salt), or, where both sides have a KV pool, another pool
-  layout (`PoolCompat`): page hashes would not match, or pages could not be copied, so
-  prefix routing and KV transfers would silently go wrong. The link stays down; the
-  error is logged once, not at every hello.
+  reads) refuses a worker whose `HelloAck` names another page size, model identity
+  (`ModelIdentity`: weights, quantization, dtype, adapter; the refusal names both) or
+  page-hash namespace (identity, cache salt), or, where both sides have a KV pool,
+  another pool layout (`PoolCompat`): page hashes would not match, or pages could not
+  be copied, so prefix routing and KV transfers would silently go wrong. The link stays
+  down; the error is logged once, not at every hello. A side that loads no weights
+  (the gateway) gives a `LearnedGeometry` instead: the first decode worker's ack sets
+  it (and `recheck` then takes down the links already up that do not match).
 - If this process itself did not run for longer than ``peer_timeout_s`` (stopped with
   SIGSTOP, a frozen host), the workers have dropped it as a peer (and the kvstore
   has unlisted it) while the messages they sent before wait in its sockets and look
@@ -50,6 +53,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import (
     AsyncChannel,
     Heartbeat,
@@ -131,29 +135,107 @@ class LinkIdentity:
     keys: ClusterKeys | None = None
 
 
+def peer_identity(ack: HelloAck) -> ModelIdentity | None:
+    """The model identity a worker's `HelloAck` states (None: an older worker states
+    none); ValueError if it is not one."""
+    return ModelIdentity.from_key(ack.model_identity) if ack.model_identity else None
+
+
 @dataclass(frozen=True)
 class PageGeometry:
     """What must match for two processes to share KV pages by hash: the page size, the
-    page-hash namespace (`radixserve.cache.block_hash.hash_namespace`) and, between two
-    KV pools, their layout (`PoolCompat.digest`; "" where this side has no pool) and
-    tensor-parallel sizes that can exchange pages (`tp_pair_error`; 0: no pool)."""
+    model identity (`ModelIdentity`; None: not stated), the page-hash namespace
+    (`radixserve.cache.block_hash.hash_namespace` of the identity and cache salt) and,
+    between two KV pools, their layout (`PoolCompat.digest`, which covers the identity;
+    "" where this side has no pool) and tensor-parallel sizes that can exchange pages
+    (`tp_pair_error`; 0: no pool)."""
 
     page_size: int
     hash_namespace: bytes
     pool_digest: str = ""
     tp_size: int = 0
+    identity: ModelIdentity | None = None
 
     def mismatch(self, ack: HelloAck) -> str:
         """Why a peer's `HelloAck` does not match; "" if it does."""
         if ack.page_size != self.page_size:
             return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
+        try:
+            theirs = peer_identity(ack)
+        except ValueError as exc:
+            return f"its model identity cannot be read ({exc})"
+        if theirs is not None and self.identity is not None and theirs != self.identity:
+            return (f"its model identity is {theirs.short}, ours {self.identity.short} "
+                    "(weights fingerprint/quantization/dtype: its pages are other numbers)")  # fmt: skip
         if ack.hash_namespace != self.hash_namespace:
-            return "its page hashes have another namespace (model name or cache_salt)"
+            same = theirs is not None and theirs == self.identity
+            why = "the same model identity, another cache_salt" if same else (
+                "model identity or cache_salt")  # fmt: skip
+            return f"its page hashes have another namespace ({why})"
         if self.pool_digest and ack.pool_digest and ack.pool_digest != self.pool_digest:
             return "its KV pool has another layout (dtype, layers, KV heads or head size)"
         if self.tp_size and ack.tp_size:
             return tp_pair_error(self.tp_size, ack.tp_size)
         return ""
+
+
+class LearnedGeometry:
+    """The page geometry of a process that loads no weights (the gateway): it cannot
+    compute the workers' identity (their resolved quantization and dtype depend on their
+    device), so it adopts the namespace and identity of the first worker of a role in
+    ``learn_from`` whose `HelloAck` has its page size, calls ``on_learn(namespace,
+    identity)``, and from then on refuses workers of another (`PageGeometry.mismatch`).
+    Until then, workers of other roles are checked on page size only. `forget` (when no
+    such worker is left up) lets the next one set it again, so a cluster rolled over to
+    new weights is followed. Shared by every `LinkSet` of the process, so all agree."""
+
+    def __init__(
+        self,
+        page_size: int,
+        on_learn: Callable[[bytes, ModelIdentity | None], None] = lambda ns, identity: None,
+        learn_from: frozenset[str] = frozenset({"decode"}),
+    ) -> None:
+        self.page_size = page_size
+        self.known: PageGeometry | None = None
+        self._on_learn = on_learn
+        self._learn_from = learn_from
+
+    @property
+    def hash_namespace(self) -> bytes | None:
+        return self.known.hash_namespace if self.known is not None else None
+
+    @property
+    def identity(self) -> ModelIdentity | None:
+        return self.known.identity if self.known is not None else None
+
+    def mismatch(self, ack: HelloAck) -> str:
+        """As `PageGeometry.mismatch`; a matching page size sets an unknown geometry."""
+        return self.known.mismatch(ack) if self.known is not None else self.learn(ack)
+
+    def learn(self, ack: HelloAck) -> str:
+        """Take ``ack``'s geometry if none is known and its role is one to learn from;
+        why not, if its page size or identity cannot be taken."""
+        if self.known is not None:
+            return ""
+        if ack.page_size != self.page_size:
+            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
+        try:
+            identity = peer_identity(ack)
+        except ValueError as exc:
+            return f"its model identity cannot be read ({exc})"
+        if ack.role not in self._learn_from:
+            return ""
+        self.known = PageGeometry(self.page_size, ack.hash_namespace, identity=identity)
+        logger.info("the workers' model identity is %s (from %s)",
+                    identity.short if identity else "not stated", ack.name)  # fmt: skip
+        self._on_learn(ack.hash_namespace, identity)
+        return ""
+
+    def forget(self) -> None:
+        """Take the next worker's geometry (no worker it learns from is up)."""
+        if self.known is not None:
+            logger.info("no worker is up: the next one sets the model identity")
+        self.known = None
 
 
 class LinkSet:
@@ -169,7 +251,7 @@ class LinkSet:
         on_message: Callable[[Link, Message], None],
         on_up: Callable[[Link], None] | None = None,
         on_down: Callable[[Link, str], None] | None = None,
-        pages: PageGeometry | None = None,
+        pages: PageGeometry | LearnedGeometry | None = None,
     ) -> None:
         self._context = context
         self._keys = me.keys
@@ -286,6 +368,22 @@ class LinkSet:
             self.mark_down(link, why)
             link.hello_sent = -math.inf
 
+    def recheck(self) -> None:
+        """Check every link that is up against the page geometry again (a
+        `LearnedGeometry` that has just learned): one that does not match goes down,
+        refused as at its hello."""
+        for link in self.up():
+            ack = link.ack
+            mismatch = self._pages.mismatch(ack) if self._pages and ack else ""
+            if ack is not None and mismatch:
+                self._refuse(link, self._refusal(link, ack, mismatch))
+                self.mark_down(link, f"it has other pages ({mismatch})")
+
+    def _refusal(self, link: Link, ack: HelloAck, mismatch: str) -> str:
+        return (f"refusing worker {ack.name} ({ack.role}) at {link.address}: {mismatch}, so "
+                f"{self._name} cannot share its pages; give every process the same model "
+                "and engine settings")  # fmt: skip
+
     def _acked(self, link: Link, ack: HelloAck) -> None:
         if not ack.accepted:
             self._refuse(link, f"worker at {link.address} refused us: {ack.reason}")
@@ -294,12 +392,7 @@ class LinkSet:
             return  # an answer to a repeated hello
         mismatch = self._pages.mismatch(ack) if self._pages is not None else ""
         if mismatch:
-            self._refuse(
-                link,
-                f"refusing worker {ack.name} ({ack.role}) at {link.address}: {mismatch}, so "
-                f"{self._name} cannot share its pages; give every process the same model "
-                "and engine settings",
-            )
+            self._refuse(link, self._refusal(link, ack, mismatch))
             if link.up:  # restarted with other settings
                 self.mark_down(link, f"restarted with other pages ({mismatch})")
             return

@@ -30,6 +30,8 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from radixserve.launch.listeners import BACKLOG, adopt
+
 logger = logging.getLogger(__name__)
 
 _MAX_HEAD_BYTES = 16 * 1024
@@ -37,7 +39,8 @@ _READ_TIMEOUT_S = 5.0
 
 
 class ProbeServer:
-    """Serves the three endpoints on ``host:port`` (0 = any free port; see ``port``)."""
+    """Serves the three endpoints on ``host:port`` (0 = any free port; see ``port``), or
+    on the inherited listening socket ``listen_fd`` (`radixserve.launch.listeners`)."""
 
     def __init__(
         self,
@@ -46,8 +49,9 @@ class ProbeServer:
         health: Callable[[], tuple[bool, dict[str, Any]]],
         metrics: Callable[[], bytes],
         metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
+        listen_fd: int | None = None,
     ) -> None:
-        self.host, self.port = host, port
+        self.host, self.port, self._listen_fd = host, port, listen_fd
         self._health, self._metrics, self._type = health, metrics, metrics_content_type
         self._server: asyncio.Server | None = None
 
@@ -56,7 +60,11 @@ class ProbeServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        if self._listen_fd is not None:
+            sock = adopt(self._listen_fd)
+            self._server = await asyncio.start_server(self._serve, sock=sock, backlog=BACKLOG)
+        else:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.errors import CapacityError, RequestError
+from radixserve.launch.listeners import adopt_fd
 from radixserve.metrics import service_metrics
 from radixserve.protocol import (
     AsyncChannel,
@@ -90,6 +91,7 @@ class Service:
     counter_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, settings: ServiceSettings) -> None:
+        settings.require_secure(self.role)  # off loopback only with the cluster secret
         self.settings = settings
         self.generation = (
             settings.generation if settings.generation is not None else time.time_ns() // 10**6
@@ -124,6 +126,8 @@ class Service:
             f"tcp://{url_host(s.host)}:{s.port}",
             bind=True,
             keys=self.keys,
+            # the socket radixserve up's supervisor bound for this service, if any
+            use_fd=None if s.listen_fd is None else adopt_fd(s.listen_fd),
         )
         self.address = self._router.endpoint
         port = int(self.address.rsplit(":", 1)[1])

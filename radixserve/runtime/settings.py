@@ -11,7 +11,13 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from radixserve.protocol.security import CLUSTER_SECRET_ALIAS
+from radixserve.protocol.security import (
+    CLUSTER_SECRET_ALIAS,
+    SECRET_SETTING,
+    is_loopback,
+    is_placeholder,
+    require_secret,
+)
 from radixserve.transfer.network import TransferNetwork
 
 
@@ -32,8 +38,17 @@ class PeerSettings(BaseSettings):
         description="Shared secret of the cluster's internal plane (one variable, "
         "RADIXSERVE_CLUSTER_SECRET, for every service): every control socket uses "
         "CurveZMQ with keys derived from it and transfer metadata is signed, so nothing "
-        "without it gets through; unset = no authentication (loopback only).",
+        "without it gets through; unset = no authentication, allowed on loopback only (a "
+        "service listening on another address refuses to start without it).",
     )
+
+    @field_validator("cluster_secret")
+    @classmethod
+    def _not_a_placeholder(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and is_placeholder(secret.get_secret_value()):
+            raise ValueError(f"{SECRET_SETTING} is still the example's placeholder: make your "
+                             "own (openssl rand -hex 32)")  # fmt: skip
+        return secret
 
 
 class ServiceSettings(PeerSettings):
@@ -52,6 +67,13 @@ class ServiceSettings(PeerSettings):
     )
     host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
     port: int = Field(0, ge=0, le=65535, description="Control port (ZMQ); 0 = any free port.")
+    listen_fd: int | None = Field(
+        None,
+        ge=0,
+        description="A listening TCP socket inherited from the process that started this "
+        "one (radixserve up's supervisor binds it and keeps it, so the port stays across "
+        "restarts): the control socket serves on it instead of binding host:port.",
+    )
     advertise_host: str | None = Field(
         None,
         min_length=1,
@@ -103,6 +125,20 @@ class ServiceSettings(PeerSettings):
         description="On SIGTERM, how long running requests may take to finish before they "
         "are aborted (keep Kubernetes' terminationGracePeriodSeconds above it).",
     )
+
+    def exposed(self) -> list[str]:
+        """The addresses this service listens on that other machines can reach (the
+        control socket's and the transfer agents'; the HTTP probes carry no cluster data)."""
+        hosts = {"host": self.host, "transfer_host": self.transfer_host or self.host}
+        exposed: dict[str, list[str]] = {}
+        for name, host in hosts.items():
+            if not is_loopback(host):
+                exposed.setdefault(host, []).append(name)
+        return [f"{host} ({', '.join(names)})" for host, names in exposed.items()]
+
+    def require_secure(self, service: str) -> None:
+        """Refuse to start off loopback without the cluster secret (`InsecureBindError`)."""
+        require_secret(self.cluster_secret, self.exposed(), service)
 
     @model_validator(mode="after")
     def _check_ports(self) -> ServiceSettings:

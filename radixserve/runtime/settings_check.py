@@ -2,8 +2,9 @@
 them, started nothing.
 
 Builds the service's settings classes from the environment (and the command's flags)
-exactly as the service does, and refuses ``RADIXSERVE_*`` variables that no service's
-settings, nor the process itself, read: a misspelt name in a compose file or a
+exactly as the service does, refuses what the service would refuse at start (a
+non-loopback address without the cluster secret or, for the gateway, API keys), and
+refuses ``RADIXSERVE_*`` variables that no service's settings, nor the process itself, read: a misspelt name in a compose file or a
 Kubernetes manifest would otherwise be ignored silently. Another service's settings are
 let through, since one environment (a ConfigMap) often serves them all. A deployment check runs this against the
 built image with each container's command and environment.
@@ -20,7 +21,7 @@ from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from radixserve.errors import RadixServeError
-from radixserve.runtime.settings import WorkerSettings, resolved_tp
+from radixserve.runtime.settings import ServiceSettings, WorkerSettings, resolved_tp
 
 #: read by the process outside the settings classes (module docstrings say where)
 PROCESS_VARIABLES = frozenset({
@@ -76,6 +77,14 @@ def variable_names(cls: type[BaseSettings]) -> set[str]:
     return set().union(*field_variables(cls).values())
 
 
+def _require_secure(settings: BaseSettings, service: str) -> None:
+    """What the service refuses at start: no authentication beyond loopback."""
+    if isinstance(settings, ServiceSettings):
+        settings.require_secure(service)
+    elif hasattr(settings, "require_secure"):  # the gateway's
+        settings.require_secure()
+
+
 def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """Every settings object of ``service`` as JSON-able dicts, keyed by class name.
 
@@ -103,5 +112,7 @@ def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:
         if values.get("tp") == "auto" and not issubclass(cls, WorkerSettings):
             values["tp"] = resolved_tp("auto")  # the engine's size: what the worker resolves
         settings = cls(**values)
+        _require_secure(settings, service)
+        # secrets never print: the cluster secret is left out, API keys show masked
         out[cls.__name__] = settings.model_dump(mode="json", exclude={"cluster_secret"})
     return out

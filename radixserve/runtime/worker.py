@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.block_hash import page_hashes, scoped_namespace
 from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine, OutputQueue
 from radixserve.engine.sampling_params import SamplingParams
@@ -185,6 +185,7 @@ class Worker(Service):
             pool_digest=info.geometry.digest,
             tp_size=info.kv_shard.size,
             transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
+            model_identity=info.identity.key if info.identity is not None else "",
         )
 
     async def _publish(self) -> None:
@@ -253,16 +254,20 @@ class Worker(Service):
         was_failed, _ = await self.engine.call(lambda e: e.clear_audit())
         await self.send_to(peer, CacheAuditCleared(msg.query_id, was_failed))
 
-    def page_hashes(self, token_ids: list[int], carried: Sequence[int] = ()) -> list[int]:
-        """The chained hashes of ``token_ids``' full pages: ``carried`` (the gateway's,
-        of the prompt) extended over what follows them (a resumed stream's tokens), or
-        hashed here when nothing was carried (counted: a request is hashed once)."""
+    def page_hashes(
+        self, token_ids: list[int], carried: Sequence[int] = (), cache_scope: str = ""
+    ) -> list[int]:
+        """The chained hashes of ``token_ids``' full pages in the namespace of
+        ``cache_scope``: ``carried`` (the gateway's, of the prompt, in that same scope)
+        extended over what follows them (a resumed stream's tokens), or hashed here when
+        nothing was carried (counted: a request is hashed once)."""
         size = self.page_size
         done = min(len(carried), len(token_ids) // size)
         if not done and len(token_ids) >= size:
             self.counters["prompt_hashes_total"] += 1
         parent = carried[done - 1] if done else None
-        rest = page_hashes(token_ids[done * size :], size, self.engine.info.hash_namespace, parent)
+        namespace = scoped_namespace(self.engine.info.hash_namespace, cache_scope)
+        rest = page_hashes(token_ids[done * size :], size, namespace, parent)
         return [*carried[:done], *rest]
 
     async def admit(
@@ -275,6 +280,7 @@ class Worker(Service):
         remote_over: int | None = None,
         lease_s: float | None = None,
         resume: list[int] | None = None,
+        cache_scope: str = "",
         under: Span = NO_SPAN,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: the host-tier lease past the device hit (a kvstore
@@ -283,13 +289,14 @@ class Worker(Service):
         without waiting for a step. The admission and the queue of the request's
         outputs (its first one comes at the end of the next step on the local route).
         ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
-        ``resume``: a migrated stream's tokens so far (`Engine.admit`). ``under``: the
+        ``resume``: a migrated stream's tokens so far (`Engine.admit`); ``cache_scope``:
+        whose KV it may share (`Engine.admit`; ``hashes`` are in its namespace). ``under``: the
         span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
         resume = resume or []
         planned = None
         if self.host is not None:
             known = prompt_ids + resume
-            hashes = self.page_hashes(known) if hashes is None else hashes
+            hashes = self.page_hashes(known, (), cache_scope) if hashes is None else hashes
             looked_up_ns = time.time_ns()
             planned = await self.host.plan(request_id, known, hashes)
         plan, lease = planned if planned is not None else (None, None)
@@ -301,7 +308,7 @@ class Worker(Service):
         try:
             admission, out = await self.engine.admit(
                 request_id, prompt_ids, params, remote_over=remote_over, host=plan,
-                lease_s=lease_s, resume=resume,
+                lease_s=lease_s, resume=resume, cache_scope=cache_scope,
             )  # fmt: skip
             if admission.route == "host":
                 assert self.host is not None and lease is not None

@@ -1,8 +1,10 @@
 """Compatibility descriptor of a KV pool: what two peers must agree on to swap pages.
 
 Two pools can exchange pages only if a page means the same bytes on both sides: the
-same weights (model name), dtype, layer count, KV heads, head dim, page size and memory
-layout. The number of pages may differ. `PoolCompat.digest` is a stable sha256 of a
+same model identity (`radixserve.model.identity.ModelIdentity`: weights fingerprint,
+quantization, compute dtype, adapter; ``identity`` holds its digest), model name, KV
+dtype, layer count, KV heads, head dim, page size and memory layout. The number of pages
+may differ. `PoolCompat.digest` is a stable sha256 of a
 canonical encoding, so peers compare one string before the first transfer (and the ZMQ
 backend repeats it in every request).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -52,12 +54,16 @@ class PoolCompat:
     head_dim: int
     page_size: int
     layout: str = POOL_LAYOUT
+    identity: str = ""  # `ModelIdentity.digest` of the weights ("": not stated)
 
     @classmethod
-    def of(cls, kv: torch.Tensor, model_name: str, num_kv_heads: int | None = None) -> PoolCompat:
+    def of(
+        cls, kv: torch.Tensor, model_name: str, num_kv_heads: int | None = None,
+        identity: str = "",
+    ) -> PoolCompat:  # fmt: skip
         """Describe the pool tensor ``kv`` (L, 2, P, S, H, D), whose weights are named
-        ``model_name`` (`ModelConfig.name`) and have ``num_kv_heads`` KV heads (default:
-        H, a pool holding every head)."""
+        ``model_name`` (`ModelConfig.name`), have ``num_kv_heads`` KV heads (default:
+        H, a pool holding every head) and the identity of digest ``identity``."""
         num_layers, kinds, _, page_size, heads, head_dim = kv.shape
         assert kinds == 2, f"not a KV pool tensor: shape {tuple(kv.shape)}"
         return cls(
@@ -67,6 +73,7 @@ class PoolCompat:
             num_kv_heads=num_kv_heads or heads,
             head_dim=head_dim,
             page_size=page_size,
+            identity=identity,
         )
 
     @property
@@ -88,9 +95,12 @@ class PoolCompat:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolCompat:
-        """Inverse of `to_dict`; raises ValueError on missing or unknown fields."""
+        """Inverse of `to_dict`; raises ValueError on unknown fields or missing ones
+        without a default (a descriptor written before ``identity`` existed reads as
+        identity "", which equals no stated identity)."""
         names = {f.name for f in fields(cls)}
-        if set(data) != names:
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not required <= set(data) <= names:
             raise ValueError(f"compat descriptor fields {sorted(data)} != {sorted(names)}")
         return cls(**data)
 

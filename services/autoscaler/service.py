@@ -99,7 +99,8 @@ class AutoscalerService:
         self._advised_s: dict[str, float] = {}  # role -> when its advice was last logged
         self._infeasible_s: dict[str, float] = {}  # role -> when infeasible ones were
         self._infeasible_since: dict[str, float] = {role: 0.0 for role in ROLES}
-        self.probe = ProbeServer(settings.host, settings.port, self._health, self._render)
+        self.probe = ProbeServer(settings.host, settings.port, self._health, self._render,
+                                 listen_fd=settings.listen_fd)  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.probe.start()

@@ -137,6 +137,13 @@ class AutoscalerSettings(BaseSettings):
     port: int = Field(
         8090, ge=0, le=65535, description="HTTP port of /health, /live and /metrics (0 = any)."
     )
+    listen_fd: int | None = Field(
+        None,
+        ge=0,
+        description="A listening TCP socket inherited from the process that started this "
+        "one (radixserve up's supervisor binds it and keeps it, so the port stays across "
+        "restarts): served on instead of binding host:port.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AutoscalerSettings:

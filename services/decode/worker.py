@@ -104,7 +104,11 @@ class DecodeWorker(Worker):
             on_message=self._from_prefill,
             on_down=self._prefill_down,
             pages=PageGeometry(
-                info.page_size, info.hash_namespace, info.geometry.digest, info.kv_shard.size
+                info.page_size,
+                info.hash_namespace,
+                info.geometry.digest,
+                info.kv_shard.size,
+                info.identity,
             ),  # fmt: skip
         )
         self.view = MemberView({"prefill": self.prefills})
@@ -152,17 +156,18 @@ class DecodeWorker(Worker):
         try:
             params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
-            hashes = self.page_hashes(ids + resume, msg.page_hashes)
+            scope = msg.cache_scope  # whose KV it may share; the hashes are in its namespace
+            hashes = self.page_hashes(ids + resume, msg.page_hashes, scope)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
                 admitting = request.child("decode.admission", prompt_tokens=len(ids),
                                           resumed_tokens=len(resume))  # fmt: skip
                 admission, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume,
-                                                  under=admitting)  # fmt: skip
+                                                  cache_scope=scope, under=admitting)  # fmt: skip
                 admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
                 self._routes[rid] = (admission.route, "")
             else:
-                out = await self._begin(rid, ids, params, hashes, request)
+                out = await self._begin(rid, ids, params, hashes, request, scope)
             streaming = request.child("decode.stream")
             async for output in self.engine.outputs(rid, out):
                 chunk = to_chunk(output)
@@ -187,19 +192,21 @@ class DecodeWorker(Worker):
             self._routes.pop(rid, None)
 
     async def _begin(
-        self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span
-    ) -> asyncio.Queue:
+        self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span,
+        scope: str = "",
+    ) -> asyncio.Queue:  # fmt: skip
         """Admit the request once (`Worker.admit`: local, host tier, or remote when a
         prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
         uncached), then, on the remote route, pick the prefill worker; its output queue.
         Spans under ``request``: ``decode.admission`` (a host-tier load under it), then
-        ``decode.remote_prefill`` on the remote route."""
+        ``decode.remote_prefill`` on the remote route. ``scope``: the request's cache scope,
+        here and on the prefill worker."""
         tried: frozenset[str] = frozenset()
         while True:
             ready = self.router.ready(self.prefills.links, tried) if self.prefills else []
             remote_over = self.settings.local_prefill_max_tokens if ready else None
             admitting = request.child("decode.admission", prompt_tokens=len(ids))
-            admission, out = await self.admit(rid, ids, params, hashes=hashes,
+            admission, out = await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
                                               remote_over=remote_over, under=admitting)  # fmt: skip
             admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
             if admission.route != "remote":
@@ -210,9 +217,10 @@ class DecodeWorker(Worker):
             if link is None:  # none is ready any more: compute here
                 await self.engine.abort_now(rid)
                 self.counters["local_prefills_total"] += 1
-                return (await self.admit(rid, ids, params, hashes=hashes))[1]
+                return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope))[1]
             try:
-                return await self._remote(link, rid, ids, params, admission, out, hashes, request)
+                return await self._remote(link, rid, ids, params, admission, out, hashes, request,
+                                          scope)  # fmt: skip
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
@@ -262,6 +270,7 @@ class DecodeWorker(Worker):
         out: asyncio.Queue,
         hashes: list[int],
         request: Span = NO_SPAN,
+        scope: str = "",
     ) -> asyncio.Queue:
         """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
         ``out``); on failure recompute here or raise. Its span, ``decode.remote_prefill``
@@ -283,6 +292,7 @@ class DecodeWorker(Worker):
                     sampling=to_spec(params),
                     num_cached_tokens=admission.cached_tokens,
                     traceparent=remote.traceparent(),
+                    cache_scope=scope,
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
@@ -318,7 +328,7 @@ class DecodeWorker(Worker):
             logger.warning("%s: remote prefill of %s on %s failed (%s); recomputing locally",
                            self.name, rid, link.label, exc)  # fmt: skip
             self.counters["local_prefills_total"] += 1
-            return (await self.admit(rid, ids, params, hashes=hashes))[1]
+            return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope))[1]
         finally:
             self._pending.pop(rid, None)
             if not answered:

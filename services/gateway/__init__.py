@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from radixserve.launch.listeners import adopt
 from radixserve.services.gateway.engine_client import EngineClient, LocalEngineClient
 from radixserve.services.gateway.routes import create_app
 from radixserve.services.gateway.settings import GatewaySettings
@@ -29,19 +30,20 @@ __all__ = [
 
 def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> EngineClient:
     """A `ClusterClient` over ``settings.decode_workers`` and the members of the cluster
-    of ``settings.kvstore``, if either is set (only the tokenizer is loaded here), else an
-    in-process engine built from ``engine_settings``."""
+    of ``settings.kvstore``, if either is set (only the tokenizer is loaded here; the
+    workers' model identity is learned from them, `ClusterClient.root_namespace`), else
+    an in-process engine built from ``engine_settings``."""
     if settings.decode_workers or settings.kvstore:
-        from radixserve.cache.block_hash import hash_namespace
         from radixserve.model.model_files import open_model
         from radixserve.services.gateway.cluster_client import ClusterClient
 
         model = open_model(engine_settings.model)  # config and tokenizer, no weights
+        # the page-hash namespace (model identity and cache salt) is the workers': the
+        # first one's HelloAck sets it (their weights and resolved dtype are not read here)
         return ClusterClient(
             settings, model.tokenizer, model.config.name,
             model.config.max_model_len(engine_settings.max_model_len),
-            engine_settings.page_size,
-            hash_namespace(model.config.name, engine_settings.cache_salt), model.served_name,
+            engine_settings.page_size, None, model.served_name,
         )  # fmt: skip
     from radixserve.engine.async_engine import AsyncEngine
 
@@ -52,8 +54,12 @@ def serve(client: EngineClient, settings: GatewaySettings) -> None:
     """Run the gateway over `client` with uvicorn until interrupted, then close `client`."""
     import uvicorn
 
-    app = create_app(client, settings)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+        settings.require_secure()  # no unauthenticated gateway beyond loopback
+        app = create_app(client, settings)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+        # on the listening socket radixserve up's supervisor bound for the gateway, if any
+        inherited = None if settings.listen_fd is None else [adopt(settings.listen_fd)]
+        uvicorn.Server(config).run(sockets=inherited)
     finally:
         client.close()

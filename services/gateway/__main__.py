@@ -9,17 +9,21 @@ workers; without, it runs an engine in-process (``RADIXSERVE_*`` engine settings
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from radixserve.logging import setup_logging
 
 
-def main() -> int:
+def main(overrides: dict[str, Any] | None = None) -> int:
+    """Serve with the environment's settings (and ``overrides``: `radixserve gateway`'s
+    flags)."""
     from radixserve.services.gateway import GatewaySettings, build_client, serve
     from radixserve.settings import EngineSettings
 
     setup_logging()
     from_env: dict[str, object] = {}  # every field from RADIXSERVE_* / defaults
-    gateway_settings = GatewaySettings(**from_env)  # type: ignore[arg-type]
+    gateway_settings = GatewaySettings(**(overrides or {}))
+    gateway_settings.require_secure()  # before the model's files are read
     client = build_client(gateway_settings, EngineSettings(**from_env))  # type: ignore[arg-type]
     if gateway_settings.kvstore:
         mode = f"the workers of the cluster at {gateway_settings.kvstore}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,9 +30,9 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
+from radixserve.model.identity import identity_card
 from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.tenants import ANONYMOUS, Principal
 from radixserve.services.gateway.errors import (
     OpenAIError,
     error_body,
@@ -62,8 +61,10 @@ from radixserve.services.gateway.responses import (
     usage,
     usage_chunk,
 )
+from radixserve.services.gateway.router import affinity_key
 from radixserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.gateway.tenants import ANONYMOUS, Principal
 from radixserve.services.gateway.tools import ToolFormat
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,12 @@ def _sse(obj: Any) -> str:
 def _typed_sse(event: dict[str, Any]) -> str:
     """A Responses API event, named by its type as OpenAI sends it."""
     return f"event: {event['type']}\n{_sse(event)}"
+
+
+def caller(request: Request) -> Principal:
+    """The `Principal` that `Gateway.authorize` found for ``request`` (called first)."""
+    principal: Principal = request.state.principal
+    return principal
 
 
 def _stored_id(request: Request) -> str:
@@ -150,6 +157,7 @@ class Gateway:
         self.in_flight = 0
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.requests = RequestLog(settings.explorer_request_log_size)  # for /explorer
+        self.keys = settings.keyring()  # empty: no authentication, every caller ANONYMOUS
 
     # -- admission, auth, body -------------------------------------------------------
 
@@ -171,16 +179,23 @@ class Gateway:
 
     def authorize(self, request: Request) -> Principal:
         """The caller's `Principal` (401 without a valid key when keys are configured)."""
-        if not self.settings.api_keys:
-            return ANONYMOUS
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and self.accepts(token.strip())):
+        principal: Principal | None = ANONYMOUS
+        if self.keys:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            principal = self.keys.principal(token.strip()) if scheme.lower() == "bearer" else None
+        if principal is None:
             raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
-        return ANONYMOUS
+        request.state.principal = principal  # read back by `caller`
+        return principal
 
-    def accepts(self, key: str) -> bool:
-        """Whether ``key`` is one of the API keys (compared in constant time)."""
-        return any(secrets.compare_digest(key.encode(), k.encode()) for k in self.settings.api_keys)
+    def authorize_admin(self, request: Request) -> Principal:
+        """The caller, who must hold an admin key (403 for a user key): the operator's
+        routes (/debug/*, /explorer, the cache audit's clear)."""
+        principal = self.authorize(request)
+        if not principal.is_admin:
+            raise OpenAIError(403, "this route needs an admin API key (a key entry with "
+                              '"role": "admin")')  # fmt: skip
+        return principal
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object: 413 over the size limit, 400 if not UTF-8 JSON."""
@@ -252,13 +267,22 @@ class Gateway:
         closed) if the client left first. A `RequestError` is raised here (a 400)."""
         jobs = plan.jobs
         self.acquire(len(jobs))
-        record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs))
+        principal = caller(request)
+        tenant = principal.tenant
+        record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs), tenant)
         span = request_span(request)
-        span.set(request_id=rid, prompts=len(jobs))
+        span.set(request_id=rid, prompts=len(jobs), tenant=tenant)
+        scope = principal.cache_scope(plan.cache_salt)  # whose cached KV it may share
+        key = affinity_key(tenant, plan.prompt_cache_key)
         streams = [
             self.client.generate(
-                job.prompt_ids, job.params, rid if len(jobs) == 1 else f"{rid}-{i}", span=span
-            )
+                job.prompt_ids,
+                job.params,
+                rid if len(jobs) == 1 else f"{rid}-{i}",
+                span=span,
+                cache_scope=scope,
+                routing_key=key,
+            )  # fmt: skip
             for i, job in enumerate(jobs)
         ]
         gen = Generation(streams, self.metrics)
@@ -353,7 +377,8 @@ class Gateway:
         self.check_model(req.model)
         parent = None
         if req.previous_response_id is not None:
-            parent = self.responses.turn(req.previous_response_id, "previous_response_id")
+            parent = self.responses.turn(req.previous_response_id, "previous_response_id",
+                                         caller(request))  # fmt: skip
         history = parent.conversation() if parent else []
         plan = response_plan(req, history, self.client, self.settings.default_max_tokens,
                              self.tool_format)  # fmt: skip
@@ -370,18 +395,18 @@ class Gateway:
         })  # fmt: skip
         book = ChoiceBook(plan, self.formatter)
         if plan.stream:
-            events = self._response_events(req, parent, builder, gen, book)
+            events = self._response_events(req, parent, builder, gen, book, caller(request))
             return _ClosingStreamingResponse(events, close)
         await _collect(gen, book, close)
         c = book.choices[(0, 0)]
         builder.feed(reply_deltas(c, "".join(c.text), finished=True))
         builder.finish(c.finish_reason, response_usage(gen.total(0)))
-        self._keep(req, parent, builder.body)
+        self._keep(req, parent, builder.body, caller(request))
         return JSONResponse(builder.body)
 
     async def _response_events(
         self, req: ResponsesRequest, parent: Turn | None, builder: ResponseBuilder,
-        gen: Generation, book: ChoiceBook,
+        gen: Generation, book: ChoiceBook, principal: Principal,
     ) -> AsyncIterator[str]:  # fmt: skip
         """The typed events of a streamed response; it is stored before the last."""
         try:
@@ -395,7 +420,7 @@ class Gateway:
                     yield _typed_sse(event)
             c = book.choices[(0, 0)]
             closing = builder.finish(c.finish_reason, response_usage(gen.total(0)))
-            self._keep(req, parent, builder.body)
+            self._keep(req, parent, builder.body, principal)
             for event in closing:
                 yield _typed_sse(event)
         except Exception as exc:  # an engine failure mid-stream: tell the client, then end
@@ -403,24 +428,27 @@ class Gateway:
             for event in builder.failed(f"generation failed: {exc}"):
                 yield _typed_sse(event)
 
-    def _keep(self, req: ResponsesRequest, parent: Turn | None, body: dict[str, Any]) -> None:
+    def _keep(
+        self, req: ResponsesRequest, parent: Turn | None, body: dict[str, Any], owner: Principal
+    ) -> None:
         """Store a finished response (unless ``store: false``) with its turn: this
-        request's input, then its output, after the conversation it continued."""
+        request's input, then its output, after the conversation it continued; it
+        belongs to ``owner``'s tenant."""
         if not req.stored:
             return
         outputs = [canonical(input_item(item, "output")) for item in body["output"]]
         turn = Turn((*req.items(), *outputs), parent, num_outputs=len(outputs))
-        self.responses.put(body["id"], body, turn)
+        self.responses.put(body["id"], body, turn, owner.tenant)
 
     async def get_response(self, request: Request) -> JSONResponse:
-        self.authorize(request)
+        principal = self.authorize(request)
         response_id = _stored_id(request)
-        return JSONResponse(self.responses.body(response_id, "response_id"))
+        return JSONResponse(self.responses.body(response_id, "response_id", principal))
 
     async def delete_response(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        principal = self.authorize(request)
         response_id = _stored_id(request)
-        self.responses.delete(response_id, "response_id")
+        self.responses.delete(response_id, "response_id", principal)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # -- operations ------------------------------------------------------------------
@@ -438,11 +466,12 @@ class Gateway:
         return Response(body, media_type=CONTENT_TYPE)
 
     async def debug_cache(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        self.authorize_admin(request)
         body: dict[str, Any] = {
             **self.client.stats(),
             "gateway_in_flight": self.in_flight,
             "cache_namespace": self.client.model_name,  # the checkpoint's own name
+            "model_identity": identity_card(self.client.identity),
         }
         workers = self.client.worker_stats()
         if workers:
@@ -454,5 +483,5 @@ class Gateway:
         cache audit; every engine drops its cached pages and serves from its cache
         again. Answers each worker's name -> whether it had failed closed (null: no
         answer in time)."""
-        self.authorize(request)
+        self.authorize_admin(request)
         return {"workers": await self.client.clear_cache_audit()}

@@ -38,6 +38,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_output, to_spec
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
 from radixserve.metrics import POOL_GAUGES
+from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
     Abort,
@@ -52,10 +53,18 @@ from radixserve.protocol.messages import (
     CacheAuditCleared,
     CacheTreeQuery,
     CacheTreeReply,
+    HelloAck,
 )
 from radixserve.protocol.security import keys_from
 from radixserve.runtime.calls import Replies, Tasks, send_quietly
-from radixserve.runtime.links import Link, LinkIdentity, LinkSet, PageGeometry
+from radixserve.runtime.links import (
+    LearnedGeometry,
+    Link,
+    LinkIdentity,
+    LinkSet,
+    PageGeometry,
+    peer_identity,
+)
 from radixserve.runtime.membership import MemberView
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.router import DecodeRouter
@@ -88,6 +97,26 @@ class _WorkerLost(UnavailableError):
 _MAX_DRAINING_RETRIES = 8
 
 
+@dataclass(frozen=True)
+class _Route:
+    """What routes a request besides its prompt: its cache scope (the namespace its
+    pages are hashed in, `cache_scope`) and its affinity key (`DecodeRouter.pick`)."""
+
+    scope: str = ""
+    key: str = ""
+
+
+def _identity_of(ack: HelloAck | None, refused: str) -> dict[str, Any] | None:
+    """A worker's model identity for /debug/cache, with why it was refused, if it was."""
+    if ack is None and not refused:
+        return None
+    identity = None
+    with contextlib.suppress(ValueError):
+        identity = peer_identity(ack) if ack is not None else None
+    entry: dict[str, Any] = {**identity.to_dict(), "short": identity.short} if identity else {}
+    return {**entry, "refused": refused} if refused else entry or None
+
+
 def _failure(msg: RequestFailed) -> Exception:
     if msg.error_type == "draining":
         return _Draining(msg.message)
@@ -108,12 +137,15 @@ class ClusterClient(EngineClient):
         model_name: str,
         max_model_len: int,
         page_size: int,
-        hash_namespace: bytes,
+        hash_namespace: bytes | None = None,
         served_name: str = "",
     ) -> None:
         """``max_model_len``: the model's context as the checkpoint says; the decode
-        workers' own (`HelloAck`) bounds it once they are up. ``page_size`` and
-        ``hash_namespace``: the page geometry the workers must share (`PageGeometry`)."""
+        workers' own (`HelloAck`) bounds it once they are up. ``page_size``: the workers'
+        page size. ``hash_namespace``: the page-hash namespace the workers must share;
+        None (what `build_client` gives): learned from the first decode worker's
+        `HelloAck` with its model identity (`LearnedGeometry`; the gateway loads no
+        weights, so it cannot compute them), after which workers of another are refused."""
         if not settings.decode_workers and not settings.kvstore:
             raise ValueError(
                 "a cluster client needs decode worker addresses or a kvstore to find them"
@@ -125,9 +157,13 @@ class ClusterClient(EngineClient):
         self._max_model_len = max_model_len
         self.name = f"gateway-{os.getpid()}"
         self.generation = time.time_ns() // 10**6
-        self.pages = PageGeometry(page_size, hash_namespace)
+        self.pages: PageGeometry | LearnedGeometry = (
+            LearnedGeometry(page_size, self._learned)
+            if hash_namespace is None
+            else PageGeometry(page_size, hash_namespace)
+        )
         self.router = DecodeRouter(
-            page_size, hash_namespace, settings.decode_load_weight, _MAX_VIEW_PAGES
+            page_size, hash_namespace or b"", settings.decode_load_weight, _MAX_VIEW_PAGES
         )
         self._streams: dict[str, _Stream] = {}
         self._context: zmq.asyncio.Context | None = None
@@ -177,7 +213,49 @@ class ClusterClient(EngineClient):
     def health(self) -> tuple[bool, dict[str, Any]]:
         up = self.decodes.ready() if self.decodes else []
         workers = {link.label: link.up for ls in self._link_sets() for link in ls.links}
-        return bool(up), {"workers": workers}
+        # a kvstore that is up but still adopting its disk tier's files (or not heard
+        # from yet), or a worker it has not answered the host-tier attach of: a request
+        # now would compute what the kvstore's tiers hold
+        stores = [link for link in (self.kvstore.links if self.kvstore else ()) if link.up]
+        waiting = [link.label for link in stores
+                   if not link.stats or link.stats.get("disk_tier_ready") == 0]  # fmt: skip
+        if stores:
+            waiting += [link.label for ls in (self.decodes, self.prefills) if ls is not None
+                        for link in ls.links
+                        if link.up and (not link.stats  # no heartbeat yet
+                                        or link.stats.get("host_attach_settled") == 0)]  # fmt: skip
+        detail: dict[str, Any] = {"workers": workers}
+        if waiting:
+            detail["waiting_for_the_kvstore"] = waiting
+        return bool(up) and not waiting, detail
+
+    # -- the workers' pages ------------------------------------------------------------
+
+    @property
+    def root_namespace(self) -> bytes | None:
+        """The page-hash namespace of the workers' model identity and cache salt, the
+        root of every request's (`scoped_namespace(root_namespace, scope)`); None until
+        the first decode worker said hello: requests are then routed by load, with no
+        page hashes (the decode worker hashes them)."""
+        return self.pages.hash_namespace
+
+    @property
+    def identity(self) -> ModelIdentity | None:
+        """The workers' model identity (None: not known yet, or not stated)."""
+        return self.pages.identity if isinstance(self.pages, LearnedGeometry) else None
+
+    def _learned(self, namespace: bytes, identity: ModelIdentity | None) -> None:
+        """The first worker's namespace: route by it. (No decode worker is up then, so
+        the router holds no view of another namespace: each was forgotten when its
+        worker went down.)"""
+        self.router.namespace = namespace
+        if self.prefills is not None:  # those up before are checked now
+            self.prefills.recheck()
+
+    def _forget_geometry(self) -> None:
+        """No decode worker is up: the next one sets the namespace again."""
+        if isinstance(self.pages, LearnedGeometry) and not (self.decodes and self.decodes.up()):
+            self.pages.forget()
 
     # -- EngineClient ----------------------------------------------------------------
 
@@ -204,10 +282,18 @@ class ClusterClient(EngineClient):
         request_id: str,
         *,
         span: Span = NO_SPAN,
+        cache_scope: str = "",
+        routing_key: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Serve the request, moving it to another decode worker if its worker is lost
-        or drains (module notes); the caller sees one stream under ``request_id``."""
-        hashes = self.router.hashes(prompt_ids)  # the request's one hashing, carried on
+        or drains (module notes); the caller sees one stream under ``request_id``.
+        ``cache_scope``: whose KV it shares (its pages are hashed in that scope's
+        namespace, here and on the workers); ``routing_key``: `DecodeRouter` affinity."""
+        # the request's one hashing, carried on (none before the namespace is known)
+        hashes = (
+            self.router.hashes(prompt_ids, cache_scope) if self.root_namespace is not None else []
+        )
+        route = _Route(cache_scope, routing_key)
         sent: list[int] = []  # tokens the caller has been given
         first: RequestOutput | None = None  # its first output: usage and TTFT stay its
         tried: set[str] = set()
@@ -216,7 +302,8 @@ class ClusterClient(EngineClient):
             attempt = request_id if not refusals + losses else f"{request_id}~{refusals + losses}"
             resumed = params if not sent else dataclasses.replace(params, prompt_logprobs=None)
             outputs = self._generate_on(prompt_ids, hashes, resumed, attempt, tried,
-                                        tuple(sent), wait=bool(losses), span=span)  # fmt: skip
+                                        tuple(sent), wait=bool(losses), span=span,
+                                        route=route)  # fmt: skip
             streamed_before = len(sent)
             try:
                 async with contextlib.aclosing(outputs):  # closing us aborts the request now
@@ -267,17 +354,20 @@ class ClusterClient(EngineClient):
         resume: tuple[int, ...] = (),
         wait: bool = False,
         span: Span = NO_SPAN,
+        route: _Route | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Serve the request on the best decode worker not in ``tried`` (added to it),
         after the ``resume`` tokens already streamed; with ``wait``, wait up to
         ``migration_wait_s`` for one to be up. ``span``: the request's at the gateway,
         whose ``gateway.queue`` child runs from its arrival (this attempt's start, for a
         later attempt) until the request is sent, and which keeps the spans the decode
-        worker carries back on the last chunk."""
+        worker carries back on the last chunk. ``route``: the request's cache scope and
+        affinity key."""
+        route = route or _Route()
         retry = bool(resume or tried or wait)
         queued = span.child("gateway.queue", start_ns=None if retry else span.start_ns)
-        link = await self._wait_for_decode(hashes, tried) if wait else None
-        link = link or self._pick_decode(hashes, tried)
+        link = await self._wait_for_decode(hashes, tried, route.key) if wait else None
+        link = link or self._pick_decode(hashes, tried, route.key)
         tried.add(link.name)
         # counted before any await, so requests arriving together see each other's load
         self.router.started(link.name, hashes)
@@ -294,6 +384,7 @@ class ClusterClient(EngineClient):
                         page_hashes=tuple(hashes),
                         resume_token_ids=resume,
                         traceparent=span.traceparent(),
+                        cache_scope=route.scope,
                     )
                 )
             except TimeoutError:
@@ -317,9 +408,9 @@ class ClusterClient(EngineClient):
                     return
         finally:
             self._streams.pop(request_id, None)
-            finished_ok = done and bool(stream.output_ids)
+            finished_ok = done and bool(stream.output_ids) and self.root_namespace is not None
             self.router.finished(link.name, hashes, stream.prompt_ids + stream.output_ids
-                                 if finished_ok else None)  # fmt: skip
+                                 if finished_ok else None, route.scope)  # fmt: skip
             if not done and link.up:
                 self._background.spawn(self._abort(link, request_id))
 
@@ -352,6 +443,7 @@ class ClusterClient(EngineClient):
                     "generation": link.generation,
                     "discovered": link.discovered,
                     "tp_size": link.ack.tp_size if link.ack is not None else 0,
+                    "model_identity": _identity_of(link.ack, link.refused),
                 }
                 if link.up:
                     entry.update(link.stats)
@@ -388,23 +480,25 @@ class ClusterClient(EngineClient):
 
     # -- routing ---------------------------------------------------------------------
 
-    async def _wait_for_decode(self, hashes: list[int], exclude: set[str]) -> Link | None:
+    async def _wait_for_decode(
+        self, hashes: list[int], exclude: set[str], affinity: str = ""
+    ) -> Link | None:
         """The best ready decode worker not in ``exclude``, waiting up to
         ``migration_wait_s`` for one; None if none came."""
         deadline = time.monotonic() + self.settings.migration_wait_s
         while True:
             with contextlib.suppress(UnavailableError):
-                return self._pick_decode(hashes, exclude)
+                return self._pick_decode(hashes, exclude, affinity)
             if time.monotonic() >= deadline:
                 return None
             await asyncio.sleep(0.05)
 
-    def _pick_decode(self, hashes: list[int], exclude: set[str]) -> Link:
+    def _pick_decode(self, hashes: list[int], exclude: set[str], affinity: str = "") -> Link:
         ready = [link for link in self.decodes.ready()] if self.decodes else []
         ready = [link for link in ready if link.name not in exclude]
         if not ready:
             raise UnavailableError("no decode worker is up; try again shortly")
-        name = self.router.pick([link.name for link in ready], hashes)
+        name = self.router.pick([link.name for link in ready], hashes, affinity)
         return next(link for link in ready if link.name == name)
 
     def _kvstore_up(self, link: Link) -> None:
@@ -460,6 +554,8 @@ class ClusterClient(EngineClient):
         ack = link.ack
         if ack is None:
             return
+        if isinstance(self.pages, LearnedGeometry):  # its restart may have unset it
+            self.pages.learn(ack)
         if ack.model_name != self._model_name:
             logger.error("decode worker %s serves %r, the gateway %r", link.label,
                          ack.model_name, self._model_name)  # fmt: skip
@@ -468,6 +564,7 @@ class ClusterClient(EngineClient):
 
     def _decode_down(self, link: Link, why: str) -> None:
         self.router.forget(link.name)
+        self._forget_geometry()
         for stream in self._streams.values():
             if stream.link is link:
                 stream.out.put_nowait(_WorkerLost(f"decode worker {link.label} {why}"))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol.messages import CacheTreeReply
 from radixserve.tracing import NO_SPAN, Span
@@ -37,10 +38,16 @@ class EngineClient(abc.ABC):
         request_id: str,
         *,
         span: Span = NO_SPAN,
+        cache_scope: str = "",
+        routing_key: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per engine step until one has `finished` set.
         ``span``: the request's span at the gateway (`radixserve.tracing`), under which
         a client records its own steps and keeps the spans its workers carry back.
+        ``cache_scope``: whose cached KV the request may share
+        (`radixserve.cache.block_hash.cache_scope`; "" = the default scope);
+        ``routing_key``: requests with the same key go to the same engine while it is
+        not overloaded (a hint, where there is a choice of engines).
 
         Contract: raises `RequestError` (e.g. InvalidRequestError for a prompt over the
         context) before the first output for a request that can never be served.
@@ -67,6 +74,12 @@ class EngineClient(abc.ABC):
     def served_name(self) -> str:
         """The model id served by default (`served_model_id` of the checkpoint)."""
         return self.model_name
+
+    @property
+    def identity(self) -> ModelIdentity | None:
+        """What computes the served pages (weights fingerprint, quantization, dtype,
+        adapter); None where not known (yet)."""
+        return None
 
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
@@ -121,9 +134,11 @@ class LocalEngineClient(EngineClient):
         request_id: str,
         *,
         span: Span = NO_SPAN,
+        cache_scope: str = "",
+        routing_key: str = "",  # one engine: nothing to choose
     ) -> AsyncIterator[RequestOutput]:
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids))
-        stream = self._async.stream(prompt_ids, params, request_id)
+        stream = self._async.stream(prompt_ids, params, request_id, cache_scope)
         try:
             async for output in stream:
                 yield output
@@ -141,6 +156,10 @@ class LocalEngineClient(EngineClient):
     @property
     def served_name(self) -> str:
         return self._async.info.served_name
+
+    @property
+    def identity(self) -> ModelIdentity | None:
+        return self._async.info.identity
 
     @property
     def max_model_len(self) -> int:

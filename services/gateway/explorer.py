@@ -15,9 +15,11 @@ step) polls four endpoints and draws what they return:
 * ``/debug/explorer/autoscaler``: the autoscaler's recent decisions, read from its
   /health (``autoscaler_url``), or that none is configured.
 
-Every route is behind the API keys like /debug/cache. A browser cannot put a header on
-the page's own request, so the page alone also takes the key as ``?key=``; its script
-sends it on as ``Authorization: Bearer`` to the JSON routes. Prompt text appears only
+Every route needs an admin API key, like /debug/cache (a user key gets 403: the page
+lists every tenant's requests and the cache's recent request ids); the request list is
+scoped to the caller's tenant too. A browser cannot put a header on the page's own
+request, so the page alone also takes the key as ``?key=``; its script sends it on as
+``Authorization: Bearer`` to the JSON routes. Prompt text appears only
 with ``explorer_prompt_text``: otherwise the gateway asks the workers for none, and
 nothing here carries any (token counts only).
 """
@@ -35,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
 from radixserve.protocol.messages import MAX_TREE_NODES, CacheTreeReply
-from radixserve.services.gateway.app import Gateway
+from radixserve.services.gateway.app import Gateway, caller
 from radixserve.services.gateway.engine_client import LOCAL_WORKER
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.query import int_param
@@ -97,16 +99,20 @@ class Explorer:
         self.text_tokens = TEXT_TOKENS if gw.settings.explorer_prompt_text else 0
 
     def _authorized(self, request: Request) -> Gateway:
-        self.gw.authorize(request)
+        self.gw.authorize_admin(request)
         return self.gw
 
     async def page(self, request: Request) -> HTMLResponse:
         gw = self.gw
         key = request.query_params.get("key")
-        if key is None or not gw.settings.api_keys:
-            gw.authorize(request)
-        elif not gw.accepts(key):
-            raise OpenAIError(401, "invalid API key in ?key=", "key")
+        if key is None or not gw.keys:
+            gw.authorize_admin(request)
+        else:
+            principal = gw.keys.principal(key)
+            if principal is None:
+                raise OpenAIError(401, "invalid API key in ?key=", "key")
+            if not principal.is_admin:
+                raise OpenAIError(403, "the explorer needs an admin API key", "key")
         headers = {"cache-control": "no-store", "referrer-policy": "no-referrer"}
         return HTMLResponse(page_html(), headers=headers)
 
@@ -157,7 +163,7 @@ class Explorer:
     async def requests(self, request: Request) -> dict[str, Any]:
         gw = self._authorized(request)
         limit = int_param(request, "limit", 100, 1, MAX_LISTED_REQUESTS)
-        return {"requests": gw.requests.recent(limit)}
+        return {"requests": gw.requests.recent(limit, caller(request))}
 
     async def autoscaler(self, request: Request) -> dict[str, Any]:
         gw = self._authorized(request)

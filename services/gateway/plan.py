@@ -16,7 +16,7 @@ left (as vLLM does); without one, completions generate up to 16 tokens and chat 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from radixserve.engine.grammar import grammar_for
 from radixserve.engine.sampling_params import SamplingParams
@@ -60,6 +60,18 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with tools: replies are searched for calls
+    cache_salt: str = ""  # only requests with the same salt (and tenant) share KV
+    prompt_cache_key: str = ""  # a routing hint (`DecodeRouter` affinity)
+
+
+class _CacheFields(TypedDict):
+    cache_salt: str
+    prompt_cache_key: str
+
+
+def _cache_fields(req: GenerationRequest) -> _CacheFields:
+    """The plan's ``cache_salt`` and ``prompt_cache_key`` ("" when not given)."""
+    return {"cache_salt": req.cache_salt or "", "prompt_cache_key": req.prompt_cache_key or ""}
 
 
 def _room(client: EngineClient, prompt_ids: list[int], param: str = "prompt") -> int:
@@ -91,7 +103,14 @@ def _params(
 ) -> SamplingParams:
     kind, guide = ("json_schema", tool_guide) if tool_guide else req.guide()
     if kind and not tool_guide:  # a tool guide was checked by `ToolRequest.guide`
-        grammar_for(kind, guide)  # refuse a malformed guide before routing
+        try:
+            grammar_for(kind, guide)  # refuse a malformed guide before routing
+        except InvalidRequestError as exc:  # a JSON schema's names response_format
+            param = exc.param or ""
+            if param == "response_format" and req.guided_json is not None:
+                param = "guided_json"
+            message = str(exc) if param in str(exc) else f"{param}: {exc}"
+            raise InvalidRequestError(message, param=param or None) from None
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or 0,
@@ -157,7 +176,7 @@ def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: i
         jobs.append(Job(ids, params, text if echo else ""))
     return Plan("completion", jobs, n, best_of, echo=echo, top_logprobs=k,
                 drop_generated=req.max_tokens == 0, stream=bool(req.stream),
-                include_usage=req.include_usage)  # fmt: skip
+                include_usage=req.include_usage, **_cache_fields(req))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -211,4 +230,5 @@ def chat_plan(
     job = conversation_job(req, conv, client, default_max_tokens, n=n, logprobs=k,
                            kept_special_ids=kept)  # fmt: skip
     return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
-                include_usage=req.include_usage, tools=tool_plan)  # fmt: skip
+                include_usage=req.include_usage, tools=tool_plan,
+                **_cache_fields(req))  # fmt: skip

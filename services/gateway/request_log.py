@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from radixserve.engine.outputs import RequestOutput
+from radixserve.services.gateway.tenants import Principal
 
 HIT_RATE_WINDOW_S = 300.0  # the explorer's hit rates: requests finished this recently
 
@@ -41,6 +42,7 @@ class RequestRecord:
     trace_id: str | None
     started_s: float
     prompts: int  # the request's prompts (jobs): one stream each
+    tenant: str = ""  # whose request it is (listed to its tenant's keys and admins)
     status: str = "running"  # then "done", "failed" (an error) or "aborted" (client left)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # all tiers, as the API's usage reports them
@@ -70,10 +72,11 @@ class RequestLog:
         self._ring: collections.deque[RequestRecord] = collections.deque(maxlen=size)
 
     def begin(
-        self, request_id: str, kind: str, trace_id: str | None, prompts: int
+        self, request_id: str, kind: str, trace_id: str | None, prompts: int, tenant: str = ""
     ) -> RequestRecord:
-        """A request was admitted: its record (kept in the ring while it lasts there)."""
-        record = RequestRecord(request_id, kind, trace_id, time.time(), prompts)
+        """A request of ``tenant`` was admitted: its record (kept in the ring while it
+        lasts there)."""
+        record = RequestRecord(request_id, kind, trace_id, time.time(), prompts, tenant)
         if self._ring.maxlen:
             self._ring.append(record)
         return record
@@ -112,9 +115,11 @@ class RequestLog:
         if record._first is not None and later > 0:
             record.itl_ms = round((now - record._first) * 1000.0 / later, 3)
 
-    def recent(self, limit: int) -> list[dict[str, Any]]:
-        """The newest ``limit`` records, newest first."""
-        return [r.as_dict() for r in list(reversed(self._ring))[:limit]]
+    def recent(self, limit: int, caller: Principal) -> list[dict[str, Any]]:
+        """The newest ``limit`` records ``caller`` may see (its tenant's; an admin's: all),
+        newest first."""
+        seen = [r for r in reversed(self._ring) if caller.owns(r.tenant)]
+        return [r.as_dict() for r in seen[:limit]]
 
     def hit_rates(self, window_s: float = HIT_RATE_WINDOW_S) -> dict[str, dict[str, Any]]:
         """Per worker (and "" for all), over the requests finished in the last

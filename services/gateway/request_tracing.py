@@ -10,8 +10,9 @@ the client as a ``traceparent`` response header. The ended trace enters the
 `TraceStore`. With tracing off (no trace buffer, no OTLP endpoint) the middleware is
 not installed at all.
 
-Routes (behind the API keys, like /debug/cache): GET /debug/traces?limit=N and GET
-/debug/traces/{trace_id} (shapes: `trace_store`).
+Routes (admin keys only, like /debug/cache; each trace is scoped to its tenant too): GET
+/debug/traces?limit=N and GET /debug/traces/{trace_id} (shapes: `trace_store`). A
+request's span carries its tenant's name (``tenant``), never its key.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.query import int_param, only_params
 from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.gateway.tenants import Principal
 from radixserve.services.gateway.trace_store import TraceStore
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter, parse_traceparent
 
@@ -96,10 +98,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _store(request: Request) -> TraceStore:
-    request.app.state.gateway.authorize(request)
+def _store(request: Request) -> tuple[TraceStore, Principal]:
+    principal: Principal = request.app.state.gateway.authorize_admin(request)
     store: TraceStore = request.app.state.traces
-    return store
+    return store, principal
 
 
 def _limit(request: Request) -> int:
@@ -109,15 +111,15 @@ def _limit(request: Request) -> int:
 
 
 async def debug_traces(request: Request) -> dict[str, Any]:
-    store = _store(request)
+    store, principal = _store(request)
     limit = _limit(request)
-    return {"traces": store.summaries(limit)}
+    return {"traces": store.summaries(limit, principal)}
 
 
 async def debug_trace(request: Request) -> dict[str, Any]:
-    store = _store(request)
+    store, principal = _store(request)
     trace_id = str(request.path_params["trace_id"])
-    body = store.trace(trace_id)
+    body = store.trace(trace_id, principal)
     if body is None:
         raise OpenAIError(404, f"no trace {trace_id[:64]!r} is kept (the gateway keeps the "
                           f"last {store.size})", "trace_id")  # fmt: skip

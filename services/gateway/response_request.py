@@ -31,8 +31,10 @@ from radixserve.services.gateway.plan import Conversation, Plan, conversation_jo
 from radixserve.services.gateway.response_output import new_id
 from radixserve.services.gateway.schemas import (
     TOKEN_COUNT,
+    CacheSalt,
     FunctionCall,
     GenerationRequest,
+    PromptCacheKey,
     ResponseFormat,
     Text,
     ToolCall,
@@ -260,7 +262,8 @@ class ResponsesRequest(_Body):
     )
     user: str | None = Field(None, max_length=256, description="Ignored (as by OpenAI).")
     safety_identifier: str | None = Field(None, max_length=256, description="Ignored.")
-    prompt_cache_key: str | None = Field(None, max_length=256, description="Ignored.")
+    prompt_cache_key: PromptCacheKey = None
+    cache_salt: CacheSalt = None
     service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
 
     @classmethod
@@ -361,4 +364,6 @@ def response_plan(
     kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
     job = conversation_job(sampling, conv, client, default_max_tokens, n=1,
                            kept_special_ids=kept)  # fmt: skip
-    return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan)
+    return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan,
+                cache_salt=req.cache_salt or "",
+                prompt_cache_key=req.prompt_cache_key or "")  # fmt: skip

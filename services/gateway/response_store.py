@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.tenants import DEFAULT_TENANT, Principal
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class _Entry:
     body: dict[str, Any]  # the response object as returned
     turn: Turn
     stored_at: float
+    tenant: str  # whose it is: only its tenant's keys (and admins) find it
 
 
 class ResponseStore:
@@ -74,30 +76,34 @@ class ResponseStore:
         self._expire()
         return len(self._entries)
 
-    def put(self, response_id: str, body: dict[str, Any], turn: Turn) -> None:
-        """Keep a response, evicting the oldest beyond the size bound."""
+    def put(
+        self, response_id: str, body: dict[str, Any], turn: Turn, tenant: str = DEFAULT_TENANT
+    ) -> None:
+        """Keep a response of ``tenant``, evicting the oldest beyond the size bound."""
         self._expire()
         if self.max_entries == 0:
             return
-        self._entries[response_id] = _Entry(body, turn, self._clock())
+        self._entries[response_id] = _Entry(body, turn, self._clock(), tenant)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def body(self, response_id: str, param: str) -> dict[str, Any]:
-        return self._get(response_id, param).body
+    def body(self, response_id: str, param: str, caller: Principal) -> dict[str, Any]:
+        return self._get(response_id, param, caller).body
 
-    def turn(self, response_id: str, param: str) -> Turn:
-        return self._get(response_id, param).turn
+    def turn(self, response_id: str, param: str, caller: Principal) -> Turn:
+        return self._get(response_id, param, caller).turn
 
-    def delete(self, response_id: str, param: str) -> None:
-        self._get(response_id, param)
+    def delete(self, response_id: str, param: str, caller: Principal) -> None:
+        self._get(response_id, param, caller)
         del self._entries[response_id]
 
-    def _get(self, response_id: str, param: str) -> _Entry:
-        """The entry, or a 404 naming `param` (the request field that gave the id)."""
+    def _get(self, response_id: str, param: str, caller: Principal) -> _Entry:
+        """The entry, if ``caller`` may see it; else the same 404 as for an id never
+        stored (another tenant's responses are not revealed to exist), naming `param`
+        (the request field that gave the id)."""
         self._expire()
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or not caller.owns(entry.tenant):
             raise OpenAIError(
                 404,
                 f"{param}: no stored response {response_id!r}. Responses are kept "

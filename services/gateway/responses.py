@@ -228,6 +228,16 @@ class ResponseDeleted(_Doc):
     deleted: bool
 
 
+class ModelIdentityCard(_Doc):
+    """What computes the model's KV pages (`radixserve.model.identity.ModelIdentity`)."""
+
+    weights: str  # "sha256:<hex>" of the checkpoint's bytes
+    quantization: str  # the loaded weights' scheme, e.g. "int4 (embed int8)"
+    dtype: str  # the compute dtype
+    adapter: str  # "" for the base model
+    short: str  # e.g. "3f2a9c0b11de/int4/bfloat16"
+
+
 class ModelCard(_Doc):
     id: str
     object: Literal["model"]
@@ -235,6 +245,7 @@ class ModelCard(_Doc):
     owned_by: str
     max_model_len: int
     root: str
+    identity: ModelIdentityCard | None = None  # None until the workers said hello
 
 
 class ModelList(_Doc):

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from radixserve.errors import InvalidRequestError
+from radixserve.model.identity import identity_card
 from radixserve.services.gateway.app import Gateway
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError, install_error_handlers
@@ -105,7 +106,8 @@ async def models(request: Request) -> dict[str, Any]:
     gw = _gateway(request)
     cards = [
         {"id": name, "object": "model", "created": 0, "owned_by": "radixserve",
-         "max_model_len": gw.client.max_model_len, "root": gw.client.model_name}
+         "max_model_len": gw.client.max_model_len, "root": gw.client.model_name,
+         "identity": identity_card(gw.client.identity)}
         for name in gw.model_names
     ]  # fmt: skip
     return {"object": "list", "data": cards}
@@ -163,9 +165,10 @@ def _item_query(request: Request) -> tuple[int, str, str | None]:
 async def input_items(request: Request) -> dict[str, Any]:
     """``GET /v1/responses/{response_id}/input_items``: the items a stored response was
     made from, newest first by default (OpenAI's list object)."""
-    gw = _gateway(request)
+    gw: Gateway = request.app.state.gateway
+    principal = gw.authorize(request)
     limit, order, after = _item_query(request)
-    turn = gw.responses.turn(str(request.path_params["response_id"]), "response_id")
+    turn = gw.responses.turn(str(request.path_params["response_id"]), "response_id", principal)
     return item_page(turn.inputs(), limit, order, after)
 
 

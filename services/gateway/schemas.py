@@ -5,9 +5,11 @@ number), carry OpenAI's value ranges (so /openapi.json describes the real bodies
 forbid unknown fields: a field the API does not define, or defines but radixserve does
 not implement, is refused with a 400 naming it, never silently ignored. The only fields
 accepted and ignored are those that do not change the output (`user`, `metadata`,
-`safety_identifier`, `prompt_cache_key`, `service_tier` "auto"/"default", `store`
-false). Cross-field and engine-level checks raise `OpenAIError` or are left to
-`SamplingParams`, which raises `InvalidRequestError` (HTTP 400) naming the field.
+`safety_identifier`, `service_tier` "auto"/"default", `store` false); `cache_salt`
+(vLLM's) and `prompt_cache_key` (OpenAI's) change only which cached KV a request may
+share and where it is routed (`CacheSalt`, `PromptCacheKey`). Cross-field and
+engine-level checks raise `OpenAIError` or are left to `SamplingParams`, which raises
+`InvalidRequestError` (HTTP 400) naming the field.
 """
 
 from __future__ import annotations
@@ -40,6 +42,31 @@ Prompt = Annotated[
                                                                              max_length=256)],
     Field(description="One prompt (text or token ids) or a list of them (up to 256)."),
 ]  # fmt: skip
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+#: vLLM's ``cache_salt``: narrows KV sharing inside the caller's tenant (strict str: a
+#: lone surrogate, which has no UTF-8 form to hash, is refused as invalid)
+CacheSalt = Annotated[
+    Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None,
+    Field(
+        description="Only requests with the same salt share cached KV (the prompt's "
+        "prefix cache), inside the caller's tenant: a salt never reaches another tenant's "
+        "cache. cached_tokens then counts only what requests with this salt computed.",
+    ),
+]
+#: OpenAI's ``prompt_cache_key``: a routing hint, never what is cached or returned
+PromptCacheKey = Annotated[
+    str | None,
+    Field(
+        max_length=256,
+        description="A routing hint: requests of one tenant with the same key go to the "
+        "same decode worker while it is not overloaded, so a conversation's parallel "
+        "requests find each other's cached prefix. It changes neither what is cached nor "
+        "the output; who may share KV is set by the tenant and cache_salt.",
+    ),
+]
 
 
 class _Body(BaseModel):
@@ -105,6 +132,8 @@ class GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Ignored (as by OpenAI).")
     service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
+    cache_salt: CacheSalt = None
+    prompt_cache_key: PromptCacheKey = None
 
     @property
     def include_usage(self) -> bool:
@@ -325,7 +354,6 @@ class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
     )
     store: Literal[False] | None = Field(None, description="Completions are never stored.")
     safety_identifier: str | None = Field(None, max_length=256, description="Ignored.")
-    prompt_cache_key: str | None = Field(None, max_length=256, description="Ignored.")
     modalities: list[Literal["text"]] | None = None
 
     @property

@@ -6,26 +6,60 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import (
+    AliasChoices,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import SettingsConfigDict
 
+from radixserve.protocol.security import dial_host, is_loopback, require_secret
 from radixserve.runtime.settings import PeerSettings
+from radixserve.services.gateway.tenants import ApiKey, Keyring
+
+_ENTRIES = TypeAdapter(list[ApiKey])
 
 
 class GatewaySettings(PeerSettings):
     """How the OpenAI-compatible HTTP gateway listens, authenticates and bounds its load."""
 
-    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_GATEWAY_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="RADIXSERVE_GATEWAY_", frozen=True,
+                                      extra="forbid", hide_input_in_errors=True)  # fmt: skip
 
     host: str = Field("127.0.0.1", min_length=1, max_length=255, description="Listen address.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port (0 = any free port).")
-    api_keys: list[str] = Field(
+    listen_fd: int | None = Field(
+        None,
+        ge=0,
+        description="A listening TCP socket inherited from the process that started this "
+        "one (radixserve up's supervisor binds it and keeps it, so the port stays across "
+        "restarts): served on instead of binding host:port.",
+    )
+    api_keys: list[ApiKey] = Field(
         default_factory=list,
         max_length=1024,
-        description="Accepted `Authorization: Bearer` keys for /v1 and /debug; empty = no auth. "
-        "From the environment as a JSON list.",
+        description="Accepted `Authorization: Bearer` keys, from the environment as a JSON "
+        'list: a bare key (16+ characters; a tenant of its own, role user) or {"key", '
+        '"tenant", "role": "user" | "admin", "cache_group"}; none here nor in '
+        "api_key_file = no authentication (loopback only, unless allow_unauthenticated).",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        validation_alias=AliasChoices("api_key_file", "RADIXSERVE_GATEWAY_API_KEYS_FILE"),
+        description="A file of more keys (a mounted Secret): the same JSON list as api_keys, "
+        "or one bare key per line ('#' starts a comment line). Read at start.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve on a non-loopback host with no API keys (anyone who reaches the "
+        "port may use the API, /debug and /explorer); off, such a gateway refuses to start.",
     )
     max_queued_requests: int = Field(
         256,
@@ -149,3 +183,63 @@ class GatewaySettings(PeerSettings):
         "/explorer (their spans on the gateway and the workers; token counts, no text); "
         "0 = none kept, and with no OTEL_EXPORTER_OTLP_ENDPOINT either, tracing is off.",
     )
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file_reads(cls, path: Path | None) -> Path | None:
+        read_key_file(path)  # refused here, by name, when it cannot be read or parsed
+        return path
+
+    @model_validator(mode="after")
+    def _keys_load(self) -> GatewaySettings:
+        Keyring(self.key_entries())  # a bad file or a key listed twice is refused here
+        return self
+
+    def key_entries(self) -> list[ApiKey]:
+        """Every configured key: ``api_keys``, then those of ``api_key_file``."""
+        return [*self.api_keys, *read_key_file(self.api_key_file)]
+
+    def keyring(self) -> Keyring:
+        return Keyring(self.key_entries())
+
+    def require_secure(self) -> None:
+        """Refuse to serve beyond this machine unauthenticated: a non-loopback host needs
+        API keys (or ``allow_unauthenticated``), and non-loopback cluster links the cluster
+        secret (`radixserve.protocol.security.InsecureBindError`)."""
+        if not is_loopback(self.host) and not self.allow_unauthenticated and not self.keyring():
+            from radixserve.protocol.security import InsecureBindError
+
+            raise InsecureBindError(
+                f"the gateway would serve {self.host}:{self.port} with no API keys: set "
+                "RADIXSERVE_GATEWAY_API_KEYS (or --api-key-file / "
+                "RADIXSERVE_GATEWAY_API_KEYS_FILE), or pass --allow-unauthenticated "
+                "(RADIXSERVE_GATEWAY_ALLOW_UNAUTHENTICATED=true) to serve anyone who reaches it"
+            )
+        links = [a for a in (self.kvstore, *self.decode_workers, *self.prefill_workers)
+                 if a and not is_loopback(dial_host(a))]  # fmt: skip
+        require_secret(self.cluster_secret, links, "the gateway's cluster links")
+
+
+def read_key_file(path: Path | None) -> list[ApiKey]:
+    """The keys of an API key file (see `GatewaySettings.api_key_file`); ValueError naming
+    the file (never a key) when it cannot be read or holds a bad entry."""
+    if path is None:
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"api_key_file {path}: cannot read it ({exc.__class__.__name__})"
+        ) from None
+    stripped = text.strip()
+    try:
+        if stripped.startswith("["):
+            return _ENTRIES.validate_python(json.loads(stripped))
+        lines = [line.strip() for line in text.splitlines()]
+        return _ENTRIES.validate_python([x for x in lines if x and not x.startswith("#")])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"api_key_file {path}: not a JSON list (line {exc.lineno})") from None
+    except ValidationError as exc:
+        problems = "; ".join(f"entry {'.'.join(map(str, e['loc']))}: {e['msg']}"
+                             for e in exc.errors())  # fmt: skip
+        raise ValueError(f"api_key_file {path}: {problems}") from None

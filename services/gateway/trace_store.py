@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from radixserve.services.gateway.tenants import Principal
 from radixserve.tracing import Span
 
 MAX_ROOTS_PER_TRACE = 16  # requests of one trace id kept together
@@ -49,10 +50,17 @@ class TraceStore:
         while len(self._traces) > self.size:
             self._traces.popitem(last=False)
 
-    def summaries(self, limit: int) -> list[dict[str, Any]]:
-        """The newest ``limit`` traces, newest first (see the module notes)."""
+    def _visible(self, roots: list[Span], caller: Principal) -> bool:
+        """Whether ``caller`` may see a trace: an admin, or the tenant of every request
+        in it (a request refused before admission carries no tenant: admins only)."""
+        return caller.is_admin or all(r.attributes.get("tenant") == caller.tenant for r in roots)
+
+    def summaries(self, limit: int, caller: Principal) -> list[dict[str, Any]]:
+        """The newest ``limit`` traces ``caller`` may see, newest first (see the module
+        notes)."""
         out = []
-        for trace_id in list(reversed(self._traces))[:limit]:
+        seen = [t for t in reversed(self._traces) if self._visible(self._traces[t], caller)]
+        for trace_id in seen[:limit]:
             roots = self._traces[trace_id]
             first, start = roots[0], min(r.start_ns for r in roots)
             end = max(r.end_ns for r in roots)
@@ -66,10 +74,10 @@ class TraceStore:
             })  # fmt: skip
         return out
 
-    def trace(self, trace_id: str) -> dict[str, Any] | None:
-        """Every span of trace ``trace_id``; None if it is not kept."""
+    def trace(self, trace_id: str, caller: Principal) -> dict[str, Any] | None:
+        """Every span of trace ``trace_id``; None if it is not kept or not ``caller``'s."""
         roots = self._traces.get(trace_id)
-        if roots is None:
+        if roots is None or not self._visible(roots, caller):
             return None
         root_ids = {r.span_id for r in roots}
         spans = sorted((s for r in roots for s in r.trace.spans), key=lambda s: s.start_ns)

@@ -1,17 +1,19 @@
 """The disk tier's files: preallocated slabs of page records, read and written in batches.
 
 A slab is one file, ``slab-<layout>-<n>.kv`` (``<layout>``: the first 16 hex digits of
-the pool's `PoolCompat.digest`, which covers the model's name, dtype and page shape)::
+the pool's `PoolCompat.digest`, which covers the model's identity, dtype and page shape)::
 
     0      slab header, 4 KiB: magic, version, slot bytes, slots, page bytes, the PoolCompat
-    4 KiB  slot 0: record header (4 KiB) | page bytes, zero-padded to 4 KiB
-    ...    slot 1, 2, ... (every slot the same size, ``record_bytes(page_bytes)``)
+    4 KiB  slot 0: record header (4 KiB aligned) | page bytes, zero-padded to 4 KiB
+    ...    slot 1, 2, ... (every slot the same size, ``record_bytes(page_bytes, page_size)``)
 
-A record header holds the page's chained hash, its write sequence number (the LRU order
-after a restart), the page bytes, the layout digest and a CRC-32 over the header (its own
-field zeroed) and the page. A slot is *valid* only when all of them agree, so a record
-torn by a crash or flipped on the disk is found on read and never served; a slot never
-written is all zeros (the file is preallocated) and counts as empty.
+A record header holds the page's chained hash (16 bytes), its write sequence number (the
+LRU order after a restart), the page bytes, the layout digest (the pool's identity), the
+page's proof (`PageProof`: namespace, parent hash, its tokens as u32 each) and a CRC-32
+over the header (its own field zeroed) and the page. A slot is *valid* only when all of
+them agree, so a record torn by a crash or flipped on the disk is found on read and never
+served; a slot never written is all zeros (the file is preallocated) and counts as empty.
+Whether the hash is the one its proof gives is the disk pool's check (`PageProof.verifies`).
 
 **The I/O path**, measured with ``bench/disk_io.py`` (bench/README.md): records are
 staged in page-aligned host memory (`RecordBuffer`) and written with one ``os.pwritev``
@@ -43,26 +45,36 @@ from pathlib import Path
 
 import torch
 
+from radixserve.cache.block_hash import HASH_BYTES
+from radixserve.cache.page_proof import PageProof
 from radixserve.transfer import PoolCompat
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths (a logical block)
 HEADER_BYTES = ALIGN  # a slab's header and each record's
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SLAB_MAGIC = b"RXKVSLAB"
 RECORD_MAGIC = b"RXKVPAGE"
 # magic, version, slot bytes, slots, page bytes, compat JSON bytes (the JSON follows)
 _SLAB = struct.Struct("<8sIQQQI")
-# magic, version, crc32, page hash, write sequence, page bytes, layout digest (sha256)
-_RECORD = struct.Struct("<8sIIQQQ32s")
+# magic, version, crc32, write sequence, page bytes, page hash, layout digest (sha256),
+# namespace, has a parent, parent hash, tokens (u32 LE each, after the struct)
+_RECORD = struct.Struct(f"<8sIIQQ{HASH_BYTES}s32s32sB{HASH_BYTES}sI")
 _CRC_AT = 12  # offset of the crc32 field in a record header
+_NAMESPACE_BYTES = 32
 _IOV_MAX = 1024  # POSIX's minimum for IOV_MAX, Linux's value
 
 
-def record_bytes(page_bytes: int) -> int:
-    """The size of a slot holding a page of ``page_bytes``: a header and the page, aligned."""
-    return HEADER_BYTES + -(-page_bytes // ALIGN) * ALIGN
+def record_header_bytes(page_size: int) -> int:
+    """A record's header for pages of ``page_size`` tokens, aligned."""
+    return -(-(_RECORD.size + 4 * page_size) // ALIGN) * ALIGN
+
+
+def record_bytes(page_bytes: int, page_size: int) -> int:
+    """The size of a slot holding a page of ``page_bytes`` (``page_size`` tokens): a
+    header and the page, aligned."""
+    return record_header_bytes(page_size) + -(-page_bytes // ALIGN) * ALIGN
 
 
 def slab_prefix(compat: PoolCompat) -> str:
@@ -78,7 +90,8 @@ class RecordBuffer:
 
     def __init__(self, count: int, compat: PoolCompat) -> None:
         self.count, self.page_bytes = count, compat.page_bytes
-        self.record_bytes = record_bytes(compat.page_bytes)
+        self.header_bytes = record_header_bytes(compat.page_size)
+        self.record_bytes = record_bytes(compat.page_bytes, compat.page_size)
         self._map = mmap.mmap(-1, count * self.record_bytes)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.records = raw.view(count, self.record_bytes)  # (records, record bytes)
@@ -90,34 +103,52 @@ class RecordBuffer:
 
     def page(self, i: int) -> torch.Tensor:
         """Record ``i``'s page bytes as a (L, 2, S, H, D) tensor of the pool's dtype."""
-        body = self.records[i, HEADER_BYTES : HEADER_BYTES + self.page_bytes]
+        body = self.records[i, self.header_bytes : self.header_bytes + self.page_bytes]
         return body.view(self._dtype).view(self.page_shape)
 
     def view(self, i: int) -> memoryview:
         return memoryview(self._map)[i * self.record_bytes : (i + 1) * self.record_bytes]
 
 
-def seal(record: memoryview, page_hash: int, seq: int, digest: bytes, page_bytes: int) -> None:
-    """Write the header of the record whose page is in place: after this it is valid."""
-    _RECORD.pack_into(record, 0, RECORD_MAGIC, FORMAT_VERSION, 0, page_hash, seq, page_bytes,
-                      digest)  # fmt: skip
-    struct.pack_into("<I", record, _CRC_AT, _crc(record, page_bytes))
+def seal(
+    record: memoryview, page_hash: int, seq: int, digest: bytes, page_bytes: int, proof: PageProof
+) -> None:
+    """Write the header of the record whose page is in place: after this it is valid.
+    ValueError if the proof does not fit the record (another namespace size)."""
+    if len(proof.namespace) != _NAMESPACE_BYTES:
+        raise ValueError(f"a namespace of {len(proof.namespace)} bytes, not {_NAMESPACE_BYTES}")
+    parent = b"" if proof.parent is None else proof.parent.to_bytes(HASH_BYTES, "big")
+    _RECORD.pack_into(record, 0, RECORD_MAGIC, FORMAT_VERSION, 0, seq, page_bytes,
+                      page_hash.to_bytes(HASH_BYTES, "big"), digest, proof.namespace,
+                      proof.parent is not None, parent, len(proof.tokens) // 4)  # fmt: skip
+    record[_RECORD.size : _RECORD.size + len(proof.tokens)] = proof.tokens
+    struct.pack_into("<I", record, _CRC_AT, _crc(record, page_bytes, len(proof.tokens)))
 
 
-def _crc(record: memoryview, page_bytes: int) -> int:
+def _crc(record: memoryview, page_bytes: int, token_bytes: int) -> int:
+    header = -(-(_RECORD.size + token_bytes) // ALIGN) * ALIGN
     crc = zlib.crc32(record[:_CRC_AT])
     crc = zlib.crc32(b"\0\0\0\0", crc)
-    crc = zlib.crc32(record[_CRC_AT + 4 : _RECORD.size], crc)
-    return zlib.crc32(record[HEADER_BYTES : HEADER_BYTES + page_bytes], crc)
+    crc = zlib.crc32(record[_CRC_AT + 4 : _RECORD.size + token_bytes], crc)
+    return zlib.crc32(record[header : header + page_bytes], crc)
 
 
-def check(record: memoryview, digest: bytes, page_bytes: int) -> tuple[int, int] | None:
-    """(page hash, write sequence) of a valid record; None if it is torn, corrupt or of
-    another layout."""
-    magic, version, crc, page_hash, seq, size, layout = _RECORD.unpack_from(record, 0)
-    if (magic, version, size, layout) != (RECORD_MAGIC, FORMAT_VERSION, page_bytes, digest):
+def check(
+    record: memoryview, digest: bytes, page_bytes: int, page_size: int
+) -> tuple[int, int, PageProof] | None:
+    """(page hash, write sequence, proof) of a valid record; None if it is torn, corrupt
+    or of another layout."""
+    (magic, version, crc, seq, size, page_hash, layout, namespace, has_parent, parent,
+     num_tokens) = _RECORD.unpack_from(record, 0)  # fmt: skip
+    if (magic, version, size, layout, num_tokens) != (
+        RECORD_MAGIC, FORMAT_VERSION, page_bytes, digest, page_size
+    ):  # fmt: skip
         return None
-    return (page_hash, seq) if crc == _crc(record, page_bytes) else None
+    if crc != _crc(record, page_bytes, 4 * num_tokens):
+        return None
+    tokens = bytes(record[_RECORD.size : _RECORD.size + 4 * num_tokens])
+    proof = PageProof(namespace, int.from_bytes(parent, "big") if has_parent else None, tokens)
+    return int.from_bytes(page_hash, "big"), seq, proof
 
 
 def empty(record: memoryview) -> bool:
@@ -127,10 +158,10 @@ def empty(record: memoryview) -> bool:
 
 @dataclass
 class ScanResult:
-    """What a slab holds: valid records as (page hash, slot in the file, write sequence),
-    and how many slots were torn or corrupt."""
+    """What a slab holds: valid records as (page hash, slot in the file, write sequence,
+    proof), and how many slots were torn or corrupt."""
 
-    found: list[tuple[int, int, int]]
+    found: list[tuple[int, int, int, PageProof]]
     corrupt: int = 0
     seconds: float = 0.0
 
@@ -151,8 +182,8 @@ class SlabFiles:
     def __init__(self, root: Path, compat: PoolCompat, direct: bool = True) -> None:
         self.root, self.compat = root, compat
         self.digest = bytes.fromhex(compat.digest)
-        self.page_bytes = compat.page_bytes
-        self.record_bytes = record_bytes(compat.page_bytes)
+        self.page_bytes, self.page_size = compat.page_bytes, compat.page_size
+        self.record_bytes = record_bytes(compat.page_bytes, compat.page_size)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.slabs: list[Slab] = []
         self._next_number = 0
@@ -261,11 +292,11 @@ class SlabFiles:
             for i, view in enumerate(views):
                 if empty(view):
                     continue
-                valid = check(view, self.digest, self.page_bytes)
+                valid = check(view, self.digest, self.page_bytes, self.page_size)
                 if valid is None:
                     result.corrupt += 1
                 else:
-                    result.found.append((valid[0], first + i, valid[1]))
+                    result.found.append((valid[0], first + i, valid[1], valid[2]))
         result.seconds = time.perf_counter() - start
         return result
 
@@ -309,6 +340,29 @@ class SlabFiles:
 
     def _offset(self, slab: Slab, slot: int) -> int:
         return HEADER_BYTES + (slot - slab.first) * self.record_bytes
+
+
+def slab_layout(path: Path) -> PoolCompat | None:
+    """The layout (`PoolCompat`) a slab's header states; None if it is not a slab of
+    this format."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header = f.read(HEADER_BYTES)
+        magic, version, _, _, _, json_len = _SLAB.unpack_from(header)
+        if (magic, version) != (SLAB_MAGIC, FORMAT_VERSION):
+            return None
+        return PoolCompat.from_dict(json.loads(header[_SLAB.size : _SLAB.size + json_len]))
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def newest_layout(root: Path) -> PoolCompat | None:
+    """The layout of the most recently written slab in ``root`` (what a restart adopts
+    before a worker says which layout it has); None when there is none."""
+    if not root.is_dir():
+        return None
+    paths = sorted(root.glob("slab-*.kv"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((c for c in map(slab_layout, paths) if c is not None), None)
 
 
 def count_records(path: Path) -> int:

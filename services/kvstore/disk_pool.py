@@ -26,11 +26,16 @@ tier, so the tier does not depend on the workers' tensor parallelism.
   into its device pool while the next chunk is read from disk. A page that fails is
   counted in ``disk_corrupt_pages_total``, dropped from the tier and never served: the
   run stops there and the worker computes the rest. One promotion runs at a time.
-* **Restart** (`_rebuild`, when the first worker attaches and the page layout is
-  known): every slab of this layout is read and each record checked; the valid ones
-  are adopted in their old LRU order, the rest counted (``disk_corrupt_pages_total``);
-  slabs of another model or layout are left alone and their records counted
-  (``disk_foreign_pages``). Writes start after the rebuild.
+* **Restart** (`prepare`, at the kvstore's start, for the layout of the newest slab;
+  `_rebuild`): every slab of this layout is read and each record checked; the valid
+  ones whose tokens give their hash (`PageProof`) are adopted in their old LRU order,
+  the rest counted (``disk_corrupt_pages_total``, ``kv_identity_mismatch_total``);
+  slabs of another model identity or layout are left alone (never served) and their
+  records counted (``disk_foreign_pages``); ``disk_reclaim_others`` removes them
+  instead. The kvstore is not ready until this is done (`loaded`). When the first
+  worker attaches with another layout (other weights, quantization or dtype: another
+  `PoolCompat.digest`), the adopted pages are let go and that layout's slabs rebuilt
+  instead. Writes start once a worker's layout is known and adopted.
 * **Faults**: a file that cannot be added (disk full, quota) stops the tier growing
   (``disk_tier_full``); a directory that cannot be used, or a write or read that
   fails, turns the tier off (``disk_tier_up`` 0, logged once). Serving goes on either
@@ -54,11 +59,13 @@ import torch
 
 from radixserve.cache.disk_index import DiskPageIndex
 from radixserve.cache.host_index import HostPageIndex
+from radixserve.cache.page_proof import PageProof
 from radixserve.services.kvstore.disk_files import (
     RecordBuffer,
     SlabFiles,
     check,
     count_records,
+    newest_layout,
     record_bytes,
     seal,
 )
@@ -84,6 +91,7 @@ COUNTERS = (
     "disk_overlapped_promotions_total", "disk_read_pages_total",
     "disk_read_bytes_total", "disk_hit_pages_total", "disk_recomputed_pages_total",
     "disk_corrupt_pages_total", "disk_foreign_pages", "disk_restored_pages",
+    "kv_identity_mismatch_total",
 )  # fmt: skip
 
 
@@ -139,6 +147,7 @@ class DiskPool:
         self.bound_bytes = int(settings.disk_tier_gib * (1 << 30))
         self.buffer_bytes = settings.disk_write_buffer_mib << 20
         self.chunk_bytes = int(settings.disk_read_chunk_mib * (1 << 20))
+        self.reclaim_others = settings.disk_reclaim_others
         self.index = DiskPageIndex()
         self.files: SlabFiles | None = None
         self.down: str | None = None  # why the tier is off
@@ -152,7 +161,7 @@ class DiskPool:
         self.ready = False  # the rebuild is done: pages may be promoted
         self._page_size = 0
         self._host_kv: torch.Tensor | None = None
-        self._staged: list[tuple[int, int]] = []  # (hash, write-buffer record), in order
+        self._staged: list[tuple[int, int, PageProof]] = []  # (hash, record, proof), in order
         self._staged_hashes: set[int] = set()
         self._free_records: list[int] = []
         self._wake = asyncio.Event()  # pages were staged
@@ -161,6 +170,7 @@ class DiskPool:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-disk-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-disk-read")
         self._task: asyncio.Task | None = None
+        self._prepared: asyncio.Task | None = None
         self._seq = 0
 
     @property
@@ -177,22 +187,58 @@ class DiskPool:
         """No page waits to be written nor is being written."""
         return not self.up or len(self._free_records) == self.write_buffer.count
 
-    def open(self, compat: PoolCompat, host_kv: torch.Tensor) -> None:
-        """Start the tier for the host pool ``host_kv`` (L, 2, P, S, H, D) of pages
-        ``compat`` (once, when the first worker attaches): the rebuild from the files
-        found, then the writer."""
-        if not self.configured or self.files is not None or self.down is not None:
-            return
+    def prepare(self) -> None:
+        """At the kvstore's start: adopt the files of the newest slab's layout at once,
+        without waiting for a worker (`loaded` says when that is done: the kvstore is
+        not ready before), so a warm restart serves its pages from the first request."""
+        if self.configured and self._prepared is None:
+            self._prepared = asyncio.create_task(self._prepare())
+
+    @property
+    def loaded(self) -> bool:
+        """The files found at start are adopted (or there were none, or the tier is off)."""
+        return self._prepared is None or self._prepared.done()
+
+    async def _prepare(self) -> None:
         assert self.root is not None
+        try:
+            compat = await self._io(self._reader, newest_layout, self.root)
+            if compat is not None:
+                self._use(compat)
+                await self._rebuild()
+        except OSError as exc:
+            self._fail(f"cannot use the directory: {exc}")
+        except Exception as exc:  # the tier's own fault: it must never fail a request
+            logger.exception("%s: the disk tier's rebuild failed", self.name)
+            self._fail(f"its rebuild failed: {exc!r}")
+
+    def _use(self, compat: PoolCompat) -> None:
+        """Files, index and buffers for pages of layout ``compat`` (none adopted yet)."""
+        assert self.root is not None
+        if self.files is not None:  # adopted at start for another model identity
+            self.files.close()
         self.files = SlabFiles(self.root, compat)
-        self._host_kv, self._page_size = host_kv, compat.page_size
-        size = record_bytes(compat.page_bytes)
+        self.index = DiskPageIndex()
+        size = record_bytes(compat.page_bytes, compat.page_size)
         self.write_buffer = RecordBuffer(max(1, self.buffer_bytes // size), compat)
         self.read_buffer = RecordBuffer(max(1, _READ_CHUNK_BYTES // size), compat)
         self._free_records = list(range(self.write_buffer.count - 1, -1, -1))
-        self._task = asyncio.create_task(self._run())
+
+    def open(self, compat: PoolCompat, host_kv: torch.Tensor) -> None:
+        """Start the tier for the host pool ``host_kv`` (L, 2, P, S, H, D) of pages
+        ``compat`` (once, when the first worker attaches): the pages adopted at start
+        if they are of this layout (else the rebuild from this layout's files), then
+        the writer."""
+        if not self.configured or self._task is not None or self.down is not None:
+            return
+        self._host_kv, self._page_size = host_kv, compat.page_size
+        self._task = asyncio.create_task(self._run(compat))
 
     async def stop(self) -> None:
+        for task in (self._prepared, self._task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -206,23 +252,33 @@ class DiskPool:
             self.down = reason
             logger.error("%s: the disk tier in %s is off: %s; serving goes on without it",
                          self.name, self.root, reason)  # fmt: skip
-        self._free_records.extend(record for _, record in self._staged)
+        self._free_records.extend(record for _, record, _ in self._staged)
         self._staged.clear()
         self._staged_hashes.clear()
 
     async def _io(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def _run(self) -> None:
-        try:
-            await self._rebuild()
-        except OSError as exc:
-            self._fail(f"cannot use the directory: {exc}")
+    async def _run(self, compat: PoolCompat) -> None:
+        if self._prepared is not None:
+            await self._prepared
+        if self.down is not None:
             return
-        except Exception as exc:  # the tier's own fault: it must never fail a request
-            logger.exception("%s: the disk tier's rebuild failed", self.name)
-            self._fail(f"its rebuild failed: {exc!r}")
-            return
+        if self.files is None or self.files.compat.digest != compat.digest:
+            if self.files is not None:
+                logger.warning("%s: the pages adopted from %s are of another model identity "
+                               "or layout than the workers' (%s); left alone", self.name,
+                               self.root, "; ".join(compat.mismatches(self.files.compat)))  # fmt: skip
+            try:
+                self._use(compat)
+                await self._rebuild()
+            except OSError as exc:
+                self._fail(f"cannot use the directory: {exc}")
+                return
+            except Exception as exc:  # the tier's own fault: it must never fail a request
+                logger.exception("%s: the disk tier's rebuild failed", self.name)
+                self._fail(f"its rebuild failed: {exc!r}")
+                return
         self.ready = True
         while self.up:
             await self._wake.wait()
@@ -240,6 +296,12 @@ class DiskPool:
         assert files is not None and root is not None
         await self._io(self._writer, lambda: root.mkdir(parents=True, exist_ok=True))
         ours, others = await self._io(self._reader, files.listing)
+        if self.reclaim_others and others:
+            for path in others:
+                logger.warning("%s: %s holds pages of another model identity or layout; "
+                               "removed (disk_reclaim_others)", self.name, path)  # fmt: skip
+                await self._io(self._writer, path.unlink)
+            others = []
         foreign = await self._io(self._reader, lambda: sum(count_records(p) for p in others))
         self.counters["disk_foreign_pages"] = foreign
         written: dict[int, int] = {}  # hash -> write sequence
@@ -256,29 +318,41 @@ class DiskPool:
                 continue
             scan = await self._io(self._reader, files.scan, slab, self.read_buffer)
             self._measure("read", slab.num_slots * files.record_bytes, scan.seconds)
-            keep: dict[int, tuple[int, int]] = {}  # hash -> (seq, slot): the newest copy
-            for page_hash, slot, seq in scan.found:
-                if seq > written.get(page_hash, -1) and seq > keep.get(page_hash, (-1, 0))[0]:
-                    keep[page_hash] = (seq, slot)
+            keep: dict[int, tuple[int, int, PageProof]] = {}  # hash -> the newest copy
+            for page_hash, slot, seq, proof in scan.found:
+                if not proof.verifies(page_hash):  # its tokens do not give its hash
+                    self.counters["kv_identity_mismatch_total"] += 1
+                    continue
+                if seq > written.get(page_hash, -1) and seq > keep.get(page_hash, (-1,))[0]:
+                    keep[page_hash] = (seq, slot, proof)
             self.index.drop(h for h in keep if h in written)  # an older copy, in a slab before
             found = sorted(keep.items(), key=lambda item: item[1][0])
-            self.index.adopt(slab.num_slots, [(h, slot) for h, (_, slot) in found])
-            written.update((h, seq) for h, (seq, _) in found)
+            self.index.adopt(slab.num_slots, [(h, slot) for h, (_, slot, _) in found],
+                             [proof for _, (_, _, proof) in found])  # fmt: skip
+            written.update((h, seq) for h, (seq, _, _) in found)
             self.counters["disk_corrupt_pages_total"] += scan.corrupt
         self.index.reorder(written)
         self._seq = max(written.values(), default=0)
         self.counters["disk_restored_pages"] = self.index.num_stored
         logger.info("%s: disk tier in %s: %d pages found in %d files (%d torn or corrupt, "
-                    "dropped; %d of another model or layout, ignored)", self.name, root,
+                    "dropped; %d whose tokens do not prove their hash, dropped; %d of another "
+                    "model identity or layout, left alone)", self.name, root,
                     self.index.num_stored, len(files.slabs),
-                    self.counters["disk_corrupt_pages_total"], foreign)  # fmt: skip
+                    self.counters["disk_corrupt_pages_total"],
+                    self.counters["kv_identity_mismatch_total"], foreign)  # fmt: skip
 
     # -- demotion -------------------------------------------------------------------------
 
-    def stage(self, page_hash: int, host_page: int) -> None:
-        """The host tier evicts ``host_page`` (holding ``page_hash``) and reuses it next:
-        copy its bytes towards the disk, unless the disk has the page already."""
-        if not self.up or self.index.touch(page_hash) or page_hash in self._staged_hashes:
+    def stage(self, page_hash: int, host_page: int, proof: PageProof | None) -> None:
+        """The host tier evicts ``host_page`` (holding ``page_hash``, proved by
+        ``proof``) and reuses it next: copy its bytes towards the disk, unless the disk
+        has the page already (a page without a proof is not written)."""
+        if not self.ready or not self.up or self.index.touch(page_hash):
+            return
+        if page_hash in self._staged_hashes:
+            return
+        if proof is None:
+            self.counters["disk_write_dropped_pages_total"] += 1
             return
         if not self._free_records:
             self.counters["disk_write_dropped_pages_total"] += 1
@@ -286,12 +360,12 @@ class DiskPool:
         assert self._host_kv is not None
         record = self._free_records.pop()
         self.write_buffer.page(record).copy_(self._host_kv[:, :, host_page])
-        self._staged.append((page_hash, record))
+        self._staged.append((page_hash, record, proof))
         self._staged_hashes.add(page_hash)
         self._wake.set()
 
-    async def _write(self, batch: list[tuple[int, int]]) -> None:
-        hashes = [h for h, _ in batch]
+    async def _write(self, batch: list[tuple[int, int, PageProof]]) -> None:
+        hashes = [h for h, _, _ in batch]
         try:
             await self._grow(len(batch))
             reserved = self.index.reserve(hashes)
@@ -299,8 +373,8 @@ class DiskPool:
             jobs = []
             for i, slot in reserved:
                 self._seq += 1
-                jobs.append((slot, batch[i][1], hashes[i], self._seq))
-            mine = [h for _, _, h, _ in jobs]
+                jobs.append((slot, batch[i][1], hashes[i], self._seq, batch[i][2]))
+            mine = [h for _, _, h, _, _ in jobs]
             try:
                 seconds = await self._io(self._writer, self._write_records, jobs)
             except Exception as exc:  # OSError, or the tier's own fault: never a request's
@@ -309,27 +383,27 @@ class DiskPool:
                 self.index.abort(mine)
                 self._fail(f"a write failed: {exc!r}")
                 return
-            self.index.commit(mine)
+            self.index.commit(mine, [proof for *_, proof in jobs])
             written = len(jobs) * self.write_buffer.record_bytes
             self.counters["disk_writes_total"] += 1
             self.counters["disk_write_pages_total"] += len(jobs)
             self.counters["disk_write_bytes_total"] += written
             self._measure("write", written, seconds)
         finally:
-            for page_hash, record in batch:
+            for page_hash, record, _ in batch:
                 self._staged_hashes.discard(page_hash)
                 self._free_records.append(record)
             self._written.set()
 
-    def _write_records(self, jobs: list[tuple[int, int, int, int]]) -> float:
-        """On the writer thread: seal each (slot, record, hash, seq) and write them."""
+    def _write_records(self, jobs: list[tuple[int, int, int, int, PageProof]]) -> float:
+        """On the writer thread: seal each (slot, record, hash, seq, proof) and write them."""
         files = self.files
         assert files is not None
         start = time.perf_counter()
-        views = [self.write_buffer.view(record) for _, record, _, _ in jobs]
-        for view, (_, _, page_hash, seq) in zip(views, jobs):
-            seal(view, page_hash, seq, files.digest, files.page_bytes)
-        files.write([slot for slot, _, _, _ in jobs], views)
+        views = [self.write_buffer.view(record) for _, record, _, _, _ in jobs]
+        for view, (_, _, page_hash, seq, proof) in zip(views, jobs):
+            seal(view, page_hash, seq, files.digest, files.page_bytes, proof)
+        files.write([slot for slot, *_ in jobs], views)
         return time.perf_counter() - start
 
     async def _grow(self, wanted: int) -> None:
@@ -369,7 +443,7 @@ class DiskPool:
             if not (self.up and self.ready) or time.monotonic() >= deadline:
                 return staged
             before = len(self._staged)
-            self.stage(page_hash, page)
+            self.stage(page_hash, page, host.proof(page_hash))
             staged += len(self._staged) - before
         while not self.idle and time.monotonic() < deadline:
             await asyncio.sleep(0.005)  # the writer drains what was staged
@@ -453,6 +527,7 @@ class DiskPool:
         disk_hold, slots = self.index.hold(_HOLDER, want, math.inf)
         reserved = host.reserve(want)  # may evict other host pages (towards the disk)
         jobs = [(slots[j], page, want[j]) for j, page in reserved]
+        proofs = {h: self.index.proof(h) for h in want}
         run.cut_at_unreserved({want[j] for j, _ in reserved})
         good: list[int] = []
         bad: list[int] = []
@@ -467,7 +542,8 @@ class DiskPool:
                 ok = await self._read_chunk(chunk)
                 good += [h for (_, _, h), fine in zip(chunk, ok) if fine]
                 bad += [h for (_, _, h), fine in zip(chunk, ok) if not fine]
-                host.commit([h for (_, _, h), fine in zip(chunk, ok) if fine])
+                mine = [h for (_, _, h), fine in zip(chunk, ok) if fine]
+                host.commit(mine, [proofs[h] for h in mine])  # type: ignore[misc]
                 if overlap and on_ready is not None:
                     await on_ready(run.ready(set(good)), bool(bad))
                 if bad:
@@ -525,8 +601,9 @@ class DiskPool:
             views = [buffer.view(i) for i in range(len(chunk))]
             files.read([slot for slot, _, _ in chunk], views)
             for i, (view, (_, page, page_hash)) in enumerate(zip(views, chunk)):
-                valid = check(view, files.digest, files.page_bytes)
+                valid = check(view, files.digest, files.page_bytes, files.page_size)
                 fine = valid is not None and valid[0] == page_hash
+                fine = fine and valid[2] == self.index.proof(page_hash)  # type: ignore[index]
                 if fine:
                     kv[:, :, page].copy_(buffer.page(i))
                 ok.append(fine)

@@ -7,10 +7,15 @@ and registered with a transfer agent (NIXL or ZMQ, like the workers). `HostPageI
 keeps which page holds which chained page hash.
 
 * **Spill** (`SpillOffer`): the worker has copied pages it evicted into its spill buffer;
-  the kvstore reserves host pages for the hashes it lacks, *reads* the buffer pages into
-  them, makes them visible and answers `SpillDone` so the worker reuses its buffer.
+  the kvstore recomputes each offered hash from the page's tokens and what it chains
+  from (`PageProof`; a page whose hash it cannot recompute is refused, counted in
+  ``host_spill_refused_pages_total`` and ``kv_identity_mismatch_total``, and logged),
+  reserves host pages for the proved hashes it lacks, *reads* the buffer pages into
+  them, makes them visible with their proofs and answers `SpillDone` so the worker
+  reuses its buffer.
 * **Load** (`HostLookup`): the kvstore leases the longest stored run of the asked hashes
-  and answers `HostLease` with the host page ids; the worker reads them into its device
+  and answers `HostLease` with the host page ids and the tokens stored with them (the
+  worker checks them against its prompt first); the worker reads them into its device
   pool and sends `HostRelease`. A leased page is never evicted; a lease not released
   within ``lease_s`` (a reader that died) ends on its own. It is not ended sooner when
   its worker is declared lost: a worker that was only silent may still be reading, and
@@ -29,7 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.cache.host_index import HostPageIndex
+from radixserve.cache.host_index import EvictCallback, HostPageIndex
+from radixserve.cache.page_proof import PageProof, chain_proofs, unpack_tokens
 from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
 from radixserve.runtime.network import transfer_network
 from radixserve.services.kvstore.settings import KVStoreSettings
@@ -56,10 +62,10 @@ class HostPool:
         self,
         name: str,
         settings: KVStoreSettings,
-        on_evict: Callable[[int, int], None] | None = None,
+        on_evict: EvictCallback | None = None,
     ) -> None:
-        """``on_evict(hash, page)``: a stored page is about to be reused (the disk tier
-        copies it out first)."""
+        """``on_evict(hash, page, proof)``: a stored page is about to be reused (the disk
+        tier copies it out first)."""
         self.name, self.settings, self.on_evict = name, settings, on_evict
         self.capacity_bytes = int(settings.host_capacity_gib * (1 << 30))
         self.network = transfer_network(settings)
@@ -70,6 +76,8 @@ class HostPool:
         self.counters = {
             "host_spill_offers_total": 0,
             "host_spill_failures_total": 0,
+            "host_spill_refused_pages_total": 0,
+            "kv_identity_mismatch_total": 0,
             "host_lookups_total": 0,
             "host_bytes_stored_total": 0,
         }
@@ -163,12 +171,14 @@ class HostPool:
         if self.agent is None or self.index is None:
             return 0
         self.counters["host_spill_offers_total"] += 1
-        hashes = list(offer.page_hashes)
+        proved = self._proved(worker, offer)
+        hashes = list(proved)
         reserved = self.index.reserve(hashes)
         if not reserved:
             return 0
         mine = [hashes[i] for i, _ in reserved]
-        src = [offer.buffer_page_ids[i] for i, _ in reserved]
+        index_of = {h: i for i, h in enumerate(offer.page_hashes)}
+        src = [offer.buffer_page_ids[index_of[h]] for h in mine]
         dst = [page for _, page in reserved]
         ok = False
         try:
@@ -183,10 +193,48 @@ class HostPool:
             self.counters["host_spill_failures_total"] += 1
             self.index.abort(mine)
             return 0
-        self.index.commit(mine)
+        self.index.commit(mine, [proved[h] for h in mine])
         assert self.compat is not None  # allocated with the index
         self.counters["host_bytes_stored_total"] += len(dst) * self.compat.page_bytes
         return len(dst)
+
+    def _proved(self, worker: str, offer: SpillOffer) -> dict[int, PageProof]:
+        """The offered pages whose hash the kvstore recomputes from their tokens (in
+        order), with their proofs; the others are refused, counted and logged."""
+        assert self.compat is not None
+        hashes, size = offer.page_hashes, self.compat.page_size
+        proved: dict[int, PageProof] = {}
+        if len(offer.token_ids) == size * len(hashes) and offer.runs:
+            first = 0
+            for run in offer.runs:
+                parent = run.parent[0] if run.parent else None
+                tokens = offer.token_ids[first * size : (first + run.num_pages) * size]
+                run_hashes = hashes[first : first + run.num_pages]
+                for h, proof in zip(run_hashes, chain_proofs(run.namespace, parent, tokens,
+                                                              run_hashes)):  # fmt: skip
+                    if proof.verifies(h):
+                        proved[h] = proof
+                first += run.num_pages
+        refused = len(hashes) - len(proved)
+        if refused:
+            self.counters["host_spill_refused_pages_total"] += refused
+            self.counters["kv_identity_mismatch_total"] += refused
+            logger.warning("%s: refused %d of %d pages spilled by %s: their tokens do not "
+                           "give their hashes", self.name, refused, len(hashes), worker)  # fmt: skip
+        return proved
+
+    def tokens_of(self, page_hashes: list[int], disk_proof: Callable[[int], PageProof | None]
+                  ) -> tuple[int, ...]:  # fmt: skip
+        """The stored tokens of ``page_hashes`` (host pages' proofs, else ``disk_proof``'s,
+        for pages being read from disk), concatenated; empty if one has none."""
+        assert self.index is not None
+        out: list[int] = []
+        for h in page_hashes:
+            proof = self.index.proof(h) or disk_proof(h)
+            if proof is None:
+                return ()
+            out += unpack_tokens(proof.tokens)
+        return tuple(out)
 
     def lookup(self, worker: str, msg: HostLookup) -> HostLease:
         """Lease the longest stored run of the asked hashes for ``worker`` (pages the
@@ -199,12 +247,21 @@ class HostPool:
         )
         if lease_id:
             self._leased.set()
-        return HostLease(msg.query_id, lease_id, tuple(pages))
+        tokens = self.tokens_of(list(msg.page_hashes[: len(pages)]), lambda h: None)
+        return HostLease(msg.query_id, lease_id, tuple(pages), token_ids=tokens)
 
-    def lease_loading(self, worker: str, msg: HostLookup, run: list[int], ready: int) -> HostLease:
+    def lease_loading(
+        self,
+        worker: str,
+        msg: HostLookup,
+        run: list[int],
+        ready: int,
+        disk_proof: Callable[[int], PageProof | None],
+    ) -> HostLease:
         """Lease ``run`` (the leading hashes of ``msg``) to ``worker`` while the disk
         tier is still reading its pages past the first ``ready`` into their reserved
-        host pages (`DiskPool.promote` with ``on_plan``)."""
+        host pages (`DiskPool.promote` with ``on_plan``; ``disk_proof``: the disk
+        tier's proofs of those)."""
         assert self.index is not None
         self.counters["host_lookups_total"] += 1
         if not run:
@@ -214,7 +271,8 @@ class HostPool:
         )
         self._leased.set()
         disk_pages = len(run) - sum(self.index.stored(h) for h in run)
-        return HostLease(msg.query_id, lease_id, tuple(pages), disk_pages, True, ready)
+        tokens = self.tokens_of(run, disk_proof)
+        return HostLease(msg.query_id, lease_id, tuple(pages), disk_pages, True, ready, tokens)
 
     def release(self, lease_id: int) -> None:
         if self.index is not None:

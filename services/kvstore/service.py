@@ -12,7 +12,9 @@ leading pages of the query it holds on device, and how many the host tier holds.
 the host tier evicts is written to files; a `HostLookup` whose run continues on disk
 has those pages read back into host memory first, when that is quicker than the worker
 computing them, and `IndexReply.host_pages` counts them (see
-`services.kvstore.disk_pool`).
+`services.kvstore.disk_pool`). With a disk tier the kvstore adopts its files at start,
+and is not ready (/health, ``disk_tier_ready`` in its stats, which the gateway's
+/health waits for) before the pages found can be served.
 
 When the kvstore is down serving goes on, and after a restart the index and registry
 rebuild as workers reconnect (docs/architecture.md §9, §10).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 from radixserve.cache.global_index import GlobalIndex
 from radixserve.protocol import (
@@ -64,6 +67,7 @@ class KVStoreService(Service):
     async def start(self) -> None:
         if self.settings.disk_tier_dir is not None:
             self.disk = DiskPool(self.name, self.settings)
+            self.disk.prepare()  # its files are adopted now: not ready before
         self.host = HostPool(self.name, self.settings, self.disk.stage if self.disk else None)
         self.run_in_background(self._refresh_members())
 
@@ -75,6 +79,14 @@ class KVStoreService(Service):
             await self.host.stop()
         if self.disk is not None:
             await self.disk.stop()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Not ready while the disk tier adopts the files it found at start (a request
+        that came meanwhile would compute what it holds)."""
+        ok, detail = super().health()
+        if self.disk is not None and not self.disk.loaded:
+            ok, detail["disk_tier"] = False, "adopting its files"
+        return ok, detail
 
     def describe(self) -> str:
         s = self.settings
@@ -103,7 +115,7 @@ class KVStoreService(Service):
             if ack.accepted and self.disk is not None:
                 assert self.host.compat is not None and self.host.kv is not None
                 self.disk.open(self.host.compat, self.host.kv)  # once: the pages' layout
-                ack = dataclasses.replace(ack, disk_tier=self.disk.up)
+                ack = dataclasses.replace(ack, disk_tier=self.disk.down is None)
             self._send_later(peer, ack)
         elif isinstance(msg, Register):
             if self.registry.register(msg.member, peer.identity):
@@ -160,7 +172,12 @@ class KVStoreService(Service):
 
         async def on_plan(run: list[int], ready: int) -> None:
             nonlocal leased
-            lease = self.host.lease_loading(peer.name, msg, run, ready) if self.host else None
+            host, disk = self.host, self.disk
+            lease = (
+                host.lease_loading(peer.name, msg, run, ready, disk.index.proof)
+                if host is not None and disk is not None
+                else None
+            )
             if lease is not None:
                 leased = True
                 await self.send_to(peer, lease)
@@ -211,10 +228,15 @@ class KVStoreService(Service):
         stats["index_resyncs_total"] = self.index.num_resyncs
         lags = [w["since_last_event_s"] for w in self.index.workers().values()]
         stats["index_max_event_age_s"] = max(lags) if lags else 0.0
+        mismatches = 0  # pages refused by the host tier's and the disk tier's checks
         if self.host is not None:
             stats.update(self.host.stats())
+            mismatches += self.host.counters["kv_identity_mismatch_total"]
         if self.disk is not None:
             stats.update(self.disk.stats())
+            stats["disk_tier_ready"] = int(self.disk.loaded)
+            mismatches += self.disk.counters["kv_identity_mismatch_total"]
+        stats["kv_identity_mismatch_total"] = mismatches
         return stats
 
     def _send_later(self, peer: Peer, msg: Message) -> None:

@@ -78,6 +78,13 @@ class KVStoreSettings(ServiceSettings, TransferSettings):
         "a read; 0 = as small as a page): each chunk costs the worker a message and a "
         "transfer of its own, which a chunk of ~30 ms of disk reading hides.",
     )
+    disk_reclaim_others: bool = Field(
+        False,
+        description="Remove, when the disk tier starts, the slabs of another model "
+        "identity or page layout found in disk_tier_dir (by default they are left alone: "
+        "counted in disk_foreign_pages and never served; their files stay until removed "
+        "by hand or with this).",
+    )
     member_refresh_s: float = Field(
         2.0, gt=0, le=600, description="Period of the member list sent to every watcher."
     )

@@ -135,7 +135,7 @@ class PrefillWorker(Worker):
         try:
             params = to_params(msg.sampling)
             _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s,
-                                      under=queued)  # fmt: skip
+                                      cache_scope=msg.cache_scope, under=queued)  # fmt: skip
             queued.end()
             computing = request.child("prefill.compute")
             outputs = [output async for output in self.engine.outputs(rid, out)]

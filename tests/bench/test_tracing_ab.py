@@ -9,6 +9,7 @@ from radixserve.bench.tracing_ab import (
     traced_request_ns,
     untraced_calls_ns,
 )
+from radixserve.services.gateway.tenants import ANONYMOUS
 from radixserve.services.gateway.trace_store import TraceStore
 from radixserve.tracing import Tracer
 
@@ -17,7 +18,7 @@ def test_a_traced_request_is_kept_whole():
     store = TraceStore(2)
     tracers = (Tracer("gateway", keep=True, max_spans=1024), Tracer("decode"), Tracer("prefill"))
     root = _traced_request(tracers, store)
-    body = store.trace(root.trace_id)
+    body = store.trace(root.trace_id, ANONYMOUS)
     assert body is not None
     services = {s["name"]: s["service"] for s in body["spans"]}
     assert services == {

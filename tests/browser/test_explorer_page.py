@@ -46,7 +46,7 @@ def explorer_cluster(tiny_model: str) -> Iterator[TestCluster]:
         transport="zmq",
         model=tiny_model,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # every prompt prefilled remotely
-        gateway={"API_KEYS": json.dumps([KEY])},
+        gateway={"API_KEYS": json.dumps([{"key": KEY, "role": "admin"}])},
     )
     yield cluster
     cluster.stop()

@@ -14,7 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.block_hash import (
+    hash_namespace,
+    hashes_from_bytes,
+    hashes_to_bytes,
+    page_hashes,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS = list(range(100, 140))
@@ -33,15 +38,15 @@ def _reference_hashes(tokens: list[int], page_size: int, namespace: bytes) -> li
     parent: int | None = None
     for start in range(0, len(tokens) - page_size + 1, page_size):
         page = tokens[start : start + page_size]
-        link = b"\x00" if parent is None else b"\x01" + struct.pack(">Q", parent)
+        link = b"\x00" if parent is None else b"\x01" + parent.to_bytes(16, "big")
         message = (
-            b"radixserve.page.v1"
+            b"radixserve.page.v2"
             + struct.pack(">I", len(namespace))
             + namespace
             + link
             + struct.pack(f"<{page_size}I", *page)
         )
-        parent = int.from_bytes(hashlib.sha256(message).digest()[:8], "big")
+        parent = int.from_bytes(hashlib.sha256(message).digest()[:16], "big")
         out.append(parent)
     return out
 
@@ -99,10 +104,11 @@ def test_only_full_pages_are_hashed() -> None:
         page_hashes(TOKENS, 0, namespace)
 
 
-def test_hashes_are_chained_and_64_bit() -> None:
+def test_hashes_are_chained_and_128_bit() -> None:
     namespace = hash_namespace("m")
     hashes = page_hashes(TOKENS, 4, namespace)
-    assert all(0 <= value < 2**64 for value in hashes)
+    assert all(0 <= value < 2**128 for value in hashes)
+    assert any(value >= 2**64 for value in hashes)  # not a 64-bit value widened
     changed = [TOKENS[0] + 1, *TOKENS[1:]]
     # A change in the first page changes the hash of every later page.
     assert not set(page_hashes(changed, 4, namespace)) & set(hashes)
@@ -133,3 +139,14 @@ def test_hashing_in_pieces_equals_hashing_at_once(
     tail = page_hashes(tokens[cut:], page_size, namespace, parent=head[-1] if head else None)
     assert head + tail == whole
     assert len(whole) == len(tokens) // page_size
+
+
+def test_hashes_pack_to_16_bytes_each_and_back() -> None:
+    hashes = page_hashes(TOKENS, 4, hash_namespace("m"))
+    packed = hashes_to_bytes(hashes)
+    assert len(packed) == 16 * len(hashes)
+    assert hashes_from_bytes(packed) == tuple(hashes)
+    with pytest.raises(ValueError, match="16-byte"):
+        hashes_from_bytes(packed[:-1])
+    with pytest.raises(OverflowError):
+        hashes_to_bytes([2**128])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from bench.radix_match import time_match_prefix
-from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
 from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.page_proof import PageProof
 from radixserve.cache.radix_cache import RadixCache
 
 PAGE = 4
@@ -315,8 +316,10 @@ def test_eviction_hands_pages_to_the_spill_listener_before_freeing_them() -> Non
     cache, allocator = make_cache()
     spilled: list[tuple[list[int], list[int], list[int]]] = []
 
-    def on_spill(hashes: list[int], pages: list[int]) -> None:
-        # the pages are still allocated while the listener copies them
+    def on_spill(hashes: list[int], pages: list[int], proofs: list[PageProof]) -> None:
+        # the pages are still allocated while the listener copies them, each with the
+        # tokens its hash is recomputed from
+        assert all(proof.verifies(h) for proof, h in zip(proofs, hashes, strict=True))
         spilled.append((hashes, pages, [allocator.refcount(p) for p in pages]))
 
     cache.set_spill_listener(on_spill)
@@ -334,7 +337,9 @@ def test_eviction_hands_pages_to_the_spill_listener_before_freeing_them() -> Non
 def test_write_through_writes_a_prefix_once_it_is_used_enough() -> None:
     cache, allocator = make_cache()
     spilled: list[list[int]] = []
-    cache.set_spill_listener(lambda hashes, pages: spilled.append(hashes), write_through_uses=2)
+    cache.set_spill_listener(
+        lambda hashes, pages, proofs: spilled.append(hashes), write_through_uses=2
+    )
     run_request(cache, allocator, seq(1, 2, 3))
     assert spilled == []  # used once (computed)
     match = cache.match_prefix(seq(1, 2))  # a request starts from two pages of it
@@ -351,7 +356,9 @@ def test_write_through_writes_a_prefix_once_it_is_used_enough() -> None:
 def test_write_through_on_store_and_clear_written() -> None:
     cache, allocator = make_cache()
     spilled: list[list[int]] = []
-    cache.set_spill_listener(lambda hashes, pages: spilled.append(hashes), write_through_uses=1)
+    cache.set_spill_listener(
+        lambda hashes, pages, proofs: spilled.append(hashes), write_through_uses=1
+    )
     run_request(cache, allocator, seq(1, 2))
     run_request(cache, allocator, seq(1, 2, 3))
     assert spilled == [
@@ -369,7 +376,7 @@ def test_drop_unlocked_removes_every_unlocked_node_and_spills_none() -> None:
     events: list[tuple[str, list[int]]] = []
     cache, allocator = make_cache(events=events)
     spilled: list[list[int]] = []
-    cache.set_spill_listener(lambda hashes, pages: spilled.append(pages))
+    cache.set_spill_listener(lambda hashes, pages, proofs: spilled.append(pages))
     run_request(cache, allocator, seq(1, 2, 3))
     run_request(cache, allocator, seq(1, 2, 7, 8))
     run_request(cache, allocator, seq(5, 6))
@@ -382,3 +389,94 @@ def test_drop_unlocked_removes_every_unlocked_node_and_spills_none() -> None:
     assert sum(len(hashes) for kind, hashes in events if kind == "removed") == 5
     cache.unlock(locked.node)
     assert cache.drop_unlocked() == 2 and allocator.num_used == 0
+
+
+# -- scopes ----------------------------------------------------------------------------
+
+TENANT_A = scoped_namespace(NAMESPACE, cache_scope(tenant="a"))
+TENANT_B = scoped_namespace(NAMESPACE, cache_scope(tenant="b"))
+
+
+def run_scoped(
+    cache: RadixCache, allocator: PageAllocator, tokens: list[int], namespace: bytes | None
+) -> list[int]:
+    pages = allocator.alloc(len(tokens) // PAGE)
+    cache.insert(tokens, pages, namespace)
+    allocator.decref(pages)
+    cache.check_integrity()
+    return pages
+
+
+def test_two_scopes_never_share_a_page() -> None:
+    cache, allocator = make_cache()
+    own = run_scoped(cache, allocator, seq(1, 2, 3), None)
+    a = run_scoped(cache, allocator, seq(1, 2, 3), TENANT_A)
+    b = run_scoped(cache, allocator, seq(1, 2, 3), TENANT_B)
+    assert len({*own, *a, *b}) == 9  # the same tokens, cached three times
+    assert cache.match_prefix(seq(1, 2, 3)).page_ids == own
+    assert cache.match_prefix(seq(1, 2, 3), NAMESPACE).page_ids == own
+    assert cache.match_prefix(seq(1, 2, 3, 4), TENANT_A).page_ids == a
+    assert cache.match_prefix(seq(1, 2), TENANT_B).page_ids == b[:2]
+    unknown = scoped_namespace(NAMESPACE, cache_scope(tenant="c"))
+    miss = cache.match_prefix(seq(1, 2, 3), unknown)
+    assert (miss.page_ids, miss.num_tokens, miss.node) == ([], 0, cache.root)
+    assert cache.num_scopes == 2  # a match in a scope with nothing cached makes no root
+
+
+def test_scoped_pages_are_hashed_in_their_namespace() -> None:
+    cache, allocator = make_cache()
+    run_scoped(cache, allocator, seq(5, 6), TENANT_A)
+    match = cache.match_prefix(seq(5, 6), TENANT_A)
+    assert match.last_hash == page_hashes(seq(5, 6), PAGE, TENANT_A)[-1]
+    assert match.last_hash != page_hashes(seq(5, 6), PAGE, NAMESPACE)[-1]
+    assert sorted(cache.all_page_hashes()) == sorted(page_hashes(seq(5, 6), PAGE, TENANT_A))
+
+
+def test_a_scope_root_goes_once_its_scope_holds_nothing() -> None:
+    cache, allocator = make_cache()
+    run_scoped(cache, allocator, seq(1, 2), TENANT_A)
+    match = cache.match_prefix(seq(9), TENANT_A)  # the scope's root, nothing matched
+    assert match.node.is_root and match.node is not cache.root
+    cache.lock(match.node)
+    assert cache.evict(64) == 2  # the scope's pages go; its locked root stays
+    assert cache.num_scopes == 1
+    cache.check_integrity()
+    cache.unlock(match.node)
+    assert cache.num_scopes == 0 and cache.num_locks == 0
+    cache.check_integrity()
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        cache.lock(match.node)
+
+
+def test_locks_in_a_scope_count_on_the_root_and_protect_the_scope() -> None:
+    cache, allocator = make_cache()
+    run_scoped(cache, allocator, seq(1, 2), TENANT_A)
+    run_scoped(cache, allocator, seq(1, 2), None)
+    node = cache.match_prefix(seq(1, 2), TENANT_A).node
+    cache.lock(node)
+    assert cache.num_locks == 1 and cache.num_locked_pages == 2
+    assert cache.evict(64) == 2  # the default scope's copy only
+    assert cache.match_prefix(seq(1, 2), TENANT_A).num_tokens == 2 * PAGE
+    assert cache.match_prefix(seq(1, 2)).num_tokens == 0
+    cache.unlock(node)
+    cache.check_integrity()
+
+
+def test_views_cover_every_scope() -> None:
+    cache, allocator = make_cache()
+    run_scoped(cache, allocator, seq(1, 2, 3), TENANT_A)
+    run_scoped(cache, allocator, seq(4), None)
+    assert cache.num_nodes == 2
+    assert [pages for _, pages in cache.largest(8)] == [3, 1]
+    assert cache.drop_unlocked() == 4
+    assert cache.num_scopes == 0 and cache.num_cached_pages == 0
+    cache.check_integrity()
+
+
+def test_check_integrity_detects_a_node_in_another_scope() -> None:
+    cache, allocator = make_cache()
+    run_scoped(cache, allocator, seq(1, 2), TENANT_A)
+    node = cache.match_prefix(seq(1, 2), TENANT_A).node
+    node.namespace = TENANT_B
+    with pytest.raises(AssertionError, match="another scope"):
+        cache.check_integrity()

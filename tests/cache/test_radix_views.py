@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from radixserve.cache.block_hash import cache_scope
 from radixserve.cache.radix_cache import RECENT_IDS
 from radixserve.engine.sampling_params import SamplingParams
 from tests.cache.test_radix_cache import make_cache, run_request, seq
@@ -79,3 +80,24 @@ def test_the_engine_describes_its_tree_and_live_requests_without_text_unless_ask
     texted = engine.cache_view("q", max_nodes=8, text_tokens=4)
     assert any(n.text for n in texted.nodes)
     engine.abort("live-1")
+
+
+def test_the_view_shows_every_scope_each_from_its_own_top() -> None:
+    """A scoped request's nodes are described like the default scope's: its first node
+    has no parent in the view (its scope root is no prefix), its hits and live ids."""
+    engine = make_engine(TINY, kv_cache_memory_gib=0.01)
+    system = list(range(300, 300 + 4 * engine.page_size))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    scope = cache_scope(tenant="acme")
+    for tail in ([5, 6], [7, 8]):
+        engine.add_request(system + tail, params, cache_scope=scope)
+        while engine.has_unfinished():
+            engine.step()
+    engine.generate([list(range(900, 900 + 2 * engine.page_size))], params)
+    reply = engine.cache_view("q", max_nodes=8, text_tokens=0)
+    ids = {n.node_id for n in reply.nodes}
+    assert all(n.parent_id == 0 or n.parent_id in ids for n in reply.nodes)
+    scoped = max(reply.nodes, key=lambda n: n.hits)
+    assert scoped.parent_id == 0 and scoped.hits >= 1 and scoped.prefix_tokens == scoped.num_tokens
+    assert reply.cached_pages == engine.cache.num_cached_pages
+    assert engine.cache.num_scopes == 1

@@ -25,7 +25,8 @@ import zmq
 from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
+from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import Channel, IndexQuery, IndexReply
 
 __all__ = ["FAST_LIVENESS", "PATIENT", "TestCluster", "children", "descendants", "gone",
@@ -140,7 +141,7 @@ class TestCluster(LocalCluster):
             # their load (a tiny pool spilling to the host tier) the shared cores lost to it
             # (tests/engine/test_cores.py and test_up.py run the default, the core board)
             num_threads=1,
-            port=free_port(),
+            port=0,  # any free port, bound by the cluster's supervisor (`url`)
             engine_env={
                 "RADIXSERVE_DEVICE": "cpu",
                 # the engine's defaults otherwise (bfloat16, the GGUF's int4 weights)
@@ -217,8 +218,13 @@ def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> 
     """Ask the kvstore which workers hold how many leading pages of ``prompt_ids`` on
     device, and how many its host tier holds (None if it does not answer within 2 s)."""
     address = cluster.workers()["kvstore"]["address"]
-    model = cluster.debug_cache()["cache_namespace"]  # the checkpoint's name, not the served id
-    hashes = page_hashes(prompt_ids, page, hash_namespace(model))
+    view = cluster.debug_cache()
+    # the workers' `ModelIdentity`: the gateway's own view forgets it while no decode
+    # worker is up (e.g. the only one was just killed); any worker that reports it names it
+    cards = [view["model_identity"]] + [w.get("model_identity") for w in view["workers"].values()]
+    card = next(c for c in cards if c and "weights" in c)
+    identity = ModelIdentity(card["weights"], card["quantization"], card["dtype"], card["adapter"])
+    hashes = page_hashes(prompt_ids, page, hash_namespace(identity.key))
     context = zmq.Context()
     try:
         with Channel.open(context, zmq.DEALER, address, bind=False) as channel:

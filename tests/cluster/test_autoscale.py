@@ -27,7 +27,7 @@ import time
 import httpx
 
 from radixserve.bench.local_cluster import LocalCluster, metric_value
-from radixserve.launch.cluster import ClusterConfig, free_port
+from radixserve.launch.cluster import ClusterConfig
 from tests.cluster.cluster_helpers import FAST_LIVENESS, holds_nothing
 from tests.cluster.prompts import SYSTEM, chat
 
@@ -37,9 +37,8 @@ def _env(prefix: str, values: dict[str, str]) -> dict[str, str]:
 
 
 def test_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_after(tiny_model: str, capfd):
-    scaler_port = free_port()
     config = ClusterConfig(
-        port=free_port(),
+        port=0,  # any free port, as the autoscaler's: bound by the supervisor
         engine_env={"RADIXSERVE_MODEL": tiny_model, "RADIXSERVE_DEVICE": "cpu",
                     "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1",
                     **_env("KVSTORE", {**FAST_LIVENESS, "HOST_CAPACITY_GIB": "0.1"})},
@@ -51,14 +50,14 @@ def test_autoscaler_adds_a_prefill_worker_under_load_and_drains_it_after(tiny_mo
             "TTFT_P90_TARGET_S": "0.1", "ITL_P90_TARGET_S": "5", "INTERVAL_S": "1",
             "SCALE_UP_COOLDOWN_S": "2", "SCALE_DOWN_COOLDOWN_S": "6", "COLD_START_S": "0",
             "MIN_PREFILL": "1", "MAX_PREFILL": "2", "MIN_DECODE": "1", "MAX_DECODE": "1",
-            "PORT": str(scaler_port),
+            "PORT": "0",
         }) | {"RADIXSERVE_LOG_LEVEL": "INFO"},  # every interval's decisions, in the log
         drain_timeout_s=60,
     )  # fmt: skip
     statuses: list[int] = []
     stop = threading.Event()
     with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=120) as http:
-        scaler = f"http://127.0.0.1:{scaler_port}"
+        scaler = cluster.processes.autoscaler_url
 
         def load(worker: int) -> None:  # bounded: at most 180 s, the wait's below
             deadline = time.monotonic() + 180

@@ -42,7 +42,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from radixserve.launch.cluster import free_port
 from tests.cluster.cluster_helpers import (
     FAST_LIVENESS,
     descendants,
@@ -233,17 +232,17 @@ def cached_turn_counts(http: httpx.Client) -> None:
 
 def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
     env = {**ENV, "RADIXSERVE_MODEL": tiny_model}  # every process: up's and the joined ones
-    port = free_port()
-    up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", str(port)], env)
+    up = Proc([sys.executable, "-m", "radixserve.cli", "up", "--port", "0"], env)
     joined: list[Proc] = []
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    http = httpx.Client(timeout=120)  # its base URL: the port `up` bound and printed
 
     def workers() -> dict:
         return http.get("/debug/cache").json()["workers"]
 
     try:
         line = up.wait_line("add a worker: ")
-        up.wait_line("cluster up")
+        url = up.wait_line("cluster up").split("OpenAI API at ", 1)[1].split("/v1", 1)[0]
+        http.base_url = httpx.URL(url)
         join = line.split("add a worker: ", 1)[1].split("  (or decode", 1)[0].strip()
         assert " prefill --join tcp://127.0.0.1:" in join, join
         processes = descendants(up.proc.pid)

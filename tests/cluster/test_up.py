@@ -15,15 +15,13 @@ import time
 import httpx
 
 from radixserve.engine.cores import board_path
-from radixserve.launch.cluster import free_port
 from tests.cluster.cluster_helpers import descendants, gone
 
 
 def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
     stop_signal = signal.SIGINT
-    port = free_port()
     env = {**os.environ, "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.1"}
-    cmd = [sys.executable, "-m", "radixserve.cli", "up", "--port", str(port), "--transport",
+    cmd = [sys.executable, "-m", "radixserve.cli", "up", "--port", "0", "--transport",
            "zmq", "--no-kvstore"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
@@ -39,7 +37,10 @@ def test_up_without_kvstore_serves_then_ctrl_c_stops_everything():
             lines.append(line)
             if "cluster up" in line:
                 break
-        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
+        # --port 0: any free port, bound by the supervisor and printed
+        [up] = [line for line in lines if "cluster up" in line] or ["".join(lines)]
+        assert "OpenAI API at http://127.0.0.1:" in up, "".join(lines)
+        port = int(up.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
         processes = descendants(proc.pid)
         children = list(processes)
         # the gateway, and the workers forked by the warm-start server (four processes)

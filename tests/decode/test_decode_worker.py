@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq.asyncio
 
-from radixserve.cache.block_hash import page_hashes
+from radixserve.cache.block_hash import cache_scope, page_hashes, scoped_namespace
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_spec
 from radixserve.protocol import (
@@ -328,3 +328,27 @@ def test_every_counter_is_exported_at_zero_before_its_first_event() -> None:
                  "radixserve_worker_local_prefills_total"):  # fmt: skip
         [line] = [x for x in text.splitlines() if x.startswith(name + "{")]
         assert line.endswith(" 0.0"), line
+
+
+def test_a_scoped_request_keeps_its_cache_scope_on_both_workers() -> None:
+    """The request's cache scope reaches the decode engine's admission and, on the remote
+    route, the prefill engine's: both cache and match its pages in that scope only."""
+    scope = cache_scope(tenant="acme", salt="conversation-7")
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        prefill_engine, engine = FakeEngine(first_token=7), FakeEngine(base_token=100)
+        prefill = prefill_worker(prefill_engine)
+        async with (
+            serving(prefill),
+            decode_worker(context, engine, [prefill.address]) as (_, gateway),
+        ):
+            hashes = tuple(page_hashes(LONG, PAGE_SIZE, scoped_namespace(NAMESPACE, scope)))
+            await gateway.send(
+                GenerateRequest("r1", LONG, SAMPLING, page_hashes=hashes, cache_scope=scope)
+            )
+            assert await gateway.stream("r1") == (REMOTE_TOKENS, None)
+            assert engine.args("admit", "r1")[0]["cache_scope"] == scope
+            assert prefill_engine.args("admit", "r1")[0]["cache_scope"] == scope
+            await until(lambda: engine.pages_in_use() == 0, "the request's pages freed")
+
+    run_scenario(scenario)

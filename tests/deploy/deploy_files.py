@@ -87,6 +87,13 @@ def interpolate(text: str, values: dict[str, str]) -> str:
     return _VAR.sub(one, text)
 
 
+#: a .env's required values, as a user makes them (the example's placeholders are refused)
+REQUIRED_VALUES = {
+    "RADIXSERVE_CLUSTER_SECRET": "a-secret-made-for-this-test-0123456789",
+    "RADIXSERVE_GATEWAY_API_KEYS": '[{"key":"an-admin-key-made-for-this-test","role":"admin"}]',
+}
+
+
 def compose_variables() -> set[str]:
     """Every variable the compose file interpolates."""
     text = COMPOSE_FILE.read_text()
@@ -97,9 +104,10 @@ def compose_document(
     values: dict[str, str] | None = None, path: Path = COMPOSE_FILE
 ) -> dict[str, Any]:
     """The compose file as compose sees it: parsed, then every string interpolated with
-    ``values`` (None: a .env holding only what compose requires, the cluster secret)."""
+    ``values`` (None: a .env holding only what compose requires, the cluster secret and
+    the API keys, made as .env.example says: its placeholders are refused)."""
     if values is None:
-        values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"]}
+        values = dict(REQUIRED_VALUES)
 
     def walk(node: Any) -> Any:
         if isinstance(node, str):

@@ -47,8 +47,10 @@ from tests.cluster.cluster_helpers import holds_nothing
 from tests.deploy.compose_run import ComposeRun, Container, http_get
 from tests.deploy.deploy_files import COMPOSE, compose_services, dashboard_exprs, metric_names
 
+ADMIN_KEY = "admin-key-of-this-test-0123"  # the chats and /debug/cache need a key
 DOT_ENV = {  # what a small machine's .env says
     "RADIXSERVE_CLUSTER_SECRET": "secret-of-this-test-cluster-0123",
+    "RADIXSERVE_GATEWAY_API_KEYS": json.dumps([{"key": ADMIN_KEY, "role": "admin"}]),
     "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.25",
     "RADIXSERVE_NUM_THREADS": "1",
     "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.25",
@@ -138,7 +140,8 @@ def walk_the_cluster(run: ComposeRun) -> None:
         probe = subprocess.run([run.program, "probe"], env=c.env, capture_output=True,
                                text=True, timeout=60)  # fmt: skip
         assert probe.returncode == 0, (c.name, probe.stderr)
-    client = httpx.Client(base_url=f"http://{gateway.address}:8000", timeout=120)
+    client = httpx.Client(base_url=f"http://{gateway.address}:8000", timeout=120,
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})  # fmt: skip
 
     def workers() -> dict[str, Any]:
         found: dict[str, Any] = client.get("/debug/cache").json()["workers"]

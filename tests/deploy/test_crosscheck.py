@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -40,6 +41,7 @@ from tests.deploy.deploy_files import (
     COMPOSE,
     OVERLAYS,
     RADIXSERVE_SERVICES,
+    REQUIRED_VALUES,
     component,
     compose_document,
     compose_services,
@@ -65,7 +67,9 @@ SERVICE_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
     "autoscaler": (AutoscalerSettings,),
 }
 #: downward-API values a pod gets, for parsing its settings
-DOWNWARD = {"<status.podIP>": "10.0.0.7", "<metadata.name>": "pod-a", "<metadata.namespace>": "ns"}
+DOWNWARD = {"<status.podIP>": "10.0.0.7", "<metadata.name>": "pod-a", "<metadata.namespace>": "ns",
+            # the Secrets' values, as compose/README.md says to make them
+            "<secret radixserve-api-keys/keys>": REQUIRED_VALUES["RADIXSERVE_GATEWAY_API_KEYS"]}  # fmt: skip
 DRAIN_SERVICES = ("prefill", "decode")
 ENGINE_SHARED = ("RADIXSERVE_MODEL", "RADIXSERVE_DTYPE", "RADIXSERVE_PAGE_SIZE")
 
@@ -166,6 +170,13 @@ def check_cluster_settings(
             assert s.kvstore == f"tcp://{kvstore_host}:{kv.port}", name
     assert kv.name == "kvstore" and kv.advertise_host, "the kvstore's name and address"
     assert gw.host in WILDCARD_HOSTS and gw.kvstore == f"tcp://{kvstore_host}:{kv.port}"
+    # beyond loopback: every service has the secret, the gateway an admin key
+    gw.require_secure()
+    admin = json.loads(REQUIRED_VALUES["RADIXSERVE_GATEWAY_API_KEYS"])[0]["key"]
+    assert (found := gw.keyring().principal(admin)) is not None and found.is_admin
+    for name, s in (("kvstore", kv), *((r, settings[r][c]) for r, c in
+                    (("prefill", PrefillSettings), ("decode", DecodeSettings)))):  # fmt: skip
+        s.require_secure(name)
     assert scaler.host in WILDCARD_HOSTS and scaler.metrics_source == "gateway"
     assert scaler.gateway_url == f"http://{gateway_host}:{gw.port}"
     for key in ENGINE_SHARED:  # the model-loading services agree on the model
@@ -183,8 +194,9 @@ def test_compose_environments_make_a_cluster(monkeypatch: pytest.MonkeyPatch) ->
     # .env values reach the settings, and every radixserve service holds the one secret
     secret = "a-secret-of-this-test-0123456789"
     _, tuned = compose_settings(
-        monkeypatch, {"RADIXSERVE_PAGE_SIZE": "32", "RADIXSERVE_CLUSTER_SECRET": secret}
-    )
+        monkeypatch, {**REQUIRED_VALUES, "RADIXSERVE_PAGE_SIZE": "32",
+                      "RADIXSERVE_CLUSTER_SECRET": secret}
+    )  # fmt: skip
     assert tuned["decode"][EngineSettings].page_size == 32
     for name in ("kvstore", "gateway", "prefill", "decode"):
         held = [
@@ -193,9 +205,16 @@ def test_compose_environments_make_a_cluster(monkeypatch: pytest.MonkeyPatch) ->
             if "cluster_secret" in type(s).model_fields
         ]
         assert held and all(h is not None and h.get_secret_value() == secret for h in held), name
-    # without one, compose refuses to start
-    with pytest.raises(ValueError, match="RADIXSERVE_CLUSTER_SECRET is required"):
-        compose_settings(monkeypatch, {"RADIXSERVE_PAGE_SIZE": "32"})
+    # without one, or without API keys, compose refuses to start
+    for required in REQUIRED_VALUES:
+        values = {k: v for k, v in REQUIRED_VALUES.items() if k != required}
+        with pytest.raises(ValueError, match=f"{required} is required"):
+            compose_settings(monkeypatch, {**values, "RADIXSERVE_PAGE_SIZE": "32"})
+    # and the example's placeholders are refused by the services themselves
+    for name, value in env_example().items():
+        if name in REQUIRED_VALUES:
+            with pytest.raises(ValueError, match="placeholder"):
+                compose_settings(monkeypatch, {**REQUIRED_VALUES, name: value})
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -304,7 +323,7 @@ def test_compose_cuda_override_gives_each_pool_its_gpus(
     device count the CUDA runtime would report for that list — no GPU here, so
     torch.cuda.device_count is replaced by the list's length), and the containers get
     the host's GPUs (`count: all`, the only non-integer docker-compose 1.29 takes)."""
-    values = {"RADIXSERVE_CLUSTER_SECRET": env_example()["RADIXSERVE_CLUSTER_SECRET"], **gpus}
+    values = {**REQUIRED_VALUES, **gpus}
     cuda = compose_document(values, path=COMPOSE / "docker-compose.cuda.yml")["services"]
     for name in RADIXSERVE_SERVICES:
         assert cuda[name]["image"] == "radixserve:cuda"

@@ -67,6 +67,9 @@ pytestmark = [pytest.mark.benchmark, pytest.mark.timeout(3600)]
 IMAGE = "radixserve:cpu"
 CUDA_IMAGE = "radixserve:cuda"
 SECRET = "secret-of-the-docker-test-0123456789"
+ADMIN_KEY = "admin-key-of-the-docker-test-0123"  # the API and /debug/cache need a key
+API_KEYS = json.dumps([{"key": ADMIN_KEY, "role": "admin"}], separators=(",", ":"))
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 FIGURES: dict[str, Any] = {}
 QUESTION = "What is the capital of France?"
 
@@ -85,12 +88,6 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float, every_s: fl
                 return round(time.monotonic() - start, 1)
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat(
@@ -129,11 +126,18 @@ def health_status(name: str) -> str:
 
 
 def test_single_container_serves_the_default_model(images: Images) -> None:
-    port, name = free_port(), f"radixserve-single-{uuid.uuid4().hex[:8]}"
-    sh(["docker", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000",
-        "-e", "RADIXSERVE_KV_CACHE_MEMORY_GIB=0.25", IMAGE])  # fmt: skip
+    name = f"radixserve-single-{uuid.uuid4().hex[:8]}"
+    # the image's command serves every interface of the container: it refuses to start
+    # without API keys, naming the setting
+    refused = sh(["docker", "run", "--rm", IMAGE], check=False, timeout_s=120)
+    assert refused.returncode != 0 and "RADIXSERVE_GATEWAY_API_KEYS" in refused.stderr, refused
+    # "127.0.0.1::8000": docker binds a free host port itself (no port probed and handed on)
+    sh(["docker", "run", "-d", "--name", name, "-p", "127.0.0.1::8000",
+        "-e", "RADIXSERVE_KV_CACHE_MEMORY_GIB=0.25", "-e", f"RADIXSERVE_GATEWAY_API_KEYS={API_KEYS}",
+        IMAGE])  # fmt: skip
     try:
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        port = sh(["docker", "port", name, "8000/tcp"]).stdout.split()[0].rsplit(":", 1)[1]
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=AUTH)
         report("single container: /health 200 after s",
                wait_for("/health 200", lambda: client.get("/health").status_code == 200, 300))  # fmt: skip
         answer = chat(client, [{"role": "user", "content": QUESTION}])
@@ -171,7 +175,7 @@ class Compose:
         }
         (folder / "override.yml").write_text(json.dumps(override))
         (folder / ".env").write_text(
-            f"RADIXSERVE_CLUSTER_SECRET={SECRET}\n"
+            f"RADIXSERVE_CLUSTER_SECRET={SECRET}\nRADIXSERVE_GATEWAY_API_KEYS={API_KEYS}\n"
             "RADIXSERVE_KV_CACHE_MEMORY_GIB=0.25\nRADIXSERVE_NUM_THREADS=1\n"
             "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB=0.25\nRADIXSERVE_AUTOSCALER_INTERVAL_S=2\n"
         )
@@ -232,7 +236,7 @@ def test_compose_cluster(compose: Compose) -> None:
 
     wait_for("every radixserve service healthy", all_healthy, 420, every_s=2)
     report("compose: all healthy after s", round(time.monotonic() - start, 1))
-    client = httpx.Client(base_url="http://127.0.0.1:8000", timeout=180)
+    client = httpx.Client(base_url="http://127.0.0.1:8000", timeout=180, headers=AUTH)
 
     # a chat and its second turn
     first = [{"role": "system", "content": "You are a geography tutor. " * 12},
@@ -370,7 +374,7 @@ def kill_decode_mid_stream(compose: Compose, client: httpx.Client) -> None:
                 "messages": [{"role": "user", "content": f"[{i}] Tell a long story about a ship."}]}  # fmt: skip
         text, finish, errors = [], None, []
         with httpx.stream("POST", "http://127.0.0.1:8000/v1/chat/completions", json=body,
-                          timeout=300) as resp:  # fmt: skip
+                          headers=AUTH, timeout=300) as resp:  # fmt: skip
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -433,7 +437,9 @@ def test_cuda_image_builds_and_refuses_without_a_gpu(
     # docker-compose.cuda.yml: the services that need no GPU start healthy in the CUDA
     # image; a worker's GPU reservation is refused by Docker, naming the missing driver
     folder = tmp_path_factory.mktemp("compose-cuda")
-    (folder / ".env").write_text(f"RADIXSERVE_CLUSTER_SECRET={SECRET}\n")
+    (folder / ".env").write_text(
+        f"RADIXSERVE_CLUSTER_SECRET={SECRET}\nRADIXSERVE_GATEWAY_API_KEYS={API_KEYS}\n"
+    )
     cuda = [*compose_command(), "-p", f"rxcuda{uuid.uuid4().hex[:6]}", "--project-directory",
             str(COMPOSE), "--env-file", str(folder / ".env"), "-f", str(COMPOSE / "docker-compose.yml"),
             "-f", str(COMPOSE / "docker-compose.cuda.yml")]  # fmt: skip
@@ -463,7 +469,8 @@ def test_kubernetes_commands_run_in_the_image(images: Images, overlay: str) -> N
     for name, deployment in objects_of(objects, "Deployment").items():
         c = container(deployment)
         env = {k: v for k, v in pod_env(objects, deployment).items() if not v.startswith("<")}
-        env.setdefault("RADIXSERVE_CLUSTER_SECRET", SECRET)
+        env.setdefault("RADIXSERVE_CLUSTER_SECRET", SECRET)  # the Secrets' values
+        env.setdefault("RADIXSERVE_GATEWAY_API_KEYS", API_KEYS)
         args = (
             [*c.get("command", [])[1:], *c.get("args", [])]
             if c.get("command")

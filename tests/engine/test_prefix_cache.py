@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.cache.block_hash import cache_scope
 from radixserve.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import TINY, assert_no_leaks, make_engine
 
@@ -119,3 +120,56 @@ def test_chunked_prefill_matches_single_pass(tiny_off):
         tiny_off.generate([prompt], GREEDY)
     )
     assert_no_leaks(chunked)
+
+
+# -- cache scopes: requests share KV only within their scope ----------------------------
+
+SCOPED_PROMPT = (
+    "Internal memo for the treasury team only. The quarterly hedging policy covers "
+    "currency forwards, interest rate swaps and commodity options; every position over "
+    "the limit needs two signatures. Question: "
+)
+
+
+def _run_scoped(engine, prompt, scope, params=GREEDY):
+    """Serve ``prompt`` in cache scope ``scope``; (every choice's tokens, cached tokens)."""
+    rid = engine.add_request(prompt, params, cache_scope=scope)
+    tokens: dict[int, list[int]] = {}
+    cached = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens.setdefault(out.index, []).extend(out.new_token_ids)
+                cached = out.cached_tokens
+    return [tokens[i] for i in sorted(tokens)], cached
+
+
+def test_scopes_share_nothing_and_answer_the_same(tiny_on, tiny_off):
+    prompt = SCOPED_PROMPT + "who signs?"
+    tenant_a, tenant_b = cache_scope(tenant="a"), cache_scope(tenant="b")
+    [ref] = tiny_off.generate([prompt], GREEDY)
+    a1, a1_cached = _run_scoped(tiny_on, prompt, tenant_a)
+    b1, b1_cached = _run_scoped(tiny_on, prompt, tenant_b)  # the same prompt, another scope
+    a2, a2_cached = _run_scoped(tiny_on, prompt, tenant_a)
+    salted, salted_cached = _run_scoped(tiny_on, prompt, cache_scope(tenant="a", salt="s"))
+    default, default_cached = _run_scoped(tiny_on, prompt, "")
+    assert a1 == b1 == a2 == salted == default == [ref.token_ids]
+    assert a1_cached == b1_cached == salted_cached == default_cached == 0
+    size = tiny_on.page_size
+    full = (len(tiny_on.tokenize(prompt)) - 1) // size * size  # never the last token
+    assert a2_cached == full > 0  # the same scope shares
+    _, default_again = _run_scoped(tiny_on, prompt, "")  # the default scope shares as before
+    assert default_again == full
+    assert_no_leaks(tiny_on)
+
+
+def test_choices_of_a_scoped_request_stay_in_its_scope(tiny_on):
+    prompt = SCOPED_PROMPT + "what needs two signatures?"
+    params = SamplingParams(max_tokens=8, temperature=0.0, n=2)
+    scope = cache_scope(tenant="forks")
+    first, first_cached = _run_scoped(tiny_on, prompt, scope, params)
+    again, again_cached = _run_scoped(tiny_on, prompt, scope, params)
+    _, other_cached = _run_scoped(tiny_on, prompt, cache_scope(tenant="other"), params)
+    assert first == again and len(first) == 2
+    assert first_cached == other_cached == 0 and again_cached > 0
+    assert_no_leaks(tiny_on)

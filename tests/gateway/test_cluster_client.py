@@ -9,16 +9,18 @@ pages is never linked."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
 import zmq.asyncio
 
-from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
+from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import (
     GenerateRequest,
     Heartbeat,
@@ -400,3 +402,89 @@ def test_a_decode_worker_with_other_pages_is_refused(
             await d1.close()
 
     run_scenario(scenario)
+
+
+def test_the_gateway_learns_the_workers_identity_and_refuses_another() -> None:
+    """The gateway loads no weights: it takes the namespace and model identity of the
+    first decode worker (hashing no prompt before), routes by it, and refuses a decode
+    worker of another identity, /debug/cache naming both."""
+    mine = ModelIdentity("sha256:" + "a1" * 32, "int4", "bfloat16")
+    other = ModelIdentity("sha256:" + "b2" * 32, "none", "float32")
+
+    def peer(context: zmq.asyncio.Context, name: str, identity: ModelIdentity) -> FakePeer:
+        ack = HelloAck(name, "decode", 1, model_name=MODEL, max_model_len=256,
+                       page_size=PAGE_SIZE, hash_namespace=hash_namespace(identity.key),
+                       model_identity=identity.key)  # fmt: skip
+        return FakePeer(context, ack, decode_script())
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        d0 = peer(context, "d0", mine)
+        try:
+            settings = GatewaySettings(decode_workers=[d0.address], heartbeat_interval_s=0.05)
+            client = ClusterClient(settings, None, MODEL, 256, PAGE_SIZE)  # type: ignore[arg-type]
+            assert client.root_namespace is None and client.identity is None
+            await client.start()
+            try:
+                await decodes_ready(client, 1)
+                assert client.root_namespace == hash_namespace(mine.key)
+                assert client.identity == mine
+                assert tokens_of(await generate(client)) == TOKENS
+                learned = tuple(page_hashes(PROMPT, PAGE_SIZE, hash_namespace(mine.key)))
+                assert sent(d0) == [("r1", learned, ())]
+                # its answer to a hello of a restart arrives while up: down, up, known
+                assert client.decodes is not None
+                [up] = client.decodes.up()
+                assert up.ack is not None
+                d0.ack = dataclasses.replace(d0.ack, generation=2)  # its heartbeats say so
+                client.decodes._acked(up, d0.ack)
+                assert up.up and client.root_namespace == hash_namespace(mine.key)
+                d1 = peer(context, "d1", other)
+                try:
+                    assert client.decodes is not None
+                    link = client.decodes.add(d1.address)
+                    await until(lambda: link.refused, "d1's HelloAck refused")
+                    entry = client.worker_stats()[link.label]["model_identity"]
+                    assert not link.up and "model identity" in entry["refused"]
+                    assert mine.short in entry["refused"] and other.short in entry["refused"]
+                    card = client.worker_stats()["d0"]["model_identity"]
+                    assert card == {**mine.to_dict(), "short": mine.short}
+                finally:
+                    await d1.close()
+            finally:
+                await client.shutdown()
+        finally:
+            await d0.close()
+
+    run_scenario(scenario)
+
+
+def test_a_scoped_request_carries_its_scope_and_scoped_hashes_to_every_worker() -> None:
+    """The prompt is hashed in its cache scope's namespace; the scope and those hashes
+    go to the decode worker, and to the next one when the first refuses; a real decode
+    worker passes the scope to its engine and hashes nothing itself."""
+    scope = cache_scope(tenant="acme", salt="conversation-7")
+    scoped = tuple(page_hashes(PROMPT, PAGE_SIZE, scoped_namespace(NAMESPACE, scope)))
+    seen: dict[str, Any] = {}
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        d0 = decode_peer(context, "d0", decode_script(refuse="draining"))
+        engine = FakeEngine(base_token=100)
+        worker = DecodeWorker(
+            DecodeSettings(name="d1", transfer_backend="zmq", heartbeat_interval_s=0.05), engine
+        )
+        try:
+            async with serving(worker), cluster_client([d0.address, worker.address]) as client:
+                await decodes_ready(client, 2)
+                outputs = client.generate(PROMPT, PARAMS, "r1", cache_scope=scope)
+                seen["tokens"] = tokens_of([output async for output in outputs])
+                seen["d0"] = [(m.cache_scope, m.page_hashes) for m in d0.of_type(GenerateRequest)]
+                seen["admit"] = engine.args("admit", "r1~1")[0]
+                seen["hashed"] = worker.counters.get("prompt_hashes_total", 0)
+        finally:
+            await d0.close()
+
+    run_scenario(scenario)
+    assert seen["tokens"] == [100, 101, 102, 103]
+    assert scoped != HASHES and seen["d0"] == [(scope, scoped)]
+    assert seen["admit"]["cache_scope"] == scope
+    assert seen["hashed"] == 0

@@ -189,13 +189,17 @@ def test_body_over_limit_is_413(serve_app):
 
 
 def test_api_keys(serve_app):
-    gw = serve_app(api_keys=["key-one", "key-two"])
+    gw = serve_app(api_keys=["key-one-0123456789", "key-two-0123456789"])
     with httpx.Client(base_url=gw.url, timeout=30) as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "key-one-0123456789"},
+        ):
             assert_openai_error(c.post("/v1/completions", json=OK_COMPLETION, headers=headers), 401)
             assert_openai_error(c.get("/v1/models", headers=headers), 401)
             assert_openai_error(c.get("/debug/cache", headers=headers), 401)
-        for key in ("key-one", "key-two"):
+        for key in ("key-one-0123456789", "key-two-0123456789"):
             auth = {"Authorization": f"Bearer {key}"}
             assert c.post("/v1/chat/completions", json=OK_CHAT, headers=auth).status_code == 200
             assert c.get("/v1/models", headers=auth).status_code == 200

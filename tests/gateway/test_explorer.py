@@ -40,7 +40,9 @@ def tiny_client() -> Iterator[LocalEngineClient]:
 
 @pytest.fixture(scope="module")
 def keyed(tiny_client) -> Iterator[httpx.Client]:
-    running = RunningServer(create_app(tiny_client, GatewaySettings(api_keys=[KEY])))
+    running = RunningServer(
+        create_app(tiny_client, GatewaySettings(api_keys=[{"key": KEY, "role": "admin"}]))
+    )
     with httpx.Client(base_url=running.url, timeout=60) as http:
         yield http
     running.stop()

@@ -8,6 +8,8 @@ import re
 
 import httpx
 
+from radixserve.model.identity import weights_fingerprint
+from radixserve.model.model_files import resolve_model_path
 from tests.gateway.conftest import (
     CHAT_MESSAGES,
     COMPLETION_PROMPT,
@@ -150,6 +152,12 @@ def test_models_health_debug(http, client):
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [client.served_name]
+    # the identity of what computes its pages: the default GGUF's bytes, as loaded
+    identity = models["data"][0]["identity"]
+    assert identity["weights"] == weights_fingerprint(resolve_model_path("default"))
+    assert identity["quantization"].startswith("int4") and identity["adapter"] == ""
+    assert identity == {**client.identity.to_dict(), "short": client.identity.short}
+    assert http.get("/debug/cache").json()["model_identity"] == identity
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     r = http.post(

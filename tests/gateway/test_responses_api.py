@@ -18,6 +18,7 @@ from radixserve.services.gateway import GatewaySettings, create_app
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.response_output import ResponseBuilder
 from radixserve.services.gateway.response_store import ResponseStore, Turn
+from radixserve.services.gateway.tenants import ANONYMOUS
 from radixserve.services.gateway.tool_calls import PARSERS
 from radixserve.services.gateway.tool_stream import ToolCallStream
 from tests.gateway.conftest import RunningServer, assert_openai_error
@@ -196,10 +197,10 @@ def test_the_store_evicts_the_oldest_first_and_expires():
         store.put(name, {"id": name}, Turn(({"n": name},), first))
     assert len(store) == 2
     with pytest.raises(Exception, match="no stored response 'r1'"):
-        store.body("r1", "response_id")
-    assert store.body("r2", "response_id") == {"id": "r2"}
+        store.body("r1", "response_id", ANONYMOUS)
+    assert store.body("r2", "response_id", ANONYMOUS) == {"id": "r2"}
     # an evicted turn's items stay reachable from the responses continuing it
-    assert store.turn("r3", "p").conversation() == [*first.items, {"n": "r3"}]
+    assert store.turn("r3", "p", ANONYMOUS).conversation() == [*first.items, {"n": "r3"}]
     now[0] = 10.5
     assert len(store) == 0
     store = ResponseStore(max_entries=0, ttl_s=10)

@@ -3,8 +3,8 @@ another cheaper (cost = uncached pages + load_weight * in-flight requests)."""
 
 from __future__ import annotations
 
-from radixserve.cache.block_hash import hash_namespace
-from radixserve.services.gateway.router import DecodeRouter, PrefixView
+from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
+from radixserve.services.gateway.router import DecodeRouter, PrefixView, affinity_key
 
 PAGE = 4
 
@@ -77,3 +77,59 @@ def test_prefix_view_is_bounded_lru_and_matches_only_from_the_start():
     view.add([9])  # evicts the least recently used (1)
     assert len(view) == 3
     assert view.match([1, 2]) == 0
+
+
+def test_scopes_hash_apart_and_route_apart():
+    """A prompt of one cache scope is hashed in its namespace: another scope's requests
+    (the same tokens) do not find it in a worker's view, nor a view of it in theirs."""
+    r = router()
+    prompt = list(range(40))
+    mine = r.hashes(prompt, cache_scope(tenant="acme"))
+    assert mine == page_hashes(
+        prompt, PAGE, scoped_namespace(r.namespace, cache_scope(tenant="acme"))
+    )
+    assert mine != r.hashes(prompt) and r.hashes(prompt, "") == r.hashes(prompt)
+    r.started("b", mine)
+    r.finished("b", mine, prompt + [7] * 8, cache_scope(tenant="acme"))
+    assert r.pick(["a", "b"], r.hashes(prompt + [7] * 8, cache_scope(tenant="acme"))) == "b"
+    assert r.pick(["a", "b"], r.hashes(prompt, cache_scope(tenant="other"))) == "a"
+
+
+def test_nothing_is_hashed_before_the_namespace_is_known():
+    r = DecodeRouter(PAGE, b"", 2.0, 1000)
+    assert r.hashes(list(range(40)), cache_scope(tenant="acme")) == [] and r.num_hashed == 0
+    r.started("a", [])
+    r.finished("a", [], list(range(40)))
+    assert r.known_pages("a") == 0
+
+
+def test_an_affinity_key_keeps_its_worker_until_it_is_overloaded():
+    r = router()
+    key = affinity_key("acme", "conversation-1")
+    first = r.pick(["a", "b"], [], key)
+    r.started(first, [])
+    other = "b" if first == "a" else "a"
+    for _ in range(4):  # the slack: up to 4 more in flight than the least loaded
+        assert r.pick(["a", "b"], [], key) == first
+        r.started(first, [])
+    assert r.pick(["a", "b"], [], key) == other  # 5 over: routed by cost, the key follows
+    r.started(other, [])
+    assert r.pick(["a", "b"], [], key) == other
+    assert r.pick([first], [], key) == first  # its worker gone from the candidates: remapped
+    assert r.pick(["a", "b"], [], key) == first
+
+
+def test_affinity_keys_are_per_tenant_and_bounded():
+    assert affinity_key("acme", "k") != affinity_key("other", "k")
+    assert affinity_key("a:1", "k") != affinity_key("a", "1:k")
+    assert affinity_key("acme", "") == ""
+    r = DecodeRouter(PAGE, hash_namespace("test-model"), 2.0, 1000, max_affinity_keys=2)
+    assert r.pick(["a", "b"], [], "k1") == "a"
+    r.started("a", [])
+    assert r.pick(["a", "b"], [], "k2") == "b"  # less loaded
+    assert r.pick(["a", "b"], [], "k1") == "a"  # kept: within the slack
+    r.pick(["a", "b"], [], "k3")  # the third key: the least recent (k2) goes
+    assert r.pick(["a", "b"], [], "k1") == "a"
+    r.pick(["a", "b"], [], "k2")  # evicts k3
+    r.pick(["a", "b"], [], "k3")  # evicts k1
+    assert r.pick(["a", "b"], [], "k1") == "b"  # forgotten: routed by load

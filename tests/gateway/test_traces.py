@@ -17,7 +17,7 @@ from radixserve.tracing import parse_traceparent
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error
 
-KEY = "sk-trace-test"
+KEY = "sk-trace-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -40,7 +40,7 @@ def _serve(client: LocalEngineClient, **settings) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def keyed(tiny_client) -> Iterator[httpx.Client]:
-    yield from _serve(tiny_client, api_keys=[KEY], trace_buffer=4)
+    yield from _serve(tiny_client, api_keys=[{"key": KEY, "role": "admin"}], trace_buffer=4)
 
 
 def _complete(http: httpx.Client, traceparent: str | None = None, **extra) -> httpx.Response:
@@ -108,7 +108,7 @@ def test_the_routes_want_a_key_and_name_bad_parameters(keyed):
 def test_with_no_buffer_and_no_endpoint_tracing_is_off(tiny_client, monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    for http in _serve(tiny_client, api_keys=[KEY], trace_buffer=0):
+    for http in _serve(tiny_client, api_keys=[{"key": KEY, "role": "admin"}], trace_buffer=0):
         resp = _complete(http, f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
         assert "traceparent" not in resp.headers
         assert http.get("/debug/traces", headers=AUTH).json() == {"traces": []}

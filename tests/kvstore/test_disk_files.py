@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.cache.page_proof import PageProof, pack_tokens
 from radixserve.services.kvstore.disk_files import (
     HEADER_BYTES,
     RecordBuffer,
@@ -25,6 +27,7 @@ from radixserve.services.kvstore.disk_files import (
     count_records,
     empty,
     record_bytes,
+    record_header_bytes,
     seal,
 )
 from radixserve.transfer import PoolCompat
@@ -36,13 +39,25 @@ COMPAT = PoolCompat("disk-files-test", "float32", 2, 2, 8, 4)
 def page_of(page_hash: int, compat: PoolCompat = COMPAT) -> torch.Tensor:
     """A page whose every element depends on its hash (a misplaced page shows)."""
     shape = (compat.num_layers, 2, compat.page_size, compat.num_kv_heads, compat.head_dim)
-    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + page_hash
+    return (
+        torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+        + page_hash % 100_003
+    )
+
+
+NAMESPACE = hash_namespace("disk-files-test")
+BIG = 2**100  # page hashes are 128-bit: records keep every bit
+
+
+def proof_of(page_hash: int, parent: int | None = None) -> PageProof:
+    return PageProof(NAMESPACE, parent, pack_tokens([page_hash % 997 + k for k in range(4)]))
 
 
 def sealed(buffer: RecordBuffer, i: int, page_hash: int, seq: int = 1) -> memoryview:
     buffer.page(i).copy_(page_of(page_hash))
     view = buffer.view(i)
-    seal(view, page_hash, seq, bytes.fromhex(COMPAT.digest), COMPAT.page_bytes)
+    seal(view, page_hash, seq, bytes.fromhex(COMPAT.digest), COMPAT.page_bytes,
+         proof_of(page_hash, page_hash - 1))  # fmt: skip
     return view
 
 
@@ -63,18 +78,19 @@ def test_records_written_in_runs_read_back_exact_in_any_order(tmp_path: Path, di
     files.add_slab(24)
     files.add_slab(16)  # slots 24..39: a run crosses into the second file
     assert files.direct == direct and files.num_slots == 40
-    assert files.size_bytes == 2 * HEADER_BYTES + 40 * record_bytes(COMPAT.page_bytes)
+    assert files.size_bytes == 2 * HEADER_BYTES + 40 * record_bytes(COMPAT.page_bytes, 4)
     out = RecordBuffer(40, COMPAT)
     slots = list(range(40))
     random.Random(0).shuffle(slots)  # record i goes to slots[i]: runs form only when sorted
-    files.write(slots, [sealed(out, i, 1000 + i, seq=i + 1) for i in range(40)])
+    files.write(slots, [sealed(out, i, BIG + i, seq=i + 1) for i in range(40)])
     back = RecordBuffer(40, COMPAT)
     order = list(range(40))
     random.Random(1).shuffle(order)
     files.read([slots[i] for i in order], [back.view(k) for k in range(40)])
     for k, i in enumerate(order):
-        assert check(back.view(k), files.digest, COMPAT.page_bytes) == (1000 + i, i + 1)
-        assert torch.equal(back.page(k), page_of(1000 + i))
+        found = (BIG + i, i + 1, proof_of(BIG + i, BIG + i - 1))
+        assert check(back.view(k), files.digest, COMPAT.page_bytes, 4) == found
+        assert torch.equal(back.page(k), page_of(BIG + i))
     files.close()
 
 
@@ -82,17 +98,20 @@ def test_a_flipped_byte_a_torn_record_and_another_layout_fail_their_check(tmp_pa
     digest, size = bytes.fromhex(COMPAT.digest), COMPAT.page_bytes
     buffer = RecordBuffer(3, COMPAT)
     good = sealed(buffer, 0, 7)
-    assert check(good, digest, size) == (7, 1)
+    assert check(good, digest, size, 4) == (7, 1, proof_of(7, 6))
     flipped = sealed(buffer, 1, 7)
-    flipped[HEADER_BYTES + 100] ^= 0x01  # one bit of the page
-    assert check(flipped, digest, size) is None
+    flipped[record_header_bytes(4) + 100] ^= 0x01  # one bit of the page
+    assert check(flipped, digest, size, 4) is None
+    flipped = sealed(buffer, 1, 7)
+    flipped[135] ^= 0x01  # one bit of the stored tokens (after the 133-byte header)
+    assert check(flipped, digest, size, 4) is None
     torn = sealed(buffer, 1, 8)  # page 8's record, half overwritten by page 9's
     newer = RecordBuffer(1, COMPAT)
-    half = HEADER_BYTES + size // 2
+    half = record_header_bytes(4) + size // 2
     torn[:half] = sealed(newer, 0, 9, seq=2)[:half]
-    assert check(torn, digest, size) is None
+    assert check(torn, digest, size, 4) is None
     other = PoolCompat("another-model", "float32", 2, 2, 8, 4)
-    assert check(good, bytes.fromhex(other.digest), size) is None
+    assert check(good, bytes.fromhex(other.digest), size, 4) is None
     assert empty(buffer.view(2)) and not empty(good)
 
 
@@ -102,7 +121,8 @@ def test_a_slab_of_another_layout_is_refused_by_name_and_its_records_counted(tmp
     slab = theirs.add_slab(4)
     buffer = RecordBuffer(2, other)
     for i in range(2):
-        seal(buffer.view(i), 50 + i, 1, bytes.fromhex(other.digest), other.page_bytes)
+        seal(buffer.view(i), 50 + i, 1, bytes.fromhex(other.digest), other.page_bytes,
+             proof_of(50 + i))  # fmt: skip
     theirs.write([0, 2], [buffer.view(0), buffer.view(1)])
     theirs.close()
     ours = SlabFiles(tmp_path, COMPAT)
@@ -121,3 +141,18 @@ def test_a_slab_the_kernel_refuses_to_grow_leaves_nothing_behind(tmp_path: Path)
     slab = files.add_slab(4)  # the limit lifted: the next file is made (a new number)
     assert slab.path.name.endswith("-00001.kv") and files.listing()[0] == [slab.path]
     files.close()
+
+
+def test_a_record_keeps_the_proof_its_hash_is_recomputed_from(tmp_path: Path):
+    tokens = [11, 12, 13, 14, 21, 22, 23, 24]
+    first, second = page_hashes(tokens, 4, NAMESPACE)
+    proof = PageProof(NAMESPACE, first, pack_tokens(tokens[4:]))
+    buffer = RecordBuffer(1, COMPAT)
+    buffer.page(0).copy_(page_of(1))
+    seal(buffer.view(0), second, 1, bytes.fromhex(COMPAT.digest), COMPAT.page_bytes, proof)
+    page_hash, _, back = check(buffer.view(0), bytes.fromhex(COMPAT.digest), COMPAT.page_bytes, 4)
+    assert page_hash == second and back == proof and back.verifies(second)
+    assert back.token_ids == tokens[4:]
+    other = PageProof(NAMESPACE, first, pack_tokens([11, 12, 13, 15]))  # one token differs
+    assert not other.verifies(second)
+    assert not PageProof(hash_namespace("another"), first, proof.tokens).verifies(second)

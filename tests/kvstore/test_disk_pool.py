@@ -28,15 +28,24 @@ from pathlib import Path
 import torch
 
 from radixserve.cache.host_index import HostPageIndex
+from radixserve.cache.page_proof import PageProof, pack_tokens
 from radixserve.protocol import HostLease, HostLookup
-from radixserve.services.kvstore.disk_files import HEADER_BYTES, RecordBuffer, SlabFiles, seal
+from radixserve.services.kvstore.disk_files import (
+    HEADER_BYTES,
+    RecordBuffer,
+    SlabFiles,
+    check,
+    seal,
+)
 from radixserve.services.kvstore.disk_pool import DiskPool, promotion_cut
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import PoolCompat
+from tests.kvstore.page_chain import Chain
 from tests.kvstore.test_disk_files import file_size_limit
 from tests.kvstore.test_host_pool import (
     PAGE_BYTES,
+    H,
     Worker,
     attach,
     gib_of,
@@ -84,7 +93,8 @@ async def tiers(
 
 
 async def spill(host: HostPool, disk: DiskPool, w: Worker, hashes: list[int], buffer_pages: list[int]) -> None:  # fmt: skip
-    """Spill ``hashes`` from those buffer pages; wait until what they evicted is on disk."""
+    """Spill pages ``hashes`` (names of `H`) from those buffer pages; wait until what
+    they evicted is on disk."""
     assert await host.spill(w.name, offer(1, hashes, buffer_pages)) == len(hashes)
     await until(lambda: disk.idle, 5, "the disk writes")
 
@@ -94,15 +104,15 @@ def index(host: HostPool) -> HostPageIndex:
     return host.index
 
 
-def lease_pages(host: HostPool, w: Worker, hashes: list[int]) -> tuple[int, ...]:
-    lease = host.lookup(w.name, HostLookup("q", tuple(hashes)))
+def lease_pages(host: HostPool, w: Worker, names: list[int]) -> tuple[int, ...]:
+    lease = host.lookup(w.name, HostLookup("q", tuple(H(*names))))
     host.release(lease.lease_id)
     return lease.host_page_ids
 
 
-def flip_byte(disk: DiskPool, page_hash: int, offset: int = 100) -> None:
-    """Flip a bit of ``page_hash``'s page in its file (as a failing disk would)."""
-    files, slot = disk.files, disk.index.slot_of(page_hash)
+def flip_byte(disk: DiskPool, name: int, offset: int = 100) -> None:
+    """Flip a bit of page ``name``'s page in its file (as a failing disk would)."""
+    files, slot = disk.files, disk.index.slot_of(H[name])
     assert files is not None and slot is not None
     (slab,) = [s for s in files.slabs if s.first <= slot < s.first + s.num_slots]
     at = HEADER_BYTES + (slot - slab.first) * RECORD + HEADER_BYTES + offset
@@ -123,15 +133,15 @@ def test_evicted_pages_go_to_disk_and_come_back_exact_through_a_mixed_run(tmp_pa
         async with tiers(tmp_path) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6], [4, 5])
-            assert disk.run([1, 2, 3, 4, 9], index(host)) == [True, True, False, False]
+            assert disk.run(H(1, 2, 3, 4, 9), index(host)) == [True, True, False, False]
             assert disk.stats()["disk_write_pages_total"] == 2
-            assert await disk.promote([1, 2, 3, 4], index(host), 0.0) == {1, 2}
+            assert H.names(await disk.promote(H(1, 2, 3, 4), index(host), 0.0)) == {1, 2}
             pages = lease_pages(host, w, [1, 2, 3, 4])
             assert len(pages) == 4
             for page, buffer_page in zip(pages, [0, 1, 2, 3]):
                 assert same_page(host, page, w, buffer_page)
             await until(lambda: disk.idle, 5, "the disk writes")
-            assert disk.run([5, 6], index(host)) == [True, True]  # evicted by the promotion
+            assert disk.run(H(5, 6), index(host)) == [True, True]  # evicted by the promotion
             stats = disk.stats()
             assert stats["disk_hit_pages_total"] == 2 and stats["disk_read_pages_total"] == 2
             assert stats["disk_write_pages_total"] == 4 and stats["disk_corrupt_pages_total"] == 0
@@ -158,25 +168,29 @@ def test_an_overlapped_promotion_leases_its_run_first_and_readies_it_chunk_by_ch
         async with tiers(tmp_path, disk_read_chunk_mib=0) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6, 7], [4, 5, 6])
-            assert disk.run([1, 2, 3, 4], index(host)) == [True, True, True, False]
+            assert disk.run(H(1, 2, 3, 4), index(host)) == [True, True, True, False]
             seen: list[tuple[str, int, bool]] = []
             lease = HostLease("q")
 
             async def on_plan(run: list[int], ready: int) -> None:
                 nonlocal lease
-                lease = host.lease_loading(w.name, HostLookup("q", (1, 2, 3, 4)), run, ready)
+                lease = host.lease_loading(
+                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.index.proof
+                )
                 seen.append(("plan", ready, False))
                 index(host).check_integrity()
 
             async def on_ready(ready: int, failed: bool) -> None:
                 seen.append(("ready", ready, failed))
                 pages = lease.host_page_ids
-                assert [index(host).stored(h) for h in (1, 2, 3)] == [i < ready for i in range(3)]
+                assert [index(host).stored(H[h]) for h in (1, 2, 3)] == [
+                    i < ready for i in range(3)
+                ]
                 assert all(same_page(host, pages[i], w, i) for i in range(ready))
                 index(host).check_integrity()
 
-            promoted = await disk.promote([1, 2, 3, 4], index(host), 0.0, on_plan, on_ready)
-            assert promoted == {1, 2, 3}
+            promoted = await disk.promote(H(1, 2, 3, 4), index(host), 0.0, on_plan, on_ready)
+            assert H.names(promoted) == {1, 2, 3}
             assert seen == [("plan", 0, False), ("ready", 1, False), ("ready", 2, False),
                             ("ready", 4, False)]  # fmt: skip
             assert (lease.loading, lease.disk_pages, len(lease.host_page_ids)) == (True, 3, 4)
@@ -206,16 +220,18 @@ def test_an_overlapped_promotion_stops_at_a_corrupt_page_and_says_so(tmp_path: P
 
             async def on_plan(run: list[int], ready: int) -> None:
                 nonlocal lease
-                lease = host.lease_loading(w.name, HostLookup("q", (1, 2, 3, 4)), run, ready)
+                lease = host.lease_loading(
+                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.index.proof
+                )
 
             async def on_ready(ready: int, failed: bool) -> None:
                 seen.append((ready, failed))
 
-            promoted = await disk.promote([1, 2, 3, 4], index(host), 0.0, on_plan, on_ready)
-            assert promoted == {1} and seen == [(1, False), (1, True)]
+            promoted = await disk.promote(H(1, 2, 3, 4), index(host), 0.0, on_plan, on_ready)
+            assert H.names(promoted) == {1} and seen == [(1, False), (1, True)]
             assert disk.stats()["disk_corrupt_pages_total"] == 1
-            assert not disk.index.stored(2) and disk.index.stored(3)
-            assert not index(host).stored(3)
+            assert not disk.index.stored(H[2]) and disk.index.stored(H[3])
+            assert not index(host).stored(H[3])
             index(host).check_integrity()
             host.release(lease.lease_id)
             index(host).check_integrity()
@@ -235,12 +251,12 @@ def test_a_promotion_waits_for_pages_of_its_run_still_being_written(tmp_path: Pa
             gate = threading.Event()
             disk._writer.submit(gate.wait)  # the writer thread is busy until the gate opens
             assert await host.spill(w.name, offer(2, [5, 6], [4, 5])) == 2  # evicts 1, 2
-            assert disk.run([1, 2, 3, 4], index(host)) == []  # 1 is not written yet
-            promoting = asyncio.ensure_future(disk.promote([1, 2, 3, 4], index(host), 0.0))
+            assert disk.run(H(1, 2, 3, 4), index(host)) == []  # 1 is not written yet
+            promoting = asyncio.ensure_future(disk.promote(H(1, 2, 3, 4), index(host), 0.0))
             await asyncio.sleep(0.05)
             assert not promoting.done()  # it waits for the write...
             gate.set()
-            assert await promoting == {1, 2}  # ...and reads 1, 2 once they are on disk
+            assert H.names(await promoting) == {1, 2}  # ...and reads 1, 2 once they are on disk
             assert len(lease_pages(host, w, [1, 2, 3, 4])) == 4
 
     asyncio.run(scenario())
@@ -257,12 +273,12 @@ def test_the_tier_keeps_to_its_bound_and_a_page_read_moves_up_its_lru(tmp_path: 
             for k in range(10):
                 await spill(host, disk, w, [100 + 2 * k, 101 + 2 * k], [0, 1])
                 if k == 4:  # page 100 (the oldest on disk) is read: now the most recent
-                    assert await disk.promote([100], index(host), 0.0) == {100}
+                    assert H.names(await disk.promote(H(100), index(host), 0.0)) == {100}
                 assert disk.stats()["disk_bytes_total"] <= bound
             stats = disk.stats()
             assert stats["disk_pages_total"] == 16 and stats["disk_pages_stored"] == 16
             assert stats["disk_evictions_total"] > 0
-            on_disk = {h for h in range(100, 120) if disk.index.stored(h)}
+            on_disk = {h for h in range(100, 120) if disk.index.stored(H[h])}
             assert 100 in on_disk and 101 not in on_disk and 102 not in on_disk
             assert {114, 115, 116, 117} <= on_disk  # the most recent evictions
             assert len(list(tmp_path.glob("slab-*.kv"))) == 8
@@ -282,9 +298,9 @@ def test_a_page_flipped_on_disk_is_counted_dropped_and_never_served(tmp_path: Pa
             await spill(host, disk, w, [1, 2, 3], [0, 1, 2])
             await spill(host, disk, w, [7, 8, 9, 10], [3, 4, 5, 6])
             flip_byte(disk, 2)
-            promoted = await disk.promote([1, 2, 3], index(host), 0.0)
-            assert 1 in promoted and 2 not in promoted
-            assert not index(host).stored(2) and not disk.index.stored(2)
+            promoted = await disk.promote(H(1, 2, 3), index(host), 0.0)
+            assert 1 in H.names(promoted) and 2 not in H.names(promoted)
+            assert not index(host).stored(H[2]) and not disk.index.stored(H[2])
             assert len(lease_pages(host, w, [1, 2, 3])) == 1
             assert same_page(host, lease_pages(host, w, [1])[0], w, 0)
             assert disk.stats()["disk_corrupt_pages_total"] == 1
@@ -307,14 +323,14 @@ def test_a_restart_rebuilds_the_index_from_the_files(tmp_path: Path):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [11, 12, 13, 14], [4, 5, 6, 7])
             await spill(host, disk, w, [21, 22], [0, 1])  # 1..4, then 11, 12 on disk
-            assert disk.index.stored_hashes() == [1, 2, 3, 4, 11, 12]
+            assert H.named(disk.index.stored_hashes()) == [1, 2, 3, 4, 11, 12]
             for offset in range(0, PAGE_BYTES // 2, 64):  # 3's page: half rewritten
                 flip_byte(disk, 3, offset)
         other = PoolCompat("another-model", "float32", 2, 2, 8, 4)
         theirs = SlabFiles(tmp_path, other)
         theirs.add_slab(2)
         record = RecordBuffer(1, other).view(0)
-        seal(record, 5, 1, bytes.fromhex(other.digest), other.page_bytes)
+        seal(record, H[5], 1, bytes.fromhex(other.digest), other.page_bytes, H.proof(5))
         theirs.write([1], [record])
         theirs.close()
 
@@ -322,15 +338,15 @@ def test_a_restart_rebuilds_the_index_from_the_files(tmp_path: Path):
             stats = disk.stats()
             assert stats["disk_restored_pages"] == 5 and stats["disk_corrupt_pages_total"] == 1
             assert stats["disk_foreign_pages"] == 1
-            assert disk.index.stored_hashes() == [1, 2, 4, 11, 12]
-            assert await disk.promote([1, 2], index(host), 0.0) == {1, 2}
+            assert H.named(disk.index.stored_hashes()) == [1, 2, 4, 11, 12]
+            assert H.names(await disk.promote(H(1, 2), index(host), 0.0)) == {1, 2}
             for page, buffer_page in zip(lease_pages(host, w, [1, 2]), [0, 1]):
                 assert same_page(host, page, w, buffer_page)
             # the promotion moved 1 and 2 up: 4 is the oldest now. Four more pages to
             # disk fill its three free slots and take the oldest one's
             await spill(host, disk, w, [31, 32, 33, 34], [0, 1, 2, 3])
             await spill(host, disk, w, [41, 42, 43, 44], [4, 5, 6, 7])
-            assert not disk.index.stored(4) and disk.index.stored(11)
+            assert not disk.index.stored(H[4]) and disk.index.stored(H[11])
             assert disk.stats()["disk_evictions_total"] == 1
             disk.index.check_integrity()
 
@@ -353,7 +369,7 @@ def test_a_restart_with_a_lower_bound_removes_the_files_past_it(tmp_path: Path):
             assert stats["disk_bytes_total"] <= stats["disk_bytes_bound"]
             assert len(list(tmp_path.glob("slab-*.kv"))) == 2
             assert stats["disk_restored_pages"] == 4
-            assert disk.index.stored_hashes() == [10, 11, 12, 13]
+            assert H.named(disk.index.stored_hashes()) == [10, 11, 12, 13]
 
     asyncio.run(scenario())
 
@@ -373,13 +389,13 @@ def test_a_worker_that_computes_faster_than_the_disk_reads_gets_only_the_host_pa
         async with tiers(tmp_path) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6, 7, 8], [4, 5, 6, 7])
-            assert await disk.promote([1], index(host), 0.0) == {1}  # measures the rate
+            assert H.names(await disk.promote(H(1), index(host), 0.0)) == {1}  # measures the rate
             assert disk.rates["read"] is not None
             fast = 1e12  # tokens/s: a page computes in femtoseconds
-            assert await disk.promote([2, 3], index(host), fast) == set()
+            assert H.names(await disk.promote(H(2, 3), index(host), fast)) == set()
             assert disk.stats()["disk_recomputed_pages_total"] == 2
             assert lease_pages(host, w, [2, 3]) == ()
-            assert await disk.promote([2, 3], index(host), 1.0) == {2, 3}  # 4 s a page
+            assert H.names(await disk.promote(H(2, 3), index(host), 1.0)) == {2, 3}  # 4 s a page
 
     asyncio.run(scenario())
 
@@ -395,7 +411,7 @@ def test_an_unusable_directory_turns_the_tier_off_and_the_host_tier_goes_on(tmp_
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6], [4, 5])
             assert len(lease_pages(host, w, [3, 4, 5, 6])) == 4
-            assert await disk.promote([1], index(host), 0.0) == set()
+            assert H.names(await disk.promote(H(1), index(host), 0.0)) == set()
             stats = disk.stats()
             assert stats["disk_tier_up"] == 0 and stats["disk_write_pages_total"] == 0
 
@@ -422,7 +438,7 @@ def test_a_full_disk_stops_the_tier_growing_and_serving_goes_on(tmp_path: Path, 
             stats = disk.stats()
             assert stats["disk_tier_full"] == 1 and stats["disk_tier_up"] == 1
             assert stats["disk_pages_total"] == 2 and stats["disk_write_pages_total"] == 8
-            assert await disk.promote([12, 13], index(host), 0.0) == {12, 13}
+            assert H.names(await disk.promote(H(12, 13), index(host), 0.0)) == {12, 13}
             assert len(list(tmp_path.glob("slab-*.kv"))) == 1
 
     asyncio.run(scenario())
@@ -458,8 +474,8 @@ def test_a_write_the_kernel_refuses_turns_the_tier_off_and_serving_goes_on(tmp_p
                 await spill(host, disk, w, [5, 6], [4, 5])  # 3, 4 go nowhere
             assert disk.down is not None and "a write failed" in disk.down
             assert disk.stats()["disk_tier_up"] == 0
-            assert disk.run([1, 2], index(host)) == []  # not offered any more
-            assert await disk.promote([1, 2], index(host), 0.0) == set()
+            assert disk.run(H(1, 2), index(host)) == []  # not offered any more
+            assert H.names(await disk.promote(H(1, 2), index(host), 0.0)) == set()
             assert len(lease_pages(host, w, [5, 6])) == 2
 
     asyncio.run(scenario())
@@ -471,8 +487,10 @@ from pathlib import Path
 from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import PoolCompat
+from tests.kvstore.page_chain import Chain
 
 compat = PoolCompat("disk-kill-test", "float32", 2, 2, 8, 4)
+H = Chain(4, 8192)
 kv = torch.zeros((2, 2, 16, 4, 2, 8))  # a host pool of 16 pages
 shape = (2, 2, 4, 2, 8)
 
@@ -486,7 +504,7 @@ async def main():
         for page in range(16):
             page_hash += 1
             kv[:, :, page] = torch.arange(256.0).reshape(shape) + page_hash
-            disk.stage(page_hash, page)
+            disk.stage(H[page_hash], page, H.proof(page_hash))
         print(disk.stats()["disk_write_pages_total"], flush=True)
         await asyncio.sleep(0)
         while disk.stats()["disk_write_queued_pages"] > 32:
@@ -527,10 +545,88 @@ def test_pages_listed_after_a_sigkill_mid_write_read_back_valid_and_exact(tmp_pa
             assert len(listed) + torn <= 64 and len(listed) >= 48  # at most a batch torn
             assert await disk.promote(listed, host, 0.0) == set(listed)
             assert disk.counters["disk_corrupt_pages_total"] == torn  # none when read
+            chain = Chain(4, 8192)
             for page_hash, page in zip(listed, host.lease("t", listed, 1e9)[1]):
-                expected = torch.arange(256.0).reshape(2, 2, 4, 2, 8) + page_hash
+                expected = torch.arange(256.0).reshape(2, 2, 4, 2, 8) + chain.named([page_hash])[0]
                 assert torch.equal(kv[:, :, page], expected), page_hash
         finally:
             await disk.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_record_whose_tokens_do_not_give_its_hash_is_never_served(tmp_path: Path):
+    """Page 2's record rewritten with other tokens under its own hash and a valid
+    checksum (a writer that was wrong): after a restart the rebuild finds its tokens do
+    not give its hash, counts it in ``kv_identity_mismatch_total`` and drops it; the
+    others are served."""
+
+    async def scenario() -> None:
+        async with tiers(tmp_path) as (host, disk, w):
+            await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
+            await spill(host, disk, w, [5, 6, 7, 8], [4, 5, 6, 7])
+            files, slot = disk.files, disk.index.slot_of(H[2])
+            assert files is not None and slot is not None
+            record = RecordBuffer(1, files.compat)
+            files.read([slot], [record.view(0)])
+            found = check(record.view(0), files.digest, files.page_bytes, files.page_size)
+            assert found is not None and found[0] == H[2] and found[2] == H.proof(2)
+            tokens = H.proof(2).token_ids
+            other = PageProof(H.proof(2).namespace, H[1], pack_tokens([tokens[0] + 1, *tokens[1:]]))
+            seal(record.view(0), H[2], found[1], files.digest, files.page_bytes, other)
+            files.write([slot], [record.view(0)])
+        async with tiers(tmp_path) as (host, disk, w):
+            stats = disk.stats()
+            assert stats["kv_identity_mismatch_total"] == 1
+            assert stats["disk_corrupt_pages_total"] == 0  # its checksum is valid
+            assert not disk.index.stored(H[2]) and disk.index.stored(H[3])
+            assert H.names(await disk.promote(H(1, 2, 3), index(host), 0.0)) == {1}
+
+    asyncio.run(scenario())
+
+
+def test_files_are_adopted_at_start_and_let_go_for_a_worker_of_another_identity(tmp_path: Path):
+    """A kvstore starting on a directory with pages adopts them before any worker
+    attaches (`loaded`: it is not ready until then); a first worker whose pages have
+    another layout (another model identity) gets none of them: they are counted as
+    another model's, left alone in their files, and its own pages go to new ones."""
+
+    async def scenario() -> None:
+        async with tiers(tmp_path) as (host, disk, w):
+            await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
+            await spill(host, disk, w, [5, 6, 7, 8], [4, 5, 6, 7])
+        before = sorted(tmp_path.glob("slab-*.kv"))
+        s = settings(tmp_path, 4, 64)
+        disk = DiskPool("kvstore-test", s)
+        disk.prepare()
+        assert not disk.loaded  # adopting: the kvstore is not ready
+        await until(lambda: disk.loaded, 5, "the adoption at start")
+        assert disk.stats()["disk_restored_pages"] == 4 and disk.down is None  # 1..4
+        host = HostPool("kvstore-test", s, disk.stage)
+        other = worker(head_dim=16)
+        try:
+            attach(host, other)
+            assert host.compat is not None and host.kv is not None
+            disk.open(host.compat, host.kv)
+            await until(lambda: disk.ready, 5, "the rebuild for the worker's layout")
+            stats = disk.stats()
+            assert stats["disk_restored_pages"] == 0 and stats["disk_foreign_pages"] == 4
+            assert disk.run(H(1, 2), index(host)) == []
+            # its pages are twice as large: the host tier holds two; 11, 12 go to disk
+            await spill(host, disk, other, [11, 12], [0, 1])
+            await spill(host, disk, other, [13, 14], [2, 3])
+            assert set(before) <= set(tmp_path.glob("slab-*.kv"))  # left alone
+        finally:
+            await host.stop()
+            await disk.stop()
+            other.agent.close()
+        # reclaimed on request: started with disk_reclaim_others, the first layout's
+        # worker gets its pages again and the other layout's file is removed
+        theirs = set(tmp_path.glob("slab-*.kv")) - set(before)
+        async with tiers(tmp_path, disk_reclaim_others=True) as (host, disk, w):
+            stats = disk.stats()
+            assert stats["disk_foreign_pages"] == 0 and stats["disk_restored_pages"] == 4
+            assert theirs and not theirs & set(tmp_path.glob("slab-*.kv"))
+            assert set(before) <= set(tmp_path.glob("slab-*.kv"))
 
     asyncio.run(scenario())

@@ -8,6 +8,7 @@ refused with the reason."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from radixserve.protocol import HostLookup, SpillOffer
 from radixserve.services.kvstore.host_pool import HostPool, spill_agent_name
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
+from tests.kvstore.page_chain import Chain
 
 MODEL = "host-pool-test"
 # the workers' spill buffers: (L, 2, P, S, H, D) = 2 layers, 8 pages of 4 tokens, 2 KV
@@ -67,8 +69,12 @@ def attach(host: HostPool, w: Worker, connection: bytes = b"conn-1") -> None:
     assert ack.accepted, ack.reason
 
 
-def offer(spill_id: int, hashes: list[int], buffer_pages: list[int]) -> SpillOffer:
-    return SpillOffer(spill_id, tuple(hashes), tuple(buffer_pages))
+H = Chain(PAGE_SIZE)  # page n's real hash: H[n]
+
+
+def offer(spill_id: int, names: list[int], buffer_pages: list[int]) -> SpillOffer:
+    """An offer of pages ``names`` (of `H`) with their tokens."""
+    return H.offer(spill_id, names, buffer_pages)
 
 
 def same_page(host: HostPool, host_page: int, w: Worker, buffer_page: int) -> bool:
@@ -99,7 +105,7 @@ def test_a_spill_stores_the_pages_the_pool_lacks_and_skips_those_it_holds():
             assert stats["host_pages_stored"] == 5
             assert stats["host_bytes_stored_total"] == 5 * PAGE_BYTES
             assert stats["host_spill_failures_total"] == 0
-            lease = host.lookup(w.name, HostLookup("q", (11, 12, 13, 14, 15)))
+            lease = host.lookup(w.name, HostLookup("q", tuple(H(11, 12, 13, 14, 15))))
             assert len(lease.host_page_ids) == 5
             # hash -> the buffer page it came from (12 and 13 from the first offer)
             for host_page, buffer_page in zip(lease.host_page_ids, [0, 1, 2, 3, 4]):
@@ -123,16 +129,16 @@ def test_a_lookup_leases_the_longest_stored_run_and_nothing_past_a_gap():
         try:
             attach(host, w)
             assert await host.spill(w.name, offer(1, [1, 2, 3, 5], [0, 1, 2, 3])) == 4
-            stored = host.lookup(w.name, HostLookup("all", (1, 2, 3, 5)))
+            stored = host.lookup(w.name, HostLookup("all", tuple(H(1, 2, 3, 5))))
             pages_of = dict(zip([1, 2, 3, 5], stored.host_page_ids))
             host.release(stored.lease_id)
 
-            lease = host.lookup(w.name, HostLookup("q1", (1, 2, 3, 4, 5)))
+            lease = host.lookup(w.name, HostLookup("q1", tuple(H(1, 2, 3, 4, 5))))
             assert lease.query_id == "q1" and lease.lease_id > 0
             assert lease.host_page_ids == (pages_of[1], pages_of[2], pages_of[3])
-            missed = host.lookup(w.name, HostLookup("q2", (4, 5)))
+            missed = host.lookup(w.name, HostLookup("q2", tuple(H(4, 5))))
             assert (missed.query_id, missed.lease_id, missed.host_page_ids) == ("q2", 0, ())
-            assert host.match([1, 2, 3, 4, 5]) == 3
+            assert host.match(H(1, 2, 3, 4, 5)) == 3
             stats = host.stats()
             assert stats["host_leases"] == 1 and stats["host_pages_leased"] == 3
             assert stats["host_lookups_total"] == 3
@@ -154,18 +160,18 @@ def test_a_leased_page_is_not_evicted_while_leased():
         try:
             attach(host, w)
             assert await host.spill(w.name, offer(1, [1, 2], [0, 1])) == 2
-            lease = host.lookup(w.name, HostLookup("q", (1, 2)))
+            lease = host.lookup(w.name, HostLookup("q", tuple(H(1, 2))))
             assert len(lease.host_page_ids) == 2
             assert await host.spill(w.name, offer(2, [3], [2])) == 0
             stats = host.stats()
             assert stats["host_evictions_total"] == 0 and stats["host_pages_stored"] == 2
-            assert host.match([1, 2]) == 2 and host.match([3]) == 0
+            assert host.match(H(1, 2)) == 2 and host.match(H(3)) == 0
             assert same_page(host, lease.host_page_ids[0], w, 0)
             assert same_page(host, lease.host_page_ids[1], w, 1)
             host.release(lease.lease_id)
             assert await host.spill(w.name, offer(3, [3], [2])) == 1
             assert host.stats()["host_evictions_total"] == 1
-            assert host.match([3]) == 1
+            assert host.match(H(3)) == 1
         finally:
             await host.stop()
             w.agent.close()
@@ -182,7 +188,7 @@ def test_an_unreleased_lease_expires_and_frees_its_page_for_eviction():
         try:
             attach(host, w)
             assert await host.spill(w.name, offer(1, [1], [0])) == 1
-            lease = host.lookup(w.name, HostLookup("q", (1,)))
+            lease = host.lookup(w.name, HostLookup("q", tuple(H(1))))
             assert lease.lease_id > 0
             assert host.stats()["host_leases"] == 1
             assert await host.spill(w.name, offer(2, [2], [1])) == 0  # leased: kept
@@ -190,7 +196,7 @@ def test_an_unreleased_lease_expires_and_frees_its_page_for_eviction():
             assert host.stats()["host_pages_leased"] == 0
             assert await host.spill(w.name, offer(3, [2], [1])) == 1
             assert host.stats()["host_evictions_total"] == 1
-            assert host.match([1]) == 0 and host.match([2]) == 1
+            assert host.match(H(1)) == 0 and host.match(H(2)) == 1
         finally:
             await host.stop()
             w.agent.close()
@@ -216,12 +222,12 @@ def test_a_read_from_a_closed_spill_buffer_stores_nothing_and_holds_no_page():
             assert stats["host_pages_used"] == 0 and stats["host_pages_free"] == 4
             assert host.index is not None
             host.index.check_integrity()
-            assert host.match([1, 2]) == 0
+            assert host.match(H(1, 2)) == 0
 
             reborn = worker(generation=2)
             attach(host, reborn, b"conn-2")
             assert await host.spill(reborn.name, offer(2, [1, 2], [0, 1])) == 2
-            lease = host.lookup(reborn.name, HostLookup("q", (1, 2)))
+            lease = host.lookup(reborn.name, HostLookup("q", tuple(H(1, 2))))
             assert same_page(host, lease.host_page_ids[0], reborn, 0)
             host.release(lease.lease_id)
         finally:
@@ -318,6 +324,37 @@ def test_an_attach_is_refused_without_a_tier_with_bad_metadata_or_no_room_for_a_
         finally:
             for host in hosts:
                 await host.stop()
+            w.agent.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_spill_stores_only_pages_whose_tokens_give_their_hash_and_leases_carry_them():
+    """An offer whose second page's tokens were changed (a worker that is wrong): the
+    pages whose hash the pool recomputes are stored, the other is refused and counted;
+    an offer without tokens stores nothing; a lease carries the stored tokens."""
+
+    async def scenario() -> None:
+        host, w = pool(), worker()
+        try:
+            attach(host, w)
+            good = offer(1, [1, 2, 3], [0, 1, 2])
+            tokens = list(good.token_ids)
+            tokens[PAGE_SIZE] += 1  # page 2's first token
+            bad = dataclasses.replace(good, token_ids=tuple(tokens))
+            assert await host.spill(w.name, bad) == 2
+            assert host.match(H(1)) == 1 and host.match(H(2)) == 0 and host.match(H(3)) == 1
+            bare = SpillOffer(2, tuple(H(2)), (1,))  # no tokens: nothing to prove it by
+            assert await host.spill(w.name, bare) == 0
+            stats = host.stats()
+            assert stats["host_spill_refused_pages_total"] == 2
+            assert stats["kv_identity_mismatch_total"] == 2
+            assert await host.spill(w.name, offer(3, [2], [1])) == 1
+            lease = host.lookup(w.name, HostLookup("q", tuple(H(1, 2, 3))))
+            assert lease.token_ids == tuple(H.tokens[PAGE_SIZE : 4 * PAGE_SIZE])
+            host.release(lease.lease_id)
+        finally:
+            await host.stop()
             w.agent.close()
 
     asyncio.run(scenario())

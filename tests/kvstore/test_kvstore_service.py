@@ -42,18 +42,19 @@ from radixserve.protocol import (
     Message,
     Register,
     SpillDone,
-    SpillOffer,
     WatchMembers,
 )
 from radixserve.services.kvstore.host_pool import spill_agent_name
 from radixserve.services.kvstore.service import KVStoreService
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
+from tests.kvstore.page_chain import Chain
 
 KVSTORE = "kvstore-test"
 MODEL = "kvstore-test-model"
 # spill buffers of 8 pages, (L, 2, P, S, H, D) = (2, 2, 8, 4, 2, 8) float32: 1024 B a page
 PAGE_BYTES = 1024
+H = Chain(4)  # real page hashes (pages of 4 tokens), named by small ints
 HOST_PAGES = 32
 
 
@@ -325,21 +326,23 @@ def test_the_host_tier_answers_before_attach_refuses_a_pool_and_serves_a_lease()
         try:
             async with kvstore() as service, dealers(service.address, 2) as (w1, w2):
                 await w1.hello("w1")
-                done = await w1.ask(SpillOffer(1, (1, 2), (0, 1)))
+                done = await w1.ask(H.offer(1, [1, 2], [0, 1]))
                 assert isinstance(done, SpillDone) and (done.spill_id, done.stored) == (1, 0)
-                empty = await w1.ask(HostLookup("early", (1, 2)))
+                empty = await w1.ask(HostLookup("early", tuple(H(1, 2))))
                 assert empty == HostLease("early", 0, ())
 
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted, ack
                 assert ack.num_pages == HOST_PAGES and not ack.disk_tier
-                done = await w1.ask(SpillOffer(2, (1, 2, 3), (4, 5, 6)))
+                done = await w1.ask(H.offer(2, [1, 2, 3], [4, 5, 6]))
                 assert isinstance(done, SpillDone) and (done.spill_id, done.stored) == (2, 3)
-                assert (await w1.index(1, 2, 3, 4)).host_pages == 3
+                assert (await w1.index(*H(1, 2, 3, 4))).host_pages == 3
 
-                lease = await w1.ask(HostLookup("miss", (9, 1, 2)))  # the first page is not there
+                lease = await w1.ask(
+                    HostLookup("miss", tuple(H(9, 1, 2)))
+                )  # the first page is not there
                 assert isinstance(lease, HostLease) and lease.lease_id == 0
-                lease = await w1.ask(HostLookup("load", (1, 2, 3, 4)))
+                lease = await w1.ask(HostLookup("load", tuple(H(1, 2, 3, 4))))
                 assert isinstance(lease, HostLease) and lease.lease_id > 0
                 assert len(lease.host_page_ids) == 3
                 reader.add_peer(KVSTORE, 42, ack.metadata)
@@ -348,7 +351,7 @@ def test_the_host_tier_answers_before_attach_refuses_a_pool_and_serves_a_lease()
                 assert torch.equal(device[:, :, :3], buffer[:, :, 4:7])
                 assert service.stats()["host_leases"] == 1
                 await w1.send(HostRelease(lease.lease_id))
-                await w1.index(1)  # the release was applied before this answer
+                await w1.index(*H(1))  # the release was applied before this answer
                 assert service.stats()["host_leases"] == 0
 
                 await w2.hello("w2")
@@ -381,7 +384,7 @@ def test_a_kvstore_without_a_host_tier_refuses_attach():
                 assert ack == HostAttachAck(
                     False, reason="this kvstore has no host tier (capacity 0)"
                 )
-                done = await w1.ask(SpillOffer(1, (1,), (0,)))
+                done = await w1.ask(H.offer(1, [1], [0]))
                 assert done == SpillDone(1, 0)
         finally:
             spill_agent.close()
@@ -415,7 +418,7 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
         buffer, spill_agent = spill_buffer("w1")
         device = torch.zeros_like(buffer)  # the worker's device pool, (2, 2, 8, 4, 2, 8)
         reader = create_agent("zmq", "w1", device, PoolCompat.of(device, MODEL))
-        hashes = tuple(range(101, 109))
+        hashes = tuple(H(*range(101, 109)))
         try:
             async with (
                 kvstore(host_capacity_gib=6 * PAGE_BYTES / (1 << 30), **disk) as service,
@@ -424,15 +427,20 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
                 await w1.hello("w1")
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted and ack.disk_tier, ack
-                await w1.ask(SpillOffer(1, hashes[:4], (0, 1, 2, 3)))
-                await w1.ask(SpillOffer(2, hashes[4:], (4, 5, 6, 7)))
+                await w1.ask(H.offer(1, [101, 102, 103, 104], [0, 1, 2, 3]))
+                await w1.ask(H.offer(2, [105, 106, 107, 108], [4, 5, 6, 7]))
                 assert service.disk is not None
                 await until(lambda: service.disk.idle, 5.0, "the disk writes")  # type: ignore[union-attr]
                 assert service.stats()["disk_pages_stored"] == 2
                 assert (await w1.index(*hashes)).host_pages == 8
             async with kvstore(**disk) as service, dealers(service.address, 1) as (w1,):
                 await w1.hello("w1")
-                assert (await w1.index(*hashes)).host_pages == 0  # no layout known yet
+                # the files are adopted at start, before any worker: then it is ready
+                assert service.disk is not None
+                await until(lambda: service.disk.loaded, 5.0, "the adoption")  # type: ignore[union-attr]
+                assert service.health()[0] and service.stats()["disk_tier_ready"] == 1
+                assert service.stats()["disk_restored_pages"] == 8
+                assert (await w1.index(*hashes)).host_pages == 0  # no worker's layout yet
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted, ack
                 assert service.disk is not None

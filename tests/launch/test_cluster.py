@@ -13,7 +13,6 @@ from radixserve.launch.cluster import (
     ClusterConfig,
     build_cluster,
     cluster_specs,
-    free_port,
     join_command,
 )
 from radixserve.services.decode import DecodeSettings
@@ -151,7 +150,7 @@ def test_workers_share_the_cores_through_one_board_unless_threads_are_fixed(monk
     assert not any("RADIXSERVE_CORE_BOARD" in s.env for s in fixed)
     assert all(s.env["RADIXSERVE_NUM_THREADS"] == "1" for s in fixed)
 
-    cluster = build_cluster(ClusterConfig(port=free_port()))
+    cluster = build_cluster(ClusterConfig(port=0))
     try:
         assert cluster.core_board and os.path.dirname(cluster.core_board) == tempfile.gettempdir()
         with open(cluster.core_board, "wb"):  # as the first worker's engine would make it
@@ -159,7 +158,9 @@ def test_workers_share_the_cores_through_one_board_unless_threads_are_fixed(monk
     finally:
         cluster.stop()
     assert not os.path.exists(cluster.core_board)
-    assert build_cluster(ClusterConfig(kvstore=False, num_threads=2)).core_board is None
+    fixed_threads = build_cluster(ClusterConfig(kvstore=False, num_threads=2, port=0))
+    fixed_threads.stop()
+    assert fixed_threads.core_board is None
 
 
 def test_the_disk_tier_flags_reach_the_kvstore_settings(monkeypatch, tmp_path, capsys):

@@ -111,3 +111,18 @@ def test_the_supervisor_restarts_a_killed_warm_child_warm(tmp_path, caplog) -> N
     finally:
         sup.stop()
     assert gone(second["pid"]) and gone(server)  # stop() ends the server too
+
+
+def test_a_request_too_large_to_send_is_refused_and_the_others_run_on(server, tmp_path) -> None:
+    """An environment larger than one request may carry is an error for that child only
+    (the supervisor then starts it afresh); the server and its children live on."""
+    report = tmp_path / "report.json"
+    running = server.spawn(MODULE, {"WARM_CHILD_REPORT": str(report)}, ARGV)
+    _wait_for(report)
+    with pytest.raises(OSError, match="too large"):
+        server.spawn(MODULE, {"BIG": "x" * (4 << 20)}, ARGV)
+    assert running.poll() is None
+    again = server.spawn(MODULE, {"WARM_CHILD_EXIT": "0"}, ARGV)
+    assert again.wait(20) == 0 and running.poll() is None
+    running.kill()
+    assert running.wait(20) == -signal.SIGKILL

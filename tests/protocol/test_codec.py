@@ -19,11 +19,14 @@ from radixserve.protocol.messages import (
     Heartbeat,
     Hello,
     HelloAck,
+    HostLookup,
     KVReady,
     MemberList,
     Message,
     PrefillRequest,
     SamplingSpec,
+    SpillOffer,
+    SpillRun,
     TokenChunk,
 )
 
@@ -238,8 +241,8 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": 3}, "frame has no string 'type' tag (got int)"),
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
-            {"v": [5, 0]},
-            "peer speaks protocol version 5.0, this side 4.1: major versions must match",
+            {"v": [6, 0]},
+            "peer speaks protocol version 6.0, this side 5.0: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
@@ -392,3 +395,30 @@ def test_bytes_fields_round_trip_and_reject_other_types() -> None:
     assert "hello_ack.transfer_metadata: expected bytes" in rejected(pack(body))
     body["transfer_metadata"] = b"x" * ((1 << 20) + 1)
     assert "at most 1048576 bytes" in rejected(pack(body))
+
+
+def test_page_hashes_travel_as_16_bytes_each_and_are_bounds_checked() -> None:
+    """128-bit page hashes (wider than any msgpack int) go as one bin of 16 big-endian
+    bytes per hash and come back as the same ints; a bin that is not whole hashes, a
+    list past the spec's length, a value past 128 bits or a negative one is refused."""
+    hashes = (0, 1, 2**64, 2**128 - 1)
+    run = SpillRun(2, b"n" * 32, (2**127,))
+    offer = SpillOffer(1, hashes, (0, 1, 2, 3), tuple(range(8)), (run, SpillRun(2, b"n" * 32)))
+    body = body_of(offer)
+    assert body["page_hashes"] == b"".join(h.to_bytes(16, "big") for h in hashes)
+    assert decode(encode(offer)) == offer
+    assert decode(encode(HostLookup("q", hashes))) == HostLookup("q", hashes)
+    body["page_hashes"] = body["page_hashes"][:-1]
+    assert "expected a multiple of 16 bytes" in rejected(pack(body))
+    body = body_of(offer)
+    body["runs"][0]["parent"] = b"\x01" * 32  # a parent is one hash at most
+    assert "expected at most 1 page hashes, got 2" in rejected(pack(body))
+    body = body_of(offer)
+    body["page_hashes"] = list(hashes[:2])  # ints: an old peer's list
+    assert "expected bytes (msgpack bin) of 16-byte page hashes" in rejected(pack(body))
+    for bad in (2**128, -1):
+        with pytest.raises(ProtocolError, match=r"page hashes in \[0, 2\*\*128\)"):
+            encode(HostLookup("q", (bad,)))
+    body = body_of(offer)
+    body["token_ids"] = list(range(7))  # not a page size per page
+    assert "7 tokens for 4 pages" in rejected(pack(body))

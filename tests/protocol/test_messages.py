@@ -50,6 +50,7 @@ from radixserve.protocol.messages import (
     SamplingSpec,
     SpillDone,
     SpillOffer,
+    SpillRun,
     TokenChunk,
     TransferDone,
     WatchMembers,
@@ -64,7 +65,7 @@ token_id = st.integers(0, 2**31 - 1)
 token_ids = st.lists(token_id, max_size=40).map(tuple)
 prompt = st.lists(token_id, min_size=1, max_size=40).map(tuple)
 page_ids = st.lists(st.integers(0, 2**31 - 1), max_size=20).map(tuple)
-page_hashes = st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple)
+page_hashes = st.lists(st.integers(0, 2**128 - 1), max_size=20).map(tuple)
 count = st.integers(0, 2**63 - 1)
 millis = st.floats(0.0, 1e9, allow_nan=False)
 roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
@@ -121,8 +122,18 @@ def token_chunks(draw: st.DrawFn) -> TokenChunk:
 def spill_offers(draw: st.DrawFn) -> SpillOffer:
     hashes = draw(page_hashes)
     pages = draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(hashes), max_size=len(hashes)))
+    size = draw(st.integers(1, 4))
+    tokens = draw(st.lists(st.integers(0, 2**31 - 1), min_size=size * len(hashes),
+                           max_size=size * len(hashes)))  # fmt: skip
+    runs, left = [], len(hashes)
+    while left:
+        n = draw(st.integers(1, left))
+        parent = draw(st.lists(st.integers(0, 2**128 - 1), max_size=1).map(tuple))
+        runs.append(SpillRun(n, draw(st.binary(min_size=32, max_size=32)), parent))
+        left -= n
     return SpillOffer(spill_id=draw(st.integers(1, 2**63 - 1)), page_hashes=hashes,
-                      buffer_page_ids=tuple(pages))  # fmt: skip
+                      buffer_page_ids=tuple(pages), token_ids=tuple(tokens),
+                      runs=tuple(runs))  # fmt: skip
 
 
 load_stats = st.dictionaries(
@@ -196,7 +207,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         request_id=ids,
         prompt_token_ids=prompt,
         sampling=sampling,
-        page_hashes=st.lists(st.integers(0, 2**64 - 1), max_size=20).map(tuple),
+        page_hashes=st.lists(st.integers(0, 2**128 - 1), max_size=20).map(tuple),
         resume_token_ids=st.lists(token_id, max_size=8).map(tuple),
     ),
     PrefillRequest: prefill_requests(),

@@ -195,9 +195,11 @@ def test_plan_asks_the_kvstore_only_when_more_than_the_minimum_is_missing(engine
             tier.device.discard(hashes[5])  # 5 pages = 20 tokens missing
             planning = asyncio.ensure_future(client.plan("ask", PROMPT, hashes))
             assert await kv.next() == HostLookup("ask", tuple(hashes[5:]), reads_loading=True)
-            await kv.send(HostLease("ask", 3, (0, 1, 2)))
+            stored = tuple(PROMPT[5 * PAGE : 8 * PAGE])  # the tokens the tier holds
+            await kv.send(HostLease("ask", 3, (0, 1, 2), token_ids=stored))
             plan, lease = await asyncio.wait_for(planning, 5.0)
-            assert plan == HostPlan(5, 3) and lease == HostLease("ask", 3, (0, 1, 2))
+            assert plan == HostPlan(5, 3) and lease == HostLease("ask", 3, (0, 1, 2),
+                                                                 token_ids=stored)  # fmt: skip
             client.release(lease)
             assert await kv.next() == HostRelease(3)
             assert tier.count("host_lookups_total") == 1
@@ -234,6 +236,7 @@ def test_the_link_going_down_ends_a_waiting_lookup_at_once(engine):
 
     async def scenario() -> None:
         async with linked_tier(engine, host_lookup_timeout_s=10.0) as tier:
+            assert tier.client.stats()["host_attach_settled"] == 1  # attached
             planning = asyncio.ensure_future(tier.client.plan("r", PROMPT, tier.hashes))
             assert await tier.kvstore.next() == HostLookup(
                 "r", tuple(tier.hashes), reads_loading=True
@@ -244,6 +247,7 @@ def test_the_link_going_down_ends_a_waiting_lookup_at_once(engine):
             assert await asyncio.wait_for(planning, 5.0) is None
             assert time.monotonic() - started < 1.0
             assert not tier.client.attached
+            assert tier.client.stats()["host_attach_settled"] == 0  # the gateway waits
             assert await tier.client.plan("after", PROMPT, tier.hashes) is None
             assert tier.count("host_lookups_total") == 1
             assert tier.client.stats()["host_attached"] == 0
@@ -358,7 +362,8 @@ def test_a_lookup_carries_the_workers_measured_prefill_rate(engine):
             planning = asyncio.ensure_future(client.plan("r", PROMPT, tier.hashes))
             lookup = await kv.next()
             assert isinstance(lookup, HostLookup) and lookup.prefill_tokens_per_s == rate
-            await kv.send(HostLease("r", 4, (0, 1, 2, 3, 4), disk_pages=2))
+            await kv.send(HostLease("r", 4, (0, 1, 2, 3, 4), disk_pages=2,
+                                    token_ids=tuple(PROMPT[: 5 * PAGE])))  # fmt: skip
             plan, lease = await asyncio.wait_for(planning, 5.0)
             assert plan == HostPlan(0, 5) and lease.disk_pages == 2
             assert tier.count("host_disk_leases_total") == 1
@@ -386,7 +391,8 @@ def test_a_loading_lease_is_read_part_by_part_as_its_pages_are_ready(engine, fai
                 kv.kv[:, :, :2] = torch.rand_like(kv.kv[:, :, :2])
                 planning = asyncio.ensure_future(client.plan("r", PROMPT, tier.hashes))
                 assert isinstance(await kv.next(), HostLookup)
-                lease = HostLease("r", 4, (0, 1, 2, 3, 4), 3, loading=True, ready_pages=2)
+                lease = HostLease("r", 4, (0, 1, 2, 3, 4), 3, loading=True, ready_pages=2,
+                                  token_ids=tuple(PROMPT[: 5 * PAGE]))  # fmt: skip
                 await kv.send(lease)
                 plan, got = await asyncio.wait_for(planning, 5.0)
                 assert plan == HostPlan(0, 5) and got == lease
@@ -422,3 +428,33 @@ def test_a_lookup_waits_longer_only_for_a_disk_tier_and_never_past_computing():
     assert lookup_wait_s(s, 4000, 400.0, disk_tier=True) == 10.0
     assert lookup_wait_s(s, 40, 400.0, disk_tier=True) == 0.2  # computing is quicker
     assert lookup_wait_s(s, 400_000, 400.0, disk_tier=True) == 30.0
+
+
+def test_leased_pages_whose_stored_tokens_differ_from_the_prompt_are_not_used(engine):
+    """A lease whose third page holds other tokens than the prompt's (under the
+    prompt's hash): the plan keeps the two pages before it, the others are counted in
+    ``kv_identity_mismatch_total``; a lease whose first page differs, or that carries no
+    tokens, is released and the prompt computed."""
+
+    async def scenario() -> None:
+        async with linked_tier(engine) as tier:
+            client, kv = tier.client, tier.kvstore
+            stored = list(PROMPT[: 5 * PAGE])
+            stored[2 * PAGE + 1] += 1
+            planning = asyncio.ensure_future(client.plan("r", PROMPT, tier.hashes))
+            assert isinstance(await kv.next(), HostLookup)
+            await kv.send(HostLease("r", 4, (0, 1, 2, 3, 4), token_ids=tuple(stored)))
+            plan, lease = await asyncio.wait_for(planning, 5.0)
+            assert plan == HostPlan(0, 2)
+            assert tier.count("kv_identity_mismatch_total") == 3
+            client.release(lease)
+            assert await kv.next() == HostRelease(4)
+            for query, tokens in (("first", [PROMPT[0] + 1, *PROMPT[1 : 5 * PAGE]]), ("bare", [])):
+                planning = asyncio.ensure_future(client.plan(query, PROMPT, tier.hashes))
+                assert isinstance(await kv.next(), HostLookup)
+                await kv.send(HostLease(query, 5, (0, 1, 2, 3, 4), token_ids=tuple(tokens)))
+                assert await asyncio.wait_for(planning, 5.0) is None
+                assert await kv.next() == HostRelease(5)
+            assert tier.count("kv_identity_mismatch_total") == 3 + 5 + 5
+
+    asyncio.run(scenario())

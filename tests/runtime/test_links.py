@@ -4,13 +4,17 @@ cannot move to or from): their page hashes or bytes would not match ours. It log
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import zmq.asyncio
 
+from radixserve.cache.block_hash import hash_namespace
+from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import HelloAck
-from radixserve.runtime.links import LinkIdentity, LinkSet, PageGeometry
+from radixserve.protocol.messages import Role
+from radixserve.runtime.links import LearnedGeometry, LinkIdentity, LinkSet, PageGeometry
 
 NS = b"n" * 32
 ME = LinkIdentity("gw", "gateway", 1, interval_s=1.0, peer_timeout_s=5.0)
@@ -84,4 +88,86 @@ def test_a_set_without_a_geometry_checks_none() -> None:
         assert link.up
     finally:
         link.channel.close()
+        context.term()
+
+
+A = ModelIdentity("sha256:" + "a1" * 32, "int4", "bfloat16")
+B = ModelIdentity("sha256:" + "b2" * 32, "none", "float32")
+
+
+def ack_of(name: str, role: Role, identity: ModelIdentity | None, generation: int = 1,
+           namespace: bytes | None = None) -> HelloAck:  # fmt: skip
+    """A worker's hello answer: its namespace derives from its identity unless given."""
+    if namespace is None:
+        namespace = hash_namespace(identity.key) if identity else NS
+    return HelloAck(name, role, generation, page_size=16, hash_namespace=namespace,
+                    model_identity=identity.key if identity else "")  # fmt: skip
+
+
+def test_a_worker_of_another_model_identity_is_refused_naming_both(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    context = zmq.asyncio.Context()
+    pages = PageGeometry(16, hash_namespace(A.key), identity=A)
+    links = LinkSet(context, ["tcp://127.0.0.1:9"], ME, on_message=lambda link, msg: None,
+                    pages=pages)  # fmt: skip
+    [link] = links.links
+    try:
+        with caplog.at_level(logging.ERROR, logger="radixserve.runtime.links"):
+            links._acked(link, ack_of("p0", "prefill", B))
+        assert not link.up
+        [record] = caplog.records
+        message = record.getMessage()
+        assert "model identity" in message
+        assert "b2b2b2b2b2b2/none/float32" in message and "a1a1a1a1a1a1/int4/bfloat16" in message
+        # the same identity under another cache salt: the namespace says so
+        salted = ack_of("p0", "prefill", A, 2, hash_namespace(A.key, "other-salt"))
+        assert "the same model identity, another cache_salt" in pages.mismatch(salted)
+        assert "model identity or cache_salt" in pages.mismatch(ack_of("p0", "prefill", None))
+        bad = dataclasses.replace(ack_of("p0", "prefill", A), model_identity="{}")
+        assert "cannot be read" in pages.mismatch(bad)
+        links._acked(link, ack_of("p0", "prefill", A, 3))
+        assert link.up
+    finally:
+        link.channel.close()
+        context.term()
+
+
+def test_a_learned_geometry_follows_the_first_decode_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A process with no weights takes the namespace and identity of the first decode
+    worker; a prefill worker met before is checked then; a worker of another identity
+    is refused naming both; with no decode worker left the next one sets it again."""
+    context = zmq.asyncio.Context()
+    learned: list[tuple[bytes, ModelIdentity | None]] = []
+    pages = LearnedGeometry(16, lambda ns, identity: learned.append((ns, identity)))
+    decodes = LinkSet(context, ["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"], ME,
+                      on_message=lambda link, msg: None, pages=pages)  # fmt: skip
+    prefills = LinkSet(context, ["tcp://127.0.0.1:11"], ME, on_message=lambda link, msg: None,
+                       pages=pages)  # fmt: skip
+    [d0, d1], [p0] = decodes.links, prefills.links
+    try:
+        prefills._acked(p0, ack_of("p0", "prefill", B))  # before any decode: page size only
+        assert p0.up and pages.hash_namespace is None and learned == []
+        decodes._acked(d0, ack_of("d0", "decode", A))
+        assert d0.up and learned == [(hash_namespace(A.key), A)]
+        assert (pages.hash_namespace, pages.identity) == (hash_namespace(A.key), A)
+        with caplog.at_level(logging.ERROR, logger="radixserve.runtime.links"):
+            prefills.recheck()
+            decodes._acked(d1, ack_of("d1", "decode", B))
+        assert not p0.up and not d1.up
+        assert len(caplog.records) == 2
+        for record in caplog.records:
+            assert "b2b2b2b2b2b2/none/float32" in record.getMessage()
+            assert "a1a1a1a1a1a1/int4/bfloat16" in record.getMessage()
+        decodes.mark_down(d0, "stopped")
+        pages.forget()
+        decodes._acked(d1, ack_of("d1", "decode", B, 2))
+        assert d1.up and pages.identity == B and learned[-1] == (hash_namespace(B.key), B)
+        short = ack_of("d0", "decode", A, 5)
+        assert "hold 16 tokens, ours 8" in LearnedGeometry(8).mismatch(short)  # fixed size
+    finally:
+        for each in decodes.links + prefills.links:
+            each.channel.close()
         context.term()

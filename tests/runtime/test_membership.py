@@ -95,13 +95,12 @@ def test_a_process_that_stalled_past_the_peer_timeout_takes_its_links_down_and_r
     import asyncio
     import time
 
-    from radixserve.launch.cluster import free_port
     from radixserve.protocol import AsyncChannel, Heartbeat, Hello, HelloAck
 
     async def scenario() -> tuple[list[str], int]:
         context = zmq.asyncio.Context()
-        address = f"tcp://127.0.0.1:{free_port()}"
-        worker = AsyncChannel.open(context, zmq.ROUTER, address, bind=True)
+        worker = AsyncChannel.open(context, zmq.ROUTER, "tcp://127.0.0.1:0", bind=True)
+        address = worker.endpoint  # the port bound (no port probed and handed on)
         downs: list[str] = []
         ups = 0
 

@@ -104,3 +104,19 @@ def test_a_workers_tp_is_a_size_or_auto(
     with pytest.raises(SystemExit):
         main(["decode", "--tp", "0"])
     assert "--tp: '0' is not a tensor-parallel size" in capsys.readouterr().err
+
+
+def test_api_keys_print_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "a-key-never-printed-0123456789"
+    monkeypatch.setenv(
+        "RADIXSERVE_GATEWAY_API_KEYS", json.dumps([key, {"key": key + "-admin", "role": "admin"}])
+    )
+    printed = json.dumps(check_config("gateway", {}))
+    assert key not in printed
+    listed = check_config("gateway", {})["GatewaySettings"]["api_keys"]
+    assert [entry["role"] for entry in listed] == ["user", "admin"]
+    assert {entry["key"] for entry in listed} == {"**********"}
+    # what the gateway would refuse at start is refused here too
+    monkeypatch.setenv("RADIXSERVE_GATEWAY_API_KEYS", "[]")
+    with pytest.raises(ValueError, match="RADIXSERVE_GATEWAY_API_KEYS"):
+        check_config("gateway", {"host": "0.0.0.0"})

@@ -20,12 +20,6 @@ def receiver():
     running.close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_spans_are_exported_with_their_resource(receiver, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint + "/")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=blue,authorization=Bearer%20k")
@@ -75,13 +69,15 @@ def test_a_stalled_collector_never_blocks_the_caller():
 
 
 def test_a_collector_that_is_down_costs_a_failed_export():
-    exporter = OtlpExporter(f"http://127.0.0.1:{_closed_port()}/v1/traces", {},
-                            schedule_delay_s=0.01, timeout_s=5)  # fmt: skip
-    tracer = Tracer("decode", exporter)
-    remote = tracer.join(Tracer("gateway", keep=True).start_request("r").traceparent())
-    for i in range(20):
-        remote.child(f"s{i}").end()
-    tracer.close()  # posts what is queued: refused, counted, not raised
+    with socket.socket() as down:  # bound, never listening: held, and refuses connections
+        down.bind(("127.0.0.1", 0))
+        exporter = OtlpExporter(f"http://127.0.0.1:{down.getsockname()[1]}/v1/traces", {},
+                                schedule_delay_s=0.01, timeout_s=5)  # fmt: skip
+        tracer = Tracer("decode", exporter)
+        remote = tracer.join(Tracer("gateway", keep=True).start_request("r").traceparent())
+        for i in range(20):
+            remote.child(f"s{i}").end()
+        tracer.close()  # posts what is queued: refused, counted, not raised
     assert (exporter.exported, exporter.failed, exporter.dropped) == (0, 20, 0)
 
 

@@ -33,6 +33,7 @@ def test_digest_is_stable_and_canonical() -> None:
         {"head_dim": 16},
         {"page_size": 8},
         {"layout": "LP2SHD"},
+        {"identity": "ab" * 32},
     ],
 )
 def test_every_field_changes_the_digest(change: dict[str, object]) -> None:
@@ -49,6 +50,28 @@ def test_from_dict_rejects_unknown_or_missing_fields() -> None:
     del data["head_dim"]
     with pytest.raises(ValueError):
         PoolCompat.from_dict(data)
+
+
+def test_a_descriptor_from_before_identities_reads_as_stating_none() -> None:
+    """A slab header or a peer written before pools carried a model identity reads as
+    identity "" (so it matches no pool that states one) rather than failing to parse."""
+    data = replace(BASE, identity="ab" * 32).to_dict()
+    del data["identity"]
+    old = PoolCompat.from_dict(data)
+    assert old == BASE and old.identity == ""
+    assert old.digest != replace(BASE, identity="ab" * 32).digest
+
+
+def test_a_peer_of_another_model_identity_is_refused(
+    pair: tuple[ZmqTransferAgent, ZmqTransferAgent],
+) -> None:
+    """Same shapes and dtype, other weights: no page of theirs is read."""
+    a, b = pair
+    theirs = replace(BASE, identity="cd" * 32)
+    metadata = _edit(a.metadata(), compat=theirs.to_dict(), compat_hash=theirs.digest)
+    with pytest.raises(TransferError, match=f"identity: '' != '{'cd' * 32}'"):
+        b.add_peer("a", 1, metadata)
+    assert b.peers == {}
 
 
 def test_check_tensor_rejects_wrong_shape_dtype_or_strides() -> None:
