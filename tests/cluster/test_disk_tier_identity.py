@@ -24,9 +24,7 @@ files: other tokens under the same hash, with a valid checksum.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -193,43 +191,45 @@ def test_other_weights_saved_at_the_same_path_get_none_of_the_disk_tier(tmp_path
 # -- the same through `radixserve up`, with the default model ------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+class Up:
+    """`radixserve up --port 0 ...` on a disk tier: its URL is the one it announces."""
 
+    def __init__(self, log: Path, disk_dir: Path, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "radixserve.cli", "up", "--port", "0",
+               "--kv-cache-gib", "0.06", "--host-tier-gib", "0.1", "--disk-tier-dir",
+               str(disk_dir), *flags]  # fmt: skip
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while "OpenAI API at " not in (text := log.read_text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"radixserve up did not come up:\n{text}")
+            time.sleep(0.2)
+        self.url = text.split("OpenAI API at ", 1)[1].split("/v1", 1)[0]
+        # announced once the gateway's /health is 200
+        assert httpx.get(f"{self.url}/health", timeout=10).status_code == 200
 
-def _up(port: int, disk_dir: Path, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "radixserve.cli", "up", "--port", str(port),
-           "--kv-cache-gib", "0.06", "--host-tier-gib", "0.1", "--disk-tier-dir",
-           str(disk_dir), *flags]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        assert proc.poll() is None, "radixserve up exited"
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("radixserve up did not become healthy")
+    def ask(self, messages: list[dict[str, str]]) -> dict:
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        resp = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=600)
+        assert resp.status_code == 200, resp.text
+        result: dict = resp.json()
+        return result
 
+    def disk_tokens(self) -> float:
+        metrics = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return metric_value(metrics, "radixserve_cached_tokens_total", tier="disk")
 
-def _ask(port: int, messages: list[dict[str, str]]) -> dict:
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
-    resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(30)
 
 
 @pytest.mark.benchmark
@@ -239,35 +239,33 @@ def test_radixserve_up_restarts_warm_on_its_disk_tier_for_the_same_weights_only(
     same command on D: P's first request after /health reports >= 1,000 tokens cached,
     read from the disk tier; with ``--quantization none`` instead: nothing cached, and
     the answer of a fresh ``--quantization none --no-prefix-cache`` cluster."""
-    disk_dir, port = tmp_path / "disk", free_port()
+    disk_dir = tmp_path / "disk"
     prompt = chat(QUESTIONS[0], branch_system(0) * 5)
     others = [chat(QUESTIONS[i % 8], branch_system(i) * 5) for i in range(1, 15)]
-    proc = _up(port, disk_dir)
+    up = Up(tmp_path / "up-1.log", disk_dir)
     try:
         for messages in [prompt, *others]:
-            _ask(port, messages)
+            up.ask(messages)
     finally:
-        _stop(proc)
-    proc = _up(port, disk_dir)
+        up.stop()
+    up = Up(tmp_path / "up-2.log", disk_dir)
     try:
-        before = metric_value(httpx.get(f"http://127.0.0.1:{port}/metrics").text,
-                              "radixserve_cached_tokens_total", tier="disk")  # fmt: skip
-        assert cached(_ask(port, prompt)) >= 1000
-        after = metric_value(httpx.get(f"http://127.0.0.1:{port}/metrics").text,
-                             "radixserve_cached_tokens_total", tier="disk")  # fmt: skip
-        assert after - before >= 1000
+        before = up.disk_tokens()
+        assert cached(up.ask(prompt)) >= 1000
+        assert up.disk_tokens() - before >= 1000
     finally:
-        _stop(proc)
-    proc = _up(port, disk_dir, "--quantization", "none")
+        up.stop()
+    up = Up(tmp_path / "up-3.log", disk_dir, "--quantization", "none")
     try:
-        answer = _ask(port, prompt)
+        answer = up.ask(prompt)
         assert cached(answer) == 0
     finally:
-        _stop(proc)
-    proc = _up(port, tmp_path / "fresh", "--quantization", "none", "--no-prefix-cache")
+        up.stop()
+    up = Up(tmp_path / "up-4.log", tmp_path / "fresh", "--quantization", "none",
+            "--no-prefix-cache")  # fmt: skip
     try:
-        fresh = _ask(port, prompt)
+        fresh = up.ask(prompt)
     finally:
-        _stop(proc)
+        up.stop()
     text = answer["choices"][0]["message"]["content"]
     assert text == fresh["choices"][0]["message"]["content"]

@@ -89,6 +89,7 @@ class ComposeRun:
         default_factory=lambda: f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
     )
     containers: list[Container] = field(default_factory=list)
+    generation: int = 0  # how many times the run was taken down (`down`)
 
     def __post_init__(self) -> None:
         self.entrypoint = dockerfile_commands(COMPOSE / "Dockerfile")["ENTRYPOINT"]
@@ -141,7 +142,7 @@ class ComposeRun:
         address = f"{self.network}.{ADDRESS_OFFSET[service] + replicas}"
         env = {**self.container_env(service, address), **(env_override or {})}
         argv = [self.program, *self.services[service]["command"]]
-        log = self.logs / f"{service}-{replicas}.log"
+        log = self.logs / f"{service}-{replicas}.{self.generation}.log"
         with log.open("w") as out:
             process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         container = Container(service, address, env, process, log)
@@ -162,12 +163,20 @@ class ComposeRun:
                 )
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        """Stop every container at once (SIGINT), then kill what is left."""
+    def down(self, grace_s: float = 45) -> None:
+        """``docker-compose down``: SIGTERM to every container, a kill after ``grace_s``
+        (the kvstore's stop_grace_period); the named volumes' directories are kept, and
+        the next ``start`` of a service gets its first address again."""
+        self.stop(signal.SIGTERM, grace_s)
+        self.containers.clear()
+        self.generation += 1
+
+    def stop(self, sig: signal.Signals = signal.SIGINT, grace_s: float = 20) -> None:
+        """Stop every container at once (``sig``), then kill what is left."""
         for c in self.containers:
             if c.process.poll() is None:
-                c.process.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 20
+                c.process.send_signal(sig)
+        deadline = time.monotonic() + grace_s
         for c in self.containers:
             try:
                 c.process.wait(max(0.1, deadline - time.monotonic()))

@@ -19,6 +19,10 @@ serves. One test walks what a user of the compose file sees:
 6. SIGTERM drains the decode worker: unready (/health 503) but live while a stream on it
    completes, then it exits 0.
 
+A second test takes the cluster down and up again (``docker-compose down; up``): the
+kvstore-disk volume keeps the disk tier, and a long prompt asked before the restart is
+served from it after, once the gateway says ready.
+
 Marked ``benchmark`` (half a minute of the default model in six processes, where the
 suite has a bound): ``make test-docker`` runs it beside tests/deploy/test_docker.py,
 which runs the same file in Docker; it needs no Docker engine itself (``make bench-test``
@@ -43,7 +47,10 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.protocol import Channel, GenerateRequest, Hello
-from tests.cluster.cluster_helpers import holds_nothing
+from tests.cluster.cluster_helpers import holds_nothing, metric_value
+from tests.cluster.prompts import QUESTIONS
+from tests.cluster.prompts import chat as messages_of
+from tests.cluster.test_host_tier import branch_system, cached
 from tests.deploy.compose_run import ComposeRun, Container, http_get
 from tests.deploy.deploy_files import COMPOSE, compose_services, dashboard_exprs, metric_names
 
@@ -250,3 +257,65 @@ def drain_while_streaming(run: ComposeRun, client: httpx.Client, decode: Contain
     assert final["usage"]["completion_tokens"] == 32, final
     assert all("error" not in json.loads(e) for e in events[:-1])
     assert decode.process.wait(60) == 0
+
+
+# A machine whose device pool holds two of the long prompts and whose host tier a few:
+# P is pushed out to the host tier by the others, and the kvstore writes its host pages
+# to the disk tier when it stops.
+SMALL_TIERS = {
+    **DOT_ENV,
+    "RADIXSERVE_KV_CACHE_MEMORY_GIB": "0.06",
+    "RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB": "0.1",
+    "RADIXSERVE_KVSTORE_DISK_TIER_GIB": "0.5",
+}
+P = messages_of(QUESTIONS[0], branch_system(0) * 5)  # about 1,400 tokens
+OTHERS = [messages_of(QUESTIONS[i % 8], branch_system(i) * 5) for i in range(1, 15)]
+
+
+@pytest.mark.benchmark
+def test_compose_down_and_up_serves_the_disk_tier(tmp_path: Path) -> None:
+    run = ComposeRun(compose_services(SMALL_TIERS), tmp_path)
+    started: list[Container] = []
+
+    def up() -> httpx.Client:
+        started.extend(run.start(n) for n in ("kvstore", "prefill", "decode", "gateway"))
+        for c in run.containers:
+            run.wait(lambda c=c: c.get(PORTS[c.service], "/health")[0] == 200,
+                     START_TIMEOUT_S, f"{c.name} ready")  # fmt: skip
+        gateway = next(c for c in run.containers if c.service == "gateway")
+        return httpx.Client(base_url=f"http://{gateway.address}:8000", timeout=600,
+                            headers={"Authorization": f"Bearer {ADMIN_KEY}"})  # fmt: skip
+
+    def ask(client: httpx.Client, messages: list[dict[str, str]]) -> dict[str, Any]:
+        body = {"model": "default", "max_tokens": 8, "temperature": 0, "messages": messages}
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        result: dict[str, Any] = resp.json()
+        return result
+
+    try:
+        with up() as client:
+            first = ask(client, P)
+            assert first["usage"]["prompt_tokens"] >= 1300
+            for messages in OTHERS:
+                ask(client, messages)
+        kvstore = next(c for c in run.containers if c.service == "kvstore")
+        run.down()
+        assert kvstore.process.returncode == 0, kvstore.log_tail()
+        volume = Path(kvstore.env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"])
+        assert any(volume.glob("slab-*.kv")), "the stop wrote no disk-tier file"
+        # the same services on the same volume, asked as soon as the gateway is ready
+        with up() as client:
+            disk = lambda: metric_value(client.get("/metrics").text,  # noqa: E731
+                                        "radixserve_cached_tokens_total", tier="disk")  # fmt: skip
+            kv = client.get("/debug/cache").json()["workers"]["kvstore"]
+            assert kv["disk_tier_ready"] == 1 and kv["disk_restored_pages"] > 80, kv
+            before = disk()
+            again = ask(client, P)
+            assert cached(again) >= 1000, again["usage"]
+            assert disk() - before >= 1000
+            assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    finally:
+        run.stop()
+    leftover = [c.name for c in started if c.process.poll() is None]
+    assert not leftover, f"still running: {leftover}"
