@@ -78,6 +78,13 @@ class EngineSettings(BaseSettings):
         "16, ... up to this (0: off; larger batches run eagerly). Needs CUDA and the triton "
         "kernels; experimental.",
     )
+    fused_decode: bool = Field(
+        True,
+        description="Run a decode-only step's decoder layers in one native call "
+        "(radixserve/model/fused_decode.py: the same bits as the torch ops, without their "
+        "per-op cost) where the model and kernels allow it (CPU, bfloat16, int4/int8 "
+        "weights through the native GEMM); else, or when false, the layers' torch ops.",
+    )
     cache_salt: str = Field(
         "", max_length=256, description="Mixed into page hashes so tenants never share KV."
     )

@@ -7,7 +7,9 @@ arithmetic is written out at the top of each source):
 - `qgemm.c`: the quantized GEMM (`radixserve.kernels.cpu.qgemm.native_qgemm`) that
   `Int4Linear` and `Int8Linear` run for every number of rows;
 - `attention.c`: paged attention (`radixserve.kernels.cpu.attention`) for extend and
-  decode rows alike.
+  decode rows alike;
+- `decode.c`: a whole decode step of the model's layers in one call over preallocated
+  buffers (`radixserve.kernels.cpu.decode`), built from the two above.
 
 They link no OpenMP runtime of their own (a second one beside torch's in the same
 process is asking for trouble): work runs on a small thread pool (ctypes releases the
@@ -57,7 +59,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # the kernels themselves, shipped beside this module (package data)
-_SOURCES = {name: (Path(__file__).parent / name).read_text() for name in ("qgemm.c", "attention.c")}
+_SOURCES = {
+    name: (Path(__file__).parent / name).read_text()
+    for name in ("qgemm.c", "attention.c", "decode.c")
+}
 _SOURCE = "".join(_SOURCES.values())  # what the file names' hash covers
 _COMMON_FLAGS = ("-O3", "-shared", "-fPIC")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")  # built on first use, for this CPU

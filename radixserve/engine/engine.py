@@ -48,6 +48,7 @@ from radixserve.engine.structured import GuideCompiler, advance
 from radixserve.engine.tp_group import TPGroup, threads_per_rank
 from radixserve.errors import CapacityError, InvalidRequestError
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
+from radixserve.model.fused_decode import FUSED_MAX_BATCH, FUSED_THREADS, fused_decode_for
 from radixserve.model.identity import checkpoint_identity
 from radixserve.model.tp import TPShard
 from radixserve.protocol.messages import CacheTreeReply
@@ -138,7 +139,15 @@ class Engine:
                 self.model, self.kv_pool, attention.name, self.max_model_len,
                 settings.cuda_graph_max_batch_size, self.device,
             )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, graphs, self.tp_group)
+        fused = None
+        if settings.fused_decode and self.tp_group is None and self.device.type == "cpu":
+            fused = fused_decode_for(
+                self.model, self.kv_pool.layers, min(settings.max_num_seqs, FUSED_MAX_BATCH),
+                FUSED_THREADS,
+            )  # fmt: skip
+        self.runner = ModelRunner(
+            self.model, self.kv_pool, self.device, graphs, self.tp_group, fused
+        )
         self.sampler = Sampler()
         eos = self.config.eos_token_ids
         self.guides = GuideCompiler(

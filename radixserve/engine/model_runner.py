@@ -10,6 +10,7 @@ from radixserve.engine.request import Request
 from radixserve.engine.scheduler import ScheduledBatch
 from radixserve.engine.tp_group import TPGroup
 from radixserve.model.forward_batch import SequenceChunk, forward_batch_of, pack_step
+from radixserve.model.fused_decode import FusedDecode
 from radixserve.model.llama import LlamaModel
 
 
@@ -21,6 +22,7 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         tp_group: TPGroup | None = None,
+        fused: FusedDecode | None = None,
     ) -> None:
         self.model = model
         self.tp_group = tp_group  # sent each step before this rank computes it
@@ -28,6 +30,7 @@ class ModelRunner:
         self.page_size = kv_pool.page_size
         self.device = device
         self.graphs = graphs  # decode-only steps replay a captured graph when one fits
+        self.fused = fused  # decode-only steps run the layers in one native call (CPU)
 
     @torch.inference_mode()
     def run(
@@ -58,9 +61,12 @@ class ModelRunner:
             if self.tp_group is not None:
                 self.tp_group.forward(packed)
             fb = forward_batch_of(packed, self.device)
-            logits = self.model(
-                fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
-            )
+            if self.fused is not None and self.fused.applies(fb):
+                logits = self.fused.forward(fb)
+            else:
+                logits = self.model(
+                    fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
+                )
         # rows: the sampling requests' in order, then each scored chunk's prompt rows
         prompt_logits, at = [], len(sampling)
         for req, lo, k in scored:

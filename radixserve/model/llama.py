@@ -221,6 +221,15 @@ class LlamaModel(nn.Module):
                 x, residual, positions, self.ops, rope, self.attention, kv_caches[i], meta
             )
         assert residual is not None
+        return self.logits(x, residual, logits_indices)
+
+    def logits(
+        self,
+        x: torch.Tensor,  # (T, hidden): the last layer's output
+        residual: torch.Tensor,  # (T, hidden): the residual stream before it
+        logits_indices: torch.Tensor,  # (N,)
+    ) -> torch.Tensor:
+        """The final norm and the LM head on rows `logits_indices`: (N, vocab) float32."""
         # The LM head is the costliest matmul for a small model: apply it only where needed.
         x, _ = self.ops.rmsnorm(
             x.index_select(0, logits_indices),

@@ -1,0 +1,230 @@
+"""A whole decode step of a Llama-family decoder in one native call (`decode.c`).
+
+The layers' ops written in torch cost a dispatch and an allocation each (a dozen per
+layer, most of a decode step's time on a small model); `DecodeStep` runs every layer of
+a step of one-token sequences in one call over buffers allocated once, and returns what
+the torch layers return, (x, residual) before the final norm, bit for bit: the GEMMs and
+the attention are the same C functions in the same order, and the norms, RoPE and
+silu · up round as the torch ops do (`decode.c` writes out each step). It takes
+bfloat16 activations and int4 or int8 weights in the native GEMM's layouts
+(`qgemm.py`), and bfloat16 KV pools (`attention.py`).
+
+With n threads the call is handed to the native kernels' pool once per step; the
+threads split each GEMM's column blocks and the attention's (row, KV head) items and
+meet at barriers inside the call (`threads.py`: a split never changes a bit).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels.cpu.native import native_library
+from radixserve.kernels.cpu.threads import run_strided
+
+_P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+MAX_HIDDEN = 16384  # decode.c's row buffers
+GROUP_MIN = 16  # the int4 group sums' buffer assumes groups of at least this many inputs
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("w", _P), ("scales", _P), ("n", _I), ("k", _I), ("group", _I),
+                ("is_int8", _I)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Proj), ("o", _Proj),
+                ("gate_up", _Proj), ("down", _Proj), ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+
+
+class _Barrier(ctypes.Structure):
+    _fields_ = [("arrived", ctypes.c_int), ("generation", ctypes.c_int)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _I), ("batch", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
+        ("head_dim", _I), ("inter", _I), ("sum_lanes", _I), ("eps", _F), ("scale", _D),
+        ("page_size", _I), ("table_stride", _I), ("layers", _P), ("cos", _P), ("sin", _P),
+        ("silu", _P), ("positions", _P), ("slots", _P), ("page_table", _P), ("row_seq", _P),
+        ("row_pos", _P), ("chunks", _P), ("x", _P), ("residual", _P * 2), ("qkv", _P),
+        ("attn", _P), ("proj", _P), ("gate_up", _P), ("act", _P), ("h", _P), ("xs", _P),
+        ("xs_stride", _I), ("barrier", _P),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProjWeights:
+    """One projection in the native GEMM's layout: int4 (packed (N/16, K/8, 64) uint8,
+    scales and zeros (K/group, N, 2) bfloat16) or int8 (packed (N/16, K/2, 32) int8,
+    scales (N,) bfloat16)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    group: int  # int4's group; 0 for int8
+
+    @property
+    def is_int8(self) -> bool:
+        return self.group == 0
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # (hidden,) bfloat16
+    post_norm: torch.Tensor
+    qkv: ProjWeights  # (q_size + 2 kv_size, hidden)
+    o: ProjWeights  # (hidden, q_size)
+    gate_up: ProjWeights  # (2 inter, hidden): gate rows, then up rows
+    down: ProjWeights  # (hidden, inter)
+    k_cache: torch.Tensor  # (P, page_size, kv_heads, head_dim) bfloat16, contiguous
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float  # the attention's softmax scale
+    page_size: int
+
+
+@functools.cache
+def sum_lanes(hidden: int) -> int | None:
+    """The float lanes of torch's CPU sum kernel here (its Vectorized<float>: 8 on torch
+    2.13's x86 builds, AVX-512 machines included), found by summing probe rows of
+    `hidden` squares both ways; None where neither 8 nor 16 gives torch's bits."""
+    lib = native_library()
+    if lib is None:
+        return None
+    lib.decode_sum.restype = _F
+    lib.decode_sum.argtypes = [_P, _I, _I]
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, hidden, generator=gen) * torch.rand(64, 1, generator=gen) * 8
+    squares = rows.to(torch.bfloat16).float().pow(2)  # (64, hidden): what the norm sums
+    expected = squares.sum(-1).tolist()
+    for lanes in (8, 16):
+        got = [lib.decode_sum(row.data_ptr(), hidden, lanes) for row in squares]
+        if got == expected:
+            return lanes
+    return None
+
+
+@functools.cache
+def silu_table() -> torch.Tensor:
+    """(65536,) bfloat16: torch's silu of every bfloat16 value, by its bits (computed by
+    torch's own kernel, whole vectors, as it computes a gate row of a multiple of 64)."""
+    bits = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16))
+    return F.silu(bits.view(torch.bfloat16)).contiguous()
+
+
+def supports(shape: DecodeShape) -> str | None:
+    """Why this step shape cannot run natively (None: it can)."""
+    if native_library() is None:
+        return "the native CPU kernels are not built"
+    if shape.hidden > MAX_HIDDEN or shape.hidden % 16:
+        return f"hidden size {shape.hidden} (a multiple of 16 up to {MAX_HIDDEN})"
+    if shape.head_dim % 16 or shape.head_dim > 256 or shape.heads % shape.kv_heads:
+        return f"head dim {shape.head_dim} / heads {shape.heads} of {shape.kv_heads}"
+    if shape.inter % 64:  # torch's silu runs whole vector pairs (64) on such rows only
+        return f"intermediate size {shape.inter} (a multiple of 64)"
+    if sum_lanes(shape.hidden) is None:
+        return "torch's float sum adds in an order decode.c does not reproduce"
+    return None
+
+
+class DecodeStep:
+    """Every layer of a decode step in one native call; buffers for up to `max_batch`
+    sequences made once."""
+
+    def __init__(
+        self,
+        shape: DecodeShape,
+        layers: list[LayerWeights],
+        cos: torch.Tensor,  # (max_pos, head_dim / 2) float32
+        sin: torch.Tensor,
+        max_batch: int,
+        threads: int,
+    ) -> None:
+        lib = native_library()
+        assert lib is not None and supports(shape) is None
+        lib.decode_step.restype = None
+        lib.decode_step.argtypes = [_P, _I, _I]
+        lib.decode_step_size.restype = _I
+        assert lib.decode_step_size() == ctypes.sizeof(_Step), "decode.c and decode.py differ"
+        self._lib, self.shape, self.max_batch, self.threads = lib, shape, max_batch, threads
+        s, b = shape, max_batch
+        self._keep = [cos.contiguous(), sin.contiguous(), silu_table()]
+        self._layers = (_Layer * len(layers))(*[self._layer(w) for w in layers])
+        q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        max_k = max(s.hidden, q_size, s.inter)
+
+        def buf(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            t = torch.zeros(*size, dtype=dtype)
+            self._keep.append(t)
+            return t
+
+        self.residual = buf(2, b, s.hidden)  # (2, B, hidden): the stream ends in [0]
+        self._row_seq = torch.arange(b, dtype=torch.int64)
+        self._chunks = torch.arange(b + 1, dtype=torch.int64)
+        self._barrier = _Barrier(0, 0)
+        step = _Step(
+            num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
+            head_dim=s.head_dim, inter=s.inter, sum_lanes=sum_lanes(s.hidden), eps=s.eps,
+            scale=s.scale, page_size=s.page_size, layers=ctypes.addressof(self._layers),
+            cos=self._keep[0].data_ptr(), sin=self._keep[1].data_ptr(),
+            silu=self._keep[2].data_ptr(), row_seq=self._row_seq.data_ptr(),
+            chunks=self._chunks.data_ptr(),
+            qkv=buf(b, q_size + 2 * kv_size).data_ptr(), attn=buf(b, q_size).data_ptr(),
+            proj=buf(b, s.hidden).data_ptr(), gate_up=buf(b, 2 * s.inter).data_ptr(),
+            act=buf(b, s.inter).data_ptr(), h=buf(threads, b, s.hidden).data_ptr(),
+            xs=buf(threads, b, max_k // GROUP_MIN, dtype=torch.float32).data_ptr(),
+            xs_stride=max_k // GROUP_MIN, barrier=ctypes.addressof(self._barrier),
+        )  # fmt: skip
+        step.residual[0] = self.residual[0].data_ptr()
+        step.residual[1] = self.residual[1].data_ptr()
+        self._step = step
+
+    @staticmethod
+    def _layer(w: LayerWeights) -> _Layer:
+        def proj(p: ProjWeights) -> _Proj:
+            return _Proj(p.packed.data_ptr(), p.scales.data_ptr(), p.out_features,
+                         p.in_features, p.group, int(p.is_int8))  # fmt: skip
+
+        return _Layer(w.input_norm.data_ptr(), w.post_norm.data_ptr(), proj(w.qkv), proj(w.o),
+                      proj(w.gate_up), proj(w.down), w.k_cache.data_ptr(),
+                      w.v_cache.data_ptr())  # fmt: skip
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # (B, hidden) bfloat16 contiguous: the embeddings; overwritten
+        positions: torch.Tensor,  # (B,) int64: each new token's position
+        slots: torch.Tensor,  # (B,) int64: its KV slot (-1: none)
+        page_table: torch.Tensor,  # (B, W) int64 contiguous
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream before it), both (B, hidden);
+        x is the first (written in place), the second a view of a buffer the next call
+        overwrites."""
+        batch = x.shape[0]
+        assert 0 < batch <= self.max_batch and x.dtype == torch.bfloat16 and x.is_contiguous()
+        assert page_table.is_contiguous() and page_table.shape[0] == batch
+        st = self._step
+        st.batch, st.x = batch, x.data_ptr()
+        st.positions = st.row_pos = positions.data_ptr()  # a decode row's position: its last
+        st.slots, st.page_table = slots.data_ptr(), page_table.data_ptr()
+        st.table_stride = page_table.shape[1]
+        self._barrier.arrived = self._barrier.generation = 0
+        ptr = ctypes.addressof(st)
+        threads = min(self.threads, torch.get_num_threads())  # buffers: self.threads
+        run_strided(lambda t, n: self._lib.decode_step(ptr, t, n), threads, threads > 1)
+        return x, self.residual[0, :batch]

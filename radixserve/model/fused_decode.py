@@ -1,0 +1,144 @@
+"""The decode step's fast path on CPU: every decoder layer in one native call.
+
+A decode-only step (every sequence one new token) of a `LlamaModel` on the CPU kernel
+set runs its embedding lookup and final norm + LM head as usual and all its layers
+through `radixserve.kernels.cpu.decode.DecodeStep`, which computes the same bits as the
+layers' torch ops (`tests/model/test_fused_decode.py` checks logits and greedy tokens
+with `torch.equal`) without their per-op dispatch, allocation and thread hand-off.
+
+`fused_decode_for` decides once, at start-up, whether a model can take it; `why_not`
+says why not (logged): it needs bfloat16, every layer's matrices int4 or int8 through
+the native GEMM, the native attention, and the plain Llama layer (no biases, q/k norms,
+extra norms, GELU, experts, sliding windows, tensor parallelism). Steps with a prefill
+chunk, and batches over `max_batch`, run the layers in torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.kernels.cpu.attention import native_attention
+from radixserve.kernels.cpu.decode import (
+    DecodeShape,
+    DecodeStep,
+    LayerWeights,
+    ProjWeights,
+    supports,
+)
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.model.llama import LlamaModel
+from radixserve.model.qlinear import Int4Linear, Int8Linear, Linear
+
+logger = logging.getLogger(__name__)
+
+#: the most sequences a native step takes (its buffers are made for them at start-up);
+#: larger decode batches run the torch layers, whose per-op cost they amortise and whose
+#: GEMMs split over the cores (bench/decode_ab.py: even at 16 on one thread)
+FUSED_MAX_BATCH = 16
+#: threads of the native step: one, in the caller (no hand-off at all). Two split every
+#: GEMM and the attention with five barriers a layer: the same bits, but on this shared
+#: 2-core machine 1.4-2x slower than one (a preempted partner stalls every barrier)
+FUSED_THREADS = 1
+
+
+def _proj(layer: Linear) -> ProjWeights | None:
+    """A projection as the native step reads it, or None where it cannot."""
+    if isinstance(layer, Int4Linear) and layer._qgemm is not None:
+        return ProjWeights(layer.packed, layer.scales_zeros, layer.out_features,
+                           layer.in_features, layer.group)  # fmt: skip
+    if (
+        isinstance(layer, Int8Linear)
+        and layer._qgemm is not None
+        and layer.out_features % 16 == 0
+        and layer.in_features % 2 == 0
+    ):
+        return ProjWeights(layer.packed, layer.scale, layer.out_features, layer.in_features, 0)
+    return None
+
+
+def why_not(
+    model: LlamaModel, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> str | None:
+    """Why `model` cannot decode through the native step (None: it can)."""
+    c = model.config
+    if model.ops.name != "torch" or model.comm is not None:
+        return "not the CPU kernel set on one rank"
+    if c.attention_bias or c.qk_norm or c.post_norms or c.hidden_act == "gelu_tanh":
+        return "a layer other than Llama's (bias, q/k norm, extra norms or GELU)"
+    if c.moe_layers or c.sliding_layers:
+        return "experts or sliding-window layers"
+    if native_attention() is None:
+        return "no native attention kernel"
+    if (reason := supports(_shape(model, kv_caches))) is not None:
+        return reason
+    for layer in model.decoder_layers:
+        if layer.input_norm.dtype != torch.bfloat16 or layer.input_norm.device.type != "cpu":
+            return f"{layer.input_norm.dtype} on {layer.input_norm.device} (bfloat16 on CPU)"
+        if any(_proj(p) is None for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)):
+            return "a layer matrix not int4/int8 through the native GEMM"
+    for k, v in kv_caches:
+        if k.dtype != torch.bfloat16 or not (k.is_contiguous() and v.is_contiguous()):
+            return "a KV pool other than contiguous bfloat16"
+    return None
+
+
+def _shape(
+    model: LlamaModel, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> DecodeShape:
+    c, layer = model.config, model.decoder_layers[0]
+    return DecodeShape(
+        hidden=c.hidden_size, heads=layer.num_heads, kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim, inter=layer.down.in_features, eps=layer.eps,
+        scale=layer.scale if layer.scale is not None else layer.head_dim**-0.5,
+        page_size=kv_caches[0][0].shape[1],
+    )  # fmt: skip
+
+
+class FusedDecode:
+    """Decode-only steps of `model` through the native step (built by `fused_decode_for`)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        max_batch: int,
+        threads: int,
+    ) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        layers = []
+        for layer, (k, v) in zip(model.decoder_layers, kv_caches):
+            projs = [_proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            assert all(p is not None for p in projs)
+            layers.append(LayerWeights(layer.input_norm, layer.post_norm, *projs, k, v))  # type: ignore[arg-type]
+        self.step = DecodeStep(_shape(model, kv_caches), layers, model.rope.cos, model.rope.sin,
+                               max_batch, threads)  # fmt: skip
+
+    def applies(self, fb: ForwardBatch) -> bool:
+        """Whether this step is one the native step computes (every row one new token)."""
+        return fb.attn.num_extend_tokens == 0 and 0 < fb.input_ids.shape[0] <= self.max_batch
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model's logits for `fb` (as `LlamaModel.forward`), (N, vocab) float32."""
+        x = self.model._embed(fb.input_ids).contiguous()  # (B, hidden)
+        meta = fb.attn
+        x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous())
+        return self.model.logits(x, residual, fb.logits_indices)
+
+
+def fused_decode_for(
+    model: LlamaModel,
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    max_batch: int,
+    threads: int,
+) -> FusedDecode | None:
+    """The native decode step for `model`, or None (logged) where it does not apply."""
+    reason = why_not(model, kv_caches)
+    if reason is not None:
+        logger.info("decode runs the layers in torch ops: %s", reason)
+        return None
+    logger.info("decode runs the layers in one native call (batches up to %d)", max_batch)
+    return FusedDecode(model, kv_caches, max_batch, threads)
