@@ -25,7 +25,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and args.scenario != "perplexity":
             raise UsageError(f"--{flag} applies to --scenario perplexity only")
     if args.quantization is not None and args.scenario != "perplexity":
-        if args.scenario in ("gateway", "host-tier", "tiers", "autoscale", "peer"):
+        if args.scenario in ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer"):
             raise UsageError(f"--quantization: --scenario {args.scenario} runs its own "
                                "engine settings (peer: the make serve defaults and none)")  # fmt: skip
         if args.quantization not in QUANTIZATIONS:
@@ -44,6 +44,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from radixserve.bench.gateway_chat import run_gateway_bench
 
         return run_gateway_bench(quick=args.quick, out_path=args.out)
+    if args.scenario == "abuse":
+        from radixserve.bench.abuse import run_abuse_bench
+
+        return run_abuse_bench(quick=args.quick, out_path=args.out, model=args.model or "default")
     if args.scenario == "sampling":
         from radixserve.bench.sampling import run_sampling_bench
 
@@ -279,6 +283,7 @@ def add_command(sub: Any) -> None:
         choices=[
             "engine",
             "gateway",
+            "abuse",
             "host-tier",
             "tiers",
             "autoscale",
@@ -289,7 +294,11 @@ def add_command(sub: Any) -> None:
             "perplexity",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
-        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; host-tier: TTFT of "
+        "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; "
+        "abuse: one tenant floods the cluster (a 256-prompt completion, unread streams, "
+        "hang-ups, a 3 MiB schema, slowloris) while another chats: its TTFT and ITL vs the "
+        "chat alone, the flood's refusals, nothing held afterwards; "
+        "host-tier: TTFT of "
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
         "tiers: a prefix pool larger than host memory, TTFT per tier (device, host, disk) "
         "vs recompute and the disk tier's crossover length; "

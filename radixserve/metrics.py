@@ -10,7 +10,8 @@ Metric names: radixserve_ttft_seconds, radixserve_itl_seconds, radixserve_e2e_se
 read from the kvstore's disk tier, through host memory),
 radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
-radixserve_queue_depth, radixserve_pages_{total,used,free,locked,evictable},
+radixserve_queue_depth, radixserve_gateway_queued_work_tokens,
+radixserve_pages_{total,used,free,locked,evictable},
 radixserve_live_requests (gauges); radixserve_cache_audit_total{result} (result "match",
 "mismatch", "skipped": the engine's cache audit, `radixserve.engine.cache_audit`; behind
 a cluster gateway per worker, with the ``worker`` and ``role`` labels) and
@@ -33,6 +34,10 @@ families with the same ``worker`` and ``role`` labels, one worker's worth. A Pro
 that scrapes the pods therefore drops these families from its gateway scrape (the
 compose and Kubernetes files do), so every series has one source and sums do not
 double count; without Prometheus (`radixserve up`) the gateway's copy is the view.
+
+vLLM's names (``vllm:*``) are exported beside these, each from one source: the request
+latency histograms here, the per-engine gauges and counters from each worker's own
+/metrics (`radixserve.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from radixserve.engine.outputs import RequestOutput, cached_by_tier
+from radixserve.vllm_metrics import FrontMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +117,13 @@ class StatsHistogram:
 
 
 class ServingMetrics:
-    """Request latency and token metrics plus pool gauges, on `self.registry`."""
+    """Request latency and token metrics plus pool gauges, on `self.registry`; vLLM's
+    request histograms (`radixserve.vllm_metrics.FrontMetrics`) labelled ``model_name``."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.vllm = FrontMetrics(r, model_name)
         self.ttft = Histogram(
             "radixserve_ttft_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -150,13 +158,38 @@ class ServingMetrics:
         self.queue_depth = Gauge(
             "radixserve_queue_depth", "Generation requests in flight at the front end.", registry=r
         )
+        self.queued_work = Gauge(
+            "radixserve_gateway_queued_work_tokens",
+            "Work of the generations in flight at the gateway: prompt tokens plus choices x "
+            "max_tokens (bounded by max_queued_work_tokens).",
+            registry=r,
+        )
         self._pool = {
             key: Gauge(f"radixserve_{key}", f"Engine {key.replace('_', ' ')}.", registry=r)
             for key in POOL_GAUGES
         }
         self.refusals = Counter(
             "radixserve_refused_requests",
-            "Requests refused at the front end because the cluster is full (429/503).",
+            "Requests the gateway's admission refused, by why: in_flight "
+            "(max_queued_requests), capacity (max_queued_work_tokens), tenant_share, "
+            "requests_per_minute, tokens_per_minute (429s); too_large (a 400: it could never "
+            "be admitted).",
+            ["reason"],
+            registry=r,
+        )
+        self.aborted = Counter(
+            "radixserve_gateway_aborted_requests",
+            "Requests the gateway aborted before they finished, by why: disconnected (the "
+            "client closed its connection, or it was cut), deadline (the request's timeout "
+            "passed), too_slow (a stream's client fell stream_buffer_outputs behind).",
+            ["reason"],
+            registry=r,
+        )
+        self.cut_connections = Counter(
+            "radixserve_gateway_cut_connections",
+            "HTTP connections the gateway closed on its client, by why: header_timeout, "
+            "body_timeout, write_stalled (nothing read for stream_idle_timeout_s), "
+            "over_limit (past max_connections).",
             ["reason"],
             registry=r,
         )
@@ -373,11 +406,13 @@ class RequestTimer:
         now = time.perf_counter()
         if self._last is None:
             self._metrics.ttft.observe(now - self._start)
+            self._metrics.vllm.ttft.observe(now - self._start)
             n -= 1
         else:
             gap = (now - self._last) / n
             for _ in range(n):
                 self._metrics.itl.observe(gap)
+                self._metrics.vllm.itl.observe(gap)
         self._last = now
 
     def finish(self, last: RequestOutput, reason: str) -> None:

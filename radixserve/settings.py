@@ -61,6 +61,14 @@ class EngineSettings(BaseSettings):
         "(capped by max_num_batched_tokens).",
     )
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Most requests running at once.")
+    fair_quantum_tokens: int = Field(
+        256,
+        ge=1,
+        le=1 << 20,
+        description="Prefill tokens a tenant of the largest weight gets per turn when several "
+        "tenants' prompts share a step (deficit round robin; others get theirs in proportion "
+        "to their weight): smaller interleaves tenants more finely within a step.",
+    )
     max_model_len: int | None = Field(
         None, ge=16, description="Context limit; defaults to the model's own."
     )

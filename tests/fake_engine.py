@@ -31,6 +31,7 @@ import zmq.asyncio
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.engine.admission import Admission, HostPlan, choose_route
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.info import EngineInfo, EngineStats
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
@@ -158,6 +159,7 @@ class FakeEngine:
         lease_s: float | None = None,
         resume: Sequence[int] = (),
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> tuple[Admission, asyncio.Queue]:
         ids, resumed = list(prompt_ids), list(resume)
         local = lease_s is not None or bool(resumed)
@@ -171,6 +173,7 @@ class FakeEngine:
             resume=resumed,
             route=route,
             cache_scope=cache_scope,
+            share=share,
         )
         req = _Request(len(ids), params.max_tokens, asyncio.Queue())
         self._requests[request_id] = req

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
-from radixserve.cache.host_index import HostPageIndex
+from radixserve.cache.host_index import EvictCallback, HostPageIndex
 from radixserve.cache.page_proof import PageProof
 
 
@@ -29,8 +29,9 @@ class DiskPageIndex(HostPageIndex):
     TIER: ClassVar[str] = "disk"
     MIN_PAGES: ClassVar[int] = 0
 
-    def __init__(self) -> None:
-        super().__init__(0)
+    def __init__(self, on_evict: EvictCallback | None = None) -> None:
+        """``on_evict(hash, slot, proof)``: a stored page's slot is about to be reused."""
+        super().__init__(0, on_evict)
 
     def adopt(
         self,

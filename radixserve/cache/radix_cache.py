@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 RECENT_IDS = 8  # request ids a node remembers (`RadixNode.recent_ids`)
 
 EventCallback = Callable[[str, list[int]], None]
+#: ("stored", page hashes, the hash of the page before them (None at a root), their
+#: tokens) or ("removed", page hashes, None, [])
+BlockCallback = Callable[[str, list[int], int | None, list[int]], None]
 # (page hashes, page ids, each page's proof: `radixserve.cache.page_proof`)
 SpillCallback = Callable[[list[int], list[int], list[PageProof]], None]
 
@@ -160,6 +163,7 @@ class RadixCache:
         self.page_size = page_size
         self.namespace = namespace
         self._on_event: EventCallback | None = None  # `set_event_listener`
+        self._on_block: BlockCallback | None = None  # `set_block_listener`
         self._on_spill: SpillCallback | None = None
         self._write_through_uses = 0
         self._clock = itertools.count(1)  # `last_access` stamps
@@ -339,6 +343,11 @@ class RadixCache:
     def set_event_listener(self, on_event: EventCallback | None) -> None:
         """Report "stored"/"removed" page hashes to ``on_event`` from now on (None: stop)."""
         self._on_event = on_event
+
+    def set_block_listener(self, on_block: BlockCallback | None) -> None:
+        """Report stored pages with their tokens and parent hash, and removed pages, to
+        ``on_block`` from now on (None: stop): what a subscriber needs to rehash them."""
+        self._on_block = on_block
 
     def set_spill_listener(
         self, on_spill: SpillCallback | None, write_through_uses: int = 0
@@ -615,6 +624,8 @@ class RadixCache:
         self.version += 1
         if self._on_event is not None:
             self._on_event("stored", list(hashes))
+        if self._on_block is not None:
+            self._on_block("stored", list(hashes), parent.last_hash, list(key))
         if self._write_through_uses:
             leaf.uses = 1
             if self._write_through_uses == 1:
@@ -645,6 +656,8 @@ class RadixCache:
         self._prune_scope(parent)
         if self._on_event is not None:
             self._on_event("removed", list(node.page_hashes))
+        if self._on_block is not None:
+            self._on_block("removed", list(node.page_hashes), None, [])
         return len(node.page_ids)
 
     def _check_attached(self, node: RadixNode) -> None:

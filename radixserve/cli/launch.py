@@ -112,6 +112,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     finally:
         cluster.stop()
+    failure = cluster.supervisor.failure
+    if failure is not None:  # the same error twice before the cluster was ready
+        print(f"radixserve: {failure}", file=sys.stderr, flush=True)
     print("radixserve: cluster stopped", flush=True)
     return code
 

@@ -27,9 +27,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from radixserve.cache.radix_cache import SpillCallback
+from radixserve.cache.radix_cache import BlockCallback, SpillCallback
 from radixserve.engine.admission import Admission, HostPlan
 from radixserve.engine.engine import Engine
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.info import EngineInfo, EngineStats
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
@@ -116,13 +117,14 @@ class AsyncEngine:
         lease_s: float | None = None,
         resume: Sequence[int] = (),
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> tuple[Admission, OutputQueue]:
         """`Engine.admit` between two steps; the admission and the queue of the request's
         outputs from now on."""
         admission, out = await self.call(
             lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
                               host=host, lease_s=lease_s, resume=resume,
-                              cache_scope=cache_scope),
+                              cache_scope=cache_scope, share=share),
             watch=request_id,
         )  # fmt: skip
         assert out is not None
@@ -163,6 +165,11 @@ class AsyncEngine:
         """Report the radix cache's "stored"/"removed" page hashes to ``on_event`` (on the
         engine thread; None stops)."""
         self.submit(lambda e: e.cache.set_event_listener(on_event) if e.cache else None)
+
+    def listen_blocks(self, on_block: BlockCallback | None) -> None:
+        """Report the radix cache's stored pages (with their tokens and parent hash) and
+        removed pages to ``on_block`` (on the engine thread; None stops)."""
+        self.submit(lambda e: e.cache.set_block_listener(on_block) if e.cache else None)
 
     def resync_cache(self, emit: Callable[[str, list[int]], None]) -> None:
         """``emit("cleared", [])`` then ``emit("stored", every cached page hash)``, on the
@@ -239,14 +246,16 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
         (e.g. InvalidRequestError) before the first output for input it can't serve.
         `request_id` must be unique among live requests; one is made up if not given.
-        The request shares cached KV only within its ``cache_scope`` (`Engine.add_request`)."""
+        The request shares cached KV only within its ``cache_scope``, and is scheduled
+        among other tenants' by its ``share`` (`Engine.add_request`)."""
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
         _, out = await self.call(
-            lambda e: e.add_request(prompt, params, rid, cache_scope), watch=rid
+            lambda e: e.add_request(prompt, params, rid, cache_scope, share), watch=rid
         )
         assert out is not None
         async for item in self.outputs(rid, out):

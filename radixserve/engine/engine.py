@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from radixserve.engine.cores import CoreBoard
 from radixserve.engine.cuda_graph import make_decode_graphs
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_shard import ModelShard, copy_out, copy_page
@@ -132,6 +134,7 @@ class Engine:
             settings.max_num_batched_tokens,
             settings.max_num_seqs,
             settings.prefill_chunk_tokens,
+            settings.fair_quantum_tokens,
         )
         graphs = None
         if self.tp_group is None:  # a captured graph would replay without the ranks
@@ -190,10 +193,14 @@ class Engine:
         params: SamplingParams | None,
         request_id: str | None,
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> Request:
         """Validate and register a request (not yet scheduled); its KV is shared only
-        with requests of the same ``cache_scope`` (`radixserve.cache.block_hash.cache_scope`)."""
+        with requests of the same ``cache_scope`` (`radixserve.cache.block_hash.cache_scope`);
+        ``share`` places it among other tenants' (`radixserve.engine.fair_share`)."""
         params = params or SamplingParams()
+        if not (share.weight > 0 and math.isfinite(share.weight)):
+            raise InvalidRequestError(f"tenant weight {share.weight} must be a positive number")
         prompt_ids = self.tokenize(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -229,6 +236,9 @@ class Engine:
             ),
             cache_scope=cache_scope,
             namespace=scoped_namespace(self.namespace, cache_scope) if cache_scope else None,
+            tenant=share.tenant,
+            priority=share.priority,
+            weight=share.weight,
         )
         req.guide = guide
         req.forked = params.n == 1
@@ -242,10 +252,12 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> str:
         """Queue a request; raises RequestError subclasses for input it can never serve.
-        It shares cached KV only with requests of the same ``cache_scope``."""
-        req = self._new_request(prompt, params, request_id, cache_scope)
+        It shares cached KV only with requests of the same ``cache_scope``; ``share``:
+        its tenant, priority and weight (`radixserve.engine.fair_share`)."""
+        req = self._new_request(prompt, params, request_id, cache_scope, share)
         self._queue(req)
         return req.request_id
 
@@ -262,6 +274,7 @@ class Engine:
         lease_s: float | None = None,
         resume: Sequence[int] = (),
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> Admission:
         """Take a request in and decide how its prompt gets its KV, in one operation
         (`radixserve.engine.admission`): queued to compute here (``local``), pages
@@ -273,11 +286,12 @@ class Engine:
         With ``resume`` (a stream migrated from a worker that died) the request continues
         after those already-generated tokens (`_resume`); it never prefills remotely.
         Its KV is shared only with requests of the same ``cache_scope``: the caller's
-        ``host`` plan and a prefill worker must use the same scope."""
+        ``host`` plan and a prefill worker must use the same scope. ``share``: its tenant,
+        priority and weight, for the scheduler's fair share (`radixserve.engine.fair_share`)."""
         if lease_s is not None:
             params = params or SamplingParams()
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        req = self._new_request(prompt, params, request_id, cache_scope)
+        req = self._new_request(prompt, params, request_id, cache_scope, share)
         req.lease_s = lease_s
         if resume:
             self._resume(req, resume)

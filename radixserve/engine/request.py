@@ -19,6 +19,10 @@ members that share the prompt's pages (`Scheduler.fork`), each with its own outp
 A request's pages are cached in its ``namespace``: the engine's own for the default
 scope (""), else the one its ``cache_scope`` names (`radixserve.cache.block_hash`), so it
 matches only pages computed under the same scope (`radixserve.cache.radix_cache`).
+
+Its ``tenant``, ``priority`` and ``weight`` (`radixserve.engine.fair_share.TenantShare`)
+decide, with other tenants' requests, when it is admitted and how many prefill tokens it
+gets in a step (`radixserve.engine.scheduler`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class Request:
     group_id: str = ""  # the request id clients know; "" = request_id
     cache_scope: str = ""  # whose KV it may share (`cache_scope`); "" = the default scope
     namespace: bytes | None = None  # its pages' hash namespace; None = the engine's own
+    tenant: str = ""  # whose it is, for the fair share (an opaque id); "" = the default tenant
+    priority: int = 0  # lower = sooner (every waiting request of a lower value goes first)
+    weight: float = 1.0  # its tenant's weight: its share of slots and prefill tokens
     index: int = 0  # the choice within its group
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
@@ -92,6 +99,9 @@ class Request:
             group_id=self.group_id,
             cache_scope=self.cache_scope,
             namespace=self.namespace,
+            tenant=self.tenant,
+            priority=self.priority,
+            weight=self.weight,
             index=index,
             arrival_time=self.arrival_time,
             group=self.group,

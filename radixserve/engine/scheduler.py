@@ -15,9 +15,21 @@ tokens are spent:
    a short one back by more than that;
 4. waiting requests with longer uncached prompts, oldest first, their first chunk.
 
+With several tenants or priorities (`radixserve.engine.fair_share`), tiers 2-4 run once
+per priority, the lowest value first; waiting requests are taken in the `FairQueue`'s
+order (a weighted round robin over tenants); and the step's prefill tokens, what the
+decodes leave, are split between the tenants with prefill work by `DeficitRoundRobin`
+(each request's chunk is cut to what is left of its tenant's grant); tokens a tenant's
+grant left unused go, in a second pass over the tiers, to whoever can use them. All slots
+taken, a waiting request preempts a running one: the newest of a worse priority if any,
+else, at its own priority, the newest of the tenant furthest over its share of slots
+(``max_num_seqs`` x its weight / the weights of the tenants with requests) when its own
+tenant is under its share. With one tenant and one priority none of this changes a step.
+
 Pages come from the allocator; when it runs short the radix cache evicts unlocked
-leaves, and if that is not enough the newest running request is preempted (its KV goes
-into the cache, its pages are released, it re-queues first). Each allocation for a
+leaves, and if that is not enough the newest running request of the worst priority (the
+highest value) is preempted (its KV goes into the cache, its pages are released, it
+re-queues first). Each allocation for a
 request also reserves the pages up to the end of its current block of `block_pages`
 (the next whole block when it ends one, never past what the request can still use), so
 its pages come in the runs the CPU decode attention reads in place; the reservation is
@@ -27,16 +39,21 @@ returned whenever the request's pages are (finish, abort, preemption).
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
+from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.kernels.cpu.decode_attention import block_pages
 
 logger = logging.getLogger(__name__)
+
+
+#: tokens a tenant's grant has left this step, by tenant; None: not split (one tenant)
+Grants = dict[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefill_chunk_tokens: int | None = None,
+        fair_quantum_tokens: int = 256,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
@@ -66,7 +84,9 @@ class Scheduler:
         self.prefill_chunk_tokens = min(
             prefill_chunk_tokens or max_num_batched_tokens, max_num_batched_tokens
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
+        self.fair_quantum_tokens = fair_quantum_tokens  # a weight-1 tenant's prefill turn
+        self._drr: dict[int, DeficitRoundRobin] = {}  # by priority
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
         # False while a failed-closed cache audit waits for an operator (set by the
@@ -90,46 +110,124 @@ class Scheduler:
         """This step's work, tier by tier (see the module notes); None if there is none."""
         chosen: dict[str, tuple[Request, int]] = {}
         budget = [self.max_num_batched_tokens]  # tokens left in this step
-        chunk = self.prefill_chunk_tokens
         decodes = [r for r in self.running if r.num_pending == 1]
         prefills = sorted(
-            (r for r in self.running if r.num_pending > 1), key=lambda r: r.num_pending
-        )  # shortest remaining first; stable, so otherwise in admission order
+            (r for r in self.running if r.num_pending > 1),
+            key=lambda r: (r.priority, r.num_pending),
+        )  # by priority, then shortest remaining first; stable: otherwise in admission order
         for req in decodes:
             self._take_running(req, 1, chosen, budget)
-        self._take_waiting(chosen, budget, short=True)
-        for req in prefills:
-            self._take_running(req, min(req.num_pending, chunk), chosen, budget)
-        self._take_waiting(chosen, budget, short=False)
+        grants = self._split(prefills, budget[0])
+        self._take_prefills(prefills, chosen, budget, grants)
+        if grants is not None and budget[0] > 0:  # what a grant left unused: anyone's
+            prefills = sorted((r for r in self.running if r.num_pending > 1),
+                              key=lambda r: (r.priority, r.num_pending))  # fmt: skip
+            self._take_prefills(prefills, chosen, budget, None)
         if not chosen:
             return None
         items = list(chosen.values())
         return ScheduledBatch([r for r, _ in items], [n for _, n in items])
 
-    def _take_running(
-        self, req: Request, n: int, chosen: dict[str, tuple[Request, int]], budget: list[int]
+    def _take_prefills(
+        self,
+        prefills: list[Request],
+        chosen: dict[str, tuple[Request, int]],
+        budget: list[int],
+        grants: Grants,
     ) -> None:
+        """Tiers 2-4 (module notes), once per priority, the lowest value first."""
+        chunk = self.prefill_chunk_tokens
+        for priority in sorted({r.priority for r in prefills} | self.waiting.priorities()):
+            self._take_waiting(chosen, budget, grants, priority, short=True)
+            for req in prefills:
+                if req.priority == priority:
+                    self._take_running(req, min(req.num_pending, chunk), chosen, budget, grants)
+            self._take_waiting(chosen, budget, grants, priority, short=False)
+
+    def _split(self, prefills: list[Request], budget: int) -> Grants:
+        """Each tenant's prefill tokens this step (`DeficitRoundRobin`, per priority, the
+        lowest value first), from its running prefills' next chunks and the first chunks
+        of as many of its waiting requests as there are free slots (at least one: it may
+        take one by preemption); None when only one tenant has prefill work."""
+        free = max(1, self.max_num_seqs - len(self.running))
+        chunk = self.prefill_chunk_tokens
+        demand: dict[int, Counter[str]] = {}
+        weights = self.waiting.tenants()
+        for req in prefills:
+            demand.setdefault(req.priority, Counter())[req.tenant] += min(req.num_pending, chunk)
+            weights.setdefault(req.tenant, req.weight)
+        if len(weights) < 2:
+            return None
+        for req in self.waiting.heads(free):
+            tokens = min(self.uncached_tokens(req), chunk)
+            demand.setdefault(req.priority, Counter())[req.tenant] += tokens
+        grants: dict[str, int] = dict.fromkeys(weights, 0)
+        for priority in sorted(demand):
+            drr = self._drr.setdefault(priority, DeficitRoundRobin(self.fair_quantum_tokens))
+            for tenant, n in drr.split(dict(demand[priority]), weights, budget).items():
+                grants[tenant] += n
+                budget -= n
+        return grants
+
+    def _take_running(
+        self,
+        req: Request,
+        n: int,
+        chosen: dict[str, tuple[Request, int]],
+        budget: list[int],
+        grants: Grants = None,
+    ) -> None:
+        """Up to ``n`` tokens of a running request this step (tokens it was given
+        earlier in the step count)."""
         if budget[0] == 0 or req.status is not RequestStatus.RUNNING:
             return  # the step is full, or it was preempted earlier in this step
-        n = min(n, budget[0])
-        if self._reserve(req, req.num_computed + n, chosen):
-            chosen[req.request_id] = (req, n)
+        had = chosen[req.request_id][1] if req.request_id in chosen else 0
+        n = min(n - had, budget[0], budget[0] if grants is None else grants[req.tenant])
+        if n <= 0:
+            return
+        if self._reserve(req, req.num_computed + had + n, chosen):
+            chosen[req.request_id] = (req, had + n)
             budget[0] -= n
+            if grants is not None:
+                grants[req.tenant] -= n
 
     def _take_waiting(
-        self, chosen: dict[str, tuple[Request, int]], budget: list[int], short: bool
+        self,
+        chosen: dict[str, tuple[Request, int]],
+        budget: list[int],
+        grants: Grants,
+        priority: int,
+        short: bool,
     ) -> None:
-        """Admit waiting requests, oldest first: with ``short`` only those whose uncached
-        delta fits in one chunk (the others keep their place; the first ``max_num_seqs``
-        are looked at, which bounds the cost of a long queue), else any."""
-        queue = list(self.waiting)[: self.max_num_seqs] if short else list(self.waiting)
-        for req in queue:
-            if budget[0] == 0 or len(self.running) >= self.max_num_seqs:
+        """Admit waiting requests of ``priority`` in the queue's order: with ``short``
+        only those whose uncached delta fits in one chunk (the others keep their place;
+        the first ``max_num_seqs`` are looked at, which bounds the cost of a long queue),
+        else any. A request whose tenant's grant is spent keeps its place."""
+        limit = self.max_num_seqs if short else None
+        for req in self.waiting.ordered(priority, limit):
+            if budget[0] == 0:
                 return
+            if grants is not None and grants.get(req.tenant, 0) <= 0:
+                continue
+            victim = None
+            if len(self.running) >= self.max_num_seqs:
+                victim = self._slot_victim(req)
+                if victim is None:
+                    if grants is None:
+                        return
+                    continue  # another tenant's request may be owed a slot
             if short and self.uncached_tokens(req) > self.prefill_chunk_tokens:
                 continue
+            if victim is not None:
+                logger.info("preempting %s for a slot of %s", victim.request_id, req.request_id)
+                refund = self._preempt(victim, chosen)  # its tokens go back to the step
+                budget[0] += refund
+                if grants is not None and victim.tenant in grants:
+                    grants[victim.tenant] += refund
             self._admit(req)
             n = min(req.num_pending, self.prefill_chunk_tokens, budget[0])
+            if grants is not None:
+                n = min(n, grants[req.tenant])
             if not self._reserve(req, req.num_computed + n, None):
                 self._release(req, cache_kv=False)
                 return  # no pages for it now: nor for those behind it
@@ -138,6 +236,32 @@ class Scheduler:
             self.running.append(req)
             chosen[req.request_id] = (req, n)
             budget[0] -= n
+            if grants is not None:
+                grants[req.tenant] -= n
+
+    def _slot_victim(self, req: Request) -> Request | None:
+        """The running request ``req`` may take the slot of, all being taken (module
+        notes); None if none."""
+        worst = max(reversed(self.running), key=lambda r: r.priority)  # the newest of them
+        if worst.priority > req.priority:
+            return worst
+        weights = self.waiting.tenants()
+        for r in self.running:
+            weights.setdefault(r.tenant, r.weight)
+        total = sum(weights.values())
+        held = Counter(r.tenant for r in self.running)
+
+        def share(tenant: str) -> float:
+            return self.max_num_seqs * weights[tenant] / total
+
+        if held[req.tenant] + 1 > share(req.tenant):
+            return None
+        over = [t for t in held if held[t] > share(t)]
+        if not over:
+            return None
+        tenant = max(over, key=lambda t: held[t] / weights[t])
+        same = [r for r in self.running if r.tenant == tenant and r.priority == req.priority]
+        return same[-1] if same else None
 
     def uncached_tokens(self, req: Request) -> int:
         """Tokens ``req`` would compute if admitted now (its cache hit looked up, nothing
@@ -282,15 +406,22 @@ class Scheduler:
         return max(0, min(spare, most - num_pages))
 
     def _preempt_newest(self, req: Request, chosen: dict[str, tuple[Request, int]]) -> bool:
-        """Preempt the newest running request; False if that was `req` itself."""
-        victim = self.running[-1]
+        """Preempt the newest running request of the worst priority (the highest value;
+        never one more urgent than `req`, which is running); False if that was `req`."""
+        victim = max(reversed(self.running), key=lambda r: r.priority)
         logger.info("preempting %s to free KV pages", victim.request_id)
-        chosen.pop(victim.request_id, None)
+        self._preempt(victim, chosen)
+        return victim is not req
+
+    def _preempt(self, victim: Request, chosen: dict[str, tuple[Request, int]]) -> int:
+        """Stop a running request: its KV into the cache, its pages released, queued
+        first among its tenant's. Returns the tokens it had been given this step."""
+        _, n = chosen.pop(victim.request_id, (victim, 0))
         self.running.remove(victim)
         self._release(victim, cache_kv=True)
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
-        return victim is not req
+        return n
 
     def _release(self, req: Request, cache_kv: bool) -> None:
         if self.cache is not None and cache_kv:

@@ -3,17 +3,20 @@
 The protocol package knows nothing of the engine (it is a leaf: codec, messages, wire
 specs); the conversions live here, on the engine's side, and the services call them at
 the edge: `to_spec`/`to_params` for a request's sampling, `to_chunk`/`to_output` for an
-output on its way to the gateway, `to_entries`/`to_logprob` for log-probabilities.
+output on its way to the gateway, `to_entries`/`to_logprob` for log-probabilities,
+`share_fields`/`to_share` for a request's tenant, priority and weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypedDict
 
+from radixserve.engine.fair_share import TenantShare
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.protocol.messages import TokenChunk
+from radixserve.protocol.messages import GenerateRequest, PrefillRequest, TokenChunk
 from radixserve.protocol.sampling import LogprobEntry, SamplingSpec
 
 _SPEC_FIELDS = [f.name for f in dataclasses.fields(SamplingSpec)]
@@ -82,3 +85,19 @@ def to_output(chunk: TokenChunk) -> RequestOutput:
         logprobs=_to_logprobs(chunk.logprobs),
         prompt_logprobs=_to_logprobs(chunk.prompt_logprobs),
     )
+
+
+class _ShareFields(TypedDict):
+    tenant: str
+    priority: int
+    tenant_weight: float
+
+
+def share_fields(share: TenantShare) -> _ShareFields:
+    """``share`` as the fields of a `GenerateRequest` or `PrefillRequest`."""
+    return {"tenant": share.tenant, "priority": share.priority, "tenant_weight": share.weight}
+
+
+def to_share(msg: GenerateRequest | PrefillRequest) -> TenantShare:
+    """The tenant, priority and weight a request message carries."""
+    return TenantShare(msg.tenant, msg.priority, msg.tenant_weight)

@@ -20,6 +20,14 @@ Contracts:
     starts at `restart_backoff_s`, doubles per consecutive quick crash up to
     `max_backoff_s`, and resets once the child had lived more than 60 s. A child with
     `restart=False` stays down.
+  * Fail fast: while `run()` waits for its `ready()` to pass the first time, a child
+    that exits twice in a row with the same error (its exit code and what it said last
+    on stderr: the exception of its last traceback, else its last line) is not
+    restarted: `run()` stops everything and returns 1, the error in `failure`. A
+    configuration error thus stops `radixserve up` with its message instead of a
+    restart loop; once ready, every crash is restarted as above. Each child's stderr
+    passes through the supervisor (a pipe and a thread per child, forwarded line by
+    line to the supervisor's own stderr) so that its last lines are known.
   * `start()` raises `SupervisorError` naming the process whose command cannot be run,
     after stopping the processes it had already started.
   * `stop()` is idempotent: SIGTERM to each live child, a shared wait of at most
@@ -39,13 +47,16 @@ Contracts:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +72,10 @@ logger = logging.getLogger(__name__)
 _STABLE_AFTER_S = 60.0  # a child that lived this long resets its restart backoff
 _POLL_INTERVAL_S = 0.1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_TAIL_LINES = 64  # stderr lines kept per child, to tell why it exited
+_ERROR_LINES = 8  # most lines of one error (pydantic's span a few)
+_TAIL_WAIT_S = 1.0  # after an exit, for the last of its stderr to be read
+_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.,]+ ")  # a log record's time
 
 
 class SupervisorError(RadixServeError):
@@ -94,6 +109,44 @@ class _Child:
     num_restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a pending restart
     retire_by: float | None = None  # retiring: SIGKILL if still running at this time
+    stderr: _StderrTail | None = None  # the running incarnation's
+    last_failure: tuple[int, str] | None = None  # (code, error) of its last exit before ready
+
+
+class _StderrTail:
+    """A child's stderr: read from a pipe on a thread, forwarded to this process's stderr
+    (fd 2) line by line, the last lines kept."""
+
+    def __init__(self, read_fd: int, name: str) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._pipe = os.fdopen(read_fd, "rb")
+        self._thread = threading.Thread(target=self._read, name=f"stderr-{name}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with self._pipe:
+            for line in self._pipe:
+                with contextlib.suppress(OSError):
+                    os.write(2, line)
+                self.lines.append(line.decode(errors="replace").rstrip())
+
+    def error(self) -> str:
+        """What the child said last about why it stopped (see `last_error`), once its
+        stderr is read to the end (or `_TAIL_WAIT_S` passed: a descendant holds it)."""
+        self._thread.join(_TAIL_WAIT_S)
+        return last_error(list(self.lines))
+
+
+def last_error(lines: Sequence[str]) -> str:
+    """The exception of the last traceback in ``lines`` (the lines after its frames),
+    else the last non-empty line without a log record's time; "" if none."""
+    lines = [line for line in lines if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            rest = lines[i + 1 :]
+            first = next((k for k, line in enumerate(rest) if not line.startswith(" ")), 0)
+            return "\n".join(rest[first : first + _ERROR_LINES])
+    return _LOG_TIME.sub("", lines[-1]) if lines else ""
 
 
 def _describe_exit(returncode: int) -> str:
@@ -132,6 +185,8 @@ class Supervisor:
         self._started = False
         self._stopped = False
         self._signal: int | None = None  # set by the signal handler, read by run()
+        self._fail_fast = False  # run() before ready: the same error twice stops it
+        self.failure: str | None = None  # why run() stopped failing fast
         self.retired: dict[str, int] = {}  # name -> exit code of each retired process
         for spec in specs:
             self.add(spec)
@@ -243,8 +298,11 @@ class Supervisor:
 
         `on_ready()` is called once, the first time `ready()` returns True (at once when
         `ready` is None); `on_poll()` after every supervision pass (it may `add` and
-        `retire`). Returns 1 if every process is down and none will restart.
+        `retire`). Returns 1 if every process is down and none will restart, or if a
+        process exited twice with the same error before `ready()` passed (`failure`
+        says which and why).
         """
+        self._fail_fast = ready is not None
         if not self._started:
             self.start()
         self._signal = None
@@ -253,10 +311,14 @@ class Supervisor:
             is_ready = False
             while self._signal is None:
                 self.poll()
+                if self.failure is not None:
+                    logger.error("%s; stopping", self.failure)
+                    return 1
                 if on_poll is not None:
                     on_poll()
                 if not is_ready and (ready is None or ready()):
                     is_ready = True
+                    self._fail_fast = False
                     logger.info("processes ready")
                     if on_ready is not None:
                         on_ready()
@@ -335,22 +397,32 @@ class Supervisor:
         fds = {name: listener.fileno() for name, listener in spec.sockets.items()}
         env = {**os.environ, **spec.env, **{name: str(fd) for name, fd in fds.items()}}
         module = self._warm_module(spec.argv)
-        if module is not None:
-            assert self._warm is not None
-            try:
-                child.proc = self._warm.spawn(module, env, list(spec.argv), fds)
-            except OSError as e:
-                logger.warning("%s: warm start failed (%s); starting it afresh", spec.name, e)
-                module = None
-        if module is None:
-            child.proc = subprocess.Popen(
-                spec.argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=pdeathsig_preexec(),
-                pass_fds=tuple(fds.values()),
-            )
+        read_fd, write_fd = os.pipe()  # the child's stderr (`_StderrTail`)
+        try:
+            if module is not None:
+                assert self._warm is not None
+                try:
+                    child.proc = self._warm.spawn(module, env, list(spec.argv), fds, write_fd)
+                except OSError as e:
+                    logger.warning("%s: warm start failed (%s); starting it afresh",
+                                   spec.name, e)  # fmt: skip
+                    module = None
+            if module is None:
+                child.proc = subprocess.Popen(
+                    spec.argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stderr=write_fd,
+                    start_new_session=True,
+                    preexec_fn=pdeathsig_preexec(),
+                    pass_fds=tuple(fds.values()),
+                )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the child has its copy: its exit ends the tail
+        child.stderr = _StderrTail(read_fd, spec.name)
         child.started_at = time.monotonic()
         assert child.proc is not None
         logger.info("started %s (pid %d%s): %s", spec.name, child.proc.pid,
@@ -365,6 +437,13 @@ class Supervisor:
     def _on_exit(self, child: _Child, returncode: int, now: float) -> None:
         child.proc = None
         how = _describe_exit(returncode)
+        if self._fail_fast and child.spec.restart and child.stderr is not None:
+            failure = (returncode, child.stderr.error())
+            if failure == child.last_failure:  # twice in a row, before ever ready
+                self.failure = (f"{child.spec.name} exited with {how} twice before the "
+                                f"cluster was ready: {failure[1] or 'no message'}")  # fmt: skip
+                return
+            child.last_failure = failure
         if not child.spec.restart:
             logger.warning(
                 "%s exited with %s; not restarting (restart=False)", child.spec.name, how

@@ -12,9 +12,11 @@ rewritten to the one it stands for so ``ps`` and ``/proc/<pid>/cmdline`` show it
 The server imports and never runs anything: no thread pool is started before a fork
 (torch starts its own on a child's first operation, with that child's thread count).
 The supervisor drives it with one JSON message each way: ``{"module", "env", "args",
-"fds"}`` on a Unix ``SOCK_SEQPACKET`` socket, with the listening sockets the child
-inherits (`radixserve.launch.listeners`) attached as ``SCM_RIGHTS`` (``fds`` names the
-setting each one's number goes in), answered by ``{"pid"}`` on a pipe, and
+"fds", "stderr"}`` on a Unix ``SOCK_SEQPACKET`` socket, with the listening sockets the
+child inherits (`radixserve.launch.listeners`) attached as ``SCM_RIGHTS`` (``fds`` names
+the setting each one's number goes in) and, when ``stderr`` is true, after them the
+descriptor the child's stderr goes to (the supervisor reads it: `Supervisor`'s fail
+fast), answered by ``{"pid"}`` on a pipe, and
 ``{"exit": pid, "code"}`` when the server reaps a child (the code as
 `subprocess.Popen.returncode` gives it). Children get SIGTERM when the
 server dies and the server when the supervisor does (PR_SET_PDEATHSIG), so the chain
@@ -109,21 +111,24 @@ class WarmServer:
         env: Mapping[str, str],
         args: list[str],
         fds: Mapping[str, int] | None = None,
+        stderr: int | None = None,
     ) -> WarmProcess:
         """Fork ``python -m module`` with exactly ``env`` (``args``: its command line),
         inheriting the descriptors ``fds`` (setting -> descriptor here: in the child the
-        setting holds its number there)."""
+        setting holds its number there), its stderr ``stderr`` (None: the server's)."""
         if module not in self.modules:
             raise ValueError(f"{module} is not one of the warm server's modules")
-        if len(fds or {}) > _MAX_FDS:
-            raise ValueError(f"a warm child inherits at most {_MAX_FDS} sockets")
+        passed = [*(fds or {}).values(), *([] if stderr is None else [stderr])]
+        if len(passed) > _MAX_FDS:
+            raise ValueError(f"a warm child inherits at most {_MAX_FDS} descriptors")
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._to is not None
-        request = {"module": module, "env": dict(env), "args": args, "fds": list(fds or {})}
+        request = {"module": module, "env": dict(env), "args": args, "fds": list(fds or {}),
+                   "stderr": stderr is not None}  # fmt: skip
         data = json.dumps(request).encode()
         try:
-            socket.send_fds(self._to, [data], list((fds or {}).values()))
+            socket.send_fds(self._to, [data], passed)
         except OSError as exc:
             if exc.errno == errno.EMSGSIZE:  # not sent; the server and its children are fine
                 raise OSError(f"the request to fork {module} is too large for the warm-start "
@@ -226,13 +231,18 @@ def _set_cmdline(args: Sequence[str]) -> None:
     ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
 
-def _child(request: dict[str, Any], fds: Sequence[int], server_pid: int) -> None:
+def _child(
+    request: dict[str, Any], fds: Sequence[int], server_pid: int, stderr: int | None
+) -> None:
     """In the forked child: become ``python -m module`` and run it (closing the server's
-    descriptors ``fds``); never returns."""
+    descriptors ``fds``, writing its stderr to ``stderr`` when given); never returns."""
     code = 1
     try:
         for fd in fds:
             os.close(fd)
+        if stderr is not None:
+            os.dup2(stderr, 2)
+            os.close(stderr)
         os.setsid()
         die_with_parent(server_pid)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
@@ -305,12 +315,14 @@ def _fork(
     if request["module"] not in modules:
         return {"error": f"{request['module']} is not one of {', '.join(modules)}"}
     names = request.get("fds", [])
-    if len(names) != len(fds):
-        return {"error": f"expected {len(names)} descriptors, received {len(fds)}"}
+    stderr = fds[-1] if request.get("stderr") and fds else None
+    expected = len(names) + bool(request.get("stderr"))
+    if expected != len(fds):
+        return {"error": f"expected {expected} descriptors, received {len(fds)}"}
     request["env"].update({name: str(fd) for name, fd in zip(names, fds)})
     pid = os.fork()
     if pid == 0:
-        _child(request, own, server_pid)
+        _child(request, own, server_pid, stderr)
     return {"pid": pid}
 
 

@@ -251,7 +251,12 @@ class Tokenizer:
         return self._template.source if self._template else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it: a 6 MiB prompt
+        # froze every other thread for 4 s), so the gateway's loop keeps serving while
+        # a preparation worker tokenizes; same ids, no slower for one text.
+        batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = batch[0].ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -4,7 +4,9 @@ A frame is one msgpack map with string keys: ``"type"`` (the message's stable ta
 ``"v"`` (``[major, minor]``) and one key per field; nested structs are maps without a
 tag. Never pickle. Contracts:
 
-- `decode` accepts only a frame of at most ``max_frame_bytes``, holding a map whose
+- `decode` accepts only a frame of at most ``max_frame_bytes`` that stays within
+  `FRAME_LIMITS` (per-type msgpack limits and a container budget computed from the
+  messages' specs, `radixserve.protocol.frame_limits`), holding a map whose
   major version equals ours, whose tag is registered, whose required fields are present
   and whose fields all match their wire specs (`radixserve.protocol.messages`). Unknown
   keys are ignored (after checking they hold no msgpack ext values); missing optional
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from radixserve.errors import RadixServeError
+from radixserve.protocol.frame_limits import FrameLimits, frame_limits
 from radixserve.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
 from radixserve.protocol.wire import (
     HASH_BYTES,
@@ -48,6 +51,9 @@ from radixserve.protocol.wire import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
+#: per-type msgpack limits and a per-frame container budget, from the messages' specs
+FRAME_LIMITS = frame_limits(MESSAGE_TYPES.values())
+_MAX_EXT_LEN = 16  # ext values are refused by name (`_reject_ext_hook`); a timestamp is 12
 TYPE_KEY = "type"
 VERSION_KEY = "v"
 
@@ -88,15 +94,20 @@ def encode(msg: Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> b
 
 
 def decode(
-    frame: bytes | bytearray | memoryview, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    frame: bytes | bytearray | memoryview,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    limits: FrameLimits | None = None,
 ) -> Message:
-    """The message in ``frame``; raises `ProtocolError` on any violation (see module doc)."""
+    """The message in ``frame``; raises `ProtocolError` on any violation (see module doc).
+    `limits`: what the frame may make the decoder build (default: the protocol's,
+    `FRAME_LIMITS`)."""
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
     size = memoryview(frame).nbytes
     if size > max_frame_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds max_frame_bytes={max_frame_bytes}")
-    body = _unpack(frame)
+    body = _unpack(frame, FRAME_LIMITS if limits is None else limits)
     if not isinstance(body, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {_kind(body)}")
     _check_version(body.get(VERSION_KEY, None), VERSION_KEY in body)
@@ -109,10 +120,40 @@ def decode(
     return _check_struct(cls, body, tag, skip=(TYPE_KEY, VERSION_KEY))
 
 
-def _unpack(frame: bytes | bytearray | memoryview) -> object:
-    """msgpack-decode ``frame``; every parse failure becomes `ProtocolError`."""
+class _ContainerBudget:
+    """The msgpack hooks that count a frame's maps and arrays as they are built and stop
+    the decode past `FrameLimits`' budget (the hooks return what they are given)."""
+
+    def __init__(self, limits: FrameLimits) -> None:
+        self._maps = limits.max_maps
+        self._arrays = limits.max_arrays
+
+    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self._maps -= 1
+        if self._maps < 0:
+            raise ProtocolError("frame holds more maps than any message (the protocol's "
+                                "frame limits)")  # fmt: skip
+        return value
+
+    def array(self, value: list[Any]) -> list[Any]:
+        self._arrays -= 1
+        if self._arrays < 0:
+            raise ProtocolError("frame holds more arrays than any message (the protocol's "
+                                "frame limits)")  # fmt: skip
+        return value
+
+
+def _unpack(frame: bytes | bytearray | memoryview, limits: FrameLimits) -> object:
+    """msgpack-decode ``frame`` within `limits` (each header checked before its value is
+    built, then the container budget); every parse failure becomes `ProtocolError`."""
+    budget = _ContainerBudget(limits)
     try:
-        return msgpack.unpackb(frame, raw=False, ext_hook=_reject_ext_hook, strict_map_key=True)
+        return msgpack.unpackb(
+            frame, raw=False, ext_hook=_reject_ext_hook, strict_map_key=True,
+            max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
+            max_ext_len=_MAX_EXT_LEN, object_hook=budget.map, list_hook=budget.array,
+        )  # fmt: skip
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises many types (ValueError, FormatError, ...)

@@ -16,7 +16,10 @@ from disk (`HostLookup.reads_loading`, `HostLease.loading` / `ready_pages`), and
 `HostPagesReady`, `CacheTreeQuery` / `CacheTreeReply` and `CacheAuditClear` /
 `CacheAuditCleared` messages. 5.0: page hashes are 128-bit, each list of them one bin of
 16 bytes per hash (`HashesSpec`); a `SpillOffer` carries its pages' tokens and what their
-hashes chain from (`SpillRun`), a `HostLease` the stored tokens of its pages.
+hashes chain from (`SpillRun`), a `HostLease` the stored tokens of its pages. 5.1: a
+request's place among other tenants' for the engines' fair share (`GenerateRequest` and
+`PrefillRequest`: ``tenant``, ``priority``, ``tenant_weight``); a 5.0 peer ignores them
+and its engine serves every request as one tenant's.
 
 Flow of the disaggregated design::
 
@@ -67,7 +70,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (5, 0)
+PROTOCOL_VERSION: tuple[int, int] = (5, 1)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -185,6 +188,14 @@ SPAN_ID = StrSpec(16, min_chars=16)  # 16 lowercase hex digits (W3C trace contex
 TRACEPARENT = StrSpec(55)  # a W3C ``traceparent`` (version 00), "" when not traced
 # whose KV a request may share (`radixserve.cache.block_hash.cache_scope`); "" = default
 CACHE_SCOPE = StrSpec(1024)
+# a request's place among other tenants' (`radixserve.engine.fair_share.TenantShare`): its
+# tenant (an opaque id, "" = the default), priority (lower = sooner) and tenant's weight
+TENANT_ID = StrSpec(64)
+MAX_PRIORITY = 100
+PRIORITY = IntSpec(-MAX_PRIORITY, MAX_PRIORITY)
+MIN_TENANT_WEIGHT = 0.01
+MAX_TENANT_WEIGHT = 1000.0
+TENANT_WEIGHT = FloatSpec(MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
 SPAN_STATUSES: frozenset[str] = frozenset({"unset", "ok", "error"})
 
 
@@ -245,6 +256,10 @@ class GenerateRequest(Message):
     traceparent: str = field(default="", metadata=_spec(TRACEPARENT))
     # the scope its KV is cached and matched in; ``page_hashes`` are in its namespace
     cache_scope: str = field(default="", metadata=_spec(CACHE_SCOPE))
+    # its place among other tenants' requests in the engine's scheduler
+    tenant: str = field(default="", metadata=_spec(TENANT_ID))
+    priority: int = field(default=0, metadata=_spec(PRIORITY))
+    tenant_weight: float = field(default=1.0, metadata=_spec(TENANT_WEIGHT))
 
 
 @dataclass(frozen=True)
@@ -269,6 +284,9 @@ class PrefillRequest(Message):
     num_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     traceparent: str = field(default="", metadata=_spec(TRACEPARENT))  # the decode side's span
     cache_scope: str = field(default="", metadata=_spec(CACHE_SCOPE))  # the request's
+    tenant: str = field(default="", metadata=_spec(TENANT_ID))  # the request's, as above
+    priority: int = field(default=0, metadata=_spec(PRIORITY))
+    tenant_weight: float = field(default=1.0, metadata=_spec(TENANT_WEIGHT))
 
     def invariant_error(self) -> str | None:
         if self.num_cached_tokens >= len(self.token_ids):

@@ -5,7 +5,9 @@ N >= 1, a prefix N requests used) are copied on the engine thread into this work
 *spill buffer* (a host tensor in the pool layout with a transfer agent of its own), so
 the device pages are free at once; the loop offers them to the kvstore (`SpillOffer`),
 which reads those it lacks and answers `SpillDone`, and only then is the buffer space
-reused. A full buffer drops the pages (counted).
+reused. A full buffer drops the pages (counted). The buffer's agent serves only pages
+on offer: each offer's pages are granted to the kvstore's agent until its `SpillDone`
+(or until its link goes down), so a read of any other buffer page is refused.
 
 **Load** (`plan`, `read`, `release`): only when more than ``host_load_min_tokens`` of a
 prompt are missing past its device hit (found in the worker's view of its own cache, so
@@ -174,6 +176,7 @@ class HostTierClient:
             nixl_progress_thread=settings.nixl_progress_thread,
             network=transfer_network(settings),
         )
+        self.buffer_agent.enforce_grants()  # the kvstore reads only the pages offered it
         self.page_size = geometry.page_size
         self.link: Link | None = None
         self.attached = False
@@ -223,6 +226,7 @@ class HostTierClient:
         it was only silent."""
         self.attached = self.settled = False
         self.engine.listen_spills(None)
+        self.buffer_agent.revoke(link.name)
         held = [page for pages in self._outstanding.values() for page in pages]
         self._outstanding.clear()
         if held:
@@ -242,6 +246,7 @@ class HostTierClient:
         elif isinstance(msg, SpillDone):
             pages = self._outstanding.pop(msg.spill_id, None)
             if pages is not None:
+                self.buffer_agent.revoke(link.name, pages)
                 with self._lock:
                     self._free.extend(pages)
                     self.counters["host_spill_stored_pages_total"] += msg.stored
@@ -311,11 +316,13 @@ class HostTierClient:
                 continue
             self._spill_ids += 1
             self._outstanding[self._spill_ids] = slots
+            self.buffer_agent.grant(link.name, slots)
             self._busy.set()
             try:
                 offer = spill_offer(self._spill_ids, hashes, slots, proofs)
                 await link.send(offer, 0)
             except TimeoutError:
+                self.buffer_agent.revoke(link.name, slots)
                 with self._lock:
                     self._free.extend(self._outstanding.pop(self._spill_ids, []))
 
@@ -443,6 +450,7 @@ class HostTierClient:
         with self._lock:
             stats: dict[str, int | float] = dict(self.counters)
             stats["host_spill_buffer_free"] = len(self._free)
+            stats["host_spill_refused_reads_total"] = self.buffer_agent.refused_reads
             stats["host_spill_buffer_pages"] = self.buffer.shape[2]
             stats["host_load_seconds_total"] = self.load_seconds
         stats["host_attached"] = int(self.attached)

@@ -185,7 +185,45 @@ def resolved_tp(tp: int | Literal["auto"]) -> int:
     return max(1, torch.cuda.device_count())
 
 
-class WorkerSettings(ServiceSettings, TransferSettings):
+class KVEventsSettings(BaseSettings):
+    """A worker's radix-cache events (or the kvstore's tiers') in vLLM's format, for
+    routers and indexers built for vLLM (`radixserve.runtime.kv_events`); the fields of
+    vLLM's ``KVEventsConfig``."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid")
+
+    kv_events_publisher: Literal["zmq"] = Field(
+        "zmq", description="How the events are published: 'zmq' (a ZMQ PUB socket), vLLM's."
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        pattern=r"^(tcp|ipc|inproc)://",
+        description="ZMQ endpoint of the events' PUB socket; unset = no events. Bound when "
+        "it has a wildcard host ('*', '::') or is ipc:// or inproc:// (port 0: any free "
+        "port, logged), else connected to a subscriber that binds, as vLLM does.",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        pattern=r"^(tcp|ipc|inproc)://",
+        description="ZMQ endpoint the ROUTER socket that replays buffered batches binds "
+        "(a subscriber sends the first sequence number it lacks); unset = no replay.",
+    )
+    kv_events_topic: str = Field(
+        "", max_length=255, description="Topic frame of every published batch."
+    )
+    kv_events_buffer_steps: int = Field(
+        10_000, ge=1, le=1_000_000, description="Batches kept for replay."
+    )
+    kv_events_hwm: int = Field(
+        100_000, ge=1, le=10_000_000, description="High-water mark of the PUB socket."
+    )
+
+
+class WorkerSettings(ServiceSettings, TransferSettings, KVEventsSettings):
     """Settings every worker has; `PrefillSettings` and `DecodeSettings` add their own."""
 
     kvstore: str | None = Field(

@@ -18,6 +18,7 @@ kvstore has a host tier, spills into it and loads from it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +27,9 @@ from typing import Any
 from radixserve.cache.block_hash import page_hashes, scoped_namespace
 from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine, OutputQueue
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.metrics import service_metrics
 from radixserve.protocol import (
     Deregister,
     HelloAck,
@@ -41,6 +44,7 @@ from radixserve.protocol import (
 from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.host_tier import HostTierClient
+from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
@@ -49,6 +53,7 @@ from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
 from radixserve.transfer import create_agent
 from radixserve.transfer.group import GroupAgent
+from radixserve.vllm_metrics import HIT_TOKENS, QUERIED_TOKENS, engine_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +75,12 @@ class Worker(Service):
         self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
         # hashes of the pages in the engine's radix cache, as of the last event published
         self.cached_hashes: set[int] = set()
+        self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
         self.tracer = Tracer(self.role, otlp_exporter(self.role))
+        for key in (QUERIED_TOKENS, HIT_TOKENS):  # vLLM's prefix-cache counters, in tokens
+            self.counters.setdefault(key, 0)
 
     async def start(self) -> None:
         s = self.settings
@@ -94,6 +102,8 @@ class Worker(Service):
             }  # fmt: skip
             await self.engine.call(lambda e: e.start_rank_agents(request))
             await asyncio.to_thread(self.agent.wait_ranks)
+        if s.kv_events_endpoint is not None:
+            self._start_kv_events()
         if not s.kvstore:
             return
         assert self.context is not None
@@ -119,7 +129,22 @@ class Worker(Service):
             self.engine.listen_cache(emit)
         self.kvstore.start()
 
+    def _start_kv_events(self) -> None:
+        """Publish the radix cache's pages in vLLM's format (`radixserve.runtime.kv_events`)."""
+        if not self.engine.info.prefix_cache:
+            raise ValueError(
+                f"RADIXSERVE_{self.role.upper()}_KV_EVENTS_ENDPOINT needs the prefix cache "
+                "(RADIXSERVE_PREFIX_CACHE=true): without it no page is cached"
+            )
+        self.kv_events = KVEventPublisher(self.settings, self.page_size)
+        self.engine.listen_blocks(self.kv_events.on_block)
+        logger.info("%s: KV events on %s (replay: %s)", self.name, self.kv_events.endpoint,
+                    self.kv_events.replay_endpoint)  # fmt: skip
+
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            self.engine.listen_blocks(None)
+            await asyncio.to_thread(self.kv_events.close)
         if self.kvstore is not None:
             await self.kvstore.close()
         if self.host is not None:
@@ -158,7 +183,8 @@ class Worker(Service):
         await asyncio.sleep(0.1)
 
     def describe(self) -> str:
-        return f", KV transfer over {self.settings.transfer_backend}"
+        events = f", KV events on {self.kv_events.endpoint}" if self.kv_events else ""
+        return f", KV transfer over {self.settings.transfer_backend}{events}"
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Ready once the engine is loaded and the transfer agent made (the service
@@ -281,6 +307,7 @@ class Worker(Service):
         lease_s: float | None = None,
         resume: list[int] | None = None,
         cache_scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
         under: Span = NO_SPAN,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: the host-tier lease past the device hit (a kvstore
@@ -290,7 +317,8 @@ class Worker(Service):
         outputs (its first one comes at the end of the next step on the local route).
         ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
         ``resume``: a migrated stream's tokens so far (`Engine.admit`); ``cache_scope``:
-        whose KV it may share (`Engine.admit`; ``hashes`` are in its namespace). ``under``: the
+        whose KV it may share (`Engine.admit`; ``hashes`` are in its namespace); ``share``:
+        its tenant, priority and weight (`Engine.admit`). ``under``: the
         span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
         resume = resume or []
         planned = None
@@ -308,8 +336,10 @@ class Worker(Service):
         try:
             admission, out = await self.engine.admit(
                 request_id, prompt_ids, params, remote_over=remote_over, host=plan,
-                lease_s=lease_s, resume=resume, cache_scope=cache_scope,
+                lease_s=lease_s, resume=resume, cache_scope=cache_scope, share=share,
             )  # fmt: skip
+            self.counters[QUERIED_TOKENS] += len(prompt_ids) + len(resume)
+            self.counters[HIT_TOKENS] += admission.cached_tokens
             if admission.route == "host":
                 assert self.host is not None and lease is not None
                 try:
@@ -343,10 +373,19 @@ class Worker(Service):
         tasks and counters, then the host tier's."""
         stats = self.engine.stats().as_dict()
         stats["page_bytes"] = self.engine.info.geometry.page_bytes
+        if self.agent is not None:  # peers' reads of pages not lent to them (ZMQ)
+            stats["kv_transfer_refused_reads_total"] = self.agent.refused_reads
         stats.update(super().stats())
         if self.host is not None:
             stats.update(self.host.stats())
         return stats
+
+    def metrics_text(self) -> bytes:
+        """The service's own families, then vLLM's per-engine ones (`radixserve.vllm_metrics`;
+        this worker is the engine, named by its name)."""
+        stats: dict[str, Any] = {**self.stats(), **dataclasses.asdict(self.load())}
+        own = service_metrics(self.name, self.role, stats)
+        return own + engine_metrics(self.engine.info.served_name, self.name, stats)
 
 
 def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:

@@ -1,102 +1,154 @@
-"""`OtlpExporter`: finished spans to an OpenTelemetry collector over OTLP/HTTP (JSON).
+"""`OtlpExporter`: finished spans to an OpenTelemetry collector over OTLP, encoded and
+sent by the OpenTelemetry SDK's own exporters, over the protocol the standard
+``OTEL_EXPORTER_OTLP_PROTOCOL`` names:
 
-Why JSON by hand rather than the OpenTelemetry SDK and its protobuf exporter: the
-encoding is a few dozen lines of the stable OTLP/JSON mapping
-(https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding, accepted at the same
-``/v1/traces`` URL as protobuf by the collector, Jaeger, Tempo...), where the SDK would
-add five packages (protobuf among them) to every image and a span processor on the
-request path costing more than the spans it records.
+- ``http/protobuf`` (the specification's default): opentelemetry-exporter-otlp-proto-http;
+- ``http/json``: opentelemetry-exporter-otlp-json-http;
+- ``grpc``: opentelemetry-exporter-otlp-proto-grpc.
 
-Off the request path: `submit` appends to a bounded queue (full: the span is dropped
-and counted) and a daemon thread posts batches every ``schedule_delay_s`` or as soon as
-a batch is full. A collector that is down or slow costs a failed post on that thread
-(logged at most once a minute), never a request.
+Only the SDK's exporters are used, not its tracer or span processor: spans are made by
+`radixserve.tracing.span` (plain objects, no context propagation through contextvars)
+and batched here. Off the request path: `submit` appends to a bounded queue (full: the
+span is dropped and counted) and a daemon thread converts each batch to the SDK's
+`ReadableSpan` and exports it every ``schedule_delay_s``, or as soon as a batch is full.
+A collector that is down or slow costs that thread a failed export (the SDK retries
+within ``timeout_s``; logged here at most once a minute), never a request. The SDK's
+exporter modules are imported when an exporter is made, so a process that exports
+nothing never imports them (grpc alone takes ~0.2 s).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.tracing.span import Attribute, Span
+from radixserve.tracing.span import Span
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 logger = logging.getLogger(__name__)
 
-_KIND = {"internal": 1, "server": 2, "client": 3}  # OTLP's SpanKind
-_STATUS = {"unset": 0, "ok": 1, "error": 2}  # OTLP's StatusCode
+PROTOCOLS = ("http/protobuf", "http/json", "grpc")
+DEFAULT_PROTOCOL = "http/protobuf"
+SCOPE_NAME = "radixserve"
 _WARN_EVERY_S = 60.0
-SCOPE = {"name": "radixserve"}
 
 
-def _value(value: Attribute) -> dict[str, Any]:
-    """An OTLP AnyValue (int64 as a decimal string, as the JSON mapping has it)."""
-    if isinstance(value, bool):
-        return {"boolValue": value}
-    if isinstance(value, int):
-        return {"intValue": str(value)}
-    if isinstance(value, float):
-        return {"doubleValue": value}
-    return {"stringValue": str(value)}
+def sdk_exporter(
+    protocol: str, url: str, headers: Mapping[str, str], timeout_s: float
+) -> SpanExporter:
+    """The OpenTelemetry SDK's span exporter for ``protocol``, sending to ``url`` (the
+    full traces URL for HTTP, ``http(s)://host:port`` for gRPC: http = no TLS)."""
+    # gRPC metadata keys must be lowercase; HTTP header names are case-insensitive
+    headers = {key.lower(): value for key, value in headers.items()}
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=url, headers=headers, timeout=timeout_s)
+    if protocol == "http/json":
+        from opentelemetry.exporter.otlp.json.http.trace_exporter import (
+            OTLPSpanExporter as JsonSpanExporter,
+        )
+
+        return JsonSpanExporter(endpoint=url, headers=headers, timeout=timeout_s)
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
+
+        return GrpcSpanExporter(
+            endpoint=url, insecure=url.startswith("http://"), headers=headers, timeout=timeout_s
+        )
+    raise ValueError(
+        f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol} is not supported: "
+        f"use one of {', '.join(PROTOCOLS)}"
+    )
 
 
-def _attributes(attributes: Mapping[str, Attribute]) -> list[dict[str, Any]]:
-    return [{"key": key, "value": _value(value)} for key, value in attributes.items()]
+class SpanConverter:
+    """Our finished `Span` as the SDK's `ReadableSpan`, under one resource and scope."""
+
+    def __init__(self, resource: Mapping[str, str]) -> None:
+        from opentelemetry import trace as api
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self._readable = ReadableSpan
+        self._context = api.SpanContext
+        self._sampled = api.TraceFlags(api.TraceFlags.SAMPLED)
+        self.resource = _hashed_once(resource)
+        self.scope = InstrumentationScope(SCOPE_NAME)
+        self._kinds = {"internal": api.SpanKind.INTERNAL, "server": api.SpanKind.SERVER,
+                       "client": api.SpanKind.CLIENT}  # fmt: skip
+        self._statuses = {name: api.Status(code) for name, code in (
+            ("unset", api.StatusCode.UNSET), ("ok", api.StatusCode.OK),
+            ("error", api.StatusCode.ERROR))}  # fmt: skip
+
+    def __call__(self, span: Span) -> ReadableSpan:
+        trace_id = int(span.trace_id, 16)
+        parent = None
+        if span.parent_span_id:
+            parent = self._context(trace_id, int(span.parent_span_id, 16), span.remote_parent,
+                                   self._sampled)  # fmt: skip
+        return self._readable(
+            span.name,
+            context=self._context(trace_id, int(span.span_id, 16), False, self._sampled),
+            parent=parent,
+            resource=self.resource,
+            attributes=span.attributes,
+            kind=self._kinds.get(span.kind, self._kinds["internal"]),
+            status=self._statuses[span.status],
+            start_time=span.start_ns,
+            end_time=span.end_ns,
+            instrumentation_scope=self.scope,
+        )
 
 
-def otlp_span(span: Span) -> dict[str, Any]:
-    """One span in OTLP/JSON (ids in hex, times as decimal strings)."""
-    body: dict[str, Any] = {
-        "traceId": span.trace_id,
-        "spanId": span.span_id,
-        "name": span.name,
-        "kind": _KIND.get(span.kind, 1),
-        "startTimeUnixNano": str(span.start_ns),
-        "endTimeUnixNano": str(span.end_ns),
-        "attributes": _attributes(span.attributes),
-        "status": {"code": _STATUS[span.status]},
-    }
-    if span.parent_span_id:
-        body["parentSpanId"] = span.parent_span_id
-    return body
+def _hashed_once(attributes: Mapping[str, str]) -> Any:
+    """The SDK's `Resource` of ``attributes``, hashed once: its encoders group a batch's
+    spans by resource, and `Resource.__hash__` runs json.dumps each time (a quarter of
+    the protobuf encoding's cost per span, measured)."""
+    from opentelemetry.sdk.resources import Resource
 
+    class HashedResource(Resource):
+        def __init__(self, attributes: Mapping[str, str]) -> None:
+            super().__init__(dict(attributes))
+            self._hash = super().__hash__()
 
-def otlp_request(resource: Mapping[str, str], spans: Sequence[Span]) -> dict[str, Any]:
-    """An ExportTraceServiceRequest holding ``spans`` of one resource."""
-    return {
-        "resourceSpans": [
-            {
-                "resource": {"attributes": _attributes(resource)},
-                "scopeSpans": [{"scope": SCOPE, "spans": [otlp_span(s) for s in spans]}],
-            }
-        ]
-    }
+        def __hash__(self) -> int:
+            return self._hash
+
+    return HashedResource(attributes)
 
 
 class OtlpExporter:
-    """Batches spans and posts them to ``url`` on its own thread (see the module notes)."""
+    """Batches spans and exports them over ``protocol`` to ``url`` on its own thread
+    (see the module notes); ``exporter``: an SDK exporter to use instead of the one
+    ``protocol`` names."""
 
     def __init__(
         self,
         url: str,
         resource: Mapping[str, str],
         *,
+        protocol: str = DEFAULT_PROTOCOL,
         headers: Mapping[str, str] | None = None,
         timeout_s: float = 10.0,
         schedule_delay_s: float = 5.0,
         max_queue: int = 2048,
         max_batch: int = 512,
+        exporter: SpanExporter | None = None,
     ) -> None:
         self.url = url
-        self.resource = dict(resource)
-        self.headers = {"Content-Type": "application/json", **(headers or {})}
-        self.timeout_s = timeout_s
+        self.protocol = protocol
+        self._sdk = exporter or sdk_exporter(protocol, url, headers or {}, timeout_s)
+        self._convert = SpanConverter(resource)
         self.schedule_delay_s = schedule_delay_s
         self.max_queue = max_queue
         self.max_batch = max_batch
@@ -118,17 +170,24 @@ class OtlpExporter:
             self._wake.set()
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Post what is queued (within ``timeout_s``) and stop the thread."""
+        """Export what is queued (within ``timeout_s``: then an export still retrying is
+        cut short) and stop the thread."""
         self._closing = True
         self._wake.set()
         self._thread.join(timeout_s)
+        self._sdk.shutdown()  # ends the SDK's retry waits; later exports fail at once
+        self._thread.join(0.5)
+
+    def readable(self, spans: Sequence[Span]) -> list[ReadableSpan]:
+        """``spans`` as the SDK exports them."""
+        return [self._convert(span) for span in spans]
 
     def _run(self) -> None:
         while True:
             self._wake.wait(self.schedule_delay_s)
             self._wake.clear()
             while self._queue:
-                self._post(self._batch())
+                self._export(self._batch())
             if self._closing:
                 return
 
@@ -138,17 +197,20 @@ class OtlpExporter:
             batch.append(self._queue.popleft())
         return batch
 
-    def _post(self, batch: list[Span]) -> None:
-        data = json.dumps(otlp_request(self.resource, batch), separators=(",", ":")).encode()
-        request = urllib.request.Request(self.url, data, self.headers, method="POST")
+    def _export(self, batch: list[Span]) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        problem: Any = None
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
-            self.exported += len(batch)
-        except (OSError, urllib.error.URLError, ValueError) as exc:
-            self.failed += len(batch)
-            now = time.monotonic()
-            if now - self._last_warning >= _WARN_EVERY_S:
-                self._last_warning = now
-                logger.warning("OTLP export of %d spans to %s failed: %s (%d failed so far)",
-                               len(batch), self.url, exc, self.failed)  # fmt: skip
+            if self._sdk.export(self.readable(batch)) is SpanExportResult.SUCCESS:
+                self.exported += len(batch)
+                return
+        except Exception as exc:  # the SDK's exporters report failures; never kill the thread
+            problem = exc
+        self.failed += len(batch)
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            logger.warning("OTLP export (%s) of %d spans to %s failed%s (%d failed so far)",
+                           self.protocol, len(batch), self.url,
+                           f": {problem}" if problem else "", self.failed)  # fmt: skip

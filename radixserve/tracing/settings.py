@@ -12,15 +12,17 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import unquote
 
-from pydantic import Field
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from radixserve.tracing.otlp import DEFAULT_PROTOCOL, PROTOCOLS
+
 TRACES_PATH = "/v1/traces"
-SUPPORTED_PROTOCOL = "http/json"
 
 
 class OtlpSettings(BaseSettings):
-    """Where and how spans are exported over OTLP/HTTP; no endpoint = no export."""
+    """Where and how spans are exported over OTLP; no endpoint = no export. `load`
+    reads the environment, with errors that name the variables."""
 
     model_config = SettingsConfigDict(env_prefix="OTEL_", frozen=True, extra="ignore")
 
@@ -49,11 +51,12 @@ class OtlpSettings(BaseSettings):
     exporter_otlp_traces_timeout: int | None = Field(
         None, ge=1, le=600_000, description="Milliseconds one trace export may take."
     )
-    exporter_otlp_protocol: Literal["http/json", "http/protobuf", "grpc"] | None = Field(
-        None, description="Only http/json is spoken (unset means http/json here)."
+    exporter_otlp_protocol: str | None = Field(
+        None,
+        description="http/protobuf (unset: the specification's default), http/json or grpc.",
     )
-    exporter_otlp_traces_protocol: Literal["http/json", "http/protobuf", "grpc"] | None = Field(
-        None, description="As OTEL_EXPORTER_OTLP_PROTOCOL, for traces."
+    exporter_otlp_traces_protocol: str | None = Field(
+        None, description="As OTEL_EXPORTER_OTLP_PROTOCOL, for traces; wins over it."
     )
     service_name: str | None = Field(
         None,
@@ -79,28 +82,43 @@ class OtlpSettings(BaseSettings):
         512, ge=1, le=1 << 16, description="Most spans in one export."
     )
 
+    @field_validator("exporter_otlp_protocol", "exporter_otlp_traces_protocol")
+    @classmethod
+    def _spoken(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and value not in PROTOCOLS:
+            raise ValueError(
+                f"OTEL_{str(info.field_name).upper()}={value} is not supported: "
+                f"use one of {', '.join(PROTOCOLS)} (unset: {DEFAULT_PROTOCOL})"
+            )
+        return value
+
+    def protocol(self) -> str:
+        """The protocol spans are exported over (the traces variable wins)."""
+        return self.exporter_otlp_traces_protocol or self.exporter_otlp_protocol or DEFAULT_PROTOCOL
+
     def traces_url(self) -> str | None:
-        """Where spans are posted, or None when nothing is to be exported."""
+        """Where spans are sent, or None when nothing is to be exported: the traces
+        endpoint as is; else the base endpoint, with ``/v1/traces`` over HTTP (gRPC
+        takes it as is, as the specification says)."""
         if self.sdk_disabled or self.traces_exporter == "none":
             return None
         if self.exporter_otlp_traces_endpoint:
             return self.exporter_otlp_traces_endpoint
         if self.exporter_otlp_endpoint:
+            if self.protocol() == "grpc":
+                return self.exporter_otlp_endpoint
             return self.exporter_otlp_endpoint.rstrip("/") + TRACES_PATH
         return None
 
-    def protocol_error(self) -> str | None:
-        """Why the configured protocol cannot be served, or None."""
-        for name in ("exporter_otlp_traces_protocol", "exporter_otlp_protocol"):
-            value = getattr(self, name)
-            if value is not None:
-                if value != SUPPORTED_PROTOCOL:
-                    return (
-                        f"OTEL_{name.upper()}={value} is not supported: radixserve exports "
-                        f"OTLP/HTTP with JSON bodies; set it to {SUPPORTED_PROTOCOL} or unset it"
-                    )
-                return None
-        return None
+    @classmethod
+    def load(cls) -> OtlpSettings:
+        """The settings of this process's OTEL_* environment; `ValueError` naming each
+        variable that is refused."""
+        from_env: dict[str, object] = {}  # every field from OTEL_* / defaults
+        try:
+            return cls(**from_env)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            raise ValueError("; ".join(_problem(e) for e in exc.errors())) from None
 
     def headers(self) -> dict[str, str]:
         return {**_pairs(self.exporter_otlp_headers), **_pairs(self.exporter_otlp_traces_headers)}
@@ -131,3 +149,12 @@ def _pairs(text: str) -> dict[str, str]:
         if sep and key.strip():
             pairs[key.strip()] = unquote(value.strip())
     return pairs
+
+
+def _problem(error: object) -> str:
+    """One pydantic error as ``OTEL_<NAME>: <what is wrong>`` (the message alone when
+    it names its variable already)."""
+    assert isinstance(error, dict)
+    message = str(error["msg"]).removeprefix("Value error, ")
+    variable = "OTEL_" + str(error["loc"][0]).upper() if error["loc"] else "OTEL_*"
+    return message if message.startswith(variable) else f"{variable}: {message}"

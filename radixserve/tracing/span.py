@@ -78,7 +78,7 @@ class Span:
     """One step of a traced request; see the module notes."""
 
     __slots__ = ("trace", "span_id", "parent_span_id", "name", "service", "start_ns",
-                 "end_ns", "attributes", "status", "kind")  # fmt: skip
+                 "end_ns", "attributes", "status", "kind", "remote_parent")  # fmt: skip
 
     def __init__(
         self,
@@ -89,6 +89,7 @@ class Span:
         attributes: dict[str, Attribute] | None = None,
         service: Role | None = None,
         kind: str = "internal",
+        remote_parent: bool = False,
     ) -> None:
         self.trace = trace
         self.span_id = new_span_id()
@@ -100,6 +101,7 @@ class Span:
         self.attributes: dict[str, Attribute] = attributes or {}
         self.status: Status = "unset"
         self.kind = kind  # "server" for the request's span at the gateway
+        self.remote_parent = remote_parent  # the parent is another process's span
 
     @property
     def recording(self) -> bool:
@@ -156,6 +158,16 @@ class Span:
                           self.start_ns, self.end_ns, self.status, values, tuple(labels))  # fmt: skip
 
 
+class RemoteSpan(Span):
+    """Another process's span, which a request's ``traceparent`` names: this process's
+    spans start under it (`Tracer.join`); never ended here."""
+
+    __slots__ = ()
+
+    def child(self, name: str, start_ns: int | None = None, **attributes: Attribute) -> Span:
+        return Span(self.trace, name, self.span_id, start_ns, attributes, remote_parent=True)
+
+
 class _NoSpan(Span):
     """The span of a request that is not traced: every method does nothing."""
 
@@ -170,6 +182,7 @@ class _NoSpan(Span):
         self.attributes = {}
         self.status = "unset"
         self.kind = "internal"
+        self.remote_parent = False
 
     @property
     def recording(self) -> bool:

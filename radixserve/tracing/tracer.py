@@ -14,7 +14,7 @@ from radixserve.protocol.messages import Role
 from radixserve.tracing.context import TraceContext, new_trace_id, parse_traceparent
 from radixserve.tracing.otlp import OtlpExporter
 from radixserve.tracing.settings import OtlpSettings
-from radixserve.tracing.span import NO_SPAN, Attribute, RequestTrace, Span
+from radixserve.tracing.span import NO_SPAN, Attribute, RemoteSpan, RequestTrace, Span
 
 
 class Tracer:
@@ -47,7 +47,8 @@ class Tracer:
         trace_id = parent.trace_id if parent is not None else new_trace_id()
         trace = self._trace(trace_id)
         parent_id = parent.span_id if parent is not None else None
-        return Span(trace, name, parent_id, attributes=dict(attributes), kind="server")
+        return Span(trace, name, parent_id, attributes=dict(attributes), kind="server",
+                    remote_parent=parent is not None)  # fmt: skip
 
     def join(self, traceparent: str) -> Span:
         """The remote span a request's ``traceparent`` names, to start this process's
@@ -56,7 +57,7 @@ class Tracer:
         parent = parse_traceparent(traceparent)
         if parent is None or not parent.sampled:
             return NO_SPAN
-        remote = Span(self._trace(parent.trace_id), "remote", None, start_ns=0)
+        remote = RemoteSpan(self._trace(parent.trace_id), "remote", None, start_ns=0)
         remote.span_id = parent.span_id
         return remote
 
@@ -72,18 +73,16 @@ class Tracer:
 
 def otlp_exporter(role: Role, settings: OtlpSettings | None = None) -> OtlpExporter | None:
     """The exporter the OTEL_* environment asks for in a process of ``role`` (None: no
-    endpoint, or export disabled); `ValueError` for a protocol not spoken."""
-    from_env: dict[str, object] = {}  # every field from OTEL_* / defaults
-    settings = settings if settings is not None else OtlpSettings(**from_env)  # type: ignore[arg-type]
+    endpoint, or export disabled); `ValueError` naming a variable that is refused (a
+    protocol not spoken among them), endpoint or not."""
+    settings = settings if settings is not None else OtlpSettings.load()
     url = settings.traces_url()
     if url is None:
         return None
-    problem = settings.protocol_error()
-    if problem is not None:
-        raise ValueError(problem)
     return OtlpExporter(
         url,
         settings.resource(role),
+        protocol=settings.protocol(),
         headers=settings.headers(),
         timeout_s=settings.timeout_s(),
         schedule_delay_s=settings.bsp_schedule_delay / 1000.0,

@@ -21,6 +21,15 @@ Contracts:
     forever) makes progress only inside agent calls. An asyncio reader waits with
     `wait_async`.
   * Agents are not thread-safe: use one from a single thread.
+  * Grants: an owner that lends its pages may say whom to (`enforce_grants`, then
+    `grant(peer, page_ids)` where it lends them and `revoke` where they come back); from
+    then on a backend that serves reads itself (ZMQ) refuses a read of a page not granted
+    to the asking peer, counted in `refused_reads`. A grant to ``decode-0`` covers its
+    tensor-parallel ranks' agents (``decode-0.tp1`` ...). The asking peer's name is the
+    one its request declares: the cluster secret proves a reader is a member, not which
+    member, so a grant keeps a confused or stale member off pages lent to another, not a
+    member that lies about its name. NIXL cannot enforce grants: its reads are one-sided
+    (RDMA-style; the owner's CPU never sees them), so its agent keeps the ledger only.
   * Tensor parallelism: an agent holds one rank's pool, the KV heads of its `KVShard`
     (metadata carries it). `read_pages` reads the given model heads (default: all of
     ours, which the peer must hold), so a rank reads from each peer rank just the heads
@@ -32,8 +41,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -186,6 +198,8 @@ class KVTransferAgent(EventLoopWaits):
         self._active: dict[int, TransferHandle] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        self.grants = PageGrants()
+        self.refused_reads = 0  # reads refused (malformed, out of pool, not granted ...)
 
     # ---- metadata and peers -------------------------------------------------------
 
@@ -275,6 +289,20 @@ class KVTransferAgent(EventLoopWaits):
                 f"heads, ours {self.page_bytes} for {self.shard.count}"
             )
         return info
+
+    # ---- grants -------------------------------------------------------------------
+
+    def enforce_grants(self) -> None:
+        """Serve only pages granted to the reader from now on (module notes)."""
+        self.grants.enforced = True
+
+    def grant(self, peer: str, page_ids: list[int]) -> None:
+        """Lend ``page_ids`` to ``peer`` (once more each: a grant per lease)."""
+        self.grants.grant(peer, page_ids)
+
+    def revoke(self, peer: str, page_ids: list[int] | None = None) -> None:
+        """Take back one grant of each of ``page_ids`` from ``peer`` (None: all of its)."""
+        self.grants.revoke(peer, page_ids)
 
     # ---- transfers ----------------------------------------------------------------
 
@@ -430,6 +458,55 @@ class KVTransferAgent(EventLoopWaits):
     @abstractmethod
     def _shutdown(self) -> None:
         """Close sockets / deregister memory."""
+
+
+_RANK_NAME = re.compile(r"(.+)\.tp\d+")  # a tensor-parallel rank's agent: <worker>.tp<N>
+
+
+class PageGrants:
+    """Which pages of an agent's pool are lent to which peer: a count per (peer, page),
+    one per grant (two leases of one page to one reader are two grants). Thread-safe:
+    a backend's serving thread asks `allows` while the owner's loop grants."""
+
+    def __init__(self) -> None:
+        self.enforced = False
+        self._lock = threading.Lock()
+        self._counts: dict[str, Counter[int]] = {}
+
+    def grant(self, peer: str, page_ids: list[int]) -> None:
+        with self._lock:
+            self._counts.setdefault(peer, Counter()).update(page_ids)
+
+    def revoke(self, peer: str, page_ids: list[int] | None = None) -> None:
+        with self._lock:
+            counts = self._counts.get(peer)
+            if counts is None:
+                return
+            if page_ids is None:
+                counts.clear()
+            else:
+                counts.subtract(page_ids)
+                for page in set(page_ids):
+                    if counts.get(page, 0) <= 0:
+                        counts.pop(page, None)
+            if not counts:
+                del self._counts[peer]
+
+    def allows(self, reader: str, page_ids: list[int]) -> bool:
+        """Whether ``reader`` (an agent's name; a rank's ``<peer>.tp<N>`` counts as
+        ``<peer>``) may read every page of ``page_ids`` (always, unless enforced)."""
+        if not self.enforced:
+            return True
+        rank = _RANK_NAME.fullmatch(reader)
+        peer = rank.group(1) if rank else reader
+        with self._lock:
+            counts = self._counts.get(peer)
+            return counts is not None and all(counts[p] > 0 for p in page_ids)
+
+    def num_pages(self) -> int:
+        """Pages granted now, over every peer (a page granted to two counts twice)."""
+        with self._lock:
+            return sum(len(c) for c in self._counts.values())
 
 
 def _validate_ids(

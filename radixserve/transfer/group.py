@@ -15,6 +15,10 @@ a TP=1 worker's group is rank 0's agent alone.
 * **read_pages** has each of our ranks read its heads from those peer ranks: one read
   per rank pair. The group's read is done when every rank's read is, and failed if any
   failed; a dead rank process fails it by its deadline.
+* **grants** (`enforce_grants`, `grant`, `revoke`) go to every rank's agent and are
+  awaited (`_ask_all`): the reader, told of the pages over the network once the call
+  returns, reads from the ranks directly, and a read that overtook its grant would be
+  refused.
 * **serve_reads** drives every rank's side of peers' reads (NIXL without a progress
   thread progresses only inside agent calls): rank 0's directly, the others' for the
   next `SERVE_S` after each call.
@@ -185,6 +189,28 @@ class GroupAgent(EventLoopWaits):
         self._told[request] = f"rank {rank}: {msg['op']} {msg.get('name', '')}"
         self._send(rank, {**msg, "id": request})
 
+    def _ask_all(self, msg: dict[str, Any], timeout_s: float = 10.0) -> None:
+        """Run ``msg`` on every rank but 0 and wait for each to answer (a call the peers'
+        reads depend on); TransferError if one fails or does not answer in time."""
+        asked = {}
+        for rank in range(1, self.size):
+            request = next(self._ids)
+            asked[request] = rank
+            self._send(rank, {**msg, "id": request})
+        deadline = time.monotonic() + timeout_s
+        while asked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._dropped.update(asked)
+                raise TransferError(f"tensor-parallel ranks {sorted(asked.values())} did not "
+                                    f"answer {msg['op']} in {timeout_s:.0f} s")  # fmt: skip
+            self._drain(min(left, 0.05))
+            for request in [r for r in asked if r in self._results]:
+                rank = asked.pop(request)
+                state, error = self._results.pop(request)
+                if state != "done":
+                    raise TransferError(f"tensor-parallel rank {rank}: {msg['op']}: {error}")
+
     # ---- the agent interface ----------------------------------------------------------
 
     def metadata(self) -> bytes:
@@ -253,6 +279,26 @@ class GroupAgent(EventLoopWaits):
                     self.local.remove_peer(agent_name)
                 else:
                     self._tell(rank, {"op": "remove_peer", "name": agent_name})
+
+    def enforce_grants(self) -> None:
+        """Every rank's agent serves only granted pages (`KVTransferAgent.enforce_grants`)."""
+        self.local.enforce_grants()
+        self._ask_all({"op": "enforce_grants"})
+
+    def grant(self, peer: str, page_ids: list[int]) -> None:
+        """Lend ``page_ids`` to the worker ``peer`` on every rank, before it returns."""
+        self.local.grant(peer, page_ids)
+        self._ask_all({"op": "grant", "name": peer, "pages": page_ids})
+
+    def revoke(self, peer: str, page_ids: list[int] | None = None) -> None:
+        """Take the grants back on every rank (`KVTransferAgent.revoke`)."""
+        self.local.revoke(peer, page_ids)
+        self._ask_all({"op": "revoke", "name": peer, "pages": page_ids})
+
+    @property
+    def refused_reads(self) -> int:
+        """Reads rank 0's agent refused (each rank counts its own)."""
+        return self.local.refused_reads
 
     def read_pages(
         self,
@@ -417,6 +463,13 @@ def _rank_call(
             agent.add_peer(msg["name"], int(msg["generation"]), bytes(msg["metadata"]))
         elif op == "remove_peer":
             agent.remove_peer(msg["name"])
+        elif op == "enforce_grants":
+            agent.enforce_grants()
+        elif op == "grant":
+            agent.grant(msg["name"], [int(p) for p in msg["pages"]])
+        elif op == "revoke":
+            pages = msg["pages"]
+            agent.revoke(msg["name"], None if pages is None else [int(p) for p in pages])
         else:
             raise TransferError(f"unknown request {op!r}")
     except Exception as exc:  # noqa: BLE001 - answered as a failure; the rank serves on

@@ -17,6 +17,12 @@ the agent runs without it (``progress_thread=False``). The reader progresses its
 in `poll`; the owner must call `serve_reads` while a peer reads (UCX over TCP or
 shared memory needs the target's progress; RDMA would not).
 
+Grants (`KVTransferAgent.grant`): not enforced. A NIXL read is one-sided: the reader
+posts it against the owner's registered memory and the owner's CPU takes no part, so
+there is no point at which the owner could refuse a page. The agent keeps the ledger
+(its owner's calls are the same as over ZMQ); protecting lent pages over NIXL rests on
+the network (the cluster's transfer interfaces reachable by members only).
+
 Failed reads: a read towards a peer that died can leave a UCX request queued on its
 endpoint after NIXL reported the failure and its handle was released; destroying the
 agent with it still queued aborts the process (UCX asserts `ucs_arbiter_group_is_empty`;

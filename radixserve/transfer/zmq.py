@@ -6,6 +6,13 @@ multipart message: a msgpack header, then one frame per (region, run) — region
 where a run is a stretch of pages consecutive on *both* sides. Frames are sent straight
 from pool memory (`copy=False`); a CUDA pool is staged through host memory.
 
+Bounds: the owner's socket takes no message over `MAX_REQUEST_BYTES` (ZMQ_MAXMSGSIZE:
+the peer is disconnected), decodes a request within msgpack limits, and refuses (and
+counts, `refused_reads`) a read of more than `MAX_READ_RUNS` runs, of pages outside
+its pool, or, once the owner enforces grants, of a page not granted to the reader the
+request names in ``from`` (self-declared: see `radixserve.transfer.base`, Grants); a
+reader's socket takes no frame larger than its own pool's region.
+
 Reader side: one DEALER socket per peer. A request is a msgpack map
 ``{"op": "read", "id", "from", "compat", "runs": [[remote_start, count], ...], "heads"}``
 (no pickle); ``heads`` is ``[first, count]`` of the owner's pool heads for a read of some
@@ -43,6 +50,18 @@ from radixserve.transfer.shards import KVShard
 logger = logging.getLogger(__name__)
 
 Run = tuple[int, int, int]  # (remote_start, local_start, count)
+
+#: page runs one read request may ask for: a read of one request's pages needs a few
+#: hundred at most; a read needing more fails at the reader (it is never sent)
+MAX_READ_RUNS = 1 << 16
+_RUN_BYTES = 11  # one [start, count] pair in msgpack at most: array header, two uint32
+#: the largest read request (ZMQ_MAXMSGSIZE of the owner's socket): the runs, plus the
+#: id, names and compat digest
+MAX_REQUEST_BYTES = 4096 + MAX_READ_RUNS * _RUN_BYTES
+#: msgpack limits of a request or reply header: short strings, and room for a request a
+#: little over `MAX_READ_RUNS` runs to be decoded and refused by name (with a reply)
+_HEADER_LIMITS: dict[str, int] = {"max_array_len": 2 * MAX_READ_RUNS, "max_map_len": 16,
+                                  "max_str_len": 4096, "max_bin_len": 0, "max_ext_len": 0}  # fmt: skip
 
 
 def page_runs(remote: list[int], local: list[int]) -> list[Run]:
@@ -113,6 +132,7 @@ class ZmqTransferAgent(KVTransferAgent):
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.setsockopt(zmq.SNDHWM, 0)
+        self._server.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # larger: peer dropped
         if self.keys is not None:
             self.keys.secure(self._server, bind=True)
         try:
@@ -146,9 +166,10 @@ class ZmqTransferAgent(KVTransferAgent):
 
     def _handle_request(self, ident: bytes, raw: bytes) -> None:
         try:
-            req = msgpack.unpackb(raw, raw=False)
+            req = msgpack.unpackb(raw, raw=False, **_HEADER_LIMITS)
             op = req["op"]
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            self.refused_reads += 1
             logger.warning("ZMQ KV server %r: malformed request dropped", self.name)
             return
         reply: dict[str, Any] = {"id": req.get("id"), "ok": False, "error": None}
@@ -158,7 +179,10 @@ class ZmqTransferAgent(KVTransferAgent):
             reply["error"] = f"incompatible KV pool (compat hash of {self.name!r} differs)"
         else:
             try:
+                if len(req["runs"]) > MAX_READ_RUNS:
+                    raise ValueError(f"{len(req['runs'])} page runs, at most {MAX_READ_RUNS}")
                 runs = [(int(s), int(n)) for s, n in req["runs"]]
+                self._check_granted(str(req.get("from")), runs)
                 heads = req.get("heads")
                 frames = (self._serve_runs(runs) if heads is None
                           else self._serve_cut(runs, int(heads[0]), int(heads[1])))  # fmt: skip
@@ -168,7 +192,20 @@ class ZmqTransferAgent(KVTransferAgent):
                 reply["ok"] = True
                 self._server.send_multipart([ident, msgpack.packb(reply), *frames], copy=False)
                 return
+        self.refused_reads += 1
+        logger.warning("ZMQ KV server %r refused a read: %s", self.name, reply["error"])
         self._server.send_multipart([ident, msgpack.packb(reply)])
+
+    def _check_granted(self, reader: str, runs: list[tuple[int, int]]) -> None:
+        """`ValueError` unless every page of ``runs`` is granted to ``reader`` (when this
+        agent enforces grants: `KVTransferAgent.enforce_grants`)."""
+        if not self.grants.enforced:
+            return
+        if sum(max(0, count) for _, count in runs) > self.num_pages:
+            raise ValueError(f"pages not lent to {reader!r}")  # more than the pool holds
+        pages = [p for start, count in runs for p in range(start, start + max(0, count))]
+        if not self.grants.allows(reader, pages):
+            raise ValueError(f"pages not lent to {reader!r}")
 
     def _serve_runs(self, runs: list[tuple[int, int]]) -> list[Any]:
         """One buffer per (region, run), region-major, viewing (or staging) pool bytes."""
@@ -215,6 +252,8 @@ class ZmqTransferAgent(KVTransferAgent):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # a reply frame is one run of pages (or their heads) landing in our pool
+        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_REQUEST_BYTES, self.num_pages * self.page_bytes))
         if self.keys is not None:
             self.keys.secure(sock, bind=False)
         sock.connect(endpoint)
@@ -233,6 +272,9 @@ class ZmqTransferAgent(KVTransferAgent):
         cut: HeadCut | None,
     ) -> None:
         runs = page_runs(remote, local)
+        if len(runs) > MAX_READ_RUNS:
+            raise TransferError(f"the read needs {len(runs)} page runs; a peer serves at most "
+                                f"{MAX_READ_RUNS} per read: split it")  # fmt: skip
         request_id = next(self._request_ids)
         header = {
             "op": "read",
@@ -257,7 +299,7 @@ class ZmqTransferAgent(KVTransferAgent):
     def _drain_replies(self, peer: _Peer) -> None:
         """Apply every reply already queued on `peer`'s socket (never blocks)."""
         while peer.socket.poll(0):
-            header = msgpack.unpackb(peer.socket.recv(), raw=False)
+            header = msgpack.unpackb(peer.socket.recv(), raw=False, **_HEADER_LIMITS)
             request = peer.requests.pop(header.get("id"), None)
             if request is None:  # reply to a cancelled/timed-out read: discard it
                 while peer.socket.getsockopt(zmq.RCVMORE):

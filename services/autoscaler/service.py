@@ -1,9 +1,11 @@
 """The autoscaler process: observe, decide, set, every ``interval_s``.
 
 Each interval: read the pools' replica counts from the connector, build an `Observation`
-from the metrics source, let `ScalingPolicy` decide, set the pools that change, log
-every decision with its inputs and reason (and the requests no replica count serves in
-time, and while a sizeable share of them lasts, what to do instead), and export
+from the metrics source, let `ScalingPolicy` decide, set the pools that change (never
+with ``recommend_only``: the pools are read, and the exported recommendation is for an
+external scaler such as KEDA), log every decision with its inputs and reason (and the
+requests no replica count serves in time, and while a sizeable share of them lasts,
+what to do instead), and export
 
     radixserve_autoscaler_desired_replicas{role}      what it decided
     radixserve_autoscaler_observed_replicas{role}     ready replicas it saw
@@ -105,7 +107,8 @@ class AutoscalerService:
     async def run(self, stop: asyncio.Event) -> None:
         await self.probe.start()
         s = self.settings
-        print(f"radixserve autoscaler: {s.connector} connector, metrics from "
+        mode = " (recommendations only)" if s.recommend_only else ""
+        print(f"radixserve autoscaler: {s.connector} connector{mode}, metrics from "
               f"{s.metrics_source}, every {s.interval_s:g} s; targets TTFT p90 "
               f"{s.ttft_p90_target_s:g} s, ITL p90 {s.itl_p90_target_s:g} s; "
               f"/metrics on {self.probe.url}", flush=True)  # fmt: skip
@@ -144,7 +147,7 @@ class AutoscalerService:
             logger.log(level, "%s: %s %d -> %d (%s) %s", d.role, d.direction, d.current,
                        d.desired, d.reason, json.dumps(d.inputs))  # fmt: skip
             self._report_infeasible(d)
-            if d.direction != "hold":
+            if d.direction != "hold" and not self.settings.recommend_only:
                 try:
                     self.connector.set(d.role, d.desired)
                 except ConnectorError as exc:

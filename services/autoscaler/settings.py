@@ -118,6 +118,13 @@ class AutoscalerSettings(BaseSettings):
         description="How replica counts are set: radixserve up's pools, Kubernetes "
         "Deployments' scale subresource, or only decided and logged.",
     )
+    recommend_only: bool = Field(
+        False,
+        description="Recommendation mode: read the pools' replicas through the connector, "
+        "decide and export radixserve_autoscaler_desired_replicas, but never set them; "
+        "an external scaler (KEDA's Prometheus trigger, an HPA on external metrics) acts "
+        "on the recommendation.",
+    )
     local_url: str | None = Field(
         None,
         min_length=1,

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.wire import to_chunk, to_logprob, to_params, to_spec
+from radixserve.engine.wire import share_fields, to_chunk, to_logprob, to_params, to_share, to_spec
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
@@ -157,17 +158,19 @@ class DecodeWorker(Worker):
             params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
             scope = msg.cache_scope  # whose KV it may share; the hashes are in its namespace
+            share = to_share(msg)  # its place among other tenants' requests
             hashes = self.page_hashes(ids + resume, msg.page_hashes, scope)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
                 admitting = request.child("decode.admission", prompt_tokens=len(ids),
                                           resumed_tokens=len(resume))  # fmt: skip
                 admission, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume,
-                                                  cache_scope=scope, under=admitting)  # fmt: skip
+                                                  cache_scope=scope, share=share,
+                                                  under=admitting)  # fmt: skip
                 admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
                 self._routes[rid] = (admission.route, "")
             else:
-                out = await self._begin(rid, ids, params, hashes, request, scope)
+                out = await self._begin(rid, ids, params, hashes, request, scope, share)
             streaming = request.child("decode.stream")
             async for output in self.engine.outputs(rid, out):
                 chunk = to_chunk(output)
@@ -193,21 +196,22 @@ class DecodeWorker(Worker):
 
     async def _begin(
         self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span,
-        scope: str = "",
+        scope: str = "", share: TenantShare = DEFAULT_SHARE,
     ) -> asyncio.Queue:  # fmt: skip
         """Admit the request once (`Worker.admit`: local, host tier, or remote when a
         prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
         uncached), then, on the remote route, pick the prefill worker; its output queue.
         Spans under ``request``: ``decode.admission`` (a host-tier load under it), then
         ``decode.remote_prefill`` on the remote route. ``scope``: the request's cache scope,
-        here and on the prefill worker."""
+        and ``share`` its tenant, priority and weight, here and on the prefill worker."""
         tried: frozenset[str] = frozenset()
         while True:
             ready = self.router.ready(self.prefills.links, tried) if self.prefills else []
             remote_over = self.settings.local_prefill_max_tokens if ready else None
             admitting = request.child("decode.admission", prompt_tokens=len(ids))
             admission, out = await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
-                                              remote_over=remote_over, under=admitting)  # fmt: skip
+                                              share=share, remote_over=remote_over,
+                                              under=admitting)  # fmt: skip
             admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
             if admission.route != "remote":
                 self.counters["local_prefills_total"] += 1
@@ -217,10 +221,11 @@ class DecodeWorker(Worker):
             if link is None:  # none is ready any more: compute here
                 await self.engine.abort_now(rid)
                 self.counters["local_prefills_total"] += 1
-                return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope))[1]
+                return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
+                                         share=share))[1]  # fmt: skip
             try:
                 return await self._remote(link, rid, ids, params, admission, out, hashes, request,
-                                          scope)  # fmt: skip
+                                          scope, share)  # fmt: skip
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
@@ -271,6 +276,7 @@ class DecodeWorker(Worker):
         hashes: list[int],
         request: Span = NO_SPAN,
         scope: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> asyncio.Queue:
         """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
         ``out``); on failure recompute here or raise. Its span, ``decode.remote_prefill``
@@ -293,6 +299,7 @@ class DecodeWorker(Worker):
                     num_cached_tokens=admission.cached_tokens,
                     traceparent=remote.traceparent(),
                     cache_scope=scope,
+                    **share_fields(share),
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
@@ -328,7 +335,8 @@ class DecodeWorker(Worker):
             logger.warning("%s: remote prefill of %s on %s failed (%s); recomputing locally",
                            self.name, rid, link.label, exc)  # fmt: skip
             self.counters["local_prefills_total"] += 1
-            return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope))[1]
+            return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
+                                     share=share))[1]  # fmt: skip
         finally:
             self._pending.pop(rid, None)
             if not answered:

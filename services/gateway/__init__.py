@@ -51,13 +51,16 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
 
 
 def serve(client: EngineClient, settings: GatewaySettings) -> None:
-    """Run the gateway over `client` with uvicorn until interrupted, then close `client`."""
+    """Run the gateway over `client` with uvicorn until interrupted, then close `client`
+    (the server's connection limits: `http_server`)."""
     import uvicorn
+
+    from radixserve.services.gateway.http_server import server_config
 
     try:
         settings.require_secure()  # no unauthenticated gateway beyond loopback
         app = create_app(client, settings)
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+        config = server_config(app, settings, app.state.gateway.metrics)
         # on the listening socket radixserve up's supervisor bound for the gateway, if any
         inherited = None if settings.listen_fd is None else [adopt(settings.listen_fd)]
         uvicorn.Server(config).run(sockets=inherited)

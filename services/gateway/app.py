@@ -8,14 +8,21 @@ in-process engine, can serve), GET /live, GET /metrics, GET /debug/cache, and
 FastAPI's own GET /openapi.json and /docs. Contracts:
 
 * every error is an OpenAI error object (see `errors`); bad input never crashes it;
-* at most `settings.max_queued_requests` generations (one per prompt) are in flight;
-  more are refused at once with 429 (nothing waits);
-* a streaming client that disconnects has its request aborted in the engine: the
-  response closes the engine streams whatever way it ends.
+* a generation is admitted against the cluster's and its tenant's bounds (`admission`:
+  work = prompt tokens + choices x max_tokens, prompts, rates); one over a bound is
+  refused at once with 429 (nothing waits), one that never fits with 400; its charge is
+  released exactly once, when its response ends, however it ends;
+* a client that disconnects has its request aborted in the engine: a stream's response
+  closes the engine streams whatever way it ends, a non-streamed request watches its
+  connection while it collects; a stream whose client reads nothing is cut
+  (`http_server`), or aborted once it falls ``stream_buffer_outputs`` behind (`choices`);
+* a body must arrive within ``body_read_timeout_s`` (else 408), and a request may set a
+  deadline (`deadline`), past which it is aborted with a 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -31,15 +38,23 @@ from starlette.types import Receive, Scope, Send
 from radixserve.engine.outputs import RequestOutput
 from radixserve.metrics import CONTENT_TYPE, ServingMetrics
 from radixserve.model.identity import identity_card
-from radixserve.services.gateway.choices import Choice, ChoiceBook, Generation, reply_deltas
+from radixserve.services.gateway.admission import Refused, Ticket, sequences_of, work_of
+from radixserve.services.gateway.choices import (
+    Choice,
+    ChoiceBook,
+    ClientGone,
+    Generation,
+    reply_deltas,
+)
+from radixserve.services.gateway.deadline import Deadline, request_deadline
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import (
     OpenAIError,
     error_body,
-    retry_after,
 )
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
+from radixserve.services.gateway.preparer import Preparer
 from radixserve.services.gateway.request_log import RequestLog, trace_id_of
 from radixserve.services.gateway.request_tracing import request_span
 from radixserve.services.gateway.response_output import (
@@ -97,13 +112,30 @@ def _stored_id(request: Request) -> str:
     return str(request.path_params["response_id"])
 
 
-async def _collect(gen: Generation, book: ChoiceBook, close: Callable[[], Awaitable[None]]) -> None:
-    """Every output of a non-streamed request into `book`; then `close`."""
+async def _until_disconnect(request: Request, gen: Generation) -> None:
+    """Wait for the client to close its connection (its body was read: nothing else
+    arrives), then end ``gen`` with `ClientGone`."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gen.end("disconnected", ClientGone())
+
+
+async def _collect(
+    request: Request, gen: Generation, book: ChoiceBook, close: Callable[[], Awaitable[None]]
+) -> bool:
+    """Every output of a non-streamed request into `book`; then `close`. False if the
+    client left first (the request is then aborted)."""
+    watch = asyncio.ensure_future(_until_disconnect(request, gen))
     try:
         async for job, out in gen.outputs():
             gen.observe(job, out)
             book.add(job, out)
+        return True
+    except ClientGone:
+        logger.info("client left before the reply; aborted")
+        return False
     finally:
+        watch.cancel()
         await close()
 
 
@@ -147,35 +179,45 @@ class Gateway:
     def __init__(self, client: EngineClient, settings: GatewaySettings) -> None:
         self.client = client
         self.settings = settings
-        self.metrics = ServingMetrics()
         aliases = settings.served_model_name
         self.model_names = aliases.split(",") if aliases else [client.served_name]
         self.model_name = self.model_names[0]
+        self.metrics = ServingMetrics(self.model_name)
         self.formatter = LogprobFormatter(client.tokenizer)
         self.tool_format = ToolFormat.for_template(client.tokenizer.chat_template,
                                                    settings.tool_parser)  # fmt: skip
-        self.in_flight = 0
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.requests = RequestLog(settings.explorer_request_log_size)  # for /explorer
         self.keys = settings.keyring()  # empty: no authentication, every caller ANONYMOUS
+        self.admission = settings.admission(self.keys)  # what is in flight, per tenant
+        self.limits = settings.prepare_limits()  # checked before anything is prepared
+        self.preparer = Preparer(settings.prepare_workers, settings.prepare_timeout_s)
 
     # -- admission, auth, body -------------------------------------------------------
 
-    def acquire(self, count: int = 1) -> None:
-        if self.in_flight + count > self.settings.max_queued_requests:
-            self.metrics.refusals.labels(reason="in_flight").inc()
-            raise OpenAIError(
-                429,
-                f"server busy: {self.in_flight} requests in flight (the bound is "
-                f"{self.settings.max_queued_requests}); retry shortly",
-                headers=retry_after(),
-            )
-        self.in_flight += count
-        self.metrics.queue_depth.set(self.in_flight)
+    @property
+    def in_flight(self) -> int:
+        """Sequences (prompts x choices) in flight, as `admission` counts them."""
+        return self.admission.requests
 
-    def release(self, count: int = 1) -> None:
-        self.in_flight -= count
-        self.metrics.queue_depth.set(self.in_flight)
+    def acquire(self, tenant: str, plan: Plan) -> Ticket:
+        """Admit ``plan`` for ``tenant`` (`admission.Admission.admit`): its ticket, or a
+        400/429 counted by reason."""
+        try:
+            ticket = self.admission.admit(tenant, work_of(plan), sequences_of(plan))
+        except Refused as refused:
+            self.metrics.refusals.labels(reason=refused.reason).inc()
+            raise
+        self._gauge_admission()
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        self.admission.release(ticket)  # idempotent
+        self._gauge_admission()
+
+    def _gauge_admission(self) -> None:
+        self.metrics.queue_depth.set(self.admission.requests)
+        self.metrics.queued_work.set(self.admission.work)
 
     def authorize(self, request: Request) -> Principal:
         """The caller's `Principal` (401 without a valid key when keys are configured)."""
@@ -203,12 +245,26 @@ class Gateway:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise OpenAIError(413, f"request body over {limit} bytes")
-        chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise OpenAIError(413, f"request body over {limit} bytes")
-            chunks.append(part)
+        chunks: list[bytes] = []
+
+        async def receive() -> None:
+            size = 0
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise OpenAIError(413, f"request body over {limit} bytes")
+                chunks.append(part)
+
+        timeout_s = self.settings.body_read_timeout_s
+        try:  # (asyncio.wait_for: asyncio.timeout needs Python 3.11)
+            await asyncio.wait_for(receive(), timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.cut_connections.labels(reason="body_timeout").inc()
+            raise OpenAIError(
+                408,
+                f"the request body did not arrive within {timeout_s:g} s (body_read_timeout_s)",
+                headers={"Connection": "close"},
+            ) from None
         try:
             text = b"".join(chunks).decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -227,26 +283,35 @@ class Gateway:
 
     # -- generation endpoints --------------------------------------------------------
 
+    def deadline(self, request: Request, timeout: float | None, arrived: float) -> Deadline | None:
+        return request_deadline(request, timeout, self.settings.max_request_timeout_s, arrived)
+
     async def completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         self.authorize(request)
         req = CompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
-        plan = completion_plan(req, self.client, self.settings.max_choices_per_request)
-        return await self.generate(request, plan)
+        deadline = self.deadline(request, req.timeout, arrived)
+        plan = await completion_plan(req, self.client, self.settings.max_choices_per_request,
+                                     self.limits, self.preparer.begin())  # fmt: skip
+        return await self.generate(request, plan, deadline)
 
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         self.authorize(request)
         req = ChatCompletionRequest.model_validate(await self.read_json(request))
         self.check_model(req.model)
+        deadline = self.deadline(request, req.timeout, arrived)
         s = self.settings
-        plan = chat_plan(req, self.client, s.default_max_tokens, s.max_choices_per_request,
-                         self.tool_format)  # fmt: skip
-        return await self.generate(request, plan)
+        plan = await chat_plan(req, self.client, s.default_max_tokens,
+                               s.max_choices_per_request, self.tool_format, self.limits,
+                               self.preparer.begin())  # fmt: skip
+        return await self.generate(request, plan, deadline)
 
-    async def generate(self, request: Request, plan: Plan) -> Response:
+    async def generate(self, request: Request, plan: Plan, deadline: Deadline | None) -> Response:
         kind: Kind = "completion" if plan.kind == "completion" else "chat"
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        started = await self._start(request, plan, rid)
+        started = await self._start(request, plan, rid, deadline)
         if started is None:
             return Response(status_code=_CLIENT_CLOSED)
         gen, close = started
@@ -254,38 +319,46 @@ class Gateway:
         book = ChoiceBook(plan, self.formatter)
         if plan.stream:
             return _ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
-        await _collect(gen, book, close)
+        if not await _collect(request, gen, book, close):
+            return Response(status_code=_CLIENT_CLOSED)
         body = envelope(*meta, stream=False)
         body.update(choices=book.full_choices(), usage=usage(self._totals(plan, gen)))
         return JSONResponse(body)
 
     async def _start(
-        self, request: Request, plan: Plan, rid: str
+        self, request: Request, plan: Plan, rid: str, deadline: Deadline | None
     ) -> tuple[Generation, Callable[[], Awaitable[None]]] | None:
         """Admit the plan's jobs and wait for their first outputs: the generation and
-        the idempotent `close` that ends it and releases the admission; None (all
-        closed) if the client left first. A `RequestError` is raised here (a 400)."""
+        the idempotent `close` that ends it and releases the admission (the caller hands
+        it to whatever ends the response); None (all closed) if the client left first. A
+        `RequestError` is raised here (a 400), a `Refused` before anything starts."""
         jobs = plan.jobs
-        self.acquire(len(jobs))
         principal = caller(request)
         tenant = principal.tenant
-        record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs), tenant)
-        span = request_span(request)
-        span.set(request_id=rid, prompts=len(jobs), tenant=tenant)
-        scope = principal.cache_scope(plan.cache_salt)  # whose cached KV it may share
-        key = affinity_key(tenant, plan.prompt_cache_key)
-        streams = [
-            self.client.generate(
-                job.prompt_ids,
-                job.params,
-                rid if len(jobs) == 1 else f"{rid}-{i}",
-                span=span,
-                cache_scope=scope,
-                routing_key=key,
-            )  # fmt: skip
-            for i, job in enumerate(jobs)
-        ]
-        gen = Generation(streams, self.metrics)
+        share = principal.share(plan.priority)  # 403 before anything is charged
+        ticket = self.acquire(tenant, plan)
+        try:  # until `close` owns the ticket, a failure here returns it
+            record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs), tenant)
+            span = request_span(request)
+            span.set(request_id=rid, prompts=len(jobs), tenant=tenant)
+            scope = principal.cache_scope(plan.cache_salt)  # whose cached KV it may share
+            key = affinity_key(tenant, plan.prompt_cache_key)
+            streams = [
+                self.client.generate(
+                    job.prompt_ids,
+                    job.params,
+                    rid if len(jobs) == 1 else f"{rid}-{i}",
+                    span=span,
+                    cache_scope=scope,
+                    routing_key=key,
+                    share=share,
+                )  # fmt: skip
+                for i, job in enumerate(jobs)
+            ]
+            gen = Generation(streams, self.metrics, deadline, self.settings.stream_buffer_outputs)
+        except BaseException:
+            self.release(ticket)
+            raise
         released = failed = False
 
         async def close() -> None:
@@ -295,8 +368,11 @@ class Gateway:
             finally:
                 if not released:
                     released = True
-                    self.release(len(jobs))
+                    self.release(ticket)
                     self.requests.finish(record, gen.lasts, sum(gen.tokens), failed)
+                    reason = gen.ended_by if failed else gen.abort_reason
+                    if reason is not None:
+                        self.metrics.aborted.labels(reason=reason).inc()
 
         try:
             started = await gen.first(request.is_disconnected)  # RequestError → 400
@@ -329,6 +405,8 @@ class Gateway:
                     yield _sse(chunk(meta, choice, usage_field))
             if usage_field:
                 yield _sse(usage_chunk(meta, self._totals(plan, gen)))
+        except OpenAIError as exc:  # ended by the gateway (its deadline, a slow client)
+            yield _sse(error_body(exc.status, exc.message, exc.param))
         except Exception as exc:  # an engine failure mid-stream: tell the client, then end
             logger.exception("stream %s failed", meta[1])
             yield _sse(error_body(500, f"generation failed: {exc}"))
@@ -372,18 +450,21 @@ class Gateway:
     # -- the Responses API -----------------------------------------------------------
 
     async def create_response(self, request: Request) -> Response:
+        arrived = time.monotonic()
         self.authorize(request)
         req = ResponsesRequest.checked(await self.read_json(request))
         self.check_model(req.model)
+        deadline = self.deadline(request, req.timeout, arrived)
         parent = None
         if req.previous_response_id is not None:
             parent = self.responses.turn(req.previous_response_id, "previous_response_id",
                                          caller(request))  # fmt: skip
         history = parent.conversation() if parent else []
-        plan = response_plan(req, history, self.client, self.settings.default_max_tokens,
-                             self.tool_format)  # fmt: skip
+        plan = await response_plan(req, history, self.client, self.settings.default_max_tokens,
+                                   self.tool_format, self.limits,
+                                   self.preparer.begin())  # fmt: skip
         rid = new_id("resp")
-        started = await self._start(request, plan, rid)
+        started = await self._start(request, plan, rid, deadline)
         if started is None:
             return Response(status_code=_CLIENT_CLOSED)
         gen, close = started
@@ -397,7 +478,8 @@ class Gateway:
         if plan.stream:
             events = self._response_events(req, parent, builder, gen, book, caller(request))
             return _ClosingStreamingResponse(events, close)
-        await _collect(gen, book, close)
+        if not await _collect(request, gen, book, close):
+            return Response(status_code=_CLIENT_CLOSED)
         c = book.choices[(0, 0)]
         builder.feed(reply_deltas(c, "".join(c.text), finished=True))
         builder.finish(c.finish_reason, response_usage(gen.total(0)))
@@ -423,9 +505,12 @@ class Gateway:
             self._keep(req, parent, builder.body, principal)
             for event in closing:
                 yield _typed_sse(event)
-        except Exception as exc:  # an engine failure mid-stream: tell the client, then end
-            logger.exception("response stream %s failed", builder.body["id"])
-            for event in builder.failed(f"generation failed: {exc}"):
+        except Exception as exc:  # an engine failure mid-stream (or the gateway's end of
+            # it: its deadline, a slow client): tell the client, then end
+            failure = exc.message if isinstance(exc, OpenAIError) else f"generation failed: {exc}"
+            if not isinstance(exc, OpenAIError):
+                logger.exception("response stream %s failed", builder.body["id"])
+            for event in builder.failed(failure):
                 yield _typed_sse(event)
 
     def _keep(
@@ -470,6 +555,7 @@ class Gateway:
         body: dict[str, Any] = {
             **self.client.stats(),
             "gateway_in_flight": self.in_flight,
+            "gateway_admission": self.admission.snapshot(),  # names tenants: admins only
             "cache_namespace": self.client.model_name,  # the checkpoint's own name
             "model_identity": identity_card(self.client.identity),
         }

@@ -5,6 +5,13 @@ continuous batch in the engine), and yields their outputs in arrival order, so
 streamed choices interleave by ``index`` as OpenAI's do. Closing it closes every
 stream, which aborts what is unfinished in the engine.
 
+Its pumps read the engine streams as fast as they come (the engine, and a cluster
+client's link reader, never wait for one request's HTTP client), into one queue of at
+most ``max_buffered`` outputs per prompt: a stream whose client falls further behind is
+aborted (`ClientTooSlow`), not buffered without bound. `end` stops the request early,
+for its deadline (`deadline.Deadline`) or its client's disconnect; `abort_reason` says
+why it ended unfinished, for ``radixserve_gateway_aborted_requests_total``.
+
 `ChoiceBook` accumulates each choice (text, tokens, log-probabilities, finish reason)
 and builds the choice objects: choice ``index`` = prompt number x n + choice. With
 ``best_of`` > n the n choices of highest total log-probability are kept per prompt.
@@ -20,6 +27,8 @@ from typing import Any
 
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.metrics import RequestTimer, ServingMetrics
+from radixserve.services.gateway.deadline import Deadline
+from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan
 from radixserve.services.gateway.tool_stream import ToolCallStream, split_message
@@ -27,16 +36,41 @@ from radixserve.services.gateway.tool_stream import ToolCallStream, split_messag
 _DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
 
 
+class ClientGone(Exception):
+    """The client closed its connection before the request finished."""
+
+
+class ClientTooSlow(OpenAIError):
+    """The client read a stream too slowly: it fell ``max_buffered`` outputs behind."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(503, f"the client read the stream too slowly: {limit} outputs "
+                         "were waiting to be sent (stream_buffer_outputs); aborted")  # fmt: skip
+
+
 class Generation:
     """The engine streams of one HTTP request (one per prompt)."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], metrics: ServingMetrics):
+    def __init__(
+        self,
+        streams: list[AsyncIterator[RequestOutput]],
+        metrics: ServingMetrics,
+        deadline: Deadline | None = None,
+        max_buffered: int = 1024,
+    ) -> None:
         self.streams = streams
         self.timers = [RequestTimer(metrics) for _ in streams]
         self.lasts: list[RequestOutput | None] = [None] * len(streams)
         self.tokens = [0] * len(streams)  # generated tokens per stream, every choice
+        self.deadline = deadline
+        self.ended_by: str | None = None  # why `end` stopped it: "deadline", "disconnected"...
+        self.failed = False  # an engine stream raised (no abort of the gateway's)
         self._firsts: list[RequestOutput] = []  # each stream's first output (`first`)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self._max_queued = max_buffered * len(streams)
+        self._live = 0  # streams not finished yet (set by `first`)
         self._tasks: list[asyncio.Task] = []
+        self._expiry: asyncio.TimerHandle | None = None
         self._closed = False
 
     def observe(self, job: int, out: RequestOutput) -> None:
@@ -58,15 +92,24 @@ class Generation:
         pending = [asyncio.ensure_future(s.__anext__()) for s in self.streams]
         try:
             while True:
-                done, _ = await asyncio.wait(pending, timeout=_DISCONNECT_POLL_S,
+                wait_s = _DISCONNECT_POLL_S
+                if self.deadline is not None:
+                    wait_s = max(0.0, min(wait_s, self.deadline.remaining_s()))
+                done, _ = await asyncio.wait(pending, timeout=wait_s,
                                              return_when=asyncio.FIRST_EXCEPTION)  # fmt: skip
                 for task in done:
                     if task.exception() is not None:
+                        self.failed = True
                         raise task.exception()  # type: ignore[misc]
                 if len(done) == len(pending):
                     self._firsts = [t.result() for t in pending]
+                    self._live = sum(not out.finished for out in self._firsts)
                     return True
+                if self.deadline is not None and self.deadline.remaining_s() <= 0:
+                    self.ended_by = "deadline"
+                    raise self.deadline.error()
                 if await disconnected():
+                    self.ended_by = "disconnected"
                     return False
         finally:
             for task in pending:
@@ -75,34 +118,67 @@ class Generation:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(job, output) for every output, the first ones first, until all finish."""
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
-        live = 0
+        """(job, output) for every output, the first ones first, until all finish; the
+        error that ended it early (`end`, `ClientTooSlow`), if one did, after the outputs
+        queued before it."""
+        queue = self._queue
+        if self.deadline is not None:
+            delay = max(0.0, self.deadline.remaining_s())
+            self._expiry = asyncio.get_running_loop().call_later(
+                delay, self.end, "deadline", self.deadline.error()
+            )
         for job, out in enumerate(self._firsts):
             yield job, out
-            if not out.finished:
-                live += 1
+            if not out.finished and self.ended_by is None:
                 self._tasks.append(asyncio.ensure_future(self._pump(job, queue)))
-        while live:
+        while self._live:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
             if item[1].finished:
-                live -= 1
+                self._live -= 1
 
     async def _pump(self, job: int, queue: asyncio.Queue) -> None:
+        stream = self.streams[job]
         try:
-            async for out in self.streams[job]:
+            async for out in stream:
+                if queue.qsize() >= self._max_queued:  # its client is not keeping up
+                    await stream.aclose()  # type: ignore[attr-defined]  # aborts it now
+                    self.end("too_slow", ClientTooSlow(self._max_queued))
+                    return
                 queue.put_nowait((job, out))
         except Exception as exc:
+            self.failed = True
             queue.put_nowait(exc)
+
+    def end(self, reason: str, error: BaseException) -> None:
+        """Stop the request early: its pumps are cancelled (which aborts their engine
+        streams) and `outputs` raises ``error`` after what was already queued."""
+        if self.ended_by is not None or self._closed or not self._live:
+            return
+        self.ended_by = reason
+        for task in self._tasks:
+            task.cancel()
+        self._queue.put_nowait(error)
+
+    @property
+    def abort_reason(self) -> str | None:
+        """Why the request ended before every stream finished, where the gateway ended
+        it (`end`) or its client left; None if it finished, or an engine stream failed."""
+        if self.ended_by is not None:
+            return self.ended_by
+        if self.failed or all(last is not None and last.finished for last in self.lasts):
+            return None
+        return "disconnected"
 
     async def close(self) -> None:
         """Idempotent: stop the pumps, close every stream (aborting the unfinished)."""
         if self._closed:
             return
         self._closed = True
+        if self._expiry is not None:
+            self._expiry.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

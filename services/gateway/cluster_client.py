@@ -16,6 +16,11 @@ streams **migrates** to another decode worker with the tokens already streamed
 (``resume_token_ids``, waiting up to ``migration_wait_s``), at most ``max_migrations``
 times, so the caller sees one uninterrupted stream (docs/architecture.md §13); a caller
 that closes the stream early -> `Abort` to the decode worker.
+
+A stream's queue is filled by its link's reader, which never waits (one socket serves
+every request on the worker): it is drained as fast as it fills by the gateway's pump
+(`choices.Generation`), which bounds what a request holds for a slow HTTP client and
+aborts the request past that bound.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from typing import Any
 
 import zmq.asyncio
 
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.wire import to_output, to_spec
+from radixserve.engine.wire import share_fields, to_output, to_spec
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
 from radixserve.metrics import POOL_GAUGES
 from radixserve.model.identity import ModelIdentity
@@ -100,10 +106,12 @@ _MAX_DRAINING_RETRIES = 8
 @dataclass(frozen=True)
 class _Route:
     """What routes a request besides its prompt: its cache scope (the namespace its
-    pages are hashed in, `cache_scope`) and its affinity key (`DecodeRouter.pick`)."""
+    pages are hashed in, `cache_scope`), its affinity key (`DecodeRouter.pick`) and its
+    place in the workers' schedules (`radixserve.engine.fair_share`)."""
 
     scope: str = ""
     key: str = ""
+    share: TenantShare = DEFAULT_SHARE
 
 
 def _identity_of(ack: HelloAck | None, refused: str) -> dict[str, Any] | None:
@@ -284,16 +292,18 @@ class ClusterClient(EngineClient):
         span: Span = NO_SPAN,
         cache_scope: str = "",
         routing_key: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> AsyncIterator[RequestOutput]:
         """Serve the request, moving it to another decode worker if its worker is lost
         or drains (module notes); the caller sees one stream under ``request_id``.
         ``cache_scope``: whose KV it shares (its pages are hashed in that scope's
-        namespace, here and on the workers); ``routing_key``: `DecodeRouter` affinity."""
+        namespace, here and on the workers); ``routing_key``: `DecodeRouter` affinity;
+        ``share``: its tenant, priority and weight, for the workers' schedulers."""
         # the request's one hashing, carried on (none before the namespace is known)
         hashes = (
             self.router.hashes(prompt_ids, cache_scope) if self.root_namespace is not None else []
         )
-        route = _Route(cache_scope, routing_key)
+        route = _Route(cache_scope, routing_key, share)
         sent: list[int] = []  # tokens the caller has been given
         first: RequestOutput | None = None  # its first output: usage and TTFT stay its
         tried: set[str] = set()
@@ -385,6 +395,7 @@ class ClusterClient(EngineClient):
                         resume_token_ids=resume,
                         traceparent=span.traceparent(),
                         cache_scope=route.scope,
+                        **share_fields(route.share),
                     )
                 )
             except TimeoutError:

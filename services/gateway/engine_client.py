@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.identity import ModelIdentity
@@ -40,6 +41,7 @@ class EngineClient(abc.ABC):
         span: Span = NO_SPAN,
         cache_scope: str = "",
         routing_key: str = "",
+        share: TenantShare = DEFAULT_SHARE,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per engine step until one has `finished` set.
         ``span``: the request's span at the gateway (`radixserve.tracing`), under which
@@ -47,7 +49,8 @@ class EngineClient(abc.ABC):
         ``cache_scope``: whose cached KV the request may share
         (`radixserve.cache.block_hash.cache_scope`; "" = the default scope);
         ``routing_key``: requests with the same key go to the same engine while it is
-        not overloaded (a hint, where there is a choice of engines).
+        not overloaded (a hint, where there is a choice of engines); ``share``: its
+        tenant, priority and weight in the engine's schedule (`radixserve.engine.fair_share`).
 
         Contract: raises `RequestError` (e.g. InvalidRequestError for a prompt over the
         context) before the first output for a request that can never be served.
@@ -136,9 +139,10 @@ class LocalEngineClient(EngineClient):
         span: Span = NO_SPAN,
         cache_scope: str = "",
         routing_key: str = "",  # one engine: nothing to choose
+        share: TenantShare = DEFAULT_SHARE,
     ) -> AsyncIterator[RequestOutput]:
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids))
-        stream = self._async.stream(prompt_ids, params, request_id, cache_scope)
+        stream = self._async.stream(prompt_ids, params, request_id, cache_scope, share)
         try:
             async for output in stream:
                 yield output

@@ -11,11 +11,16 @@ max_tokens policy: an explicit ``max_tokens`` (or ``max_completion_tokens``) lar
 the context left after the prompt is refused with a 400 saying how many tokens are
 left (as vLLM does); without one, completions generate up to 16 tokens and chat up to
 ``default_max_tokens``, both capped by what is left.
+
+Preparation: the size caps (`limits`) are checked first; the CPU steps (grammar
+compilation, chat template, tokenization) then run in the gateway's `Preparer` pool
+under one deadline per request, never on the event loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypedDict
 
 from radixserve.engine.grammar import grammar_for
@@ -23,17 +28,20 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import InvalidRequestError
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.limits import PrepareLimits
+from radixserve.services.gateway.preparer import Preparation
 from radixserve.services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
 )
 from radixserve.services.gateway.tools import (
+    CHAT_TOOLS,
     ToolFormat,
     ToolPlan,
     ToolRequest,
+    check_tools,
     template_inputs,
-    tool_request,
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -62,6 +70,7 @@ class Plan:
     tools: ToolPlan | None = None  # chat with tools: replies are searched for calls
     cache_salt: str = ""  # only requests with the same salt (and tenant) share KV
     prompt_cache_key: str = ""  # a routing hint (`DecodeRouter` affinity)
+    priority: int | None = None  # asked for (`Principal.share`); None: the key's class
 
 
 class _CacheFields(TypedDict):
@@ -98,19 +107,49 @@ def _max_tokens(requested: int | None, default: int, room: int, param: str) -> i
     return requested
 
 
+def compile_guide(param: str, kind: str, guide: str) -> None:
+    """Compile a guide, refusing a malformed one before routing; errors name the request
+    field `param`. CPU work: run it in the `Preparer`."""
+    try:
+        grammar_for(kind, guide)
+    except InvalidRequestError as exc:
+        message = str(exc) if param in str(exc) else f"{param}: {exc}"
+        raise InvalidRequestError(message, param=param) from None
+
+
+async def checked_guide(
+    req: GenerationRequest, limits: PrepareLimits, prep: Preparation, field: str = ""
+) -> tuple[str, str]:
+    """(guide_kind, guide) of the request's structured output: its size checked against
+    `limits` first, then compiled in the pool. `field` names it in errors (default: the
+    field it came from)."""
+    param, kind, guide = req.guided()
+    if kind:
+        param = field or param
+        limits.check_guide(param, kind, guide)
+        await prep.run(param, compile_guide, param, kind, guide)
+    return kind, guide
+
+
+async def job_guide(
+    req: GenerationRequest, tools: ToolRequest | None, limits: PrepareLimits,
+    prep: Preparation, field: str = "",
+) -> tuple[str, str]:  # fmt: skip
+    """The guide a chat job is held to: a forced tool call's, else the request's own
+    (`checked_guide`); sizes checked before anything is compiled."""
+    if tools is None or not tools.forced:
+        return await checked_guide(req, limits, prep, field)
+    text = await prep.run("tools", tools.guide)
+    limits.check_tool_guide(text)
+    await prep.run("tools", tools.compile_guide, text)
+    return "json_schema", text
+
+
 def _params(
-    req: GenerationRequest, max_tokens: int, tool_guide: str = "", **extra: object
+    req: GenerationRequest, max_tokens: int, guide: tuple[str, str], **extra: object
 ) -> SamplingParams:
-    kind, guide = ("json_schema", tool_guide) if tool_guide else req.guide()
-    if kind and not tool_guide:  # a tool guide was checked by `ToolRequest.guide`
-        try:
-            grammar_for(kind, guide)  # refuse a malformed guide before routing
-        except InvalidRequestError as exc:  # a JSON schema's names response_format
-            param = exc.param or ""
-            if param == "response_format" and req.guided_json is not None:
-                param = "guided_json"
-            message = str(exc) if param in str(exc) else f"{param}: {exc}"
-            raise InvalidRequestError(message, param=param or None) from None
+    """The engine parameters; `guide` (kind, text) was checked by `checked_guide`."""
+    kind, text = guide
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or 0,
@@ -127,7 +166,7 @@ def _params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=tuple(sorted(req.bias().items())),
         guide_kind=kind,
-        guide=guide,
+        guide=text,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -150,33 +189,47 @@ def _check_choices(total: int, limit: int) -> None:
         )  # fmt: skip
 
 
-def completion_plan(req: CompletionRequest, client: EngineClient, max_choices: int) -> Plan:
+def _encode_prompts(client: EngineClient, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt's ids: text gets the tokenizer's special tokens; ids are checked by
+    the engine. CPU work: run it in the `Preparer`."""
+    return [client.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+async def completion_plan(
+    req: CompletionRequest, client: EngineClient, max_choices: int, limits: PrepareLimits,
+    prep: Preparation,
+) -> Plan:  # fmt: skip
     n, best_of = _choices(req.n, req.best_of, bool(req.stream))
-    _check_choices(len(req.prompts()) * best_of, max_choices)
+    prompts = req.prompts()
+    _check_choices(len(prompts) * best_of, max_choices)
     echo = bool(req.echo)
     if req.max_tokens == 0 and not echo:
         raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+    if any(isinstance(prompt, str) and not prompt for prompt in prompts):
+        raise OpenAIError(400, "prompt is empty", "prompt")
     k = req.logprobs
+    guide = await checked_guide(req, limits, prep)
     jobs = []
-    for prompt in req.prompts():
-        if isinstance(prompt, str) and not prompt:
-            raise OpenAIError(400, "prompt is empty", "prompt")
-        # text gets the tokenizer's special tokens; ids are checked by the engine
-        ids = client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    for prompt, ids in zip(prompts, await prep.run("prompt", _encode_prompts, client, prompts)):
         room = _room(client, ids)
         max_tokens = _max_tokens(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, room, "max_tokens")
         params = _params(
             req,
             max(max_tokens, 1),
+            guide,
             n=best_of,
             logprobs=k if k is not None else (0 if best_of > n else None),
             prompt_logprobs=k if echo and k is not None else None,
         )
-        text = prompt if isinstance(prompt, str) else client.tokenizer.decode(ids)
-        jobs.append(Job(ids, params, text if echo else ""))
+        text = ""
+        if echo:
+            text = prompt if isinstance(prompt, str) else await prep.run(
+                "prompt", client.tokenizer.decode, ids)  # fmt: skip
+        jobs.append(Job(ids, params, text))
     return Plan("completion", jobs, n, best_of, echo=echo, top_logprobs=k,
                 drop_generated=req.max_tokens == 0, stream=bool(req.stream),
-                include_usage=req.include_usage, **_cache_fields(req))  # fmt: skip
+                include_usage=req.include_usage, priority=req.priority,
+                **_cache_fields(req))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -192,43 +245,46 @@ class Conversation:
     prompt_param: str
 
 
-def conversation_job(
+async def conversation_job(
     req: GenerationRequest, conv: Conversation, client: EngineClient, default_max_tokens: int,
-    **extra: object,
+    guide: tuple[str, str], prep: Preparation, **extra: object,
 ) -> Job:  # fmt: skip
-    """The engine job of a chat prompt: its ids, and sampling from `req`'s fields (a
-    forced tool call constrained by its grammar)."""
-    # InvalidRequestError if malformed
-    ids = client.tokenizer.encode_chat(conv.messages, **conv.template_kwargs)
+    """The engine job of a chat prompt: its ids (the template rendered and tokenized in
+    the pool), and sampling from `req`'s fields held to `guide` (from `job_guide`)."""
+    encode = partial(client.tokenizer.encode_chat, conv.messages, **conv.template_kwargs)
+    ids = await prep.run(conv.prompt_param, encode)  # InvalidRequestError if malformed
     room = _room(client, ids, conv.prompt_param)
     max_tokens = _max_tokens(conv.max_tokens, default_max_tokens, room, conv.max_tokens_param)
     if max_tokens < 1:
         raise InvalidRequestError(f"{conv.max_tokens_param} must be >= 1",
                                   param=conv.max_tokens_param)  # fmt: skip
-    tools = conv.tools
-    guide = tools.guide() if tools is not None and tools.forced else ""
     return Job(ids, _params(req, max_tokens, guide, **extra))
 
 
-def chat_plan(
+async def chat_plan(
     req: ChatCompletionRequest,
     client: EngineClient,
     default_max_tokens: int,
     max_choices: int,
     tool_format: ToolFormat,
+    limits: PrepareLimits,
+    prep: Preparation,
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
-    tools = tool_request(req)
-    messages, template_kwargs = template_inputs(req, tools, tool_format)
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                        bool(req.guided()[1]), CHAT_TOOLS, limits)  # fmt: skip
+    guide = await job_guide(req, tools, limits, prep)
+    messages, template_kwargs = await prep.run("messages", template_inputs, req, tools,
+                                               tool_format)  # fmt: skip
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     conv = Conversation(messages, template_kwargs, tools, req.requested_max_tokens, param,
                         "messages")  # fmt: skip
     k = req.num_top_logprobs()
     tool_plan = tools.plan(tool_format) if tools else None
     kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
-    job = conversation_job(req, conv, client, default_max_tokens, n=n, logprobs=k,
-                           kept_special_ids=kept)  # fmt: skip
+    job = await conversation_job(req, conv, client, default_max_tokens, guide, prep, n=n,
+                                 logprobs=k, kept_special_ids=kept)  # fmt: skip
     return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
-                include_usage=req.include_usage, tools=tool_plan,
+                include_usage=req.include_usage, tools=tool_plan, priority=req.priority,
                 **_cache_fields(req))  # fmt: skip

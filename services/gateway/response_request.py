@@ -17,23 +17,23 @@ names it and says what to send instead (`REFUSED`); unknown fields are refused b
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, WithJsonSchema
 
-from radixserve.engine.grammar import grammar_for
-from radixserve.errors import InvalidRequestError
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.field_errors import describe
-from radixserve.services.gateway.plan import Conversation, Plan, conversation_job
+from radixserve.services.gateway.limits import PrepareLimits
+from radixserve.services.gateway.plan import Conversation, Plan, conversation_job, job_guide
+from radixserve.services.gateway.preparer import Preparation
 from radixserve.services.gateway.response_output import new_id
 from radixserve.services.gateway.schemas import (
     TOKEN_COUNT,
     CacheSalt,
     FunctionCall,
     GenerationRequest,
+    Priority,
     PromptCacheKey,
     ResponseFormat,
     Text,
@@ -187,8 +187,8 @@ class TextFormat(_Body):
     strict: bool | None = None
 
     def response_format(self) -> ResponseFormat | None:
-        """The chat path's equivalent; raises `OpenAIError` for a schema that cannot be
-        enforced."""
+        """The chat path's equivalent (its schema is checked and compiled by
+        `response_plan`)."""
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -196,11 +196,6 @@ class TextFormat(_Body):
         if self.schema_ is None:
             raise OpenAIError(400, 'text.format.schema is required when text.format.type is '
                               '"json_schema"', "text.format.schema")  # fmt: skip
-        try:
-            grammar_for("json_schema", json.dumps(self.schema_))
-        except InvalidRequestError as exc:
-            raise OpenAIError(400, f"text.format.schema cannot be enforced: {exc}",
-                              "text.format.schema") from None  # fmt: skip
         spec = {"name": self.name or "response", "schema": self.schema_}
         return ResponseFormat.model_validate({"type": "json_schema", "json_schema": spec})
 
@@ -264,7 +259,15 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = Field(None, max_length=256, description="Ignored.")
     prompt_cache_key: PromptCacheKey = None
     cache_salt: CacheSalt = None
+    priority: Priority = None
     service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the request may take from its arrival (at most the "
+        "gateway's max_request_timeout_s); past them it is aborted with a 408. The "
+        "X-Request-Timeout header says the same.",
+    )
 
     @classmethod
     def checked(cls, body: dict[str, Any]) -> ResponsesRequest:
@@ -341,29 +344,33 @@ def _messages(instructions: str | None, items: list[dict[str, Any]], first_new: 
     return messages
 
 
-def response_plan(
+async def response_plan(
     req: ResponsesRequest,
     history: list[dict[str, Any]],
     client: EngineClient,
     default_max_tokens: int,
     tool_format: ToolFormat,
+    limits: PrepareLimits,
+    prep: Preparation,
 ) -> Plan:
     """The engine plan of a request continuing `history` (the stored items of its
     previous response, or none): one chat choice."""
     fmt = req.text.format if req.text and req.text.format else None
     response_format = fmt.response_format() if fmt else None
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                        response_format is not None, RESPONSES_TOOLS)  # fmt: skip
-    messages = _messages(req.instructions, [*history, *req.items()], len(history))
-    messages, template_kwargs = with_tools(messages, {}, tools, tool_format)
-    conv = Conversation(messages, template_kwargs, tools, req.max_output_tokens,
-                        "max_output_tokens", "input")  # fmt: skip
+                        response_format is not None, RESPONSES_TOOLS, limits)  # fmt: skip
     sampling = GenerationRequest(temperature=req.temperature, top_p=req.top_p,
                                  response_format=response_format)  # fmt: skip
+    guide = await job_guide(sampling, tools, limits, prep, "text.format.schema")
+    messages = _messages(req.instructions, [*history, *req.items()], len(history))
+    messages, template_kwargs = await prep.run("input", with_tools, messages, {}, tools,
+                                               tool_format)  # fmt: skip
+    conv = Conversation(messages, template_kwargs, tools, req.max_output_tokens,
+                        "max_output_tokens", "input")  # fmt: skip
     tool_plan = tools.plan(tool_format) if tools else None
     kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
-    job = conversation_job(sampling, conv, client, default_max_tokens, n=1,
-                           kept_special_ids=kept)  # fmt: skip
+    job = await conversation_job(sampling, conv, client, default_max_tokens, guide, prep, n=1,
+                                 kept_special_ids=kept)  # fmt: skip
     return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan,
                 cache_salt=req.cache_salt or "",
-                prompt_cache_key=req.prompt_cache_key or "")  # fmt: skip
+                prompt_cache_key=req.prompt_cache_key or "", priority=req.priority)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from functools import partial
 from importlib import metadata
 from typing import Any
 
@@ -43,7 +44,12 @@ from radixserve.services.gateway.schemas import (
     TokenizeRequest,
 )
 from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.gateway.tools import CHAT_TOOLS, check_tools, template_inputs
+from radixserve.services.gateway.tools import (
+    CHAT_TOOLS,
+    ToolRequest,
+    check_tools,
+    template_inputs,
+)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}
@@ -51,6 +57,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "invalid request (the field is named in `error.param`)"),
         (401, "missing or wrong API key"),
         (404, "unknown model, or no stored response of that id"),
+        (408, "the body did not arrive in time, or the request's deadline passed"),
         (413, "body too large"),
         (429, "too many requests in flight"),
         (503, "no worker can serve"),
@@ -113,6 +120,15 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
+def _chat_ids(req: TokenizeRequest, tools: ToolRequest | None, gw: Gateway) -> list[int]:
+    """The ids of the chat prompt /tokenize shows (CPU work: run in the `Preparer`)."""
+    messages, kwargs = template_inputs(req, tools, gw.tool_format)
+    text = gw.client.tokenizer.apply_chat_template(
+        messages, bool(req.add_generation_prompt), **kwargs
+    )
+    return gw.client.tokenizer.encode(text, add_special_tokens=False)
+
+
 async def tokenize(request: Request) -> dict[str, Any]:
     gw = _gateway(request)
     req = TokenizeRequest.model_validate(await gw.read_json(request))
@@ -121,16 +137,15 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if req.messages is not None:
-        tools = check_tools(req.tools, None, None, False, CHAT_TOOLS)
-        messages, kwargs = template_inputs(req, tools, gw.tool_format)
-        text = tokenizer.apply_chat_template(messages, bool(req.add_generation_prompt),
-                                             **kwargs)  # fmt: skip
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        tools = check_tools(req.tools, None, None, False, CHAT_TOOLS, gw.limits)
+        ids = await gw.preparer.begin().run("messages", _chat_ids, req, tools, gw)
     elif req.tools is not None:
         raise InvalidRequestError("tools are rendered by the chat template: give them with "
                                   "messages, not with prompt", param="tools")  # fmt: skip
     else:
-        ids = tokenizer.encode(req.prompt or "", add_special_tokens=bool(req.add_special_tokens))
+        encode = partial(tokenizer.encode, req.prompt or "",
+                         add_special_tokens=bool(req.add_special_tokens))  # fmt: skip
+        ids = await gw.preparer.begin().run("prompt", encode)
     strs = [gw.formatter.text(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": gw.client.max_model_len, "tokens": ids,
             "token_strs": strs}  # fmt: skip
@@ -187,6 +202,7 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
             yield
         finally:
             await client.shutdown()
+            gw.preparer.close()
             tracer.close()  # posts the spans still queued for the OTLP collector
 
     app = FastAPI(

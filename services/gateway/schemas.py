@@ -7,7 +7,8 @@ not implement, is refused with a 400 naming it, never silently ignored. The only
 accepted and ignored are those that do not change the output (`user`, `metadata`,
 `safety_identifier`, `service_tier` "auto"/"default", `store` false); `cache_salt`
 (vLLM's) and `prompt_cache_key` (OpenAI's) change only which cached KV a request may
-share and where it is routed (`CacheSalt`, `PromptCacheKey`). Cross-field and
+share and where it is routed (`CacheSalt`, `PromptCacheKey`); `priority` (vLLM's) only
+when it is computed (`Priority`). Cross-field and
 engine-level checks raise `OpenAIError` or are left to `SamplingParams`, which raises
 `InvalidRequestError` (HTTP 400) naming the field.
 """
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from radixserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from radixserve.protocol.messages import MAX_PRIORITY
 from radixserve.services.gateway.errors import OpenAIError
 
 
@@ -65,6 +67,20 @@ PromptCacheKey = Annotated[
         "same decode worker while it is not overloaded, so a conversation's parallel "
         "requests find each other's cached prefix. It changes neither what is cached nor "
         "the output; who may share KV is set by the tenant and cache_salt.",
+    ),
+]
+
+
+#: vLLM's ``priority``: where the request waits in the engines' queues
+Priority = Annotated[
+    Int | None,
+    Field(
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Lower is sooner: the engines admit every waiting request of a lower "
+        "value first, whatever its tenant (tenants share each priority by their weights). "
+        "Default: the API key's class (0 without keys); a user key may ask only for its "
+        "class or higher, an admin key for any (403 otherwise).",
     ),
 ]
 
@@ -125,15 +141,30 @@ class GenerationRequest(_Body):
     )  # fmt: skip
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM: a JSON schema.")
-    guided_regex: str | None = Field(None, max_length=4096, description="vLLM: a regex.")
-    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=256)] | None = None
-    guided_grammar: str | None = Field(None, max_length=65536, description="A Lark grammar.")
+    guided_regex: str | None = Field(
+        None, description="vLLM: a regex (at most the gateway's max_guided_regex_chars)."
+    )
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = Field(
+        None, description="vLLM: the reply is one of these (at most the gateway's "
+        "max_guided_choices, each of max_guided_choice_chars).",
+    )  # fmt: skip
+    guided_grammar: str | None = Field(
+        None, description="A Lark grammar (at most the gateway's max_guided_grammar_chars)."
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="Ignored (as by OpenAI).")
     service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
     cache_salt: CacheSalt = None
     prompt_cache_key: PromptCacheKey = None
+    priority: Priority = None
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds the request may take from its arrival (at most the "
+        "gateway's max_request_timeout_s); past them it is aborted with a 408. The "
+        "X-Request-Timeout header says the same.",
+    )
 
     @property
     def include_usage(self) -> bool:
@@ -141,6 +172,12 @@ class GenerationRequest(_Body):
 
     def guide(self) -> tuple[str, str]:
         """(guide_kind, guide) for `SamplingParams` from response_format / guided_*."""
+        _, kind, guide = self.guided()
+        return kind, guide
+
+    def guided(self) -> tuple[str, str, str]:
+        """(field, guide_kind, guide): `guide` and the request field it comes from
+        (("", "", "") without one)."""
         fmt = self.response_format
         candidates: list[tuple[str, tuple[str, str] | None]] = [
             ("response_format", _format_guide(fmt) if fmt and fmt.type != "text" else None),
@@ -158,7 +195,7 @@ class GenerationRequest(_Body):
             first, second = given[0][0], given[1][0]
             raise OpenAIError(400, f"{second} cannot be combined with {first}: only one "
                               "structured-output constraint is allowed", second)  # fmt: skip
-        return given[0][1] if given else ("", "")
+        return (given[0][0], *given[0][1]) if given else ("", "", "")
 
     def bias(self) -> dict[int, float]:
         out: dict[int, float] = {}

@@ -20,8 +20,11 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
+from radixserve.engine.sampling_params import MAX_GUIDE_CHARS
 from radixserve.protocol.security import dial_host, is_loopback, require_secret
 from radixserve.runtime.settings import PeerSettings
+from radixserve.services.gateway.admission import Admission
+from radixserve.services.gateway.limits import PrepareLimits
 from radixserve.services.gateway.tenants import ApiKey, Keyring
 
 _ENTRIES = TypeAdapter(list[ApiKey])
@@ -47,7 +50,8 @@ class GatewaySettings(PeerSettings):
         max_length=1024,
         description="Accepted `Authorization: Bearer` keys, from the environment as a JSON "
         'list: a bare key (16+ characters; a tenant of its own, role user) or {"key", '
-        '"tenant", "role": "user" | "admin", "cache_group"}; none here nor in '
+        '"tenant", "role": "user" | "admin", "cache_group", "tokens_per_minute", '
+        '"requests_per_minute"}; none here nor in '
         "api_key_file = no authentication (loopback only, unless allow_unauthenticated).",
     )
     api_key_file: Path | None = Field(
@@ -65,10 +69,81 @@ class GatewaySettings(PeerSettings):
         256,
         ge=1,
         le=1 << 20,
-        description="Most generation requests in flight (queued or running); more get 429.",
+        description="Most sequences in flight (queued or running; each choice of each prompt "
+        "of a request counts, as each is a sequence an engine decodes); more get 429 (a "
+        "request with more than it: 400).",
+    )
+    max_queued_work_tokens: int = Field(
+        1 << 20,
+        ge=1024,
+        le=1 << 40,
+        description="Most work in flight at the gateway, in tokens: each request is charged "
+        "its prompt tokens plus choices x max_tokens, from admission until its response "
+        "ends; more get 429, and a request bigger than it (or than its tenant's share) a "
+        "400. The default is max_queued_requests' 256 requests of 4096 tokens each.",
+    )
+    tenant_work_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="With API keys naming two or more tenants, the fraction of "
+        "max_queued_work_tokens and of max_queued_requests one tenant may hold at once "
+        "(past it: 429 naming the share, while other tenants are admitted); a single "
+        "tenant (no keys) may hold all of them.",
     )
     max_body_bytes: int = Field(
         8 << 20, ge=1024, le=1 << 30, description="Largest request body accepted; more get 413."
+    )
+    header_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="A connection that has not sent a whole request head (request line and "
+        "headers) this long after it opened, or after its last response, is closed.",
+    )
+    body_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A request body not fully received this long after its headers gets "
+        "408 and its connection is closed; nothing of it is admitted.",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        le=1 << 20,
+        description="Most open HTTP connections; one more is answered 503 and closed at "
+        "once (the open ones are served as before).",
+    )
+    max_header_bytes: int = Field(
+        16384,
+        ge=1024,
+        le=1 << 20,
+        description="Largest request head (request line and headers); more get 400.",
+    )
+    stream_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A response whose client has read none of it this long (the "
+        "connection's send buffer stays full) is cut, and its request aborted: its slot, "
+        "pages and locks are returned.",
+    )
+    stream_buffer_outputs: int = Field(
+        1024,
+        ge=16,
+        le=1 << 20,
+        description="Most engine outputs (one a step, per choice) a streamed request holds "
+        "at the gateway, not yet written to its client, per prompt; a client that falls "
+        "further behind has its request aborted (the engine does not wait for one reader).",
+    )
+    max_request_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        le=7 * 86400,
+        description="Longest deadline a request may set (the `timeout` body field or the "
+        "X-Request-Timeout header, in seconds); longer is a 400. A request that sets none "
+        "has no deadline.",
     )
     served_model_name: str | None = Field(
         None,
@@ -141,6 +216,64 @@ class GatewaySettings(PeerSettings):
         '</tool_call>), llama3_json ({"name", "parameters"}), mistral ([TOOL_CALLS][...]); '
         "auto = the chat template's own format (hermes when it renders no tools).",
     )
+    prepare_workers: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Threads that prepare requests off the event loop (chat templates, "
+        "tokenization, grammar compilation); more requests at once wait for one.",
+    )
+    prepare_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="Most seconds one request's preparation may take (waiting for a "
+        "worker included); past it the request gets a 400 naming the field being prepared "
+        "(or a 429 if it never got a worker). The step itself cannot be interrupted: it "
+        "finishes in the background, holding its worker, and its result is dropped.",
+    )
+    max_schema_bytes: int = Field(
+        256 << 10,
+        ge=1 << 10,
+        le=MAX_GUIDE_CHARS,
+        description="Largest JSON schema compiled for structured output (response_format, "
+        "guided_json, text.format.schema, or a forced tool call's schema), in bytes as "
+        "serialized; larger ones get a 400 before anything is compiled.",
+    )
+    max_tools: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Most tools one request may list (OpenAI's bound is 128); more get a 400.",
+    )
+    max_tool_parameters_bytes: int = Field(
+        64 << 10,
+        ge=1 << 10,
+        le=MAX_GUIDE_CHARS,
+        description="Largest parameters schema of one tool, in bytes as serialized; a larger "
+        "one gets a 400 naming that tool.",
+    )
+    max_guided_choices: int = Field(
+        256, ge=1, le=4096, description="Most alternatives in guided_choice; more get a 400."
+    )
+    max_guided_choice_chars: int = Field(
+        1024,
+        ge=1,
+        le=1 << 16,
+        description="Longest alternative of guided_choice, in characters; longer get a 400.",
+    )
+    max_guided_regex_chars: int = Field(
+        4096,
+        ge=16,
+        le=MAX_GUIDE_CHARS,
+        description="Longest guided_regex, in characters; longer get a 400.",
+    )
+    max_guided_grammar_chars: int = Field(
+        65536,
+        ge=16,
+        le=MAX_GUIDE_CHARS,
+        description="Longest guided_grammar (Lark), in characters; longer get a 400.",
+    )
     response_store_size: int = Field(
         1024,
         ge=0,
@@ -201,6 +334,23 @@ class GatewaySettings(PeerSettings):
 
     def keyring(self) -> Keyring:
         return Keyring(self.key_entries())
+
+    def admission(self, keys: Keyring) -> Admission:
+        """The admission ledger for ``keys``' tenants (`admission`)."""
+        return Admission(self.max_queued_work_tokens, self.max_queued_requests,
+                         self.tenant_work_share, keys.limits)  # fmt: skip
+
+    def prepare_limits(self) -> PrepareLimits:
+        """The size caps checked before a request is prepared (`limits`)."""
+        return PrepareLimits(
+            max_schema_bytes=self.max_schema_bytes,
+            max_tools=self.max_tools,
+            max_tool_parameters_bytes=self.max_tool_parameters_bytes,
+            max_guided_choices=self.max_guided_choices,
+            max_guided_choice_chars=self.max_guided_choice_chars,
+            max_guided_regex_chars=self.max_guided_regex_chars,
+            max_guided_grammar_chars=self.max_guided_grammar_chars,
+        )
 
     def require_secure(self) -> None:
         """Refuse to serve beyond this machine unauthenticated: a non-loopback host needs

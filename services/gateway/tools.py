@@ -34,11 +34,11 @@ from radixserve.engine.grammar import grammar_for
 from radixserve.errors import InvalidRequestError
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.limits import PrepareLimits
 from radixserve.services.gateway.schemas import ChatCompletionRequest, TokenizeRequest
 from radixserve.services.gateway.tool_calls import PARSERS, parser_for_template
 from radixserve.services.gateway.tool_stream import ToolCallStream
 
-MAX_TOOLS = 128  # as OpenAI's bound
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
@@ -142,8 +142,8 @@ class ToolRequest:
         return ToolPlan("json" if self.forced else fmt.parser, names, single)
 
     def guide(self) -> str:
-        """The JSON schema (text) a forced reply must match; raises `OpenAIError` naming
-        the tool whose parameters cannot be compiled."""
+        """The JSON schema (text) a forced reply must match: one ``{"name",
+        "arguments"}`` object of a tool it may call (`compile_guide` checks it)."""
         alternatives = []
         for tool in self.tools:
             function = tool["function"]
@@ -156,7 +156,11 @@ class ToolRequest:
                     "additionalProperties": False,
                 })  # fmt: skip
         schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-        guide = json.dumps(schema)
+        return json.dumps(schema)
+
+    def compile_guide(self, guide: str) -> None:
+        """Compile `guide` (from `guide`); raises `OpenAIError` naming the tool whose
+        parameters cannot be compiled. CPU work: the gateway runs it in its `Preparer`."""
         try:
             grammar_for("json_schema", guide)
         except InvalidRequestError as exc:
@@ -169,7 +173,6 @@ class ToolRequest:
                     break
             raise OpenAIError(400, f"{param}: the parameters schema cannot be enforced: {exc}",
                               param) from None  # fmt: skip
-        return guide
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -258,13 +261,15 @@ def check_tools(
     parallel: bool | None,
     constrained: bool,
     syntax: ToolSyntax,
+    limits: PrepareLimits,
 ) -> ToolRequest | None:
     """The checked tools of a request, or None when no tool may be called (none given,
     or tool_choice "none"); raises `OpenAIError` naming the bad field as `syntax` lays
-    it out. `constrained`: the request also asks for structured output."""
-    if len(given or ()) > MAX_TOOLS:
-        raise _bad("tools", f"lists {len(given or ())} tools; at most {MAX_TOOLS} are served")
+    it out. `constrained`: the request also asks for structured output. `limits` are
+    checked before anything is rendered or compiled."""
+    limits.check_tool_count(len(given or ()))
     tools = [_check_tool(t, i, syntax) for i, t in enumerate(given or [])]
+    limits.check_tool_parameters(tools, syntax.function_param)
     names = [t["function"]["name"] for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -284,10 +289,10 @@ def check_tools(
     return ToolRequest(tools, choice, parallel is not False, syntax)
 
 
-def tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
+def tool_request(req: ChatCompletionRequest, limits: PrepareLimits) -> ToolRequest | None:
     """`check_tools` of a chat request."""
     return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                       bool(req.guide()[0]), CHAT_TOOLS)  # fmt: skip
+                       bool(req.guide()[0]), CHAT_TOOLS, limits)  # fmt: skip
 
 
 def _call_text(call: dict[str, Any]) -> str:

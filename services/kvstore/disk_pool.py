@@ -60,6 +60,7 @@ import torch
 from radixserve.cache.disk_index import DiskPageIndex
 from radixserve.cache.host_index import HostPageIndex
 from radixserve.cache.page_proof import PageProof
+from radixserve.runtime.kv_events import MEDIUM_CPU, MEDIUM_DISK
 from radixserve.services.kvstore.disk_files import (
     RecordBuffer,
     SlabFiles,
@@ -70,6 +71,7 @@ from radixserve.services.kvstore.disk_files import (
     seal,
 )
 from radixserve.services.kvstore.settings import KVStoreSettings
+from radixserve.services.kvstore.tier_events import TierEvents
 from radixserve.transfer import PoolCompat
 
 logger = logging.getLogger(__name__)
@@ -142,13 +144,19 @@ def promotion_cut(
 class DiskPool:
     """The disk tier: files, index, write buffer and I/O threads; driven by the kvstore."""
 
-    def __init__(self, name: str, settings: KVStoreSettings) -> None:
+    def __init__(
+        self, name: str, settings: KVStoreSettings, events: TierEvents | None = None
+    ) -> None:
+        """``events``: publishes the pages that enter and leave this tier (medium
+        "DISK") and those it promotes into the host tier ("CPU")."""
         self.name, self.root = name, settings.disk_tier_dir
+        self.events = events
+        self._announced = False  # the index's stored pages were published
         self.bound_bytes = int(settings.disk_tier_gib * (1 << 30))
         self.buffer_bytes = settings.disk_write_buffer_mib << 20
         self.chunk_bytes = int(settings.disk_read_chunk_mib * (1 << 20))
         self.reclaim_others = settings.disk_reclaim_others
-        self.index = DiskPageIndex()
+        self.index = DiskPageIndex(self._evicted)
         self.files: SlabFiles | None = None
         self.down: str | None = None  # why the tier is off
         self.full = False  # a file could not be added: the tier keeps the size it has
@@ -218,7 +226,8 @@ class DiskPool:
         if self.files is not None:  # adopted at start for another model identity
             self.files.close()
         self.files = SlabFiles(self.root, compat)
-        self.index = DiskPageIndex()
+        self._unannounce()  # the pages adopted for another layout are let go
+        self.index = DiskPageIndex(self._evicted)
         size = record_bytes(compat.page_bytes, compat.page_size)
         self.write_buffer = RecordBuffer(max(1, self.buffer_bytes // size), compat)
         self.read_buffer = RecordBuffer(max(1, _READ_CHUNK_BYTES // size), compat)
@@ -252,6 +261,7 @@ class DiskPool:
             self.down = reason
             logger.error("%s: the disk tier in %s is off: %s; serving goes on without it",
                          self.name, self.root, reason)  # fmt: skip
+            self._unannounce()  # never served again
         self._free_records.extend(record for _, record, _ in self._staged)
         self._staged.clear()
         self._staged_hashes.clear()
@@ -287,6 +297,26 @@ class DiskPool:
                 batch = self._staged[:_WRITE_BATCH]
                 del self._staged[:_WRITE_BATCH]
                 await self._write(batch)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        """Publish the pages adopted from the files, least recently used first."""
+        self._announced = True
+        if self.events is not None:
+            hashes = self.index.stored_hashes()
+            self.events.stored(MEDIUM_DISK, hashes, [self.index.proof(h) for h in hashes])
+
+    def _unannounce(self) -> None:
+        """Publish that every page the tier published as stored is gone from it."""
+        if self._announced and self.events is not None:
+            self.events.removed(MEDIUM_DISK, self.index.stored_hashes())
+        self._announced = False
+
+    def _evicted(self, page_hash: int, slot: int, proof: PageProof | None) -> None:
+        """The index evicts ``slot`` (it held ``page_hash``): a write overwrites it."""
+        if self.events is not None:
+            self.events.removed(MEDIUM_DISK, [page_hash])
 
     # -- restart --------------------------------------------------------------------------
 
@@ -332,6 +362,7 @@ class DiskPool:
             written.update((h, seq) for h, (seq, _, _) in found)
             self.counters["disk_corrupt_pages_total"] += scan.corrupt
         self.index.reorder(written)
+        self._announce()
         self._seq = max(written.values(), default=0)
         self.counters["disk_restored_pages"] = self.index.num_stored
         logger.info("%s: disk tier in %s: %d pages found in %d files (%d torn or corrupt, "
@@ -383,7 +414,10 @@ class DiskPool:
                 self.index.abort(mine)
                 self._fail(f"a write failed: {exc!r}")
                 return
-            self.index.commit(mine, [proof for *_, proof in jobs])
+            proofs = [proof for *_, proof in jobs]
+            self.index.commit(mine, proofs)
+            if self.events is not None:
+                self.events.stored(MEDIUM_DISK, mine, proofs)
             written = len(jobs) * self.write_buffer.record_bytes
             self.counters["disk_writes_total"] += 1
             self.counters["disk_write_pages_total"] += len(jobs)
@@ -544,6 +578,8 @@ class DiskPool:
                 bad += [h for (_, _, h), fine in zip(chunk, ok) if not fine]
                 mine = [h for (_, _, h), fine in zip(chunk, ok) if fine]
                 host.commit(mine, [proofs[h] for h in mine])  # type: ignore[misc]
+                if self.events is not None:
+                    self.events.stored(MEDIUM_CPU, mine, [proofs[h] for h in mine])
                 if overlap and on_ready is not None:
                     await on_ready(run.ready(set(good)), bool(bad))
                 if bad:
@@ -578,6 +614,8 @@ class DiskPool:
         """Count a promotion's reads; drop the pages that failed their check."""
         if bad and self.up:
             self.index.drop(bad)
+            if self.events is not None:
+                self.events.removed(MEDIUM_DISK, bad)
             self.counters["disk_corrupt_pages_total"] += len(bad)
             logger.warning("%s: %d disk page(s) failed their checksum; dropped, recomputed",
                            self.name, len(bad))  # fmt: skip

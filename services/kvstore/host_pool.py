@@ -37,8 +37,10 @@ import torch
 from radixserve.cache.host_index import EvictCallback, HostPageIndex
 from radixserve.cache.page_proof import PageProof, chain_proofs, unpack_tokens
 from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
+from radixserve.runtime.kv_events import MEDIUM_CPU
 from radixserve.runtime.network import transfer_network
 from radixserve.services.kvstore.settings import KVStoreSettings
+from radixserve.services.kvstore.tier_events import TierEvents
 from radixserve.transfer import (
     KVTransferAgent,
     PoolCompat,
@@ -63,10 +65,12 @@ class HostPool:
         name: str,
         settings: KVStoreSettings,
         on_evict: EvictCallback | None = None,
+        events: TierEvents | None = None,
     ) -> None:
         """``on_evict(hash, page, proof)``: a stored page is about to be reused (the disk
-        tier copies it out first)."""
-        self.name, self.settings, self.on_evict = name, settings, on_evict
+        tier copies it out first); ``events``: publishes the pages stored and evicted
+        (medium "CPU")."""
+        self.name, self.settings, self.on_evict, self.events = name, settings, on_evict, events
         self.capacity_bytes = int(settings.host_capacity_gib * (1 << 30))
         self.network = transfer_network(settings)
         self.compat: PoolCompat | None = None
@@ -144,7 +148,7 @@ class HostPool:
         self.agent = create_agent(s.transfer_backend, self.name, kv, compat,
                                   s.host_transfer_timeout_s, s.nixl_progress_thread, self.network)  # fmt: skip
         self.kv, self.compat = kv, compat
-        self.index = HostPageIndex(num_pages, self.on_evict)
+        self.index = HostPageIndex(num_pages, self._evicted)
         # drive the agent while workers may read leased pages; expire forgotten leases
         index = self.index
         self._server = asyncio.create_task(
@@ -154,6 +158,13 @@ class HostPool:
         )
         logger.info("%s: host tier of %d pages (%.2f GiB) for %s", self.name, num_pages,
                     kv.nbytes / (1 << 30), compat.model_name)  # fmt: skip
+
+    def _evicted(self, page_hash: int, page: int, proof: PageProof | None) -> None:
+        """The index evicts ``page`` (it held ``page_hash``) to reuse it."""
+        if self.events is not None:
+            self.events.removed(MEDIUM_CPU, [page_hash])
+        if self.on_evict is not None:
+            self.on_evict(page_hash, page, proof)
 
     def detach(self, worker: str, connection: bytes = b"") -> None:
         """The ``connection`` of ``worker`` was lost: fail its pending spill reads, unless
@@ -193,7 +204,10 @@ class HostPool:
             self.counters["host_spill_failures_total"] += 1
             self.index.abort(mine)
             return 0
-        self.index.commit(mine, [proved[h] for h in mine])
+        proofs = [proved[h] for h in mine]
+        self.index.commit(mine, proofs)
+        if self.events is not None:
+            self.events.stored(MEDIUM_CPU, mine, proofs)
         assert self.compat is not None  # allocated with the index
         self.counters["host_bytes_stored_total"] += len(dst) * self.compat.page_bytes
         return len(dst)

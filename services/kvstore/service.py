@@ -14,7 +14,9 @@ has those pages read back into host memory first, when that is quicker than the 
 computing them, and `IndexReply.host_pages` counts them (see
 `services.kvstore.disk_pool`). With a disk tier the kvstore adopts its files at start,
 and is not ready (/health, ``disk_tier_ready`` in its stats, which the gateway's
-/health waits for) before the pages found can be served.
+/health waits for) before the pages found can be served. **KV events**
+(``kv_events_endpoint`` set): the pages entering and leaving both tiers, in vLLM's
+format (see `services.kvstore.tier_events`).
 
 When the kvstore is down serving goes on, and after a restart the index and registry
 rebuild as workers reconnect (docs/architecture.md §9, §10).
@@ -44,11 +46,13 @@ from radixserve.protocol import (
     SpillOffer,
     WatchMembers,
 )
+from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.service import Peer, Service
 from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.registry import MemberRegistry
 from radixserve.services.kvstore.settings import KVStoreSettings
+from radixserve.services.kvstore.tier_events import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +67,19 @@ class KVStoreService(Service):
         self.registry = MemberRegistry(self.generation)
         self.host: HostPool | None = None
         self.disk: DiskPool | None = None
+        self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
 
     async def start(self) -> None:
-        if self.settings.disk_tier_dir is not None:
-            self.disk = DiskPool(self.name, self.settings)
+        s, events = self.settings, None
+        if s.kv_events_endpoint is not None:  # first: AllBlocksCleared precedes every page
+            self.kv_events = KVEventPublisher(s)
+            events = TierEvents(self.kv_events)
+            logger.info("%s: KV events on %s (replay: %s)", self.name, self.kv_events.endpoint,
+                        self.kv_events.replay_endpoint)  # fmt: skip
+        if s.disk_tier_dir is not None:
+            self.disk = DiskPool(self.name, s, events)
             self.disk.prepare()  # its files are adopted now: not ready before
-        self.host = HostPool(self.name, self.settings, self.disk.stage if self.disk else None)
+        self.host = HostPool(self.name, s, self.disk.stage if self.disk else None, events)
         self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:
@@ -79,6 +90,8 @@ class KVStoreService(Service):
             await self.host.stop()
         if self.disk is not None:
             await self.disk.stop()
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Not ready while the disk tier adopts the files it found at start (a request

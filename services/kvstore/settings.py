@@ -7,11 +7,12 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from radixserve.runtime.settings import ServiceSettings, TransferSettings
+from radixserve.runtime.settings import KVEventsSettings, ServiceSettings, TransferSettings
 
 
-class KVStoreSettings(ServiceSettings, TransferSettings):
-    """The kvstore's settings, from ``RADIXSERVE_KVSTORE_*``."""
+class KVStoreSettings(ServiceSettings, TransferSettings, KVEventsSettings):
+    """The kvstore's settings, from ``RADIXSERVE_KVSTORE_*`` (``_KV_EVENTS_*``: its host
+    and disk tiers' pages as KV events in vLLM's format, `services.kvstore.tier_events`)."""
 
     model_config = SettingsConfigDict(env_prefix="RADIXSERVE_KVSTORE_", frozen=True, extra="forbid")
 
@@ -95,5 +96,10 @@ class KVStoreSettings(ServiceSettings, TransferSettings):
             raise ValueError(
                 "disk_tier_dir needs a host tier (host_capacity_gib > 0): the disk tier "
                 "holds what the host tier evicts"
+            )
+        if self.kv_events_endpoint is not None and self.host_capacity_gib == 0:
+            raise ValueError(
+                "kv_events_endpoint needs a host tier (host_capacity_gib > 0): the kvstore "
+                "publishes the pages of its tiers, and without one it stores none"
             )
         return self

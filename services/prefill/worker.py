@@ -10,7 +10,8 @@ For each `PrefillRequest` from a decode worker:
    the prompt's when the request asks for them, and ``src_page_ids``: its pages
    holding the prompt past the decode side's ``num_cached_tokens``, i.e. exactly the
    pages the decode worker lacks, one per ``dst_page_ids`` entry;
-3. the decode worker pulls them (`KVTransferAgent.read_pages`) and sends
+3. the decode worker pulls them (`KVTransferAgent.read_pages`: the agent serves it only
+   those pages, granted to it by name until the lease is released or ends) and sends
    `TransferDone`, which releases the lease. A decode worker that never does (dead,
    timed out) costs the pages only until the lease expires. While pages are lent, the
    worker calls `serve_reads` every 200 µs so the reads progress on its side.
@@ -34,7 +35,7 @@ import time
 
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
-from radixserve.engine.wire import to_entries, to_params
+from radixserve.engine.wire import to_entries, to_params, to_share
 from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS, StatsHistogram
 from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
 from radixserve.runtime.service import Peer
@@ -64,6 +65,8 @@ class PrefillWorker(Worker):
         super().__init__(settings, engine)
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
+        # request id -> (reader, pages granted, the revoke timer) while its pages are lent
+        self._grants: dict[str, tuple[str, list[int], asyncio.TimerHandle]] = {}
         self._lending = asyncio.Event()  # set when a lease is handed over
         self._wait = StatsHistogram("prefill_wait_seconds", PREFILL_WAIT_BUCKETS)
         self._request_tokens = StatsHistogram("prefill_request_tokens", PREFILL_TOKENS_BUCKETS)
@@ -71,6 +74,7 @@ class PrefillWorker(Worker):
     async def start(self) -> None:
         await super().start()
         assert self.agent is not None
+        self.agent.enforce_grants()  # a decode worker reads only the pages lent to it
         # drive the transfer agent while a decode worker may be reading our pages: while
         # the engine's lease table (the one owner of lease deadlines) holds any
         self.run_in_background(self.agent.serve_reads_while(self._lending_now, self._lending))
@@ -117,7 +121,24 @@ class PrefillWorker(Worker):
 
     def _release(self, request_id: str) -> None:
         self._owner.pop(request_id, None)
+        self._revoke(request_id)
         self.engine.release_lease(request_id)
+
+    def _grant(self, request_id: str, reader: str, pages: list[int], until: float) -> None:
+        """Lend ``pages`` to the decode worker ``reader`` until `_release`, or the loop's
+        time ``until`` (no later than the engine's lease ends: pages it takes back are
+        never readable)."""
+        assert self.agent is not None
+        self.agent.grant(reader, pages)
+        timer = asyncio.get_running_loop().call_at(until, self._revoke, request_id)
+        self._grants[request_id] = (reader, pages, timer)
+
+    def _revoke(self, request_id: str) -> None:
+        grant = self._grants.pop(request_id, None)
+        if grant is not None and self.agent is not None:
+            reader, pages, timer = grant
+            timer.cancel()
+            self.agent.revoke(reader, pages)
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
@@ -135,8 +156,12 @@ class PrefillWorker(Worker):
         try:
             params = to_params(msg.sampling)
             _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s,
-                                      cache_scope=msg.cache_scope, under=queued)  # fmt: skip
+                                      cache_scope=msg.cache_scope, share=to_share(msg),
+                                      under=queued)  # fmt: skip
             queued.end()
+            # the engine's lease starts when the prompt is done, after this: a grant that
+            # ends lease_s from now ends first
+            grant_until = asyncio.get_running_loop().time() + self.settings.lease_s
             computing = request.child("prefill.compute")
             outputs = [output async for output in self.engine.outputs(rid, out)]
             last = outputs[-1]
@@ -156,6 +181,7 @@ class PrefillWorker(Worker):
                     f"decode asked for {len(msg.dst_page_ids)} pages past token "
                     f"{msg.num_cached_tokens}; the prompt has {len(src)}"
                 )
+            self._grant(rid, peer.name, list(src), grant_until)
             self._lending.set()
             computed = last.prompt_tokens - last.cached_tokens
             self._record(computed, time.perf_counter() - arrived)

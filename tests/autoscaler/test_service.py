@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from radixserve.bench.local_cluster import metric_value
 from radixserve.metrics import ServingMetrics
-from radixserve.services.autoscaler.connectors import DryRunConnector
+from radixserve.services.autoscaler.connectors import Connector, DryRunConnector, Replicas
 from radixserve.services.autoscaler.metrics_source import observation_between, parse_exposition
 from radixserve.services.autoscaler.policy import Observation
 from radixserve.services.autoscaler.service import AutoscalerService
@@ -82,3 +82,44 @@ def test_an_infeasible_prompt_is_logged_counted_and_advised_not_scaled_for(caplo
     assert len(loud) == 1  # a warning at first, then at most every few minutes
     assert logged.count("cannot meet the 1 s TTFT target") == 1  # advice: once, not per interval
     assert "--prefill-tp" in logged
+
+
+class _Recording(Connector):
+    """Pools of one replica each; records what it is asked to set."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.sets: list[tuple[str, int]] = []
+
+    def get(self, role: str) -> Replicas | None:
+        return Replicas(1, 1)
+
+    def set(self, role: str, replicas: int) -> None:
+        self.sets.append((role, replicas))
+
+
+def scale_up_round(recommend_only: bool) -> tuple[list[tuple[str, int]], str]:
+    """Two intervals of a prefill worker busy all the time (12k tokens/s asked of one
+    that computes 12k): the policy scales prefill to 2. What was set, and /metrics."""
+    settings = AutoscalerSettings(ttft_p90_target_s=1.0, cold_start_s=0, min_prefill=1,
+                                  max_prefill=4, port=0, recommend_only=recommend_only)  # fmt: skip
+    m = ServingMetrics()
+    texts = [exposition(m, 10.0 * k, [(2000, 0.5)] * (60 * k)) for k in (1, 2)]
+    connector = _Recording()
+    service = AutoscalerService(settings, source=_Scrapes(texts), connector=connector)
+    assert service.tick() == []  # the baseline
+    decisions = {d.role: d for d in service.tick()}
+    assert (decisions["prefill"].direction, decisions["prefill"].desired) == ("up", 2)
+    return connector.sets, service._render().decode()
+
+
+def test_recommendation_mode_exports_the_decision_and_sets_nothing():
+    """With ``recommend_only`` the same decision is exported (for KEDA's Prometheus
+    trigger) and the pool is never set; without it, it is set."""
+    sets, text = scale_up_round(recommend_only=True)
+    assert sets == []
+    assert metric_value(text, "radixserve_autoscaler_desired_replicas", role="prefill") == 2
+    sets, text = scale_up_round(recommend_only=False)
+    assert sets == [("prefill", 2)]
+    assert metric_value(text, "radixserve_autoscaler_desired_replicas", role="prefill") == 2

@@ -197,6 +197,12 @@ def test_the_host_tier_stays_within_capacity_under_load_and_leaks_nothing(
             time.sleep(0.2)
         assert idle, "spill buffers or host-tier leases still held"
         assert len(buffers) == 2
+        # every page read (over ZMQ: grants enforced) was one lent to its reader
+        assert workers["decode-0"]["remote_prefills_total"] > 0  # prefill-0's leased pages
+        assert store["host_stored_pages_total"] > 0  # read from the buffer pages on offer
+        for w in workers.values():
+            assert w.get("kv_transfer_refused_reads_total", 0) == 0, w
+            assert w.get("host_spill_refused_reads_total", 0) == 0, w
         page_bytes = workers["decode-0"]["page_bytes"]  # the engine's geometry, as it states it
         assert store["host_pages_total"] == int(gib(HOST_PAGES) * (1 << 30)) // page_bytes
         assert store["host_pages_total"] == HOST_PAGES and page_bytes == PAGE_BYTES

@@ -1,11 +1,17 @@
 """One disaggregated request through a real cluster (gateway, decode and prefill
 processes, KV over NIXL) is one trace: each process exports its own spans over OTLP to a
 receiver in this test process, parented across the processes under the client's
-``traceparent``; the gateway's /debug/traces holds the same spans without any backend."""
+``traceparent``; the gateway's /debug/traces holds the same spans without any backend.
+Here over the default protocol, http/protobuf (OTEL_EXPORTER_OTLP_PROTOCOL unset);
+test_tracing_protocols.py runs the same check over http/json and grpc."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.conftest import otlp_receiver
+from tests.tracing.otlp_receiver import _Spans
 
 SHARED_CLUSTER = "remote-tiny"  # shared with other modules: tests/cluster/conftest.py
 
@@ -27,6 +33,17 @@ EXPECTED = {
 
 def test_one_disaggregated_request_is_one_trace_across_the_processes(cluster):
     receiver = otlp_receiver()
+    exported = check_one_trace(cluster, receiver)
+    posts = [post for post in receiver.posts if post[0] == "/v1/traces"]
+    assert {content_type for _, _, content_type in posts} == {"application/x-protobuf"}
+    assert {s["resource"]["service.name"] for s in exported} == {
+        "radixserve-gateway", "radixserve-decode", "radixserve-prefill"}  # fmt: skip
+
+
+def check_one_trace(cluster: TestCluster, receiver: _Spans) -> list[dict[str, Any]]:
+    """Send one traced disaggregated request through ``cluster`` and check its trace as
+    ``receiver`` got it from the three processes, and as the gateway keeps it; the
+    exported spans."""
     body = {"model": "default", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": f"Tell me about {SECRET} today."}]}  # fmt: skip
     resp = cluster.http.post("/v1/chat/completions", json=body,
@@ -64,3 +81,4 @@ def test_one_disaggregated_request_is_one_trace_across_the_processes(cluster):
     [summary] = [t for t in listed if t["trace_id"] == CLIENT_TRACE]
     assert summary["span_count"] == len(EXPECTED)
     assert summary["request_id"] == resp.json()["id"]
+    return exported

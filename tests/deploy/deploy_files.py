@@ -36,7 +36,9 @@ from radixserve.settings import EngineSettings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yml"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "keda")
+#: the overlays on CPU nodes with the model in the image (keda: cpu with KEDA scaling)
+CPU_OVERLAYS = ("cpu", "keda")
 #: the services that run the radixserve image (compose service -> Kubernetes component)
 RADIXSERVE_SERVICES = ("kvstore", "prefill", "decode", "gateway", "autoscaler")
 
@@ -208,15 +210,18 @@ def pod_env(objects: list[dict[str, Any]], deployment: dict[str, Any]) -> dict[s
 # -- Dockerfiles -------------------------------------------------------------------------
 
 
-def dashboard_exprs() -> list[str]:
-    """Every PromQL expression of the Grafana dashboard's panels."""
-    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "radixserve.json").read_text())
-    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+def dashboard_exprs(name: str | None = None) -> list[str]:
+    """Every PromQL expression of the Grafana dashboards' panels (of ``<name>.json``
+    only, if given)."""
+    paths = sorted((COMPOSE / "grafana" / "dashboards").glob(f"{name or '*'}.json"))
+    dashboards = [json.loads(path.read_text()) for path in paths]
+    return [t["expr"] for d in dashboards for p in d["panels"] for t in p.get("targets", [])]
 
 
 def metric_names(exprs: list[str]) -> set[str]:
-    """The radixserve metric names ``exprs`` use."""
-    return {name for e in exprs for name in re.findall(r"\bradixserve_[a-z0-9_]+", e)}
+    """The radixserve metric names ``exprs`` use (vLLM's ``vllm:*`` names included)."""
+    pattern = r"\bradixserve_[a-z0-9_]+|\bvllm:[a-z0-9_:]+"
+    return {name for e in exprs for name in re.findall(pattern, e)}
 
 
 def dockerfile_commands(path: Path) -> dict[str, list[str]]:

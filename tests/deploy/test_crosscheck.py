@@ -39,6 +39,7 @@ from radixserve.settings import EngineSettings
 from radixserve.transfer.network import WILDCARD_HOSTS
 from tests.deploy.deploy_files import (
     COMPOSE,
+    CPU_OVERLAYS,
     OVERLAYS,
     RADIXSERVE_SERVICES,
     REQUIRED_VALUES,
@@ -47,11 +48,13 @@ from tests.deploy.deploy_files import (
     compose_services,
     compose_variables,
     container,
+    dashboard_exprs,
     dockerfile_commands,
     dockerfile_exposed,
     env_example,
     interpolate,
     kubectl,
+    metric_names,
     objects_of,
     pod_env,
     render_overlay,
@@ -416,10 +419,11 @@ def test_rbac_names_only_the_autoscalers_pools(overlay: str) -> None:
     [role] = objects_of(objects, "Role").values()
     pools = sorted(deployments[r]["metadata"]["name"] for r in DRAIN_SERVICES)
     [rule] = role["rules"]
+    verbs = ["get"] if overlay == "keda" else ["get", "patch"]  # keda: recommendations only
     assert (rule["apiGroups"], rule["resources"], rule["verbs"]) == (
         ["apps"],
         ["deployments/scale"],
-        ["get", "patch"],
+        verbs,
     )
     assert sorted(rule["resourceNames"]) == pools
     [binding] = objects_of(objects, "RoleBinding").values()
@@ -515,7 +519,7 @@ def test_overlays_run_the_model_they_say() -> None:
                             DRAIN_SERVICES else {"requests": None, "limits": None}), name  # fmt: skip
             assert {"requests", "limits"} <= set(c["resources"]), name
         env = pod_env(objects, deployments["prefill"])
-        if overlay == "cpu":
+        if overlay in CPU_OVERLAYS:
             assert env["RADIXSERVE_MODEL"] == "default"
             continue
         claim = "radixserve-models"
@@ -580,7 +584,7 @@ def test_the_kvstore_disk_tier_has_a_volume_larger_than_its_bound() -> None:
                    if m["mountPath"] == env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"]]  # fmt: skip
         [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
         assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
-        if overlay == "cpu":
+        if overlay in CPU_OVERLAYS:
             assert _gib(volume["emptyDir"]["sizeLimit"]) > bound
             continue
         claim = objects_of(objects, "PersistentVolumeClaim")[
@@ -588,3 +592,66 @@ def test_the_kvstore_disk_tier_has_a_volume_larger_than_its_bound() -> None:
         ]
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
         assert _gib(claim["spec"]["resources"]["requests"]["storage"]) > bound
+
+
+def test_the_vllm_dashboard_queries_names_radixserve_exports() -> None:
+    """compose/grafana/dashboards/vllm.json uses only vLLM's names, each exported by a
+    worker's or the gateway's /metrics (sample names: ``_bucket``, ``_total``), and
+    Prometheus keeps the gateway's own vLLM series (its drop rule leaves them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixserve.metrics import ServingMetrics
+    from radixserve.vllm_metrics import engine_metrics
+
+    texts = (ServingMetrics("m").render({}).decode(), engine_metrics("m", "decode-0", {}).decode())
+    exported = {s.name for t in texts for f in text_string_to_metric_families(t) for s in f.samples}
+    used = metric_names(dashboard_exprs("vllm"))
+    assert used and all(name.startswith("vllm:") for name in used), used
+    assert used <= exported, sorted(used - exported)
+    prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    [gateway_job] = [j for j in prom["scrape_configs"] if j["job_name"] == "gateway"]
+    [drop] = gateway_job["metric_relabel_configs"]
+    assert not any(
+        re.fullmatch(drop["regex"], name) for name in exported if name.startswith("vllm:")
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_scales_the_pools_on_the_autoscalers_recommendation(
+    monkeypatch: pytest.MonkeyPatch, overlay: str
+) -> None:
+    """The keda overlay's autoscaler only recommends (it never patches, and may not), and
+    one ScaledObject per pool scales that pool's Deployment to the recommendation
+    (AverageValue 1: replicas = the query's value) within the autoscaler's own bounds,
+    from the Prometheus series the ServiceMonitor brings in; the other overlays leave the
+    autoscaler to set the pools itself and have no ScaledObject."""
+    objects = render_overlay(overlay)
+    deployments, _, settings = k8s_settings(monkeypatch, objects)
+    scaler = settings["autoscaler"][AutoscalerSettings]
+    scaled = objects_of(objects, "ScaledObject")
+    assert scaler.recommend_only == (overlay == "keda")
+    if overlay != "keda":
+        assert not scaled
+        return
+    assert {component(o) for o in scaled.values()} == set(DRAIN_SERVICES)
+    for obj in scaled.values():
+        role = component(obj)
+        spec = obj["spec"]
+        assert spec["scaleTargetRef"] == {"name": deployments[role]["metadata"]["name"]}
+        lo, hi = scaler.bounds(role)
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (lo, hi)
+        window = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        assert window["stabilizationWindowSeconds"] > scaler.scale_up_cooldown_s
+        [trigger] = spec["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        meta = trigger["metadata"]
+        assert meta["threshold"] == "1"
+        namespace = obj["metadata"]["namespace"]
+        assert meta["query"] == (
+            f'max(radixserve_autoscaler_desired_replicas{{namespace="{namespace}", role="{role}"}})'
+        )
+    # the series is the autoscaler's own, scraped through the ServiceMonitor
+    [monitor] = objects_of(objects, "ServiceMonitor").values()
+    ports = {p["name"] for s in objects_of(objects, "Service").values()
+             if component(s) == "autoscaler" for p in s["spec"]["ports"]}  # fmt: skip
+    assert any(e["port"] in ports for e in monitor["spec"]["endpoints"])

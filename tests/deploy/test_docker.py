@@ -41,6 +41,7 @@ import pytest
 
 from tests.deploy.deploy_files import (
     COMPOSE,
+    OVERLAYS,
     RADIXSERVE_SERVICES,
     component,
     container,
@@ -461,7 +462,7 @@ def test_cuda_image_builds_and_refuses_without_a_gpu(
 # -- 5. Kubernetes manifests against the image ------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubernetes_commands_run_in_the_image(images: Images, overlay: str) -> None:
     objects = render_overlay(overlay)
     image = CUDA_IMAGE if overlay == "gpu" and image_exists(CUDA_IMAGE) else IMAGE

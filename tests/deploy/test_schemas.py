@@ -56,10 +56,17 @@ def rendered(request: Any) -> list[dict[str, Any]]:
 
 def test_every_rendered_object_validates(rendered: list[dict[str, Any]]) -> None:
     gpu = any(o["kind"] == "PersistentVolumeClaim" for o in rendered)
-    assert {o["kind"] for o in rendered} == KINDS | ({"PersistentVolumeClaim"} if gpu else set())
+    keda = any(o["kind"] == "ScaledObject" for o in rendered)
+    assert {o["kind"] for o in rendered} == (
+        KINDS
+        | ({"PersistentVolumeClaim"} if gpu else set())
+        | ({"ScaledObject"} if keda else set())
+    )
     for obj in rendered:
         if obj["kind"] == "ServiceMonitor":
             validate_service_monitor(obj)
+        elif obj["kind"] == "ScaledObject":  # KEDA's CRD: test_crosscheck checks its fields
+            assert obj["apiVersion"] == "keda.sh/v1alpha1"
         else:
             validate_k8s(obj)
 

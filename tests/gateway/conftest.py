@@ -3,7 +3,8 @@
 One engine (SmolLM2-135M-Instruct, fp32, CPU) is loaded per session. Greedy reference
 outputs are computed with the engine's own synchronous `generate` before the
 `AsyncEngine` thread takes it over. `serve_app` starts an app on a free 127.0.0.1 port
-in a background thread and stops it when the test ends.
+in a background thread (with the server configuration `radixserve serve` runs,
+`http_server.server_config`) and stops it when the test ends.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import GenerationResult
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from tests.engine.engine_helpers import make_engine
+from radixserve.services.gateway.http_server import server_config
+from tests.engine.engine_helpers import TINY, make_engine
 
 COMPLETION_PROMPT = "The capital of France is"
 CHAT_MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -47,7 +49,10 @@ class RunningServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        gateway = getattr(getattr(app, "state", None), "gateway", None)  # not if wrapped
+        settings = gateway.settings if gateway is not None else GatewaySettings()
+        metrics = gateway.metrics if gateway is not None else None
+        config = server_config(app, settings, metrics, lifespan="off")
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
@@ -116,6 +121,31 @@ def serve_app(client) -> Iterator[Callable[..., RunningServer]]:
 
     yield start
     for running in started:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Iterator[LocalEngineClient]:
+    """The tiny random model's engine: long generations at little cost."""
+    client = LocalEngineClient(AsyncEngine(make_engine(TINY, kv_cache_memory_gib=0.05)))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def tiny_gateway(tiny_engine) -> Iterator[Callable[..., tuple[RunningServer, httpx.Client]]]:
+    """Start gateways (given GatewaySettings fields) on the tiny engine: (server, an
+    HTTP client of it); both stopped after the test."""
+    started: list[tuple[RunningServer, httpx.Client]] = []
+
+    def start(**settings) -> tuple[RunningServer, httpx.Client]:
+        running = RunningServer(create_app(tiny_engine, GatewaySettings(**settings)))
+        started.append((running, httpx.Client(base_url=running.url, timeout=60)))
+        return started[-1]
+
+    yield start
+    for running, http in started:
+        http.close()
         running.stop()
 
 

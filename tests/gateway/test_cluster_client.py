@@ -17,8 +17,10 @@ import pytest
 import zmq.asyncio
 
 from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
+from radixserve.engine.fair_share import TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.wire import to_share
 from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
 from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import (
@@ -460,9 +462,11 @@ def test_the_gateway_learns_the_workers_identity_and_refuses_another() -> None:
 
 def test_a_scoped_request_carries_its_scope_and_scoped_hashes_to_every_worker() -> None:
     """The prompt is hashed in its cache scope's namespace; the scope and those hashes
-    go to the decode worker, and to the next one when the first refuses; a real decode
-    worker passes the scope to its engine and hashes nothing itself."""
+    (and its tenant share) go to the decode worker, and to the next one when the first
+    refuses; a real decode worker passes the scope and share to its engine and hashes
+    nothing itself."""
     scope = cache_scope(tenant="acme", salt="conversation-7")
+    share = TenantShare("0123456789abcdef", 3, 2.0)  # and its place in the schedules
     scoped = tuple(page_hashes(PROMPT, PAGE_SIZE, scoped_namespace(NAMESPACE, scope)))
     seen: dict[str, Any] = {}
 
@@ -475,9 +479,10 @@ def test_a_scoped_request_carries_its_scope_and_scoped_hashes_to_every_worker() 
         try:
             async with serving(worker), cluster_client([d0.address, worker.address]) as client:
                 await decodes_ready(client, 2)
-                outputs = client.generate(PROMPT, PARAMS, "r1", cache_scope=scope)
+                outputs = client.generate(PROMPT, PARAMS, "r1", cache_scope=scope, share=share)
                 seen["tokens"] = tokens_of([output async for output in outputs])
-                seen["d0"] = [(m.cache_scope, m.page_hashes) for m in d0.of_type(GenerateRequest)]
+                seen["d0"] = [(m.cache_scope, m.page_hashes, to_share(m))
+                              for m in d0.of_type(GenerateRequest)]  # fmt: skip
                 seen["admit"] = engine.args("admit", "r1~1")[0]
                 seen["hashed"] = worker.counters.get("prompt_hashes_total", 0)
         finally:
@@ -485,6 +490,6 @@ def test_a_scoped_request_carries_its_scope_and_scoped_hashes_to_every_worker() 
 
     run_scenario(scenario)
     assert seen["tokens"] == [100, 101, 102, 103]
-    assert scoped != HASHES and seen["d0"] == [(scope, scoped)]
-    assert seen["admit"]["cache_scope"] == scope
+    assert scoped != HASHES and seen["d0"] == [(scope, scoped, share)]
+    assert seen["admit"]["cache_scope"] == scope and seen["admit"]["share"] == share
     assert seen["hashed"] == 0

@@ -130,7 +130,8 @@ def test_key_entries_become_principals() -> None:
     [
         ([""], "at least 16 characters"),
         (["short-key"], "at least 16 characters"),
-        ([{"key": A1, "tokens_per_minute": 10}], "tokens_per_minute"),
+        ([{"key": A1, "tokens_per_hour": 10}], "tokens_per_hour"),
+        ([{"key": A1, "tokens_per_minute": 0}], "tokens_per_minute"),
         ([{"key": A1, "role": "root"}], "role"),
         ([{"key": A1, "tenant": "key:abc"}], "tenant"),
         ([A1, {"key": A1, "tenant": "acme"}], "listed twice"),

@@ -14,6 +14,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from radixserve.model.chat_template import ChatTemplate
 from radixserve.services.gateway.schemas import ChatCompletionRequest
+from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.gateway.tools import ToolFormat, template_inputs, tool_request
 from tests.gateway.conftest import assert_openai_error
 
@@ -116,7 +117,8 @@ QWEN_TEMPLATE = """{%- if tools %}
 
 def _prompt(template: str, body: dict) -> str:
     req = ChatCompletionRequest.model_validate(body)
-    messages, kwargs = template_inputs(req, tool_request(req), ToolFormat.for_template(template))
+    tools = tool_request(req, GatewaySettings().prepare_limits())
+    messages, kwargs = template_inputs(req, tools, ToolFormat.for_template(template))
     return ChatTemplate(template).render(messages, True, **kwargs)
 
 

@@ -115,27 +115,27 @@ def _start_and_check(supervisors: list[Supervisor], grabbed: list[int]) -> None:
 
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
 def test_services_started_at_once_each_serve_on_their_own_port_and_keep_it(warm, capfd):
-    """Three clusters' worth of services started together, three times over, while
-    another program takes free ports: each answers on its own port (no two share one,
+    """Three clusters' worth of services started together while another program takes
+    free ports (tests/cluster/test_listeners_cluster.py, a benchmark, starts whole
+    clusters twenty times): each answers on its own port (no two share one,
     none is taken), none crashes; a service killed comes back on the same port; once
     the supervisor stops, its ports are closed."""
     if warm and not available():
         pytest.skip("warm starts are Linux only")
-    for _ in range(3):
-        with _port_grabber() as grabbed:
-            supervisors = [Supervisor([_spec(f"{c}/{n}") for n in NAMES], restart_backoff_s=0.1,
-                                      warm=WarmServer((CHILD,)) if warm else None)
-                           for c in range(3)]  # fmt: skip
-            listeners = [sup.spec(n).sockets["LISTEN_CHILD_FD"] for sup in supervisors
-                         for n in sup.names()]  # fmt: skip
-            try:
-                _start_and_check(supervisors, grabbed)
-            finally:
-                for sup in supervisors:
-                    sup.stop()
-        assert all(_ask(listener.port) is None for listener in listeners)  # closed
-        with pytest.raises(OSError, match="is closed"):
-            listeners[0].fileno()
+    with _port_grabber() as grabbed:
+        supervisors = [Supervisor([_spec(f"{c}/{n}") for n in NAMES], restart_backoff_s=0.1,
+                                  warm=WarmServer((CHILD,)) if warm else None)
+                       for c in range(3)]  # fmt: skip
+        listeners = [sup.spec(n).sockets["LISTEN_CHILD_FD"] for sup in supervisors
+                     for n in sup.names()]  # fmt: skip
+        try:
+            _start_and_check(supervisors, grabbed)
+        finally:
+            for sup in supervisors:
+                sup.stop()
+    assert all(_ask(listener.port) is None for listener in listeners)  # closed
+    with pytest.raises(OSError, match="is closed"):
+        listeners[0].fileno()
     out = capfd.readouterr()
     assert "already in use" not in out.out + out.err
 

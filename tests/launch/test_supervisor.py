@@ -310,3 +310,83 @@ def test_children_die_with_a_killed_supervisor(driver, warm: bool) -> None:
     proc.kill()
     proc.wait(timeout=10)
     assert _wait_until(lambda: all(_gone(pid) for pid in pids), 3), "children outlived it"
+
+
+# ---- fail fast: the same error twice before ready stops run() ------------------------
+
+BOGUS = "import sys; sys.stderr.write('starting\\n'); raise ValueError('RS_MODE=bogus is refused')"
+
+
+def _stop_when(cond: Callable[[], bool]) -> Callable[[], None]:
+    """An `on_poll` that SIGTERMs this process (run() then returns 0) once ``cond()``."""
+
+    def on_poll() -> None:
+        if cond():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_poll
+
+
+def test_the_same_error_twice_before_ready_stops_run(
+    supervisors: list[Supervisor], capfd: pytest.CaptureFixture[str]
+) -> None:
+    sup = Supervisor([ProcessSpec("good", _sleeper()), ProcessSpec("bad", _python(BOGUS))],
+                     restart_backoff_s=0.05)  # fmt: skip
+    supervisors.append(sup)
+    assert sup.run(ready=lambda: False) == 1
+    assert sup.failure == ("bad exited with code 1 twice before the cluster was ready: "
+                           "ValueError: RS_MODE=bogus is refused")  # fmt: skip
+    assert sup.restarts == {"good": 0, "bad": 1}  # not restarted a second time
+    assert sup.pid("good") is None  # run() stopped everything
+    # the children's stderr still reaches the supervisor's, line by line
+    assert capfd.readouterr().err.count("ValueError: RS_MODE=bogus is refused\n") == 2
+
+
+def test_different_errors_before_ready_are_restarted(
+    supervisors: list[Supervisor], tmp_path: Path
+) -> None:
+    """Each exit says something else (a count kept in a file): no error repeats, so the
+    child is restarted as ever."""
+    count = tmp_path / "count"
+    code = (f"from pathlib import Path; p = Path({str(count)!r}); "
+            "n = int(p.read_text()) + 1 if p.exists() else 1; p.write_text(str(n)); "
+            "raise SystemExit(f'attempt {n} failed')")  # fmt: skip
+    sup = Supervisor([ProcessSpec("flaky", _python(code))], restart_backoff_s=0.05,
+                     max_backoff_s=0.05)  # fmt: skip
+    supervisors.append(sup)
+    on_poll = _stop_when(lambda: sup.restarts["flaky"] >= 3)
+    assert sup.run(ready=lambda: False, on_poll=on_poll) == 0
+    assert sup.failure is None and sup.restarts["flaky"] >= 3
+
+
+def test_after_ready_the_same_error_is_restarted(supervisors: list[Supervisor]) -> None:
+    sup = Supervisor([ProcessSpec("bad", _python(BOGUS))], restart_backoff_s=0.05,
+                     max_backoff_s=0.05)  # fmt: skip
+    supervisors.append(sup)
+    on_poll = _stop_when(lambda: sup.restarts["bad"] >= 3)
+    assert sup.run(ready=lambda: True, on_poll=on_poll) == 0
+    assert sup.failure is None and sup.restarts["bad"] >= 3
+
+
+def test_a_poll_loop_without_run_never_fails_fast(supervisors: list[Supervisor]) -> None:
+    """Callers that drive `poll()` themselves (the test clusters) restart as ever."""
+    sup = Supervisor([ProcessSpec("bad", _python(BOGUS))], restart_backoff_s=0.05,
+                     max_backoff_s=0.05)  # fmt: skip
+    supervisors.append(sup)
+    sup.start()
+    assert _wait_until(lambda: (sup.poll(), sup.restarts["bad"] >= 3)[1], 20)
+    assert sup.failure is None
+
+
+def test_last_error_is_the_exception_else_the_last_line() -> None:
+    traceback_lines = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                       "    main()", "    ^^^^^^", "pydantic_core.ValidationError: 1 error",
+                       "exporter_otlp_protocol", "  Value error, OTEL_X=bogus"]  # fmt: skip
+    assert supervisor_mod.last_error(["noise", *traceback_lines, ""]) == "\n".join(
+        traceback_lines[4:]
+    )
+    assert (
+        supervisor_mod.last_error(["2026-01-02 03:04:05,678 ERROR svc: cannot bind", ""])
+        == "ERROR svc: cannot bind"
+    )
+    assert supervisor_mod.last_error([]) == ""

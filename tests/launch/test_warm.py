@@ -126,3 +126,21 @@ def test_a_request_too_large_to_send_is_refused_and_the_others_run_on(server, tm
     assert again.wait(20) == 0 and running.poll() is None
     running.kill()
     assert running.wait(20) == -signal.SIGKILL
+
+
+def test_a_warm_child_failing_twice_before_ready_stops_run(capfd, caplog) -> None:
+    """The fail fast of `Supervisor.run` on warm children: their stderr (a traceback
+    printed in the forked child) reaches the supervisor through the descriptor the
+    server hands each child."""
+    caplog.set_level(logging.INFO, logger="radixserve.launch.supervisor")
+    spec = ProcessSpec("child", ARGV, {"WARM_CHILD_RAISE": "RS_MODE=bogus is refused"})
+    sup = Supervisor([spec], restart_backoff_s=0.05, warm=WarmServer([MODULE]))
+    try:
+        assert sup.run(ready=lambda: False) == 1
+    finally:
+        sup.stop()
+    assert sup.failure == ("child exited with code 1 twice before the cluster was ready: "
+                           "ValueError: RS_MODE=bogus is refused")  # fmt: skip
+    assert sum(", warm)" in m for m in caplog.messages) == 2  # both forked, not fresh
+    err = capfd.readouterr().err
+    assert err.count("ValueError: RS_MODE=bogus is refused\n") == 2, err

@@ -21,7 +21,7 @@ from radixserve.engine.wire import to_spec
 from radixserve.protocol import Abort, KVReady, PrefillRequest, RequestFailed, TransferDone
 from radixserve.services.prefill.settings import PrefillSettings
 from radixserve.services.prefill.worker import PrefillWorker
-from radixserve.transfer import PoolCompat, create_agent
+from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
 from tests.fake_engine import MODEL, PAGE_SIZE, FakeEngine, PeerSocket, run_scenario, serving, until
 
 PROMPT = tuple(range(1, 13))  # 12 tokens, 3 pages
@@ -55,8 +55,9 @@ async def prefill_worker(
 @pytest.mark.parametrize("num_cached_tokens", [0, PAGE_SIZE])
 def test_pages_are_lent_under_a_lease_until_transfer_done(num_cached_tokens: int) -> None:
     """KVReady names the leased pages past the decode side's cached prefix, the first
-    token and the cached count; a real agent reads them (page j holds j + 1); the
-    lease holds until TransferDone, which releases it exactly once."""
+    token and the cached count; a real agent reads them (page j holds j + 1), lent to it
+    by name: another reader is refused them; the lease holds until TransferDone, which
+    releases it exactly once, and with it the grant (a read after it is refused)."""
 
     async def scenario(context: zmq.asyncio.Context) -> None:
         engine = FakeEngine(first_token=7)
@@ -71,21 +72,31 @@ def test_pages_are_lent_under_a_lease_until_transfer_done(num_cached_tokens: int
 
             kv = torch.zeros(1, 2, 4, PAGE_SIZE, 1, 2)  # the reader's pool (L, 2, P, S, H, D)
             reader = create_agent("zmq", "decode-test", kv, PoolCompat.of(kv, MODEL))
+            other = create_agent("zmq", "decode-other", kv.clone(), PoolCompat.of(kv, MODEL))
+            src, dst = list(ready.src_page_ids), list(range(len(ready.src_page_ids)))
+
+            async def read(agent: KVTransferAgent) -> str:
+                return await agent.wait_async(agent.read_pages("p0", src, dst, timeout_s=5))
+
             try:
                 ack = decode.ack
                 assert ack is not None and ack.transfer_metadata
-                reader.add_peer("p0", ack.generation, ack.transfer_metadata)
-                dst = list(range(len(ready.src_page_ids)))
-                handle = reader.read_pages("p0", list(ready.src_page_ids), dst, timeout_s=5)
-                assert await reader.wait_async(handle) == "done"
+                for agent in (reader, other):
+                    agent.add_peer("p0", ack.generation, ack.transfer_metadata)
+                assert await read(reader) == "done"
+                assert await read(other) == "failed"  # not lent to it
+                for j, page in enumerate(dst):
+                    want = torch.full_like(kv[:, :, page], skip + j + 1)
+                    assert torch.equal(kv[:, :, page], want)
+
+                assert engine.ops("r1") == ["admit"]  # read, but not released yet
+                await decode.send(TransferDone("r1"))
+                await until(lambda: engine.stats().leases == 0, "TransferDone to release the lease")
+                assert await read(reader) == "failed"  # returned: no longer lent
+                assert worker.agent is not None and worker.agent.refused_reads == 2
             finally:
                 reader.close()
-            for j, page in enumerate(dst):
-                assert torch.equal(kv[:, :, page], torch.full_like(kv[:, :, page], skip + j + 1))
-
-            assert engine.ops("r1") == ["admit"]  # read, but not released yet
-            await decode.send(TransferDone("r1"))
-            await until(lambda: engine.stats().leases == 0, "TransferDone to release the lease")
+                other.close()
             assert engine.ops("r1") == ["admit", "release_lease"]
             assert engine.pages_in_use() == 0
             assert worker.counters["prefill_requests_total"] == 1
@@ -152,5 +163,24 @@ def test_a_draining_worker_refuses_new_prompts_and_leaves_once_its_pages_are_rea
             await asyncio.wait_for(asyncio.shield(task), 5)  # the drain ends the service
             assert engine.ops("r1") == ["admit", "release_lease"]
             assert engine.calls[-1].op == "close"
+
+    run_scenario(scenario)
+
+
+def test_a_lease_that_runs_out_takes_its_grant_with_it() -> None:
+    """Pages lent to a decode worker that never says TransferDone stop being readable by
+    it when the lease runs out (the grant ends no later than the engine's lease)."""
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        engine = FakeEngine()
+        async with prefill_worker(context, engine, lease_s=0.5) as (worker, _, decode):
+            await decode.send(prefill_request("r1"))
+            ready = await decode.recv(KVReady)
+            assert worker.agent is not None
+            grants, pages = worker.agent.local.grants, list(ready.src_page_ids)
+            assert grants.enforced and grants.allows("decode-test", pages)
+            await until(lambda: not grants.num_pages(), "the grant to end")
+            assert not grants.allows("decode-test", pages)
+            assert engine.ops("r1") == ["admit"]  # the engine's lease, its own to end
 
     run_scenario(scenario)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import tracemalloc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -12,8 +14,15 @@ import pytest
 from hypothesis import given, settings
 
 from radixserve.errors import RadixServeError
-from radixserve.protocol.codec import ProtocolError, decode, encode
+from radixserve.protocol.codec import (
+    DEFAULT_MAX_FRAME_BYTES,
+    FRAME_LIMITS,
+    ProtocolError,
+    decode,
+    encode,
+)
 from radixserve.protocol.messages import (
+    MAX_PAGES_PER_MESSAGE,
     PROTOCOL_VERSION,
     GenerateRequest,
     Heartbeat,
@@ -29,6 +38,7 @@ from radixserve.protocol.messages import (
     SpillRun,
     TokenChunk,
 )
+from radixserve.protocol.wire import HASH_BYTES, MAX_TEXT_CHARS, MAX_TOKENS_PER_MESSAGE
 
 PREFILL = PrefillRequest(
     request_id="req-1",
@@ -242,7 +252,7 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
             {"v": [6, 0]},
-            "peer speaks protocol version 6.0, this side 5.0: major versions must match",
+            "peer speaks protocol version 6.0, this side 5.1: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),
@@ -422,3 +432,48 @@ def test_page_hashes_travel_as_16_bytes_each_and_are_bounds_checked() -> None:
     body = body_of(offer)
     body["token_ids"] = list(range(7))  # not a page size per page
     assert "7 tokens for 4 pages" in rejected(pack(body))
+
+
+def _empty_maps_frame(num_bytes: int) -> bytes:
+    """A frame of `num_bytes`: one msgpack array32 of empty maps (1 byte each)."""
+    count = num_bytes - 5
+    return b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count
+
+
+def test_a_64_mib_frame_of_empty_maps_is_refused_without_building_it() -> None:
+    """64M empty maps would be ~4 GiB of dicts: the array's header is over the protocol's
+    longest list, so nothing of it is built."""
+    frame = _empty_maps_frame(DEFAULT_MAX_FRAME_BYTES)
+    tracemalloc.start()
+    try:
+        message = rejected(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert f"exceeds max_array_len({FRAME_LIMITS.max_array_len})" in message
+    assert peak < 50 << 20, f"decoding allocated {peak} bytes"
+
+
+def test_nested_containers_past_the_frame_budget_are_refused() -> None:
+    """Arrays of arrays each under the per-array limit still stop at the frame's budget
+    of maps and of arrays (checked here with small budgets)."""
+    limits = dataclasses.replace(FRAME_LIMITS, max_maps=1000, max_arrays=100)
+    maps = msgpack.packb({"type": "x", "v": [1, 0], "junk": [[{}] * 600, [{}] * 600]})
+    with pytest.raises(ProtocolError, match="more maps than any message"):
+        decode(maps, limits=limits)
+    arrays = msgpack.packb({"type": "x", "v": [1, 0], "junk": [[[]] * 60, [[]] * 60]})
+    with pytest.raises(ProtocolError, match="more arrays than any message"):
+        decode(arrays, limits=limits)
+    assert decode(encode(PREFILL), limits=limits) == PREFILL  # a real message fits
+
+
+def test_the_frame_limits_fit_the_largest_messages() -> None:
+    """The per-type limits come from the specs: the longest token list, the most page
+    hashes, the longest text decode; one more item is refused."""
+    assert FRAME_LIMITS.max_array_len == MAX_TOKENS_PER_MESSAGE
+    assert FRAME_LIMITS.max_bin_len == MAX_PAGES_PER_MESSAGE * HASH_BYTES
+    assert FRAME_LIMITS.max_str_len == MAX_TEXT_CHARS * 4
+    longest = dataclasses.replace(PREFILL, token_ids=(1,) * MAX_TOKENS_PER_MESSAGE)
+    assert decode(encode(longest)) == longest
+    too_long = msgpack.packb({"type": "x", "v": [1, 0], "x": [0] * (MAX_TOKENS_PER_MESSAGE + 1)})
+    assert "exceeds max_array_len" in rejected(too_long)

@@ -9,8 +9,9 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 
+from radixserve.engine.fair_share import TenantShare
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.wire import to_chunk, to_output, to_params, to_spec
+from radixserve.engine.wire import share_fields, to_chunk, to_output, to_params, to_share, to_spec
 from radixserve.errors import InvalidRequestError
 from radixserve.protocol import codec
 from radixserve.protocol.messages import (
@@ -394,3 +395,21 @@ def test_token_chunk_carries_a_request_output_both_ways() -> None:
     assert to_output(chunk) == out
     running = RequestOutput("r", [5], "h", False, None, 12, 8, 1, 41.5)
     assert to_output(to_chunk(running)) == running
+
+
+def test_a_requests_tenant_share_crosses_the_wire_and_old_frames_get_the_default() -> None:
+    share = TenantShare("0123456789abcdef", -7, 2.5)
+    for msg in (GenerateRequest("r", (1,), **share_fields(share)),
+                PrefillRequest("r", (1, 2), (0,), **share_fields(share))):  # fmt: skip
+        decoded = codec.decode(codec.encode(msg))
+        assert decoded == msg and to_share(decoded) == share  # type: ignore[arg-type]
+    # a 5.0 peer's frame has no such keys: one tenant, priority 0, weight 1
+    body = msgpack.unpackb(codec.encode(GenerateRequest("r", (1,))), raw=False)
+    for key in ("tenant", "priority", "tenant_weight"):
+        del body[key]
+    old = codec.decode(msgpack.packb(body))
+    assert to_share(old) == TenantShare()  # type: ignore[arg-type]
+    for key, value in (("priority", 101), ("tenant_weight", 0.0), ("tenant", "x" * 65)):
+        bad = msgpack.packb({**body, key: value})
+        with pytest.raises(codec.ProtocolError, match=key):
+            codec.decode(bad)

@@ -458,3 +458,30 @@ def test_leased_pages_whose_stored_tokens_differ_from_the_prompt_are_not_used(en
             assert tier.count("kv_identity_mismatch_total") == 3 + 5 + 5
 
     asyncio.run(scenario())
+
+
+def test_the_kvstore_reads_only_the_buffer_pages_on_offer(engine):
+    """The spill buffer's agent grants each offer's pages to the kvstore's agent until its
+    `SpillDone`: the kvstore reads them, but not another buffer page, nor the offered
+    ones once they are back (a read of those is refused and counted)."""
+
+    async def scenario() -> None:
+        async with linked_tier(engine, host_write_through_uses=1) as tier:
+            client, kv = tier.client, tier.kvstore
+            buffer = client.buffer_agent
+            kv.agent.add_peer(buffer.name, 1, buffer.metadata())
+
+            async def read(pages: list[int]) -> str:
+                handle = kv.agent.read_pages(buffer.name, pages, list(range(len(pages))))
+                return await kv.agent.wait_async(handle)
+
+            await compute(engine, list(range(1, 14)))
+            offer = await kv.next()
+            assert isinstance(offer, SpillOffer) and offer.buffer_page_ids == (0, 1, 2)
+            assert await read([0, 1, 2]) == "done"
+            assert await read([3]) == "failed" and buffer.refused_reads == 1
+            await kv.send(SpillDone(offer.spill_id, 3))
+            await until(lambda: buffer.grants.num_pages() == 0, 5.0, "the grants revoked")
+            assert await read([0]) == "failed" and buffer.refused_reads == 2
+
+    asyncio.run(scenario())

@@ -1,7 +1,8 @@
-"""OTLP export: spans posted as OTLP/JSON to a real HTTP receiver in this process, with
-their resource and headers; a collector that is down costs requests nothing; the
-standard OTEL_* variables read as the specification says, and a protocol not spoken
-refused by name."""
+"""OTLP export through the OpenTelemetry SDK's exporters: spans sent over each protocol
+(http/protobuf, http/json, grpc) to a real receiver in this process that decodes them
+with opentelemetry-proto, with their resource, parents and headers; a collector that is
+down costs requests nothing; the standard OTEL_* variables read as the specification
+says, and a protocol not spoken refused by name."""
 
 from __future__ import annotations
 
@@ -10,18 +11,30 @@ import socket
 import pytest
 
 from radixserve.tracing import OtlpExporter, OtlpSettings, Tracer, otlp_exporter
-from tests.tracing.otlp_receiver import OtlpReceiver
+from tests.tracing.otlp_receiver import GrpcOtlpReceiver, OtlpReceiver
+
+CONTENT_TYPES = {"http/protobuf": "application/x-protobuf", "http/json": "application/json",
+                 "grpc": "application/grpc"}  # fmt: skip
+REMOTE_PARENT = 0x300  # OTLP SpanFlags: the parent's is-remote bit is known, and set
+LOCAL_PARENT = 0x100  # known, and not set
+
+
+@pytest.fixture(params=list(CONTENT_TYPES))
+def protocol(request):
+    return request.param
 
 
 @pytest.fixture
-def receiver():
-    running = OtlpReceiver()
+def receiver(protocol):
+    running = GrpcOtlpReceiver() if protocol == "grpc" else OtlpReceiver()
     yield running
     running.close()
 
 
-def test_spans_are_exported_with_their_resource(receiver, monkeypatch):
+def test_spans_are_exported_with_their_resource(receiver, protocol, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint + "/")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=blue,authorization=Bearer%20k")
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
@@ -30,12 +43,28 @@ def test_spans_are_exported_with_their_resource(receiver, monkeypatch):
     root = tracer.start_request("gateway.request")
     root.child("gateway.queue", prompt_tokens=7, ratio=0.5, worker="decode-0", hit=True).end()
     root.end()
-    spans = receiver.wait_for(root.trace_id, {"gateway.request", "gateway.queue"})
+    # a worker's span under the gateway's, and one under that: remote, then local parent
+    worker = Tracer("decode", otlp_exporter("decode"))
+    admission = worker.join(root.traceparent()).child("decode.admission")
+    admission.child("decode.lookup").end()
+    admission.end(error="refused")
+    names = {"gateway.request", "gateway.queue", "decode.admission", "decode.lookup"}
+    spans = receiver.wait_for(root.trace_id, names)
     tracer.close()
+    worker.close()
     by_name = {s["name"]: s for s in spans}
+    assert sorted(by_name) == sorted(names) and len(spans) == len(names)
     queue, request = by_name["gateway.queue"], by_name["gateway.request"]
     assert queue["parentSpanId"] == request["spanId"] == root.span_id
     assert "parentSpanId" not in request and request["kind"] == 2 and queue["kind"] == 1
+    assert by_name["decode.admission"]["parentSpanId"] == root.span_id
+    assert by_name["decode.admission"]["flags"] == REMOTE_PARENT
+    assert by_name["decode.admission"]["status"]["code"] == 2  # STATUS_CODE_ERROR
+    assert by_name["decode.admission"]["attributes"]["error"] == "refused"
+    assert by_name["decode.lookup"]["parentSpanId"] == admission.span_id
+    assert by_name["decode.lookup"]["flags"] == LOCAL_PARENT
+    assert by_name["decode.lookup"]["resource"]["service.name"] == "radixserve-decode"
+    assert request["scope"] == "radixserve"
     assert queue["attributes"] == {"prompt_tokens": 7, "ratio": 0.5, "worker": "decode-0",
                                    "hit": True}  # fmt: skip
     assert int(queue["endTimeUnixNano"]) >= int(queue["startTimeUnixNano"]) > 0
@@ -43,10 +72,10 @@ def test_spans_are_exported_with_their_resource(receiver, monkeypatch):
     assert resource["service.name"] == "radixserve-gateway"
     assert resource["radixserve.role"] == "gateway"
     assert resource["deployment.environment"] == "test"
-    path, headers = receiver.posts[0]
-    assert path == "/v1/traces" and headers["x-tenant"] == "blue"
-    assert headers["authorization"] == "Bearer k"
-    assert headers["content-type"] == "application/json"
+    path, headers, content_type = receiver.posts[0]
+    assert path == ("TraceService/Export" if protocol == "grpc" else "/v1/traces")
+    assert headers["x-tenant"] == "blue" and headers["authorization"] == "Bearer k"
+    assert content_type == CONTENT_TYPES[protocol]
 
 
 def test_a_stalled_collector_never_blocks_the_caller():
@@ -88,6 +117,12 @@ def test_the_endpoint_variables_follow_the_specification(monkeypatch):
     assert OtlpSettings().traces_url() is None and otlp_exporter("decode") is None
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
     assert OtlpSettings().traces_url() == "http://collector:4318/v1/traces"
+    assert OtlpSettings().protocol() == "http/protobuf"  # the specification's default
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert OtlpSettings().traces_url() == "http://collector:4318"  # gRPC: as is
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")  # wins
+    assert OtlpSettings().protocol() == "http/json"
+    assert OtlpSettings().traces_url() == "http://collector:4318/v1/traces"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://other:9/custom")
     assert OtlpSettings().traces_url() == "http://other:9/custom"  # used as is
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
@@ -113,11 +148,20 @@ def test_service_name_and_resource(monkeypatch):
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL",
                                       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])  # fmt: skip
 def test_a_protocol_not_spoken_is_refused_by_name(monkeypatch, variable):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
-    monkeypatch.setenv(variable, "grpc")
-    with pytest.raises(ValueError, match=f"{variable}=grpc is not supported"):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.setenv(variable, "bogus")  # refused with no endpoint too: before any request
+    with pytest.raises(ValueError, match=f"^{variable}=bogus is not supported: use one of "
+                                         "http/protobuf, http/json, grpc"):  # fmt: skip
         otlp_exporter("gateway")
-    monkeypatch.setenv(variable, "http/json")
-    exporter = otlp_exporter("gateway")
-    assert exporter is not None
-    exporter.close()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT: .*integer"):
+        otlp_exporter("gateway")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TIMEOUT")
+    for protocol, module in (("http/protobuf", "proto.http"), ("http/json", "json.http"),
+                             ("grpc", "proto.grpc")):  # fmt: skip
+        monkeypatch.setenv(variable, protocol)
+        exporter = otlp_exporter("gateway")
+        assert exporter is not None and exporter.protocol == protocol
+        assert f"opentelemetry.exporter.otlp.{module}." in type(exporter._sdk).__module__
+        exporter.close()

@@ -1,6 +1,6 @@
 """A child for the warm-start tests (`python -m tests.launch.warm_child`): it reports how
-it was started to the file ``WARM_CHILD_REPORT`` names, then exits with
-``WARM_CHILD_EXIT`` or sleeps until signalled."""
+it was started to the file ``WARM_CHILD_REPORT`` names, then raises ValueError with the
+message ``WARM_CHILD_RAISE``, exits with ``WARM_CHILD_EXIT`` or sleeps until signalled."""
 
 import os
 

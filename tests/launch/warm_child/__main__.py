@@ -11,6 +11,8 @@ if report := os.environ.get("WARM_CHILD_REPORT"):
              "env": dict(os.environ), "stdin": sys.stdin.read()}  # fmt: skip
     Path(report + ".tmp").write_text(json.dumps(state))
     os.replace(report + ".tmp", report)
+if (message := os.environ.get("WARM_CHILD_RAISE")) is not None:
+    raise ValueError(message)
 if (code := os.environ.get("WARM_CHILD_EXIT")) is not None:
     sys.exit(int(code))
 while True:
