@@ -18,7 +18,13 @@ import asyncio
 
 import httpx
 
-from tests.cluster.cluster_helpers import TestCluster, metric_value, stopped, wait_workers
+from tests.cluster.cluster_helpers import (
+    TestCluster,
+    index_query,
+    metric_value,
+    stopped,
+    wait_workers,
+)
 from tests.cluster.prompts import QUESTIONS, chat
 from tests.engine.engine_helpers import tiny_checkpoint
 
@@ -35,22 +41,35 @@ def delta(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: now[name] - before[name] for name in now}
 
 
+def _prefill_holding(cluster: TestCluster, prompt_ids: list[int]) -> bool:
+    """Whether the kvstore's index has a prefill worker holding all of ``prompt_ids``."""
+    reply = index_query(cluster, prompt_ids)
+    pages = len(prompt_ids) // 16
+    return reply is not None and any(reply.device_pages.get(n, 0) >= pages for n in PREFILLS)
+
+
 def test_shared_prefix_is_computed_once_then_load_spreads_it(cluster):
     cluster.wait_clean()
     computed_before = prefill_counter(cluster, "prefill_computed_tokens_total")
     served_before = prefill_counter(cluster, "prefill_requests_total")
     gateway_before = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
     prompts = [tiny_checkpoint().tokenizer.encode_chat(chat(q)) for q in QUESTIONS[:4]]
-    for question in QUESTIONS[:4]:  # one at a time
+    shared = 256  # the pages all four prompts share (16 full pages)
+    for i, question in enumerate(QUESTIONS[:4]):  # one at a time
         body = {"messages": chat(question), "max_tokens": 4, "temperature": 0}
         assert cluster.http.post("/v1/chat/completions", json=body).status_code == 200
-    cluster.wait_clean()
+        # one at a time means after the last has settled: the workers' heartbeats (their
+        # queued tokens) are fresh, and the kvstore's index knows where the first put
+        # the shared pages (its events race the next request otherwise)
+        cluster.wait_clean()
+        if i == 0:
+            cluster.wait(lambda: _prefill_holding(cluster, prompts[0][:shared]), 30,
+                         "the index to learn the first prompt's pages")  # fmt: skip
     computed = delta(prefill_counter(cluster, "prefill_computed_tokens_total"), computed_before)
     served = delta(prefill_counter(cluster, "prefill_requests_total"), served_before)
     # all four went to the worker that cached the system prompt on the first request ...
     assert sorted(served.values()) == [0, 4]
     # ... so the system prompt was computed once: the first prompt whole, then deltas
-    shared = 256  # the pages all four prompts share (16 full pages)
     assert sum(computed.values()) == sum(len(p) for p in prompts) - 3 * shared
     gateway_computed = metric_value(cluster.metrics(), "radixserve_prefill_computed_tokens_total")
     assert gateway_computed - gateway_before == sum(computed.values())
