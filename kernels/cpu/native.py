@@ -5,7 +5,8 @@ fixed sequence of operations whatever the other rows, the chunking or the thread
 arithmetic is written out at the top of each source):
 
 - `qgemm.c`: the quantized GEMM (`radixserve.kernels.cpu.qgemm.native_qgemm`) that
-  `Int4Linear` and `Int8Linear` run for every number of rows;
+  `Int4Linear` and `Int8Linear` run for every number of rows, and its bfloat16 sibling
+  for a dense LM head;
 - `attention.c`: paged attention (`radixserve.kernels.cpu.attention`) for extend and
   decode rows alike;
 - `decode.c`: a whole decode step of the model's layers in one call over preallocated

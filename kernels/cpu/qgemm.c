@@ -14,6 +14,8 @@
          y = fma(s, acc, y)
          y = fma(z, xs[g], y)                     (xs[g]: the sum of the group's x, below)
      int8, w = q * s with a bfloat16 s per row: acc as above over all of K, y = s * acc.
+     bfloat16 (a dense weight, e.g. the LM head): acc as above over all of K with the
+       weight's bfloat16 w for (q - 8), y = acc.
 
    Each product is exact in float32 (a 4- or 8-bit integer times a bfloat16), so only the
    additions round, one at a time, in that order; the weight is never rounded. Denormals
@@ -28,6 +30,7 @@
    4i .. 4i+3). Blocks are ordered [N / 16][K / 8]. Scales and zeros: (K / G, N, 2)
    bfloat16 (s, z). Packed int8 layout: for each block of 16 columns and 2 inputs, 32
    bytes, byte 2c + p = q[k + p][c]; blocks [N / 16][K / 2]. Scales: (N,) bfloat16.
+   Packed bfloat16 layout: as int8's with 16-bit words (64 bytes a block).
 
    Work is split by the caller over column blocks only ([cb_begin, cb_end) of the N / 16
    blocks), so a row's bits never depend on the other rows or on the thread count. */
@@ -134,6 +137,31 @@ __attribute__((unused)) static void int8_plain(
             }
             for (int c = 0; c < 16; c++) out[c] = bf16_to_float(scale[cb * 16 + c]) * acc[c];
             store_row16(y, ldy, out_f32, r, cb * 16, out);
+        }
+    }
+}
+
+__attribute__((unused)) static void bf16_plain(
+    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
+    int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
+    const int64_t pairs = k / 2;
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * ldx;
+        for (int64_t cb = cb_begin; cb < cb_end; cb++) {
+            float acc[16] = {0};
+            for (int64_t kp = 0; kp < pairs; kp++) {
+                const uint16_t *b = w + (cb * pairs + kp) * 32;
+                float x0 = bf16_to_float(row[2 * kp]), x1 = bf16_to_float(row[2 * kp + 1]);
+                /* the weights as float32 first: with the conversion inside the interleaved loop,
+                   GCC 12.2 at -O3 -march=x86-64 computed wrong sums (vectorized) */
+                float wf[32];
+                for (int i = 0; i < 32; i++) wf[i] = bf16_to_float(b[i]);
+                for (int c = 0; c < 16; c++) {
+                    acc[c] = acc[c] + wf[2 * c + 1] * x1;
+                    acc[c] = acc[c] + wf[2 * c] * x0;
+                }
+            }
+            store_row16(y, ldy, out_f32, r, cb * 16, acc);
         }
     }
 }
@@ -262,6 +290,35 @@ static inline __attribute__((always_inline)) void int8_tile(
     }
 }
 
+static inline __attribute__((always_inline)) void bf16_tile(
+    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
+    int64_t k, int64_t cb, const int MT, const int NT) {
+    const int64_t pairs = k / 2;
+    __m512 acc[MAX_MT][MAX_NT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NT; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NT; c++) {
+            const uint16_t *b = w + ((cb + c) * pairs + kp) * 32;
+            _mm_prefetch((const char *)b + NT * pairs * 64, _MM_HINT_T1);  /* as int4_tile */
+            __m512bh op = (__m512bh)_mm512_loadu_si512((const void *)b);
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * ldx + 2 * kp, 4);
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], op, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NT; c++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) store_tile(acc[r][c], y, ldy, out_f32, r, (cb + c) * 16);
+}
+
 /* Tiles: up to two rows take four column blocks per tile (enough independent
    accumulators for one row); more rows take six rows by two blocks, so that a weight
    block is unpacked once for six rows. Leftover rows and blocks take smaller tiles of
@@ -277,6 +334,8 @@ static inline __attribute__((always_inline)) void int8_tile(
 #define INT8_AT(MT, NT)                                                                    \
     int8_tile(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, \
               MT, NT)
+#define BF16_AT(MT, NT)                                                                    \
+    bf16_tile(x + r0 * ldx, ldx, w, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT, NT)
 /* rows [r0, r0 + rows) (rows < 7) of one tile of NT column blocks */
 #define ROWS_SWITCH(AT, NT)                                                                 \
     switch (rows) {                                                                         \
@@ -318,8 +377,16 @@ static void int8_vector(const uint16_t *x, int64_t ldx, const int8_t *w, const u
     const int64_t esize = out_f32 ? 4 : 2;
     TILES(INT8_AT)
 }
+
+static void bf16_vector(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y,
+                        int64_t ldy, int out_f32, int64_t m, int64_t k, int64_t cb_begin,
+                        int64_t cb_end) {
+    const int64_t esize = out_f32 ? 4 : 2;
+    TILES(BF16_AT)
+}
 #define INT4_KERNEL int4_vector
 #define INT8_KERNEL int8_vector
+#define BF16_KERNEL bf16_vector
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QGEMM_PATH "avx2"
 /* --- AVX2: vdpbf16ps' two additions per pair as two float32 FMAs of exact products
@@ -437,11 +504,46 @@ static inline __attribute__((always_inline)) void int8_tile2(
     }
 }
 
+/* bfloat16 weights of parity p of 8 columns from 16 words, as float32 (exact) */
+static inline __attribute__((always_inline)) __m256 bf16_at(const uint16_t *b, int p) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)b);
+    v = p ? _mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)) : _mm256_slli_epi32(v, 16);
+    return _mm256_castsi256_ps(v);
+}
+
+static inline __attribute__((always_inline)) void bf16_tile2(
+    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
+    int64_t k, int64_t cb, const int MT) {
+    const int64_t pairs = k / 2;
+    __m256 acc[AVX2_MT][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        const uint16_t *b = w + (cb * pairs + kp) * 32;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 w0 = bf16_at(b + 16 * h, 0), w1 = bf16_at(b + 16 * h, 1);
+#pragma GCC unroll 4
+            for (int r = 0; r < MT; r++) {
+                const uint16_t *row = x + r * ldx + 2 * kp;
+                acc[r][h] = _mm256_fmadd_ps(w1, x_at(row, 1), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(w0, x_at(row, 0), acc[r][h]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; r++) store_half(acc[r][h], y, ldy, out_f32, r, cb * 16 + 8 * h);
+}
+
 #define INT4_AT2(MT)                                                                         \
     int4_tile2(x + r0 * ldx, ldx, w, sz, xs + r0 * groups, (char *)y + r0 * ldy * esize, ldy, \
                out_f32, n, k, group, cb, MT)
 #define INT8_AT2(MT)                                                                         \
     int8_tile2(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT)
+#define BF16_AT2(MT)                                                                         \
+    bf16_tile2(x + r0 * ldx, ldx, w, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT)
 #define TILES2(AT)                                                                           \
     for (int64_t cb = cb_begin; cb < cb_end; cb++)                                           \
         for (int64_t r0 = 0; r0 < m; r0 += AVX2_MT) {                                        \
@@ -462,12 +564,20 @@ static void int8_avx2(const uint16_t *x, int64_t ldx, const int8_t *w, const uin
     const int64_t esize = out_f32 ? 4 : 2;
     TILES2(INT8_AT2)
 }
+
+static void bf16_avx2(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy,
+                      int out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
+    const int64_t esize = out_f32 ? 4 : 2;
+    TILES2(BF16_AT2)
+}
 #define INT4_KERNEL int4_avx2
 #define INT8_KERNEL int8_avx2
+#define BF16_KERNEL bf16_avx2
 #else
 #define QGEMM_PATH "plain"
 #define INT4_KERNEL int4_plain
 #define INT8_KERNEL int8_plain
+#define BF16_KERNEL bf16_plain
 #endif
 
 /* --- entry points -------------------------------------------------------------------- */
@@ -507,5 +617,13 @@ void qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t 
                 int64_t cb_end) {
     FLUSH_BEGIN
     INT8_KERNEL(x, ldx, w, scale, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
+    FLUSH_END
+}
+
+/* as qgemm_int8, for a packed bfloat16 weight (no scales) */
+void qgemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy,
+                int64_t out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
+    FLUSH_BEGIN
+    BF16_KERNEL(x, ldx, w, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
     FLUSH_END
 }

@@ -41,6 +41,14 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return q.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(n // BLOCK, k // 2, 32)
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) bfloat16 → (N/16, K/2, 32) bfloat16: `pack_int8`'s layout in 16-bit words."""
+    n, k = w.shape
+    return (
+        w.reshape(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(n // BLOCK, k // 2, 32)
+    )
+
+
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """The (N, K) int8 codes `pack_int8` packed (a copy)."""
     blocks, pairs = packed.shape[0], packed.shape[1]
@@ -77,6 +85,8 @@ class QGemm:
         lib.qgemm_int4.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
         lib.qgemm_int8.restype = None
         lib.qgemm_int8.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+        lib.qgemm_bf16.restype = None
+        lib.qgemm_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I]
         self._lib = lib
         self.path: str = lib.qgemm_path().decode()  # "avx512-bf16", "avx2" or "plain"
 
@@ -125,6 +135,24 @@ class QGemm:
         args = (x.data_ptr(), x.stride(0), packed.data_ptr(), scale.data_ptr(), y.data_ptr(),
                 n, _f32(out_dtype), m, k)  # fmt: skip
         run_split(lambda b, e: self._lib.qgemm_int8(*args, b, e), n // BLOCK,
+                  m * n * k >= _SPLIT_MACS)  # fmt: skip
+        return y
+
+    def bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        """x (T, K) bfloat16 @ the bfloat16 weight `pack_bf16` packed: (T, N) in
+        ``out_dtype``."""
+        x = _rows(x)
+        m, k = x.shape
+        n = packed.shape[0] * BLOCK
+        assert packed.shape == (n // BLOCK, k // 2, 32) and packed.dtype == torch.bfloat16
+        y = torch.empty(m, n, dtype=out_dtype)
+        if m == 0:
+            return y
+        args = (x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), n, _f32(out_dtype),
+                m, k)  # fmt: skip
+        run_split(lambda b, e: self._lib.qgemm_bf16(*args, b, e), n // BLOCK,
                   m * n * k >= _SPLIT_MACS)  # fmt: skip
         return y
 

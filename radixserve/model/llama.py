@@ -26,6 +26,7 @@ with the residual add fused in, rope, silu * up, attention) come from one kernel
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import cast
@@ -39,10 +40,12 @@ from radixserve.kernels.ops import KernelOps
 from radixserve.model.attention import AttentionBackend, AttentionMetadata
 from radixserve.model.config import ModelConfig
 from radixserve.model.moe import MoE
-from radixserve.model.qlinear import Linear, make_linear
+from radixserve.model.qlinear import DenseLinear, Linear, make_linear
 from radixserve.model.quant import QuantizedRows, Scheme, Target, quantize
 from radixserve.model.rope import RotaryEmbedding
 from radixserve.model.tp import Take, TPComm, TPShard, take
+
+logger = logging.getLogger(__name__)
 
 Plan = dict[str, Scheme]  # model weight ("embed", "layers.3.qkv", ...) → scheme
 #: a model weight's piece on one rank: (checkpoint name, first row in the model weight,
@@ -296,6 +299,10 @@ class LlamaModel(nn.Module):
                 f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
             )
         self._zero_vocab_padding()
+        head = self.embed if self.lm_head is None else self.lm_head
+        if isinstance(head, DenseLinear) and (extra := head.pack_native()):
+            logger.info("the LM head runs the native GEMM (its weight packed: %.0f MiB)",
+                        extra / (1 << 20))  # fmt: skip
 
     def _zero_vocab_padding(self) -> None:
         """The rows past the vocabulary that the last rank's slices hold: zeros (their

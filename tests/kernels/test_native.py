@@ -18,7 +18,7 @@ import torch
 
 from radixserve.kernels.cpu.attention import native_attention
 from radixserve.kernels.cpu.native import native_library, variants
-from radixserve.kernels.cpu.qgemm import native_qgemm, pack_int4, pack_int8
+from radixserve.kernels.cpu.qgemm import native_qgemm, pack_bf16, pack_int4, pack_int8
 
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler here: nothing to build")
@@ -28,7 +28,7 @@ ROWS = [1, 2, 3, 7, 13]  # every row tail of the tiles
 
 
 def _outputs() -> list[torch.Tensor]:
-    """The loaded library's int4 and int8 products of fixed weights and inputs, both
+    """The loaded library's int4, int8 and bfloat16 products of fixed weights and inputs, both
     output dtypes; and its attention over a fixed pool, float32 and bfloat16."""
     kernel, attention = native_qgemm(), native_attention()
     assert kernel is not None and attention is not None
@@ -44,6 +44,7 @@ def _outputs() -> list[torch.Tensor]:
             for out in (torch.bfloat16, torch.float32):
                 outs.append(kernel.int4(x, pack_int4(q4), sz, group, out))
                 outs.append(kernel.int8(x, pack_int8(q8), scale, out))
+                outs.append(kernel.bf16(x, pack_bf16(q8.to(torch.bfloat16) * scale[:, None]), out))
     g = torch.Generator().manual_seed(0)
     table = torch.randperm(40, generator=g).view(2, 20)  # (B, W) pages of 4 tokens
     rows = [0, 30, 31, 32, 33]  # one sequence's rows ...

@@ -14,7 +14,7 @@ import torch
 
 from radixserve.kernels.cpu import qgemm as qgemm_module
 from radixserve.kernels.cpu.native import native_library
-from radixserve.kernels.cpu.qgemm import QGemm, native_qgemm, pack_int4, pack_int8
+from radixserve.kernels.cpu.qgemm import QGemm, native_qgemm, pack_bf16, pack_int4, pack_int8
 from radixserve.kernels.reference.qgemm import exact_product, int4_weight, int8_weight
 
 # (N, K): SmolLM2-135M's fused qkv, o, fused gate/up and down projections
@@ -96,6 +96,22 @@ def test_int8_within_one_rounding_of_the_exact_product(kernel, n, k):
             _assert_within_one_rounding(y, exact[:rows], mag[:rows])
 
 
+@pytest.mark.parametrize("n,k", [(49152, 576), (208, 96)])
+def test_bf16_within_one_rounding_of_the_exact_product(kernel, n, k):
+    """The dense bfloat16 GEMM (the LM head's: SmolLM2's 49,152 x 576, and a tile tail)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    packed = pack_bf16(w)
+    x = _x(64, k)
+    cols = torch.randperm(n, generator=g)[:512]
+    exact, mag = exact_product(x, w[cols].double())
+    for rows in (1, 3, 7, 64):
+        for out in (torch.bfloat16, torch.float32):
+            y = kernel.bf16(x[:rows], packed, out)
+            assert y.shape == (rows, n) and y.dtype == out
+            _assert_within_one_rounding(y[:, cols], exact[:rows], mag[:rows])
+
+
 def _batches(row: torch.Tensor, others: int, seed: int) -> list[tuple[torch.Tensor, int]]:
     """`row` (1, K) placed first, in the middle and last among `others` other rows."""
     rest = _x(others, row.shape[1], seed=seed)
@@ -106,7 +122,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "bf16"])
 def test_a_row_is_the_same_bits_alone_or_among_others(kernel, threads, monkeypatch, scheme):
     """Alone, among 1, 7, 64 and 511 others (first, middle, last), on 1, 2 and 3 threads
     with calls split over threads even when small: the same bits, both output dtypes."""
@@ -114,11 +130,14 @@ def test_a_row_is_the_same_bits_alone_or_among_others(kernel, threads, monkeypat
     q, sz = _int4(n, k, seed=3)
     q8 = (q.to(torch.int16) * 17 - 127).to(torch.int8)  # any int8 codes
     scale8 = sz[0, :, 0].contiguous()
-    packed = pack_int4(q) if scheme == "int4" else pack_int8(q8)
+    w16 = (q.to(torch.float32) - 8).to(torch.bfloat16) * sz[0, :, :1]
+    packed = {"int4": pack_int4(q), "int8": pack_int8(q8), "bf16": pack_bf16(w16)}[scheme]
 
     def run(x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
         if scheme == "int4":
             return kernel.int4(x, packed, sz, 32, out)
+        if scheme == "bf16":
+            return kernel.bf16(x, packed, out)
         return kernel.int8(x, packed, scale8, out)
 
     monkeypatch.setattr(qgemm_module, "_SPLIT_MACS", 0)
