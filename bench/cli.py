@@ -14,9 +14,15 @@ from radixserve.errors import UsageError
 
 def cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("peer_venv", "peer_threads", "peer_env"):
-        if getattr(args, flag) is not None and args.scenario not in ("peer", "perplexity"):
-            raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario peer or "
-                               "perplexity only")  # fmt: skip
+        if getattr(args, flag) is not None and args.scenario not in ("peer", "perplexity",
+                                                                      "decode"):  # fmt: skip
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario peer, "
+                               "perplexity or decode only")  # fmt: skip
+    if args.llama_server is not None and args.scenario not in ("peer", "decode"):
+        raise UsageError("--llama-server applies to --scenario peer or decode only")
+    for flag in ("batches", "contexts", "decode_tokens", "prefill_budget_tokens"):
+        if getattr(args, flag) is not None and args.scenario != "decode":
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario decode only")
     if args.seconds is not None and args.scenario != "chaos":
         raise UsageError("--seconds applies to --scenario chaos only")
     if args.decode_tp is not None and args.scenario != "chaos":
@@ -25,7 +31,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and args.scenario != "perplexity":
             raise UsageError(f"--{flag} applies to --scenario perplexity only")
     if args.quantization is not None and args.scenario != "perplexity":
-        if args.scenario in ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer"):
+        if args.scenario in _OWN_ENGINE_SETTINGS:
             raise UsageError(f"--quantization: --scenario {args.scenario} runs its own "
                                "engine settings (peer: the make serve defaults and none)")  # fmt: skip
         if args.quantization not in QUANTIZATIONS:
@@ -73,11 +79,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_chaos(args)
     if args.scenario == "perplexity":
         return _run_perplexity(args)
+    if args.scenario == "decode":
+        return _run_decode(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
 
 SUITE_SCENARIOS = ("multi-turn", "rag", "all")
+# scenarios that run their own engine settings: --quantization is refused by name
+_OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer", "decode")
 
 
 def _run_autoscale(args: argparse.Namespace) -> int:
@@ -205,18 +215,84 @@ def _run_peer(args: argparse.Namespace) -> int:
                   "own workload sizes (--preset quick|seed)")  # fmt: skip
 
     from radixserve.bench.peer import PEER_PRESETS, PeerOptions, run_peer_bench
-    from radixserve.bench.peer_servers import PeerBenchSettings
 
     preset_name = "quick" if args.quick else args.preset
-    settings = PeerBenchSettings()
-    if args.peer_venv:
-        settings = settings.model_copy(update={"peer_venv": Path(args.peer_venv)})
     out = Path(args.out or f"bench/results/peer-{preset_name}.json")
+    settings = _peer_settings(args)
     threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
     peer_env = _peer_env(args)
     run_peer_bench(PeerOptions(preset_name, PEER_PRESETS[preset_name], out, settings,
                                model=args.model or "default", seed=args.seed, peer_env=peer_env, **threads))  # fmt: skip
     return 0
+
+
+def _peer_settings(args: argparse.Namespace):
+    """`PeerBenchSettings` from the environment, ``--peer-venv`` and ``--llama-server``
+    over it."""
+    from pathlib import Path
+
+    from radixserve.bench.peer_servers import PeerBenchSettings
+
+    update = {key: Path(getattr(args, key)) for key in ("peer_venv", "llama_server")
+              if getattr(args, key)}  # fmt: skip
+    return PeerBenchSettings().model_copy(update=update)
+
+
+# Flags `--scenario decode` does not take (flag, its default): it runs `radixserve up`
+# with the `make serve` defaults (--model, --kv-cache-gib and --log-level apply).
+_NOT_FOR_DECODE = (("device", None), ("dtype", None), ("page_size", None),
+                   ("prefix_cache", None), ("tp", None), ("audit_sample_rate", None),
+                   ("audit_fail_closed", None), ("concurrency", None), ("conversations", None),
+                   ("rounds", None), ("users", None), ("url", None), ("prefill", None),
+                   ("decode", None), ("transport", "nixl"), ("preset", "seed"))  # fmt: skip
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from radixserve.bench import decode
+    from radixserve.bench import decode_cells as cells
+
+    _refuse_flags(args, _NOT_FOR_DECODE, "--scenario decode runs `radixserve up` with the "
+                  "`make serve` defaults (--model, --kv-cache-gib, --log-level apply)")  # fmt: skip
+    # --quick: batches 1,4 at context 512, 32 tokens; a flag given wins over it
+    batches = _sizes(args.batches, "--batches", 1, 1024) or ((1, 4) if args.quick
+                                                              else cells.BATCHES)  # fmt: skip
+    contexts = _sizes(args.contexts, "--contexts", 16, 1 << 20) or ((512,) if args.quick
+                                                                     else cells.CONTEXTS)  # fmt: skip
+    tokens = args.decode_tokens
+    if tokens is None:
+        tokens = 32 if args.quick else cells.DECODE_TOKENS
+    if not 2 <= tokens < min(contexts):
+        raise UsageError(f"--decode-tokens must be at least 2 and below the smallest context "
+                           f"({min(contexts)}), not {tokens}")  # fmt: skip
+    budget = args.prefill_budget_tokens
+    if budget is not None and budget < 1:
+        raise UsageError(f"--prefill-budget-tokens must be at least 1, not {budget}")
+    threads = {} if args.peer_threads is None else {"threads": args.peer_threads}
+    decode.run_decode_bench(cells.DecodeOptions(
+        out_path=Path(args.out or "bench/results/decode.json"), batches=batches,
+        contexts=contexts, decode_tokens=tokens,
+        prefill_budget_tokens=cells.PREFILL_BUDGET_TOKENS if budget is None else budget,
+        model=args.model or "default", seed=args.seed,
+        engine_env=engine_env(args, ("kv_cache_memory_gib", "log_level")),
+        settings=_peer_settings(args), peer_env=_peer_env(args), **threads,
+    ))  # fmt: skip
+    return 0
+
+
+def _sizes(text: str | None, flag: str, low: int, high: int) -> tuple[int, ...]:
+    """``1,4,16`` as (1, 4, 16), each in [low, high], no repeats; () if not given."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers, not {text!r}") from None
+    bad = [v for v in values if not low <= v <= high]
+    if bad or len(set(values)) != len(values):
+        raise UsageError(f"{flag} takes distinct integers in [{low}, {high}], not {text!r}")
+    return values
 
 
 def _peer_env(args: argparse.Namespace) -> dict[str, str]:
@@ -292,6 +368,7 @@ def add_command(sub: Any) -> None:
             "peer",
             "chaos",
             "perplexity",
+            "decode",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; "
@@ -310,7 +387,9 @@ def add_command(sub: Any) -> None:
         "radixserve up vs llama.cpp's servers on the same GGUF and cores; chaos: chats "
         "through a 2+2 cluster while workers and the kvstore are killed, drained and paused, "
         "every answer checked; perplexity: the engine's perplexity on a fixed text per "
-        "configuration (quantization), beside llama.cpp's llama-perplexity (bench/README.md)",
+        "configuration (quantization), beside llama.cpp's llama-perplexity; decode: ITL of B "
+        "concurrent streams at a context of C tokens vs llama-server, beside the memory "
+        "floor (bench/README.md)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
@@ -358,6 +437,22 @@ def add_command(sub: Any) -> None:
     )
     peer.add_argument("--peer-threads", type=int, help="llama.cpp threads (-t, -tb; default: "
                       "the machine's cores, as many as radixserve up's workers use together)")  # fmt: skip
+    peer.add_argument("--llama-server", metavar="PATH",
+                      help="peer, decode: a llama-server binary (e.g. built with CMake, "
+                      "bench/README.md) instead of the peer venv's (default: "
+                      "RADIXSERVE_BENCH_LLAMA_SERVER)")  # fmt: skip
+    dec = bench.add_argument_group("decode (--scenario decode; --model, --kv-cache-gib, "
+                                   "--seed and the --peer-* flags apply too)")  # fmt: skip
+    dec.add_argument("--batches", metavar="B[,B...]",
+                     help="concurrent streams per cell (default 1,4,16,64; --quick: 1,4)")  # fmt: skip
+    dec.add_argument("--contexts", metavar="C[,C...]",
+                     help="tokens of context each stream decodes up to (default "
+                     "512,2048,8192; --quick: 512)")  # fmt: skip
+    dec.add_argument("--decode-tokens", type=int,
+                     help="tokens each stream decodes (max_tokens; default 64; --quick: 32)")  # fmt: skip
+    dec.add_argument("--prefill-budget-tokens", type=int,
+                     help="skip a cell whose B x (C - decode tokens) prompt tokens exceed "
+                     "this (default 200000)")  # fmt: skip
     chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
                                      "--transport, --model, --device, --dtype apply too)")  # fmt: skip
     chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.bench.memory_floor import copy_gbs, kv_bytes_per_token
+from radixserve.bench.memory_floor import floor_ms as read_ms
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.fused_decode import FusedDecode, fused_decode_for
@@ -39,18 +41,6 @@ def make(fused: bool) -> Engine:
     return Engine(EngineSettings(model="default", device="cpu", load_progress=False,
                                  kv_cache_memory_gib=0.5, prefix_cache=False,
                                  fused_decode=fused))  # fmt: skip
-
-
-def copy_gbs() -> float:
-    """Bytes read and written per second by a 256 MiB copy (best of 5)."""
-    src = torch.ones(64 << 20)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best / 1e9
 
 
 def step_ms(engine: Engine, batch: int, threads: int | None, tag: str) -> tuple[float, int]:
@@ -88,8 +78,8 @@ def _native(engine: Engine, threads: int) -> FusedDecode:
 
 def floor_ms(engine: Engine, batch: int, context: int, gbs: float) -> float:
     c = engine.config
-    kv = batch * context * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2  # bfloat16
-    return (engine.model.weight_bytes + kv) / (gbs * 1e9) * 1e3
+    kv = batch * context * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, 2)  # bf16
+    return read_ms(engine.model.weight_bytes, kv, gbs)
 
 
 def main() -> int:

