@@ -36,7 +36,7 @@ from radixserve.engine.cores import CoreBoard
 from radixserve.engine.cuda_graph import make_decode_graphs
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
-from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
+from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare, fair_step_rows
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_shard import ModelShard, copy_out, copy_page
@@ -135,6 +135,7 @@ class Engine:
             settings.max_num_seqs,
             settings.prefill_chunk_tokens,
             settings.fair_quantum_tokens,
+            fair_step_rows(settings.fair_step_rows, self.device.type),
         )
         graphs = None
         if self.tp_group is None:  # a captured graph would replay without the ranks

@@ -17,6 +17,13 @@ the caller's tenant; "" for every request when the gateway has no keys), its pri
   it; a tenant that asks for no more loses its credit; the tenant whose turn the step's
   budget ended in resumes it first in the next step). Chunks are cut to the grant, so
   the split is exact to the token.
+* `share_rows` picks a step's decode rows when they outnumber ``fair_step_rows`` and
+  several tenants decode: on a CPU a decode step's cost grows with its rows, so one
+  tenant's many streams would stretch every other tenant's inter-token time. Each
+  tenant gets a max-min fair share of the rows by weight (at least one each: the step
+  takes max(``fair_step_rows``, tenants) rows; a tenant asking less than its share
+  leaves the rest to the others); within a tenant the rows that waited longest go first,
+  so every stream advances. With one tenant every decode runs in every step.
 """
 
 from __future__ import annotations
@@ -144,3 +151,46 @@ class DeficitRoundRobin:
             else:
                 self._order.rotate(-1)
         return grant
+
+
+#: a CPU step's decode rows when several tenants decode (`fair_step_rows`): here a row
+#: past the first adds ~2.7 ms to a ~10 ms step of the default model (bench/decode_ab.py)
+CPU_FAIR_STEP_ROWS = 8
+
+
+def fair_step_rows(setting: int | None, device_type: str) -> int:
+    """The setting, or where unset 8 rows on a CPU and no bound (0) on a GPU (the
+    gateway imports this module: no torch here)."""
+    if setting is not None:
+        return setting
+    return CPU_FAIR_STEP_ROWS if device_type == "cpu" else 0
+
+
+def share_rows(decodes: list[Request], rows: int, waited: dict[str, int]) -> list[Request]:
+    """The decodes a step takes (module notes): all of them where they are at most
+    ``rows`` or of one tenant; else each tenant's max-min fair share by weight, its
+    longest-waiting first (``waited``: request id → the step it last decoded in)."""
+    by_tenant: dict[str, list[Request]] = {}
+    for req in decodes:
+        by_tenant.setdefault(req.tenant, []).append(req)
+    if rows <= 0 or len(decodes) <= rows or len(by_tenant) < 2:
+        return decodes
+    weight = {t: reqs[0].weight for t, reqs in by_tenant.items()}
+    # the least demanding (per weight) first: what they leave goes to those after them
+    order = sorted(by_tenant, key=lambda t: (len(by_tenant[t]) / weight[t], t))
+    left, weights_left = max(rows, len(by_tenant)), sum(weight.values())
+    give: dict[str, int] = {}
+    for tenant in order:
+        share = max(1, int(left * weight[tenant] / weights_left))
+        give[tenant] = min(len(by_tenant[tenant]), share, left)
+        left -= give[tenant]
+        weights_left -= weight[tenant]
+    for tenant in order:  # rows the rounding down left: to whoever asks for more
+        more = min(left, len(by_tenant[tenant]) - give[tenant])
+        give[tenant] += more
+        left -= more
+    taken: list[Request] = []
+    for tenant, reqs in by_tenant.items():
+        longest = sorted(reqs, key=lambda r: waited.get(r.request_id, -1))  # stable
+        taken.extend(longest[: give[tenant]])
+    return taken

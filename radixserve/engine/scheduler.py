@@ -5,7 +5,9 @@ one token is a decode. A step takes, in this order, until ``max_num_batched_toke
 tokens are spent:
 
 1. every running decode, one token each — so a decode waits at most one step (of at
-   most ``max_num_batched_tokens`` tokens) between two tokens;
+   most ``max_num_batched_tokens`` tokens) between two tokens (with several tenants
+   decoding more rows than ``fair_step_rows``, each tenant's fair share of them:
+   `fair_share.share_rows`);
 2. waiting requests whose uncached delta fits in one chunk (``prefill_chunk_tokens``):
    a cached turn of a conversation; oldest first. Admitted between two steps, such a
    request computes its whole delta in the very next step: its first token comes at the
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.radix_cache import MatchResult, RadixCache
-from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue
+from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue, share_rows
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.kernels.cpu.decode_attention import block_pages
 
@@ -74,6 +76,7 @@ class Scheduler:
         max_num_seqs: int,
         prefill_chunk_tokens: int | None = None,
         fair_quantum_tokens: int = 256,
+        fair_step_rows: int = 0,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
@@ -87,6 +90,9 @@ class Scheduler:
         self.waiting = FairQueue()
         self.fair_quantum_tokens = fair_quantum_tokens  # a weight-1 tenant's prefill turn
         self._drr: dict[int, DeficitRoundRobin] = {}  # by priority
+        self.fair_step_rows = fair_step_rows  # 0: every decode in every step
+        self._steps = 0  # steps scheduled
+        self._decoded_at: dict[str, int] = {}  # request id → the step it last decoded in
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
         # False while a failed-closed cache audit waits for an operator (set by the
@@ -115,8 +121,12 @@ class Scheduler:
             (r for r in self.running if r.num_pending > 1),
             key=lambda r: (r.priority, r.num_pending),
         )  # by priority, then shortest remaining first; stable: otherwise in admission order
+        self._steps += 1
+        if self.fair_step_rows and len(decodes) > self.fair_step_rows:
+            decodes = share_rows(decodes, self.fair_step_rows, self._decoded_at)
         for req in decodes:
             self._take_running(req, 1, chosen, budget)
+            self._decoded_at[req.request_id] = self._steps
         grants = self._split(prefills, budget[0])
         self._take_prefills(prefills, chosen, budget, grants)
         if grants is not None and budget[0] > 0:  # what a grant left unused: anyone's
@@ -357,6 +367,7 @@ class Scheduler:
             del self.awaiting_kv[req.request_id]
             cache_kv = False  # its reserved pages were never filled
         self._release(req, cache_kv=cache_kv)
+        self._decoded_at.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 

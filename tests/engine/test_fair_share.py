@@ -8,8 +8,10 @@ as without tenants. The scheduler runs on a real page allocator; sampling is a s
 
 from __future__ import annotations
 
+from collections import Counter
+
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue
+from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue, share_rows
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
@@ -187,3 +189,58 @@ def test_deficit_round_robin_carries_the_turn_across_steps() -> None:
     assert drr.split({"a": 1000, "b": 1000}, weights, 150) == {"a": 100, "b": 50}
     assert drr.split({"a": 1000, "b": 10}, weights, 150) == {"a": 140, "b": 10}
     assert drr.split({"a": 1000}, weights, 150) == {"a": 150}
+
+
+def test_share_rows_is_max_min_fair_by_weight() -> None:
+    """A flood's 12 decodes beside one other tenant's: the other gets its row, the flood
+    the rest of ``rows``; two equal floods split evenly; weights split in proportion;
+    at least a row for every tenant; one tenant, or few rows, takes every decode."""
+
+    def rows(counts: dict[str, int], budget: int, weights: dict[str, float] | None = None):
+        decodes = [request(f"{t}{i}", 4, tenant=t, weight=(weights or {}).get(t, 1.0))
+                   for t, n in counts.items() for i in range(n)]  # fmt: skip
+        taken = share_rows(decodes, budget, {})
+        return Counter(r.tenant for r in taken)
+
+    assert rows({"chat": 1, "flood": 12}, 4) == {"chat": 1, "flood": 3}
+    assert rows({"a": 12, "b": 12}, 8) == {"a": 4, "b": 4}
+    assert sorted(rows({"a": 12, "b": 12}, 9).values()) == [4, 5]
+    assert rows({"a": 12, "b": 12}, 9, {"a": 2.0}) == {"a": 6, "b": 3}
+    assert rows({t: 1 for t in "abcdefghij"}, 4) == {t: 1 for t in "abcdefghij"}
+    assert rows({"a": 20}, 4) == {"a": 20}
+    assert rows({"a": 3, "b": 1}, 8) == {"a": 3, "b": 1}
+
+
+def test_a_flood_of_decodes_shares_the_step_rows_and_every_stream_advances() -> None:
+    """With fair_step_rows 4, one tenant's 12 decoding streams beside another's one: the
+    other's stream decodes in every step, each step has 4 decode rows, and over 4 steps
+    every one of the flood's streams advanced (the longest-waiting go first)."""
+    s = Scheduler(PageAllocator(4096), None, 16, max_num_batched_tokens=256, max_num_seqs=16,
+                  prefill_chunk_tokens=64, fair_quantum_tokens=32, fair_step_rows=4)  # fmt: skip
+    flood = [request(f"f{i}", 8, tenant="flood") for i in range(12)]
+    for req in flood:
+        req.params = SamplingParams(max_tokens=100, temperature=0.0)
+        s.add(req)
+    chat = request("chat", 8, tenant="chat")
+    chat.params = SamplingParams(max_tokens=100, temperature=0.0)
+    s.add(chat)
+    while any(not r.output_ids for r in (*flood, chat)):  # the prompts
+        step(s)
+    advanced: Counter[str] = Counter()
+    for _ in range(4):
+        batch = step(s)
+        assert batch.get("chat") == 1 and len(batch) == 4
+        advanced.update(rid for rid in batch if rid.startswith("f"))
+    assert set(advanced) == {r.request_id for r in flood}  # each of the 12 ran once
+    assert set(advanced.values()) == {1}
+
+
+def test_without_fair_step_rows_every_decode_runs_in_every_step() -> None:
+    s = scheduler()
+    reqs = [request(f"{t}{i}", 8, tenant=t) for t in "ab" for i in range(6)]
+    for req in reqs:
+        req.params = SamplingParams(max_tokens=100, temperature=0.0)
+        s.add(req)
+    while any(not r.output_ids for r in reqs):
+        step(s)
+    assert len(step(s)) == 12
