@@ -211,10 +211,11 @@ class DecodeStep:
         positions: torch.Tensor,  # (B,) int64: each new token's position
         slots: torch.Tensor,  # (B,) int64: its KV slot (-1: none)
         page_table: torch.Tensor,  # (B, W) int64 contiguous
+        threads: int | None = None,  # at most the threads it was built for (default)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it), both (B, hidden);
         x is the first (written in place), the second a view of a buffer the next call
-        overwrites."""
+        overwrites. The same bits on any number of threads."""
         batch = x.shape[0]
         assert 0 < batch <= self.max_batch and x.dtype == torch.bfloat16 and x.is_contiguous()
         assert page_table.is_contiguous() and page_table.shape[0] == batch
@@ -225,6 +226,6 @@ class DecodeStep:
         st.table_stride = page_table.shape[1]
         self._barrier.arrived = self._barrier.generation = 0
         ptr = ctypes.addressof(st)
-        threads = min(self.threads, torch.get_num_threads())  # buffers: self.threads
+        threads = min(threads or self.threads, self.threads, torch.get_num_threads())
         run_strided(lambda t, n: self._lib.decode_step(ptr, t, n), threads, threads > 1)
         return x, self.residual[0, :batch]

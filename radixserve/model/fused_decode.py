@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 #: larger decode batches run the torch layers, whose per-op cost they amortise and whose
 #: GEMMs split over the cores (bench/decode_ab.py: even at 16 on one thread)
 FUSED_MAX_BATCH = 16
-#: threads of the native step: one, in the caller (no hand-off at all). Two split every
-#: GEMM and the attention with five barriers a layer: the same bits, but on this shared
-#: 2-core machine 1.4-2x slower than one (a preempted partner stalls every barrier)
-FUSED_THREADS = 1
+#: threads of the native step: up to two, as torch's thread count allows. Two split every
+#: GEMM and the attention with five barriers a layer (the same bits): at batch 16 that is
+#: 0.75x the time of one thread, but at batches under `TWO_THREADS_FROM` one thread, in
+#: the caller with no hand-off at all, is faster on a 2-core machine (a preempted partner
+#: stalls every barrier; bench/decode_ab.py)
+FUSED_THREADS = 2
+TWO_THREADS_FROM = 8
 
 
 def _proj(layer: Linear) -> ProjWeights | None:
@@ -106,9 +109,11 @@ class FusedDecode:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,
         threads: int,
+        two_threads_from: int = TWO_THREADS_FROM,
     ) -> None:
         self.model = model
         self.max_batch = max_batch
+        self.two_threads_from = two_threads_from  # smaller batches run on one thread
         layers = []
         for layer, (k, v) in zip(model.decoder_layers, kv_caches):
             projs = [_proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -125,7 +130,9 @@ class FusedDecode:
         """The model's logits for `fb` (as `LlamaModel.forward`), (N, vocab) float32."""
         x = self.model._embed(fb.input_ids).contiguous()  # (B, hidden)
         meta = fb.attn
-        x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous())
+        threads = 1 if x.shape[0] < self.two_threads_from else None  # None: as built
+        x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous(),
+                                threads)  # fmt: skip
         return self.model.logits(x, residual, fb.logits_indices)
 
 
@@ -134,6 +141,7 @@ def fused_decode_for(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     max_batch: int,
     threads: int,
+    two_threads_from: int = TWO_THREADS_FROM,
 ) -> FusedDecode | None:
     """The native decode step for `model`, or None (logged) where it does not apply."""
     reason = why_not(model, kv_caches)
@@ -141,4 +149,4 @@ def fused_decode_for(
         logger.info("decode runs the layers in torch ops: %s", reason)
         return None
     logger.info("decode runs the layers in one native call (batches up to %d)", max_batch)
-    return FusedDecode(model, kv_caches, max_batch, threads)
+    return FusedDecode(model, kv_caches, max_batch, threads, two_threads_from)

@@ -97,7 +97,8 @@ def tiny() -> Engine:
 def test_tiny_model_logits_equal_the_torch_path(
     tiny: Engine, lens: list[int], threads: int
 ) -> None:
-    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads)
+    # every batch on `threads` (the engine's own takes two only from TWO_THREADS_FROM rows)
+    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads, two_threads_from=1)
     assert fused is not None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
