@@ -67,8 +67,9 @@ def _sizes(quick: bool) -> dict[str, int]:
 
 
 def _config(model: str, keys: dict[str, str], timeout_s: float) -> ClusterConfig:
-    engine_env = {"RADIXSERVE_KV_CACHE_MEMORY_GIB": "1.0", "RADIXSERVE_DTYPE": "float32",
-                  "RADIXSERVE_DEVICE": "cpu"}  # fmt: skip
+    # the engine's defaults (bfloat16 where the CPU has it, the native decode step), as
+    # `make serve` runs them: what a user's chat would see
+    engine_env = {"RADIXSERVE_KV_CACHE_MEMORY_GIB": "1.0", "RADIXSERVE_DEVICE": "cpu"}
     if model != "default":
         engine_env["RADIXSERVE_MODEL"] = model
     entries = [{"key": keys["chat"], "tenant": "chat"},

@@ -73,11 +73,12 @@ class EngineSettings(BaseSettings):
         None,
         ge=0,
         le=4096,
-        description="Most decode rows a step takes when several tenants decode (each "
-        "tenant's max-min fair share by weight, at least one each; the rows left out wait "
-        "a step, the longest-waiting first): on a CPU a step's cost grows with its rows, "
-        "so one tenant's many streams would slow every other tenant's tokens. None: 8 on "
-        "a CPU, 0 (every decode in every step) on a GPU, where rows are nearly free.",
+        description="Most decode rows a step takes when several tenants decode and one "
+        "asks at most its share of them (each tenant's max-min fair share by weight, at "
+        "least one each; the rows left out wait a step, the longest-waiting first): on a "
+        "CPU a step's cost grows with its rows, so one tenant's many streams would slow a "
+        "light tenant's tokens. Raise it for multi-tenant throughput. None: 4 on a CPU, 0 "
+        "(every decode in every step) on a GPU, where rows are nearly free.",
     )
     max_model_len: int | None = Field(
         None, ge=16, description="Context limit; defaults to the model's own."

@@ -55,11 +55,17 @@ class HostPageIndex:
     TIER: ClassVar[str] = "host"  # the prefix of the stats' keys
     MIN_PAGES: ClassVar[int] = 1
 
-    def __init__(self, num_pages: int, on_evict: EvictCallback | None = None) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        on_evict: EvictCallback | None = None,
+        on_release: Callable[[int], None] | None = None,
+    ) -> None:
         if num_pages < self.MIN_PAGES:
             raise ValueError(f"a {self.TIER} pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.on_evict = on_evict
+        self.on_release = on_release  # told each lease id that ends (released or expired)
         self._free = list(range(num_pages - 1, -1, -1))
         self._stored: OrderedDict[int, int] = OrderedDict()  # hash -> page, oldest first
         self._writing: dict[int, int] = {}  # hash -> page being written
@@ -138,6 +144,8 @@ class HostPageIndex:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        if self.on_release is not None:
+            self.on_release(lease_id)
         for page in lease.pages:
             left = self._readers[page] - 1
             if left:

@@ -19,11 +19,13 @@ the caller's tenant; "" for every request when the gateway has no keys), its pri
   the split is exact to the token.
 * `share_rows` picks a step's decode rows when they outnumber ``fair_step_rows`` and
   several tenants decode: on a CPU a decode step's cost grows with its rows, so one
-  tenant's many streams would stretch every other tenant's inter-token time. Each
+  tenant's many streams would stretch every other tenant's inter-token time. Where a
+  tenant asks at most its share (``fair_step_rows`` x its weight / the weights), each
   tenant gets a max-min fair share of the rows by weight (at least one each: the step
   takes max(``fair_step_rows``, tenants) rows; a tenant asking less than its share
   leaves the rest to the others); within a tenant the rows that waited longest go first,
-  so every stream advances. With one tenant every decode runs in every step.
+  so every stream advances. With one tenant, or every tenant asking past its share (a
+  cut would then only slow everyone), every decode runs in every step.
 """
 
 from __future__ import annotations
@@ -154,12 +156,13 @@ class DeficitRoundRobin:
 
 
 #: a CPU step's decode rows when several tenants decode (`fair_step_rows`): here a row
-#: past the first adds ~2.7 ms to a ~10 ms step of the default model (bench/decode_ab.py)
-CPU_FAIR_STEP_ROWS = 8
+#: past the first adds ~2.2 ms to a ~8 ms step of the default model (bench/decode_ab.py),
+#: so 4 rows keep a light tenant's tokens within ~2x of its pace alone (--scenario abuse)
+CPU_FAIR_STEP_ROWS = 4
 
 
 def fair_step_rows(setting: int | None, device_type: str) -> int:
-    """The setting, or where unset 8 rows on a CPU and no bound (0) on a GPU (the
+    """The setting, or where unset 4 rows on a CPU and no bound (0) on a GPU (the
     gateway imports this module: no torch here)."""
     if setting is not None:
         return setting
@@ -176,9 +179,12 @@ def share_rows(decodes: list[Request], rows: int, waited: dict[str, int]) -> lis
     if rows <= 0 or len(decodes) <= rows or len(by_tenant) < 2:
         return decodes
     weight = {t: reqs[0].weight for t, reqs in by_tenant.items()}
+    total_weight = sum(weight.values())
+    if all(len(reqs) > rows * weight[t] / total_weight for t, reqs in by_tenant.items()):
+        return decodes  # every tenant asks past its share: a cut would shield nobody
     # the least demanding (per weight) first: what they leave goes to those after them
     order = sorted(by_tenant, key=lambda t: (len(by_tenant[t]) / weight[t], t))
-    left, weights_left = max(rows, len(by_tenant)), sum(weight.values())
+    left, weights_left = max(rows, len(by_tenant)), total_weight
     give: dict[str, int] = {}
     for tenant in order:
         share = max(1, int(left * weight[tenant] / weights_left))

@@ -148,7 +148,11 @@ class HostPool:
         self.agent = create_agent(s.transfer_backend, self.name, kv, compat,
                                   s.host_transfer_timeout_s, s.nixl_progress_thread, self.network)  # fmt: skip
         self.kv, self.compat = kv, compat
-        self.index = HostPageIndex(num_pages, self._evicted)
+        # a worker reads only the pages leased to it, while leased (ZMQ enforces it;
+        # NIXL's reads are one-sided and only keep the ledger)
+        self.agent.enforce_grants()
+        self._granted: dict[int, tuple[str, list[int]]] = {}  # lease id → (worker, pages)
+        self.index = HostPageIndex(num_pages, self._evicted, self._lease_ended)
         # drive the agent while workers may read leased pages; expire forgotten leases
         index = self.index
         self._server = asyncio.create_task(
@@ -260,6 +264,7 @@ class HostPool:
             worker, list(msg.page_hashes), time.monotonic() + self.settings.host_lease_s
         )
         if lease_id:
+            self._grant(lease_id, worker, pages)
             self._leased.set()
         tokens = self.tokens_of(list(msg.page_hashes[: len(pages)]), lambda h: None)
         return HostLease(msg.query_id, lease_id, tuple(pages), token_ids=tokens)
@@ -283,6 +288,7 @@ class HostPool:
         lease_id, pages = self.index.hold_run(
             worker, run, time.monotonic() + self.settings.host_lease_s
         )
+        self._grant(lease_id, worker, pages)
         self._leased.set()
         disk_pages = len(run) - sum(self.index.stored(h) for h in run)
         tokens = self.tokens_of(run, disk_proof)
@@ -291,6 +297,17 @@ class HostPool:
     def release(self, lease_id: int) -> None:
         if self.index is not None:
             self.index.release(lease_id)
+
+    def _grant(self, lease_id: int, worker: str, pages: list[int]) -> None:
+        assert self.agent is not None
+        self.agent.grant(worker, pages)
+        self._granted[lease_id] = (worker, pages)
+
+    def _lease_ended(self, lease_id: int) -> None:
+        """A lease was released or expired: its pages are no longer its worker's to read."""
+        granted = self._granted.pop(lease_id, None)
+        if granted is not None and self.agent is not None:
+            self.agent.revoke(*granted)
 
     def match(self, page_hashes: list[int]) -> int:
         """Leading pages of a prompt the host tier holds (for routing)."""

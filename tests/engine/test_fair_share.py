@@ -193,8 +193,9 @@ def test_deficit_round_robin_carries_the_turn_across_steps() -> None:
 
 def test_share_rows_is_max_min_fair_by_weight() -> None:
     """A flood's 12 decodes beside one other tenant's: the other gets its row, the flood
-    the rest of ``rows``; two equal floods split evenly; weights split in proportion;
-    at least a row for every tenant; one tenant, or few rows, takes every decode."""
+    the rest of ``rows``; a tenant at its share keeps it, weights split in proportion;
+    at least a row for every tenant; one tenant, few rows, or every tenant past its
+    share (a cut would shield nobody) takes every decode."""
 
     def rows(counts: dict[str, int], budget: int, weights: dict[str, float] | None = None):
         decodes = [request(f"{t}{i}", 4, tenant=t, weight=(weights or {}).get(t, 1.0))
@@ -203,9 +204,10 @@ def test_share_rows_is_max_min_fair_by_weight() -> None:
         return Counter(r.tenant for r in taken)
 
     assert rows({"chat": 1, "flood": 12}, 4) == {"chat": 1, "flood": 3}
-    assert rows({"a": 12, "b": 12}, 8) == {"a": 4, "b": 4}
-    assert sorted(rows({"a": 12, "b": 12}, 9).values()) == [4, 5]
-    assert rows({"a": 12, "b": 12}, 9, {"a": 2.0}) == {"a": 6, "b": 3}
+    assert rows({"a": 12, "b": 4}, 8) == {"a": 4, "b": 4}
+    assert rows({"a": 12, "b": 3, "c": 1}, 9) == {"a": 5, "b": 3, "c": 1}
+    assert rows({"a": 12, "b": 3}, 9, {"a": 2.0}) == {"a": 6, "b": 3}
+    assert rows({"a": 12, "b": 12}, 8) == {"a": 12, "b": 12}  # both past their share
     assert rows({t: 1 for t in "abcdefghij"}, 4) == {t: 1 for t in "abcdefghij"}
     assert rows({"a": 20}, 4) == {"a": 20}
     assert rows({"a": 3, "b": 1}, 8) == {"a": 3, "b": 1}

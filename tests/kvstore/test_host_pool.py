@@ -358,3 +358,47 @@ def test_a_spill_stores_only_pages_whose_tokens_give_their_hash_and_leases_carry
             w.agent.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_reads_only_the_host_pages_leased_to_it_while_leased():
+    """The pool's agent serves a read of host pages only to the worker they are leased
+    to (ZMQ, grants enforced): its own leased pages arrive; another worker's read of
+    them, and its read of a page whose lease it released, are refused and counted."""
+
+    async def scenario() -> None:
+        host, w = pool(), worker()
+        readers: list[KVTransferAgent] = []
+        try:
+            attach(host, w)
+            assert await host.spill(w.name, offer(1, [1, 2, 3], [0, 1, 2])) == 3
+            assert host.kv is not None and host.agent is not None and host.compat is not None
+            compat = host.compat  # the pool's own: a reader of another is refused for that
+
+            def reader(name: str) -> KVTransferAgent:
+                agent = create_agent("zmq", name, torch.zeros_like(host.kv), compat, 2.0)
+                agent.add_peer(host.name, 1, host.agent.metadata())
+                readers.append(agent)
+                return agent
+
+            async def read(agent: KVTransferAgent, pages: tuple[int, ...]) -> str:
+                return await agent.wait_async(agent.read_pages(host.name, list(pages), list(pages)))
+
+            mine, other = reader(w.name), reader("w2")
+            first = host.lookup(w.name, HostLookup("a", tuple(H(1, 2))))
+            second = host.lookup(w.name, HostLookup("b", tuple(H(3))))
+            assert len(first.host_page_ids) == 2 and len(second.host_page_ids) == 1
+            assert await read(mine, first.host_page_ids) == "done"
+            refused = host.agent.refused_reads
+            assert await read(other, first.host_page_ids) == "failed"  # leased to w1 only
+            host.release(first.lease_id)  # the second lease keeps the pool serving
+            assert await read(mine, first.host_page_ids) == "failed"  # no longer leased
+            assert await read(mine, second.host_page_ids) == "done"
+            assert host.agent.refused_reads == refused + 2
+            host.release(second.lease_id)
+        finally:
+            for agent in readers:
+                agent.close()
+            await host.stop()
+            w.agent.close()
+
+    asyncio.run(scenario())
