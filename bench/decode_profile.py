@@ -1,0 +1,92 @@
+"""Where a decode step's time goes in the engine: the default model and settings, B
+sequences decoding at a context of about C tokens; the median of each part over 40
+steps: the whole step, the native step's layers and its LM head (the final norm with
+it), the forward as a whole, scheduling, sampling and appending the tokens.
+
+    .venv/bin/python bench/decode_profile.py [--batch 1] [--context 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.engine.engine import Engine
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.model.forward_batch import ForwardBatch
+from radixserve.settings import EngineSettings
+
+STEPS = 40
+
+
+def profile(batch: int, context: int) -> dict[str, float]:
+    """Median ms per step of each part (module notes)."""
+    engine = Engine(EngineSettings(model="default", device="cpu", load_progress=False,
+                                   kv_cache_memory_gib=0.5, prefix_cache=False))  # fmt: skip
+    times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(obj: Any, name: str, part: str) -> None:
+        call: Callable[..., Any] = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            times[part].append(time.perf_counter() - start)
+            return out
+
+        setattr(obj, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "run", "forward")
+    timed(engine.choices, "sample", "sample")
+    timed(engine, "_append", "append (per token)")
+    if (fused := engine.runner.fused) is not None:
+
+        def forward(fb: ForwardBatch) -> Any:
+            start = time.perf_counter()
+            x = fused.model._embed(fb.input_ids).contiguous()
+            meta = fb.attn
+            x, residual = fused.step(x, fb.positions, meta.slot_mapping,
+                                     meta.page_table.contiguous())  # fmt: skip
+            layers = time.perf_counter()
+            logits = fused.model.logits(x, residual, fb.logits_indices)
+            times["layers (native step)"].append(layers - start)
+            times["LM head"].append(time.perf_counter() - layers)
+            return logits
+
+        fused.forward = forward  # type: ignore[method-assign]
+    tok = engine.tokenizer
+    base = tok.encode("The harbour master kept a log of every ship. " * (context // 8))[:context]
+    params = SamplingParams(max_tokens=STEPS + 20, min_tokens=STEPS + 20, temperature=0.0)
+    for i in range(batch):
+        engine.add_request([*base, *tok.encode(f" {i}")], params)
+    running = engine.scheduler.running
+    while len(running) < batch or not all(r.output_ids for r in running):
+        engine.step()  # the prompts
+    for _ in range(3):
+        engine.step()
+    times.clear()
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        engine.step()
+        times["step"].append(time.perf_counter() - start)
+    return {part: statistics.median(t) * 1e3 for part, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2000)
+    args = parser.parse_args()
+    parts = profile(args.batch, args.context)
+    print(f"decode step, batch {args.batch}, ~{args.context} tokens of context (ms, median):")
+    for part, ms in parts.items():
+        print(f"  {part:24s} {ms:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
