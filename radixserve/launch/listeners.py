@@ -57,7 +57,9 @@ class Listener:
         if self._closed:  # its port was told to others: never another one
             raise OSError(f"the listener on {self.host}:{self.port} is closed")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections whose proto says
+        # TCP (and Nagle's delay against the client's delayed ACK is 40 ms a response)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             if self._given:  # a restart of `radixserve up` finds the port in TIME_WAIT
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

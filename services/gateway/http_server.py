@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,7 @@ class GatewayProtocol(H11Protocol):
         self._stall_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        _no_delay(transport)
         super().connection_made(transport)
         limit = self._settings.max_connections
         if len(self.connections) > limit:
@@ -113,6 +115,17 @@ class GatewayProtocol(H11Protocol):
         if not self.transport.is_closing():
             self._on_cut(reason)
             self.transport.abort()
+
+
+def _no_delay(transport: asyncio.Transport) -> None:
+    """TCP_NODELAY on a TCP connection: a response is written in pieces (the head, then
+    each body chunk or streamed event), and with Nagle's algorithm on, a piece waits for
+    the client's ACK of the one before, which a client delays up to 40 ms. asyncio sets
+    it only where the listening socket was made with proto TCP; an inherited one may not
+    have been."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:

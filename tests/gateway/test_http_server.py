@@ -9,6 +9,7 @@ nothing after) rather than how long it took: the settings are small, the waits l
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 
@@ -138,3 +139,16 @@ def test_connections_past_the_cap_are_refused_and_the_open_ones_served(tiny_gate
 
     wait_for(serves_again, "a new connection served")
     assert metric(http, CUT, reason="over_limit") >= 1
+
+
+def test_connections_send_without_nagles_delay(tiny_gateway) -> None:
+    """Every accepted connection has TCP_NODELAY, though the listening socket was made
+    with proto 0 (as an inherited one may be; asyncio then leaves Nagle's algorithm on,
+    and each response's second write waited for the client's delayed ACK: 40 ms)."""
+    running, http = tiny_gateway()
+    assert http.get("/live").status_code == 200  # a kept-alive connection
+    connections = list(running.server.server_state.connections)
+    assert connections
+    for protocol in connections:
+        sock = protocol.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
