@@ -119,48 +119,32 @@ __attribute__((unused)) static void int4_plain(
     }
 }
 
-__attribute__((unused)) static void int8_plain(
-    const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t *scale, void *y,
+/* int8 (w: int8 codes, a scale per column) and bfloat16 (w: bfloat16 weights, scale NULL)
+   share the packed pair layout and the order of the additions */
+__attribute__((unused)) static void pairs_plain(
+    const uint16_t *x, int64_t ldx, const void *w, const uint16_t *scale, void *y,
     int64_t ldy, int out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
-    const int64_t pairs = k / 2;
-    for (int64_t r = 0; r < m; r++) {
-        const uint16_t *row = x + r * ldx;
-        for (int64_t cb = cb_begin; cb < cb_end; cb++) {
-            float acc[16] = {0}, out[16];
-            for (int64_t kp = 0; kp < pairs; kp++) {
-                const int8_t *b = w + (cb * pairs + kp) * 32;
-                float x0 = bf16_to_float(row[2 * kp]), x1 = bf16_to_float(row[2 * kp + 1]);
-                for (int c = 0; c < 16; c++) {
-                    acc[c] = acc[c] + (float)b[2 * c + 1] * x1;
-                    acc[c] = acc[c] + (float)b[2 * c] * x0;
-                }
-            }
-            for (int c = 0; c < 16; c++) out[c] = bf16_to_float(scale[cb * 16 + c]) * acc[c];
-            store_row16(y, ldy, out_f32, r, cb * 16, out);
-        }
-    }
-}
-
-__attribute__((unused)) static void bf16_plain(
-    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
-    int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
     const int64_t pairs = k / 2;
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = x + r * ldx;
         for (int64_t cb = cb_begin; cb < cb_end; cb++) {
             float acc[16] = {0};
             for (int64_t kp = 0; kp < pairs; kp++) {
-                const uint16_t *b = w + (cb * pairs + kp) * 32;
+                const int64_t at = (cb * pairs + kp) * 32;
                 float x0 = bf16_to_float(row[2 * kp]), x1 = bf16_to_float(row[2 * kp + 1]);
                 /* the weights as float32 first: with the conversion inside the interleaved loop,
                    GCC 12.2 at -O3 -march=x86-64 computed wrong sums (vectorized) */
                 float wf[32];
-                for (int i = 0; i < 32; i++) wf[i] = bf16_to_float(b[i]);
+                for (int i = 0; i < 32; i++)
+                    wf[i] = scale ? (float)((const int8_t *)w)[at + i]
+                                  : bf16_to_float(((const uint16_t *)w)[at + i]);
                 for (int c = 0; c < 16; c++) {
                     acc[c] = acc[c] + wf[2 * c + 1] * x1;
                     acc[c] = acc[c] + wf[2 * c] * x0;
                 }
             }
+            if (scale)
+                for (int c = 0; c < 16; c++) acc[c] = bf16_to_float(scale[cb * 16 + c]) * acc[c];
             store_row16(y, ldy, out_f32, r, cb * 16, acc);
         }
     }
@@ -253,10 +237,11 @@ static inline __attribute__((always_inline)) void int4_tile(
         for (int c = 0; c < NT; c++) store_tile(out[r][c], y, ldy, out_f32, r, (cb + c) * 16);
 }
 
-static inline __attribute__((always_inline)) void int8_tile(
-    const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t *scale, void *y,
-    int64_t ldy, int out_f32, int64_t k, int64_t cb, const int MT, const int NT) {
-    const int64_t pairs = k / 2;
+/* int8 (BF 0: codes, a scale per column) or bfloat16 (BF 1: the weights themselves) */
+static inline __attribute__((always_inline)) void pairs_tile(
+    const uint16_t *x, int64_t ldx, const void *w, const uint16_t *scale, void *y,
+    int64_t ldy, int out_f32, int64_t k, int64_t cb, const int MT, const int NT, const int BF) {
+    const int64_t pairs = k / 2, block = BF ? 64 : 32;  /* bytes per block of pairs */
     __m512 acc[MAX_MT][MAX_NT];
 #pragma GCC unroll 8
     for (int r = 0; r < MT; r++)
@@ -265,12 +250,17 @@ static inline __attribute__((always_inline)) void int8_tile(
     for (int64_t kp = 0; kp < pairs; kp++) {
 #pragma GCC unroll 8
         for (int c = 0; c < NT; c++) {
-            const int8_t *b = w + ((cb + c) * pairs + kp) * 32;
-            _mm_prefetch((const char *)b + NT * pairs * 32, _MM_HINT_T1);  /* as int4_tile */
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
-            __m512 hi = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
-            __m512bh op = _mm512_cvtne2ps_pbh(hi, lo);
+            const char *b = (const char *)w + ((cb + c) * pairs + kp) * block;
+            _mm_prefetch(b + NT * pairs * block, _MM_HINT_T1);  /* as int4_tile */
+            __m512bh op;
+            if (BF) {
+                op = (__m512bh)_mm512_loadu_si512((const void *)b);
+            } else {
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+                __m512 hi = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
+                op = _mm512_cvtne2ps_pbh(hi, lo);
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < MT; r++) {
                 int32_t pair;
@@ -281,42 +271,14 @@ static inline __attribute__((always_inline)) void int8_tile(
     }
 #pragma GCC unroll 8
     for (int c = 0; c < NT; c++) {
-        __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        __m512 s = BF ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scale + (cb + c) * 16))),
             16));
 #pragma GCC unroll 8
         for (int r = 0; r < MT; r++)
-            store_tile(_mm512_mul_ps(s, acc[r][c]), y, ldy, out_f32, r, (cb + c) * 16);
+            store_tile(BF ? acc[r][c] : _mm512_mul_ps(s, acc[r][c]), y, ldy, out_f32, r,
+                       (cb + c) * 16);
     }
-}
-
-static inline __attribute__((always_inline)) void bf16_tile(
-    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
-    int64_t k, int64_t cb, const int MT, const int NT) {
-    const int64_t pairs = k / 2;
-    __m512 acc[MAX_MT][MAX_NT];
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < NT; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; kp++) {
-#pragma GCC unroll 8
-        for (int c = 0; c < NT; c++) {
-            const uint16_t *b = w + ((cb + c) * pairs + kp) * 32;
-            _mm_prefetch((const char *)b + NT * pairs * 64, _MM_HINT_T1);  /* as int4_tile */
-            __m512bh op = (__m512bh)_mm512_loadu_si512((const void *)b);
-#pragma GCC unroll 8
-            for (int r = 0; r < MT; r++) {
-                int32_t pair;
-                memcpy(&pair, x + r * ldx + 2 * kp, 4);
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], op, (__m512bh)_mm512_set1_epi32(pair));
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < NT; c++)
-#pragma GCC unroll 8
-        for (int r = 0; r < MT; r++) store_tile(acc[r][c], y, ldy, out_f32, r, (cb + c) * 16);
 }
 
 /* Tiles: up to two rows take four column blocks per tile (enough independent
@@ -332,10 +294,11 @@ static inline __attribute__((always_inline)) void bf16_tile(
     int4_tile(x + r0 * ldx, ldx, w, sz, xs + r0 * groups, (char *)y + r0 * ldy * esize, ldy, \
               out_f32, n, k, group, cb, MT, NT)
 #define INT8_AT(MT, NT)                                                                    \
-    int8_tile(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, \
-              MT, NT)
+    pairs_tile(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, \
+               MT, NT, 0)
 #define BF16_AT(MT, NT)                                                                    \
-    bf16_tile(x + r0 * ldx, ldx, w, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT, NT)
+    pairs_tile(x + r0 * ldx, ldx, w, NULL, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, \
+               MT, NT, 1)
 /* rows [r0, r0 + rows) (rows < 7) of one tile of NT column blocks */
 #define ROWS_SWITCH(AT, NT)                                                                 \
     switch (rows) {                                                                         \
@@ -371,22 +334,19 @@ static void int4_vector(const uint16_t *x, int64_t ldx, const uint8_t *w, const 
     TILES(INT4_AT)
 }
 
-static void int8_vector(const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t *scale,
-                        void *y, int64_t ldy, int out_f32, int64_t m, int64_t k,
-                        int64_t cb_begin, int64_t cb_end) {
+/* int8 where scale is given, else bfloat16 weights */
+static void pairs_vector(const uint16_t *x, int64_t ldx, const void *w, const uint16_t *scale,
+                         void *y, int64_t ldy, int out_f32, int64_t m, int64_t k,
+                         int64_t cb_begin, int64_t cb_end) {
     const int64_t esize = out_f32 ? 4 : 2;
-    TILES(INT8_AT)
-}
-
-static void bf16_vector(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y,
-                        int64_t ldy, int out_f32, int64_t m, int64_t k, int64_t cb_begin,
-                        int64_t cb_end) {
-    const int64_t esize = out_f32 ? 4 : 2;
-    TILES(BF16_AT)
+    if (scale) {
+        TILES(INT8_AT)
+    } else {
+        TILES(BF16_AT)
+    }
 }
 #define INT4_KERNEL int4_vector
-#define INT8_KERNEL int8_vector
-#define BF16_KERNEL bf16_vector
+#define PAIRS_KERNEL pairs_vector
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QGEMM_PATH "avx2"
 /* --- AVX2: vdpbf16ps' two additions per pair as two float32 FMAs of exact products
@@ -474,36 +434,6 @@ static inline __attribute__((always_inline)) __m256 int8_at(const int8_t *b, int
     return _mm256_cvtepi32_ps(v);
 }
 
-static inline __attribute__((always_inline)) void int8_tile2(
-    const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t *scale, void *y,
-    int64_t ldy, int out_f32, int64_t k, int64_t cb, const int MT) {
-    const int64_t pairs = k / 2;
-    __m256 acc[AVX2_MT][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t kp = 0; kp < pairs; kp++) {
-        const int8_t *b = w + (cb * pairs + kp) * 32;
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256 q0 = int8_at(b + 16 * h, 0), q1 = int8_at(b + 16 * h, 1);
-#pragma GCC unroll 4
-            for (int r = 0; r < MT; r++) {
-                const uint16_t *row = x + r * ldx + 2 * kp;
-                acc[r][h] = _mm256_fmadd_ps(q1, x_at(row, 1), acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(q0, x_at(row, 0), acc[r][h]);
-            }
-        }
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scale + cb * 16 + 8 * h))), 16));
-#pragma GCC unroll 4
-        for (int r = 0; r < MT; r++)
-            store_half(_mm256_mul_ps(s, acc[r][h]), y, ldy, out_f32, r, cb * 16 + 8 * h);
-    }
-}
-
 /* bfloat16 weights of parity p of 8 columns from 16 words, as float32 (exact) */
 static inline __attribute__((always_inline)) __m256 bf16_at(const uint16_t *b, int p) {
     __m256i v = _mm256_loadu_si256((const __m256i *)b);
@@ -511,18 +441,21 @@ static inline __attribute__((always_inline)) __m256 bf16_at(const uint16_t *b, i
     return _mm256_castsi256_ps(v);
 }
 
-static inline __attribute__((always_inline)) void bf16_tile2(
-    const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy, int out_f32,
-    int64_t k, int64_t cb, const int MT) {
-    const int64_t pairs = k / 2;
+/* int8 (BF 0: codes, a scale per column) or bfloat16 (BF 1: the weights themselves) */
+static inline __attribute__((always_inline)) void pairs_tile2(
+    const uint16_t *x, int64_t ldx, const void *w, const uint16_t *scale, void *y,
+    int64_t ldy, int out_f32, int64_t k, int64_t cb, const int MT, const int BF) {
+    const int64_t pairs = k / 2, block = BF ? 64 : 32;  /* bytes per block of pairs */
     __m256 acc[AVX2_MT][2];
 #pragma GCC unroll 4
     for (int r = 0; r < MT; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t kp = 0; kp < pairs; kp++) {
-        const uint16_t *b = w + (cb * pairs + kp) * 32;
+        const char *b = (const char *)w + (cb * pairs + kp) * block;
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            __m256 w0 = bf16_at(b + 16 * h, 0), w1 = bf16_at(b + 16 * h, 1);
+            const char *half = b + h * block / 2;
+            __m256 w0 = BF ? bf16_at((const uint16_t *)half, 0) : int8_at((const int8_t *)half, 0);
+            __m256 w1 = BF ? bf16_at((const uint16_t *)half, 1) : int8_at((const int8_t *)half, 1);
 #pragma GCC unroll 4
             for (int r = 0; r < MT; r++) {
                 const uint16_t *row = x + r * ldx + 2 * kp;
@@ -532,18 +465,23 @@ static inline __attribute__((always_inline)) void bf16_tile2(
         }
     }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
+        __m256 s = BF ? _mm256_setzero_ps() : _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scale + cb * 16 + 8 * h))), 16));
 #pragma GCC unroll 4
-        for (int r = 0; r < MT; r++) store_half(acc[r][h], y, ldy, out_f32, r, cb * 16 + 8 * h);
+        for (int r = 0; r < MT; r++)
+            store_half(BF ? acc[r][h] : _mm256_mul_ps(s, acc[r][h]), y, ldy, out_f32, r,
+                       cb * 16 + 8 * h);
+    }
 }
 
 #define INT4_AT2(MT)                                                                         \
     int4_tile2(x + r0 * ldx, ldx, w, sz, xs + r0 * groups, (char *)y + r0 * ldy * esize, ldy, \
                out_f32, n, k, group, cb, MT)
 #define INT8_AT2(MT)                                                                         \
-    int8_tile2(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT)
+    pairs_tile2(x + r0 * ldx, ldx, w, scale, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT, 0)
 #define BF16_AT2(MT)                                                                         \
-    bf16_tile2(x + r0 * ldx, ldx, w, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT)
+    pairs_tile2(x + r0 * ldx, ldx, w, NULL, (char *)y + r0 * ldy * esize, ldy, out_f32, k, cb, MT, 1)
 #define TILES2(AT)                                                                           \
     for (int64_t cb = cb_begin; cb < cb_end; cb++)                                           \
         for (int64_t r0 = 0; r0 < m; r0 += AVX2_MT) {                                        \
@@ -558,26 +496,23 @@ static void int4_avx2(const uint16_t *x, int64_t ldx, const uint8_t *w, const ui
     TILES2(INT4_AT2)
 }
 
-static void int8_avx2(const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t *scale,
-                      void *y, int64_t ldy, int out_f32, int64_t m, int64_t k,
-                      int64_t cb_begin, int64_t cb_end) {
+/* int8 where scale is given, else bfloat16 weights */
+static void pairs_avx2(const uint16_t *x, int64_t ldx, const void *w, const uint16_t *scale,
+                       void *y, int64_t ldy, int out_f32, int64_t m, int64_t k,
+                       int64_t cb_begin, int64_t cb_end) {
     const int64_t esize = out_f32 ? 4 : 2;
-    TILES2(INT8_AT2)
-}
-
-static void bf16_avx2(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy,
-                      int out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
-    const int64_t esize = out_f32 ? 4 : 2;
-    TILES2(BF16_AT2)
+    if (scale) {
+        TILES2(INT8_AT2)
+    } else {
+        TILES2(BF16_AT2)
+    }
 }
 #define INT4_KERNEL int4_avx2
-#define INT8_KERNEL int8_avx2
-#define BF16_KERNEL bf16_avx2
+#define PAIRS_KERNEL pairs_avx2
 #else
 #define QGEMM_PATH "plain"
 #define INT4_KERNEL int4_plain
-#define INT8_KERNEL int8_plain
-#define BF16_KERNEL bf16_plain
+#define PAIRS_KERNEL pairs_plain
 #endif
 
 /* --- entry points -------------------------------------------------------------------- */
@@ -616,7 +551,7 @@ void qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t 
                 void *y, int64_t ldy, int64_t out_f32, int64_t m, int64_t k, int64_t cb_begin,
                 int64_t cb_end) {
     FLUSH_BEGIN
-    INT8_KERNEL(x, ldx, w, scale, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
+    PAIRS_KERNEL(x, ldx, w, scale, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
     FLUSH_END
 }
 
@@ -624,6 +559,6 @@ void qgemm_int8(const uint16_t *x, int64_t ldx, const int8_t *w, const uint16_t 
 void qgemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy,
                 int64_t out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end) {
     FLUSH_BEGIN
-    BF16_KERNEL(x, ldx, w, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
+    PAIRS_KERNEL(x, ldx, w, NULL, y, ldy, (int)out_f32, m, k, cb_begin, cb_end);
     FLUSH_END
 }
