@@ -224,7 +224,8 @@ def test_the_default_model_at_tp_2_is_refused_before_any_rank_starts():
     before = _rank_processes()
     with pytest.raises(ModelLoadError, match="9 query heads, 3 KV heads"):
         Engine(_settings("default", 2))
-    assert _rank_processes() == before
+    # no rank started (ranks of other tests, another worker's, may end meanwhile)
+    assert _rank_processes() - before == set()
 
 
 def _rank_processes() -> set[int]:
