@@ -335,6 +335,9 @@ class Service:
                 if peer is None:
                     peer = self.peers[identity] = Peer(identity, name, role, now)
                     logger.info("%s: peer %s (%s) connected", self.name, name, role or "?")
+                elif peer.name == "?":  # it spoke before its hello (e.g. across our restart)
+                    peer.name, peer.role = name, role
+                    logger.info("%s: peer %s (%s) named", self.name, name, role or "?")
                 peer.last_seen = now
                 if isinstance(msg, Hello):
                     peer.role = msg.role

@@ -170,6 +170,14 @@ class HostPool:
         if self.on_evict is not None:
             self.on_evict(page_hash, page, proof)
 
+    def worker_on(self, connection: bytes, named: str) -> str:
+        """The worker speaking on ``connection``: ``named`` (its hello's name), or, for a
+        connection that spoke before its hello (across this kvstore's restart), the
+        worker that attached on it."""
+        if named != "?":
+            return named
+        return next((w for w, c in self._connections.items() if c == connection), named)
+
     def detach(self, worker: str, connection: bytes = b"") -> None:
         """The ``connection`` of ``worker`` was lost: fail its pending spill reads, unless
         a newer incarnation of it has attached meanwhile. (Its leases run out.)"""

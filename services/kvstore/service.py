@@ -160,6 +160,11 @@ class KVStoreService(Service):
             return len(self.disk.run(hashes, self.host.index))
         return self.host.match(hashes)
 
+    def _worker(self, peer: Peer) -> str:
+        """Whose pages ``peer`` spills and leases: its name, or for a connection that spoke
+        before its hello, the worker that attached on it (`HostPool.worker_on`)."""
+        return self.host.worker_on(peer.identity, peer.name) if self.host else peer.name
+
     async def _lookup(self, peer: Peer, msg: HostLookup) -> None:
         """Lease the run of ``msg``'s hashes, after reading its disk pages into host
         memory where that beats the worker computing them (`_promote`: with
@@ -170,7 +175,7 @@ class KVStoreService(Service):
             promoted, leased = await self._promote(peer, msg)
             if leased:
                 return
-        lease = self.host.lookup(peer.name, msg)
+        lease = self.host.lookup(self._worker(peer), msg)
         if promoted:
             leased_hashes = msg.page_hashes[: len(lease.host_page_ids)]
             lease = dataclasses.replace(lease, disk_pages=sum(h in promoted for h in leased_hashes))
@@ -187,7 +192,7 @@ class KVStoreService(Service):
             nonlocal leased
             host, disk = self.host, self.disk
             lease = (
-                host.lease_loading(peer.name, msg, run, ready, disk.index.proof)
+                host.lease_loading(self._worker(peer), msg, run, ready, disk.index.proof)
                 if host is not None and disk is not None
                 else None
             )
@@ -206,7 +211,7 @@ class KVStoreService(Service):
 
     async def _spill(self, peer: Peer, offer: SpillOffer) -> None:
         assert self.host is not None
-        stored = await self.host.spill(peer.name, offer)
+        stored = await self.host.spill(self._worker(peer), offer)
         await self.send_to(peer, SpillDone(offer.spill_id, stored))
 
     def _tell_watchers(self) -> None:

@@ -368,6 +368,40 @@ def test_the_host_tier_answers_before_attach_refuses_a_pool_and_serves_a_lease()
     asyncio.run(scenario())
 
 
+def test_a_worker_that_attached_before_its_hello_spills_and_reads_as_itself():
+    """Across a kvstore restart a worker's socket reconnects by itself, and what it was
+    sending (attach, spill, lookup) can come before its hello: the kvstore serves that
+    connection as the worker that attached on it (its spill stored, its lease's pages
+    readable by its own agent: the lease is granted to it, not to an unnamed peer), and
+    the hello that follows names the peer."""
+
+    async def scenario() -> None:
+        buffer, spill_agent = spill_buffer("w1")
+        device = torch.zeros_like(buffer)
+        reader = create_agent("zmq", "w1", device, PoolCompat.of(device, MODEL))
+        try:
+            async with kvstore() as service, dealers(service.address, 1) as (w1,):
+                ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
+                assert isinstance(ack, HostAttachAck) and ack.accepted, ack
+                done = await w1.ask(H.offer(1, [1, 2], [2, 3]))
+                assert isinstance(done, SpillDone) and done.stored == 2
+                lease = await w1.ask(HostLookup("early", tuple(H(1, 2))))
+                assert isinstance(lease, HostLease) and len(lease.host_page_ids) == 2
+                reader.add_peer(KVSTORE, 42, ack.metadata)
+                handle = reader.read_pages(KVSTORE, list(lease.host_page_ids), [0, 1])
+                assert await reader.wait_async(handle) == "done"
+                assert torch.equal(device[:, :, :2], buffer[:, :, 2:4])
+                assert service.stats().get("host_spill_failures_total", 0) == 0
+                assert [p.name for p in service.peers.values()] == ["?"]
+                await w1.hello("w1")
+                assert [p.name for p in service.peers.values()] == ["w1"]
+        finally:
+            reader.close()
+            spill_agent.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_kvstore_without_a_host_tier_refuses_attach():
     """``host_capacity_gib`` 0: an attach is refused with the reason, and a spill offer
     still gets its `SpillDone` with nothing stored (the worker reuses its buffer)."""
