@@ -56,6 +56,7 @@ def _fraction(text: str) -> float:
 
 
 TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1", "gpt_oss")
 
 
 def auth_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +83,13 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
         "--tool-parser",
         choices=TOOL_PARSERS,
         help="how tool calls are found in replies (default auto: from the chat template)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="how a reply's reasoning is split from its answer (reasoning_content): qwen3 "
+        "<think>...</think>, deepseek_r1 (reasoning until </think>), gpt_oss (harmony), none "
+        "(default auto: from the chat template)",
     )
     p.add_argument(
         "--response-store-size",
@@ -280,8 +288,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from radixserve.services.gateway import GatewaySettings, LocalEngineClient, serve
 
     keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser",
-            "response_store_size", "response_store_ttl_s", "explorer_prompt_text",
-            "trace_buffer", "api_key_file", "allow_unauthenticated")  # fmt: skip
+            "reasoning_parser", "response_store_size", "response_store_ttl_s",
+            "explorer_prompt_text", "trace_buffer", "api_key_file",
+            "allow_unauthenticated")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)

@@ -38,6 +38,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
     if args.tool_parser:
         gateway_env["RADIXSERVE_GATEWAY_TOOL_PARSER"] = args.tool_parser
+    if args.reasoning_parser:
+        gateway_env["RADIXSERVE_GATEWAY_REASONING_PARSER"] = args.reasoning_parser
     if args.explorer_prompt_text:
         gateway_env["RADIXSERVE_GATEWAY_EXPLORER_PROMPT_TEXT"] = "true"
     store = {key: getattr(args, key)

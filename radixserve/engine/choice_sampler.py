@@ -4,7 +4,8 @@ The engine's side of sampling: it forks a request with ``n`` choices into its me
 at its first token (every member samples from the prompt's logits row), starts the
 structured-output masks of guided rows before the model runs (`GuideCompiler`, on a
 helper thread) and joins them after, builds each seeded draw's generator from (seed,
-choice, tokens so far), calls the `Sampler`, and computes the log-probabilities the
+choice, tokens so far), asks each request's thinking budget whether its next token is
+forced (`thinking_budget`), calls the `Sampler`, and computes the log-probabilities the
 requests ask for (`logprobs`), batched over those rows only. Prompt log-probabilities
 come from the logits the runner returns for prompts being scored.
 """
@@ -86,6 +87,8 @@ class ChoiceSampler:
             allowed = (guided, torch.stack([allowed_of[id(sampling[rows[k]])] for k in guided]))
         params = [m.params for m in members]
         history = any(p.penalized for p in params)
+        forced = [(k, t) for k, m in enumerate(members)
+                  if m.thinking is not None and (t := m.thinking.forced()) is not None]  # fmt: skip
         tokens = self.sampler(
             x,
             params,
@@ -96,6 +99,7 @@ class ChoiceSampler:
             prompt_ids=[m.prompt_ids for m in members] if history else None,
             output_ids=[m.output_ids for m in members] if history else None,
             allowed=allowed,
+            forced=([k for k, _ in forced], [t for _, t in forced]) if forced else None,
         ).tolist()  # fmt: skip
         return list(zip(members, tokens, self.logprobs(x, members, tokens)))
 

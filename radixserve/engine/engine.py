@@ -176,7 +176,7 @@ class Engine:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if len(prompt) == 0:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
@@ -218,12 +218,15 @@ class Engine:
                 f"{capacity} tokens; lower max_tokens or raise kv_cache_memory_gib"
             )
         vocab = self.config.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                param="logit_bias",
-            )
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("thinking_start_ids", params.thinking_start_ids),
+                          ("thinking_end_ids", params.thinking_end_ids)):  # fmt: skip
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                    param=name,
+                )
         guide = self.guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups or request_id in self._requests:
@@ -345,6 +348,8 @@ class Engine:
             req.output_ids.append(token)
             if req.guide is not None:
                 advance(req.guide, token)
+            if req.thinking is not None:
+                req.thinking.add(token)
             req.detokenizer.add(token)
 
     def _forget(self, req: Request) -> None:
@@ -560,6 +565,8 @@ class Engine:
         self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
         req.output_ids.append(token)
+        if req.thinking is not None:
+            req.thinking.add(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
         grammar_done = req.guide is not None and advance(req.guide, token)

@@ -36,6 +36,7 @@ from radixserve.cache.radix_cache import MatchResult, RadixNode
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.thinking_budget import ThinkingBudget
 
 
 class RequestStatus(enum.Enum):
@@ -81,8 +82,11 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     group: list[Request] = field(default_factory=list)  # every member, this one included
+    thinking: ThinkingBudget | None = None  # its thinking-token budget, fed every token
 
     def __post_init__(self) -> None:
+        if self.thinking is None:
+            self.thinking = ThinkingBudget.of(self.params)
         if not self.group_id:
             self.group_id = self.request_id
         if not self.group:

@@ -2,7 +2,9 @@
 
 Order of operations per row: mask the tokens a structured-output grammar disallows;
 suppress EOS / stop ids while `min_tokens` is not reached; add logit biases; apply the
-repetition, frequency and presence penalties (`penalties`); greedy rows take the argmax;
+repetition, frequency and presence penalties (`penalties`); rows whose next token is
+forced (a thinking budget spent: `thinking_budget`) keep only that token, a mask that
+leaves every other row and every draw as they were; greedy rows take the argmax;
 other rows divide by the temperature, keep the top-k, keep the nucleus (top-p) of what
 is left, drop tokens under min_p times the best one, and draw from the renormalised
 distribution with the row's own generator (seeded requests) or the global RNG
@@ -91,6 +93,7 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
         allowed: tuple[Sequence[int], torch.Tensor] | None = None,
+        forced: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Sample one token per row.
 
@@ -102,6 +105,8 @@ class Sampler:
             with penalties (`SamplingParams.penalized`); may be None if none has one.
         allowed: (rows, mask) — for each listed row, bool (len(rows), V) of the tokens
             its grammar allows.
+        forced: (rows, token ids) — each listed row takes that token (every other logit
+            is masked; the row still draws, so the random streams are unchanged).
         Returns (B,) int64 token ids on `logits.device`. Greedy rows are exactly
         `argmax` of the masked logits (ties go to the lowest id).
         """
@@ -123,6 +128,8 @@ class Sampler:
             if prompt_ids is None or output_ids is None:
                 raise ValueError("rows with penalties need prompt_ids and output_ids")
             apply_penalties(x, params, prompt_ids, output_ids)
+        if forced is not None and len(forced[0]):
+            _force(x, forced[0], forced[1])
         out = torch.empty(batch, dtype=torch.int64, device=x.device)  # (B,)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -159,6 +166,14 @@ def _suppress_early_stops(
         r = torch.tensor(rows, dtype=torch.int64, device=x.device)  # (N,)
         c = torch.tensor(cols, dtype=torch.int64, device=x.device)  # (N,)
         x[r, c] = float("-inf")
+
+
+def _force(x: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+    """Leave each of ``rows`` of ``x`` (B, V) one finite logit, 0 at its token, in place."""
+    r = torch.tensor(list(rows), dtype=torch.int64, device=x.device)  # (F,)
+    c = torch.tensor(list(token_ids), dtype=torch.int64, device=x.device)  # (F,)
+    x[r] = float("-inf")
+    x[r, c] = 0.0
 
 
 def sample_rows(

@@ -28,6 +28,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
 MAX_REPETITION_PENALTY = 10.0
 MAX_GUIDE_CHARS = 1 << 18
 MAX_KEPT_SPECIAL_IDS = 16
+MAX_THINKING_MARKER_IDS = 16
 GUIDE_KINDS = ("", "json_object", "json_schema", "regex", "choice", "lark")
 
 
@@ -100,6 +101,16 @@ class SamplingParams:
     kept_special_ids: special tokens whose text the output keeps (at most 16; every
         other special token is left out of the text): a tool-call parser's markers,
         such as Llama 3's ``<|python_tag|>`` or Mistral's ``[TOOL_CALLS]``.
+    thinking_token_budget: most tokens the reply may reason (0..2**31-1; None = no
+        cap). Once that many have been generated inside its reasoning, the next tokens
+        are forced to `thinking_end_ids` (a mask: only that token is allowed) and the
+        model answers after them (`radixserve.engine.thinking_budget`). Reasoning opens
+        at the start (`thinking_open`) or when the reply writes `thinking_start_ids`,
+        and closes when it writes `thinking_end_ids`; the count covers every reasoning
+        segment of the reply. Not with a guide (its grammar decides every token).
+    thinking_start_ids, thinking_end_ids: the token ids of the reasoning format's
+        start and end markers (at most 16 each; the end marker is needed with a budget).
+    thinking_open: the reply starts inside its reasoning (the prompt opened it).
     """
 
     max_tokens: int = 256
@@ -122,13 +133,18 @@ class SamplingParams:
     guide_kind: str = ""
     guide: str = ""
     kept_special_ids: tuple[int, ...] = ()
+    thinking_token_budget: int | None = None
+    thinking_start_ids: tuple[int, ...] = ()
+    thinking_end_ids: tuple[int, ...] = ()
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is one stop string, not characters
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        for name in ("stop_token_ids", "kept_special_ids"):
+        for name in ("stop_token_ids", "kept_special_ids", "thinking_start_ids",
+                     "thinking_end_ids"):  # fmt: skip
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
@@ -147,6 +163,7 @@ class SamplingParams:
         self._validate_sampling()
         self._validate_stops()
         self._validate_extensions()
+        self._validate_thinking()
 
     def _validate_lengths(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_TOKEN_ID)
@@ -225,6 +242,29 @@ class SamplingParams:
                 param="guide",
             )
         _check_ids("kept_special_ids", self.kept_special_ids, MAX_KEPT_SPECIAL_IDS)
+
+    def _validate_thinking(self) -> None:
+        """The thinking-token budget and the markers it needs."""
+        _check_ids("thinking_start_ids", self.thinking_start_ids, MAX_THINKING_MARKER_IDS)
+        _check_ids("thinking_end_ids", self.thinking_end_ids, MAX_THINKING_MARKER_IDS)
+        if not isinstance(self.thinking_open, bool):
+            raise InvalidRequestError(f"thinking_open must be a boolean, got "
+                                      f"{self.thinking_open!r}", param="thinking_open")  # fmt: skip
+        budget = self.thinking_token_budget
+        if budget is None:
+            return
+        name = "thinking_token_budget"
+        _check_int(name, budget, 0, MAX_TOKEN_ID)
+        if not self.thinking_end_ids:
+            raise InvalidRequestError(f"{name} needs the end-of-thinking marker's token ids "
+                                      "(thinking_end_ids)", param=name)  # fmt: skip
+        if not self.thinking_open and not self.thinking_start_ids:
+            raise InvalidRequestError(f"{name} needs a reply that starts inside its reasoning "
+                                      "(thinking_open) or the start marker's token ids "
+                                      "(thinking_start_ids)", param=name)  # fmt: skip
+        if self.guide_kind:
+            raise InvalidRequestError(f"{name} cannot be combined with structured output: its "
+                                      "grammar decides every token of the reply", param=name)  # fmt: skip
 
     @property
     def penalized(self) -> bool:

@@ -59,6 +59,12 @@ class SamplingSpec(WireStruct):
     guide_kind: str = field(default="", metadata=_spec(StrSpec(32)))
     guide: str = field(default="", metadata=_spec(StrSpec(MAX_TEXT_CHARS)))
     kept_special_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 64)))
+    thinking_token_budget: int | None = field(
+        default=None, metadata=_spec(OptionalSpec(IntSpec(0, 2**31 - 1)))
+    )
+    thinking_start_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 64)))
+    thinking_end_ids: tuple[int, ...] = field(default=(), metadata=_spec(ListSpec(TOKEN_ID, 64)))
+    thinking_open: bool = field(default=False, metadata=_spec(BoolSpec()))
 
     def invariant_error(self) -> str | None:
         if len(self.logit_bias_ids) != len(self.logit_bias_values):

@@ -55,6 +55,7 @@ from radixserve.services.gateway.errors import (
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan, chat_plan, completion_plan
 from radixserve.services.gateway.preparer import Preparer
+from radixserve.services.gateway.reasoning import ReasoningFormat
 from radixserve.services.gateway.request_log import RequestLog, trace_id_of
 from radixserve.services.gateway.request_tracing import request_span
 from radixserve.services.gateway.response_output import (
@@ -84,7 +85,7 @@ from radixserve.services.gateway.tools import ToolFormat
 
 logger = logging.getLogger(__name__)
 
-_CLIENT_CLOSED = 499  # the client closed the connection (nginx's convention); never seen
+CLIENT_CLOSED = 499  # the client closed the connection (nginx's convention); never seen
 Meta = tuple[Kind, str, int, str]
 
 
@@ -120,7 +121,7 @@ async def _until_disconnect(request: Request, gen: Generation) -> None:
     gen.end("disconnected", ClientGone())
 
 
-async def _collect(
+async def collect(
     request: Request, gen: Generation, book: ChoiceBook, close: Callable[[], Awaitable[None]]
 ) -> bool:
     """Every output of a non-streamed request into `book`; then `close`. False if the
@@ -139,7 +140,7 @@ async def _collect(
         await close()
 
 
-class _ClosingStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` when it is done, however it ends
     (finished, client gone, cancelled), so the engine streams are never left open."""
 
@@ -173,6 +174,14 @@ def _chat_deltas(
             for i, delta in enumerate(deltas)]  # fmt: skip
 
 
+def _rejected_calls(book: ChoiceBook) -> str:
+    """Why streamed tool calls were rejected after they opened, per choice ("": none);
+    such a choice finished with the engine's reason, not "tool_calls"."""
+    return "; ".join(f"choice {book.index(*key)}: {c.tools.error}"
+                     for key, c in sorted(book.choices.items())
+                     if c.tools is not None and c.tools.error)  # fmt: skip
+
+
 class Gateway:
     """State and handlers behind the routes (`routes.create_app` lays them out)."""
 
@@ -186,6 +195,8 @@ class Gateway:
         self.formatter = LogprobFormatter(client.tokenizer)
         self.tool_format = ToolFormat.for_template(client.tokenizer.chat_template,
                                                    settings.tool_parser)  # fmt: skip
+        self.reasoning_format = ReasoningFormat.for_template(client.tokenizer.chat_template,
+                                                             settings.reasoning_parser)  # fmt: skip
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_ttl_s)
         self.requests = RequestLog(settings.explorer_request_log_size)  # for /explorer
         self.keys = settings.keyring()  # empty: no authentication, every caller ANONYMOUS
@@ -224,9 +235,12 @@ class Gateway:
         principal: Principal | None = ANONYMOUS
         if self.keys:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            principal = self.keys.principal(token.strip()) if scheme.lower() == "bearer" else None
+            if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+                token = request.headers.get("x-api-key", "")
+            principal = self.keys.principal(token.strip()) if token.strip() else None
         if principal is None:
-            raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+            raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>, "
+                              "or x-api-key: <key>)")  # fmt: skip
         request.state.principal = principal  # read back by `caller`
         return principal
 
@@ -305,27 +319,27 @@ class Gateway:
         s = self.settings
         plan = await chat_plan(req, self.client, s.default_max_tokens,
                                s.max_choices_per_request, self.tool_format, self.limits,
-                               self.preparer.begin())  # fmt: skip
+                               self.preparer.begin(), self.reasoning_format)  # fmt: skip
         return await self.generate(request, plan, deadline)
 
     async def generate(self, request: Request, plan: Plan, deadline: Deadline | None) -> Response:
         kind: Kind = "completion" if plan.kind == "completion" else "chat"
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        started = await self._start(request, plan, rid, deadline)
+        started = await self.start(request, plan, rid, deadline)
         if started is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         gen, close = started
         meta: Meta = (kind, rid, int(time.time()), self.model_name)
         book = ChoiceBook(plan, self.formatter)
         if plan.stream:
-            return _ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
-        if not await _collect(request, gen, book, close):
-            return Response(status_code=_CLIENT_CLOSED)
+            return ClosingStreamingResponse(self._events(meta, plan, gen, book), close)
+        if not await collect(request, gen, book, close):
+            return Response(status_code=CLIENT_CLOSED)
         body = envelope(*meta, stream=False)
         body.update(choices=book.full_choices(), usage=usage(self._totals(plan, gen)))
         return JSONResponse(body)
 
-    async def _start(
+    async def start(
         self, request: Request, plan: Plan, rid: str, deadline: Deadline | None
     ) -> tuple[Generation, Callable[[], Awaitable[None]]] | None:
         """Admit the plan's jobs and wait for their first outputs: the generation and
@@ -405,6 +419,9 @@ class Gateway:
                     yield _sse(chunk(meta, choice, usage_field))
             if usage_field:
                 yield _sse(usage_chunk(meta, self._totals(plan, gen)))
+            rejected = _rejected_calls(book)
+            if rejected:  # after every chunk: an SDK raises here, having read them all
+                yield _sse(error_body(500, rejected))
         except OpenAIError as exc:  # ended by the gateway (its deadline, a slow client)
             yield _sse(error_body(exc.status, exc.message, exc.param))
         except Exception as exc:  # an engine failure mid-stream: tell the client, then end
@@ -462,11 +479,11 @@ class Gateway:
         history = parent.conversation() if parent else []
         plan = await response_plan(req, history, self.client, self.settings.default_max_tokens,
                                    self.tool_format, self.limits,
-                                   self.preparer.begin())  # fmt: skip
+                                   self.preparer.begin(), self.reasoning_format)  # fmt: skip
         rid = new_id("resp")
-        started = await self._start(request, plan, rid, deadline)
+        started = await self.start(request, plan, rid, deadline)
         if started is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         gen, close = started
         builder = ResponseBuilder({
             "id": rid, "object": "response", "created_at": int(time.time()),
@@ -477,9 +494,9 @@ class Gateway:
         book = ChoiceBook(plan, self.formatter)
         if plan.stream:
             events = self._response_events(req, parent, builder, gen, book, caller(request))
-            return _ClosingStreamingResponse(events, close)
-        if not await _collect(request, gen, book, close):
-            return Response(status_code=_CLIENT_CLOSED)
+            return ClosingStreamingResponse(events, close)
+        if not await collect(request, gen, book, close):
+            return Response(status_code=CLIENT_CLOSED)
         c = book.choices[(0, 0)]
         builder.feed(reply_deltas(c, "".join(c.text), finished=True))
         builder.finish(c.finish_reason, response_usage(gen.total(0)))
@@ -501,8 +518,10 @@ class Gateway:
                 for event in builder.feed(deltas):
                     yield _typed_sse(event)
             c = book.choices[(0, 0)]
-            closing = builder.finish(c.finish_reason, response_usage(gen.total(0)))
-            self._keep(req, parent, builder.body, principal)
+            rejected = c.tools.error if c.tools is not None else None
+            closing = builder.finish(c.finish_reason, response_usage(gen.total(0)), rejected)
+            if builder.body["status"] != "failed":
+                self._keep(req, parent, builder.body, principal)
             for event in closing:
                 yield _typed_sse(event)
         except Exception as exc:  # an engine failure mid-stream (or the gateway's end of

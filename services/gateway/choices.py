@@ -31,6 +31,7 @@ from radixserve.services.gateway.deadline import Deadline
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.logprobs import LogprobFormatter
 from radixserve.services.gateway.plan import Plan
+from radixserve.services.gateway.reasoning import ReasoningStream, split_reasoning
 from radixserve.services.gateway.tool_stream import ToolCallStream, split_message
 
 _DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client
@@ -197,10 +198,11 @@ class Choice:
     finish_reason: str | None = None
     started: bool = False
     tools: ToolCallStream | None = None  # with tools: the reply's calls, found as it streams
+    reasoning: ReasoningStream | None = None  # a thinking model's: its reasoning split off
 
 
-def reply_deltas(c: Choice, text: str, finished: bool) -> list[dict[str, Any]]:
-    """A chat reply's message deltas for new text: its content or, with tools, what the
+def _answer_deltas(c: Choice, text: str, finished: bool) -> list[dict[str, Any]]:
+    """The deltas of a reply's answer text: its content or, with tools, what the
     `ToolCallStream` lets out (and the calls once the choice has finished)."""
     if c.tools is None:
         return [{"content": text}] if text else []
@@ -208,6 +210,22 @@ def reply_deltas(c: Choice, text: str, finished: bool) -> list[dict[str, Any]]:
     if finished:
         deltas += c.tools.finish()
     return deltas
+
+
+def reply_deltas(c: Choice, text: str, finished: bool) -> list[dict[str, Any]]:
+    """A chat reply's message deltas for new text: with a reasoning parser, its reasoning
+    as ``{"reasoning_content": ...}`` and only the answer through `_answer_deltas` (tool
+    calls are looked for there, never in the reasoning)."""
+    if c.reasoning is None:
+        return _answer_deltas(c, text, finished)
+    segments = c.reasoning.feed(text) + (c.reasoning.finish() if finished else [])
+    deltas: list[dict[str, Any]] = []
+    for kind, piece in segments:
+        if kind == "reasoning":
+            deltas.append({"reasoning_content": piece})
+        else:
+            deltas += _answer_deltas(c, piece, False)
+    return deltas + (_answer_deltas(c, "", True) if finished else [])
 
 
 class ChoiceBook:
@@ -227,7 +245,8 @@ class ChoiceBook:
         c = self.choices.get((job, out.index))
         if c is None:
             tools = self.plan.tools.stream(self.plan.stream) if self.plan.tools else None
-            c = self.choices[(job, out.index)] = Choice(tools=tools)
+            reasoning = self.plan.reasoning.stream() if self.plan.reasoning else None
+            c = self.choices[(job, out.index)] = Choice(tools=tools, reasoning=reasoning)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[job] = out.prompt_logprobs
         if not self.plan.drop_generated:
@@ -290,6 +309,9 @@ class ChoiceBook:
             else:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 reason = c.finish_reason
+                if c.reasoning is not None:
+                    reasoning, text = split_reasoning(c.reasoning, text)
+                    message.update(content=text, reasoning_content=reasoning or None)
                 if c.tools is not None:
                     message["content"], calls = split_message(c.tools, text)
                     if calls:

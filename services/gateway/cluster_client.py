@@ -280,6 +280,10 @@ class ClusterClient(EngineClient):
         return self._max_model_len
 
     @property
+    def cache_page_size(self) -> int:
+        return self.router.page_size  # the workers' (they keep whole pages)
+
+    @property
     def served_name(self) -> str:
         return self._served_name
 

@@ -84,6 +84,12 @@ class EngineClient(abc.ABC):
         adapter); None where not known (yet)."""
         return None
 
+    @property
+    def cache_page_size(self) -> int:
+        """Tokens per page the prefix cache keeps (it keeps whole pages); 0 where
+        nothing is cached."""
+        return 0
+
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Pool and request counters: pages_total/used/free, live_requests and, with a
@@ -168,6 +174,11 @@ class LocalEngineClient(EngineClient):
     @property
     def max_model_len(self) -> int:
         return self._async.info.max_model_len
+
+    @property
+    def cache_page_size(self) -> int:
+        info = self._async.info
+        return info.page_size if info.prefix_cache else 0
 
     def stats(self) -> dict[str, int]:
         return dict(self._async.stats().cache)

@@ -19,7 +19,7 @@ under one deadline per request, never on the event loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypedDict
 
@@ -30,6 +30,7 @@ from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.limits import PrepareLimits
 from radixserve.services.gateway.preparer import Preparation
+from radixserve.services.gateway.reasoning import ReasoningFormat, ReasoningPlan
 from radixserve.services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +72,7 @@ class Plan:
     cache_salt: str = ""  # only requests with the same salt (and tenant) share KV
     prompt_cache_key: str = ""  # a routing hint (`DecodeRouter` affinity)
     priority: int | None = None  # asked for (`Principal.share`); None: the key's class
+    reasoning: ReasoningPlan | None = None  # chat: how replies split off their reasoning
 
 
 class _CacheFields(TypedDict):
@@ -261,6 +263,45 @@ async def conversation_job(
     return Job(ids, _params(req, max_tokens, guide, **extra))
 
 
+def reasoning_of(fmt: ReasoningFormat | None, client: EngineClient, job: Job
+                 ) -> ReasoningPlan | None:  # fmt: skip
+    """How a chat job's replies split off their reasoning: `fmt`'s parser, started where
+    the prompt's last tokens leave it (inside an open think block or not)."""
+    if fmt is None or fmt.parser == "none":
+        return None
+    return fmt.plan(client.tokenizer.decode(job.prompt_ids[-16:], skip_special_tokens=False))
+
+
+def with_thinking_budget(
+    job: Job, split: ReasoningPlan | None, budget: int | None, client: EngineClient, param: str
+) -> Job:
+    """`job` with its reasoning capped at `budget` tokens (None: as it is); a model whose
+    replies have no reasoning to cap (`split` None) is refused naming `param`."""
+    if budget is None:
+        return job
+    if split is None:
+        raise OpenAIError(400, f"{param} is not served: this model does not think (its chat "
+                          "template has no reasoning format); leave it out", param)  # fmt: skip
+    try:
+        params = replace(job.params, **split.budget_fields(client.tokenizer, budget))
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc).replace("thinking_token_budget", param), param) from None
+    return replace(job, params=params)
+
+
+def effort_variables(
+    fmt: ReasoningFormat | None, effort: str | None, kwargs: dict[str, Any], param: str
+) -> dict[str, Any]:
+    """`kwargs` with the template variables of a requested reasoning effort; a variable
+    set both ways is refused naming `param`."""
+    extra = (fmt or ReasoningFormat("none")).effort_variables(effort, param)
+    for name in extra:
+        if name in kwargs:
+            raise OpenAIError(400, f"{param} cannot be combined with chat_template_kwargs "
+                              f"{name!r}: both set the template's thinking switch", param)  # fmt: skip
+    return {**kwargs, **extra}
+
+
 async def chat_plan(
     req: ChatCompletionRequest,
     client: EngineClient,
@@ -269,6 +310,7 @@ async def chat_plan(
     tool_format: ToolFormat,
     limits: PrepareLimits,
     prep: Preparation,
+    reasoning: ReasoningFormat | None = None,
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
@@ -277,14 +319,21 @@ async def chat_plan(
     guide = await job_guide(req, tools, limits, prep)
     messages, template_kwargs = await prep.run("messages", template_inputs, req, tools,
                                                tool_format)  # fmt: skip
+    template_kwargs = effort_variables(reasoning, req.reasoning_effort, template_kwargs,
+                                       "reasoning_effort")  # fmt: skip
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     conv = Conversation(messages, template_kwargs, tools, req.requested_max_tokens, param,
                         "messages")  # fmt: skip
     k = req.num_top_logprobs()
     tool_plan = tools.plan(tool_format) if tools else None
     kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
+    if reasoning is not None:
+        kept += reasoning.kept_token_ids(client.tokenizer)
     job = await conversation_job(req, conv, client, default_max_tokens, guide, prep, n=n,
                                  logprobs=k, kept_special_ids=kept)  # fmt: skip
+    split = reasoning_of(reasoning, client, job)
+    job = with_thinking_budget(job, split, req.thinking_token_budget, client,
+                               "thinking_token_budget")  # fmt: skip
     return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
                 include_usage=req.include_usage, tools=tool_plan, priority=req.priority,
-                **_cache_fields(req))  # fmt: skip
+                reasoning=split, **_cache_fields(req))  # fmt: skip

@@ -29,7 +29,8 @@ from radixserve.services.gateway.tenants import Principal
 from radixserve.services.gateway.trace_store import TraceStore
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter, parse_traceparent
 
-TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                          "/v1/messages"})  # fmt: skip
 MAX_GATEWAY_SPANS = 1024  # per request: its jobs' worker spans included
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1 << 16  # the largest trace buffer

@@ -6,13 +6,17 @@ Events, each with the next ``sequence_number`` (OpenAI's order, which the SDK's 
 helpers check)::
 
     response.created, response.in_progress
+    per reasoning:   response.output_item.added (reasoning), response.content_part.added,
+                     response.reasoning_text.delta ..., response.reasoning_text.done,
+                     response.content_part.done, response.output_item.done
     per text reply:  response.output_item.added (message), response.content_part.added,
                      response.output_text.delta ..., response.output_text.done,
                      response.content_part.done, response.output_item.done
     per call:        response.output_item.added (function_call),
                      response.function_call_arguments.delta, ...arguments.done,
                      response.output_item.done
-    response.completed (status completed), or response.incomplete (max_output_tokens)
+    response.completed (status completed), or response.incomplete (max_output_tokens),
+    or error and response.failed (a streamed call the parser then rejected)
 
 The non-streamed response is built by the same `ResponseBuilder` (its events
 dropped), so a streamed response reassembles to exactly the non-streamed one.
@@ -54,6 +58,15 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning(item_id: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [],
+            "status": "in_progress"}  # fmt: skip
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 class ResponseBuilder:
     """One response object (``body``: the skeleton, then its output as it comes) and
     the events that stream it."""
@@ -62,7 +75,7 @@ class ResponseBuilder:
         self.body = body
         self.seq = 0
         self._item: dict[str, Any] | None = None  # the open output item
-        self._text: list[str] = []  # the open message's text
+        self._text: list[str] = []  # the open message's (or reasoning's) text
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
@@ -82,6 +95,8 @@ class ResponseBuilder:
         """The events for a choice's new message deltas."""
         events: list[dict[str, Any]] = []
         for delta in deltas:
+            if delta.get("reasoning_content"):
+                events += self._add_reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._add_text(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -98,17 +113,28 @@ class ResponseBuilder:
                                               **self._where(), delta=arguments))  # fmt: skip
         return events
 
-    def finish(self, reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
+    def finish(
+        self, reason: str | None, usage: dict[str, Any], rejected: str | None = None
+    ) -> list[dict[str, Any]]:
         """The closing events once the choice finished with `reason`; the body then is
         the final response. A reply with no output gets an empty message, so every turn
-        of a conversation has its assistant item."""
+        of a conversation has its assistant item. `rejected`: why the streamed calls
+        were rejected after one had opened (`ToolCallStream.error`): the open call ends
+        ``incomplete``, the response ``incomplete`` (cut by max_output_tokens) or
+        ``failed`` (error code ``server_error``, the reason in its message)."""
         status = "completed" if reason in ("stop", "tool_calls") else "incomplete"
+        if rejected is not None and status == "completed":
+            status = "failed"
         events = [] if self.body["output"] else self._add_text("")
-        events += self._close(status)
+        events += self._close(status, call_done=rejected is None)
         self.body.update(status=status, usage=usage)
         if status == "incomplete":
             cause = "max_output_tokens" if reason == "length" else None
             self.body["incomplete_details"] = {"reason": cause}
+        if status == "failed":
+            message = f"the reply's tool calls were rejected: {rejected}"
+            self.body["error"] = {"code": "server_error", "message": message}
+            events.append(self._event("error", code="server_error", message=message, param=None))
         events.append(self._event(f"response.{status}", response=copy.deepcopy(self.body)))
         return events
 
@@ -138,8 +164,22 @@ class ResponseBuilder:
                                       content_index=0, delta=text, logprobs=[]))  # fmt: skip
         return events
 
-    def _close(self, status: str) -> list[dict[str, Any]]:
-        """The events that finish the open item, if any."""
+    def _add_reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._item is None or self._item["type"] != "reasoning":
+            events += self._close("completed")
+            events += self._open(_reasoning(new_id("rs")))
+            events.append(self._event("response.content_part.added", **self._where(),
+                                      content_index=0, part=_reasoning_part("")))  # fmt: skip
+        self._text.append(text)
+        events.append(self._event("response.reasoning_text.delta", **self._where(),
+                                  content_index=0, delta=text))  # fmt: skip
+        return events
+
+    def _close(self, status: str, call_done: bool = True) -> list[dict[str, Any]]:
+        """The events that finish the open item, if any: `status` for a message; a
+        function call is ``completed`` when `call_done` and its arguments are a JSON
+        object, else ``incomplete``."""
         item, where = self._item, self._where() if self._item else {}
         if item is None:
             return []
@@ -153,9 +193,16 @@ class ResponseBuilder:
                                       text=text, logprobs=[]))  # fmt: skip
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=copy.deepcopy(part)))  # fmt: skip
+        elif item["type"] == "reasoning":
+            text, self._text = "".join(self._text), []
+            item["content"] = [_reasoning_part(text)]
+            events.append(self._event("response.reasoning_text.done", **where, content_index=0,
+                                      text=text))  # fmt: skip
+            events.append(self._event("response.content_part.done", **where, content_index=0,
+                                      part=_reasoning_part(text)))  # fmt: skip
         else:
-            if is_json_object(item["arguments"]):  # else a streamed call cut short keeps `status`
-                status = "completed"
+            done = call_done and is_json_object(item["arguments"])
+            status = "completed" if done else "incomplete"
             events.append(self._event("response.function_call_arguments.done", **where,
                                       name=item["name"], arguments=item["arguments"]))  # fmt: skip
         item["status"] = status

@@ -4,7 +4,9 @@ refused by name, and the chat conversation a request runs as.
 A request runs through the chat path's pieces. Its items, after the stored
 conversation of ``previous_response_id``, become template messages: ``instructions`` a
 system message at the start, ``function_call`` items the assistant's ``tool_calls``,
-``function_call_output`` items ``tool`` messages. Function tools are checked by
+``function_call_output`` items ``tool`` messages, ``reasoning`` items the next
+assistant message's ``reasoning_content`` (the template keeps or drops it), and
+``reasoning.effort`` sets the template's thinking switch. Function tools are checked by
 `tools.check_tools` in the Responses shape (``{"type": "function", "name", ...}``),
 ``text.format`` becomes the structured-output guide, and a forced ``tool_choice`` the
 grammar of a call. A turn's prompt thus begins with the previous turn's prompt and
@@ -25,8 +27,16 @@ from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError
 from radixserve.services.gateway.field_errors import describe
 from radixserve.services.gateway.limits import PrepareLimits
-from radixserve.services.gateway.plan import Conversation, Plan, conversation_job, job_guide
+from radixserve.services.gateway.plan import (
+    Conversation,
+    Plan,
+    conversation_job,
+    effort_variables,
+    job_guide,
+    reasoning_of,
+)
 from radixserve.services.gateway.preparer import Preparation
+from radixserve.services.gateway.reasoning import ReasoningFormat
 from radixserve.services.gateway.response_output import new_id
 from radixserve.services.gateway.schemas import (
     TOKEN_COUNT,
@@ -55,7 +65,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
                      "previous_response_id"),
     "prompt": ((), "(a stored prompt template) is not served: send the text as input "
                "and instructions"),
-    "reasoning": ((), "is not served: radixserve has no reasoning settings; leave it out"),
     "include": (([],), "lists extra output data radixserve does not produce: send [] or "
                 "leave it out"),
     "max_tool_calls": ((), "is not served (it bounds built-in tool calls, which "
@@ -78,7 +87,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 _REFUSED_ITEMS = {
     "item_reference": "is not served: continue a stored conversation with "
     "previous_response_id, or send the items themselves",
-    "reasoning": "is not served: radixserve produces no reasoning items",
 }
 
 
@@ -136,11 +144,36 @@ class FunctionCallOutputItem(_Body):
     status: ItemStatus | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(_Body):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    """A reply's reasoning sent back: given to the chat template as the next assistant
+    message's ``reasoning_content`` (which the template keeps or drops)."""
+
+    type: Literal["reasoning"]
+    content: Annotated[list[ReasoningText], Field(max_length=256)] | None = None
+    summary: Annotated[list[SummaryText], Field(max_length=256)] = Field(
+        default_factory=list, description="Not read (radixserve writes no summaries)."
+    )
+    encrypted_content: None = Field(None, description="Not served: only null.")
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEMS: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 
 
@@ -148,13 +181,14 @@ def input_item(raw: Any, where: str) -> InputItem:
     """One item of ``input`` (or of a response's output), checked; errors name `where`."""
     if not isinstance(raw, dict):
         raise OpenAIError(400, f"{where} must be an object: a message ({{\"role\", "
-                          '"content"}), a function_call or a function_call_output',
+                          '"content"}), a function_call, a function_call_output or a reasoning item',
                           where)  # fmt: skip
     kind = raw.get("type") or "message"
     if kind in _REFUSED_ITEMS or kind not in _ITEMS:
         why = _REFUSED_ITEMS.get(kind, "is not served")
         raise OpenAIError(400, f"{where}.type {kind!r} {why} (accepted: message, "
-                          "function_call, function_call_output)", f"{where}.type")  # fmt: skip
+                          "function_call, function_call_output, reasoning)",
+                          f"{where}.type")  # fmt: skip
     try:
         return _ITEMS[kind].model_validate(raw)
     except ValidationError as exc:
@@ -175,6 +209,10 @@ def canonical(item: InputItem) -> dict[str, Any]:
     if isinstance(item, FunctionCallItem):
         return {"id": item.id or new_id("fc"), "type": "function_call",
                 "call_id": item.call_id, "name": item.name, "arguments": item.arguments}  # fmt: skip
+    if isinstance(item, ReasoningItem):
+        text = "".join(part.text for part in item.content or ())
+        return {"id": item.id or new_id("rs"), "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
     return {"id": item.id or new_id("fco"), "type": "function_call_output",
             "call_id": item.call_id, "output": _text(item.output)}  # fmt: skip
 
@@ -203,6 +241,16 @@ class TextFormat(_Body):
 class TextConfig(_Body):
     format: TextFormat | None = None
     verbosity: None = Field(None, description="Not served: only null.")
+
+
+class ReasoningConfig(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="Set through the chat template's thinking switch (none and "
+        "minimal: off; low, medium, high: on); a model whose template has none accepts "
+        "only medium (its own behaviour).",
+    )  # fmt: skip
+    summary: None = Field(None, description="Not served (no summaries are written): only null.")
+    generate_summary: None = Field(None, description="Not served: only null.")
 
 
 class ResponseStreamOptions(_Body):
@@ -249,6 +297,7 @@ class ResponsesRequest(_Body):
     )  # fmt: skip
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool | None = False
     stream_options: ResponseStreamOptions | None = None
     store: bool | None = Field(True, description="Keep the response (GET, continuation).")
@@ -308,7 +357,12 @@ class ResponsesRequest(_Body):
             "tool_choice": "auto" if self.tool_choice is None else self.tool_choice,
             "metadata": self.metadata or {},
             "user": self.user,
+            "reasoning": {"effort": self.effort, "summary": None},
         }  # fmt: skip
+
+    @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning else None
 
 
 def _messages(instructions: str | None, items: list[dict[str, Any]], first_new: int
@@ -319,8 +373,16 @@ def _messages(instructions: str | None, items: list[dict[str, Any]], first_new: 
     if instructions:
         messages.append({"role": "system", "content": instructions})
     calls: set[str] = set()
+    thought: dict[str, Any] | None = None  # the turn a reasoning item just opened
     for i, item in enumerate(items):
-        if item["type"] == "message":
+        opened, thought = thought, None
+        if item["type"] == "reasoning":  # the reasoning of the assistant turn it opens
+            text = "".join(part["text"] for part in item["content"])
+            thought = {"role": "assistant", "content": "", "reasoning_content": text}
+            messages.append(thought)
+        elif item["type"] == "message" and opened is not None and item["role"] == "assistant":
+            opened["content"] = item["content"]
+        elif item["type"] == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": item["content"]})
         elif item["type"] == "function_call":
@@ -352,9 +414,11 @@ async def response_plan(
     tool_format: ToolFormat,
     limits: PrepareLimits,
     prep: Preparation,
+    reasoning: ReasoningFormat | None = None,
 ) -> Plan:
     """The engine plan of a request continuing `history` (the stored items of its
-    previous response, or none): one chat choice."""
+    previous response, or none): one chat choice; ``reasoning.effort`` sets the
+    template's thinking switch (`ReasoningFormat.effort_variables`)."""
     fmt = req.text.format if req.text and req.text.format else None
     response_format = fmt.response_format() if fmt else None
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -363,14 +427,17 @@ async def response_plan(
                                  response_format=response_format)  # fmt: skip
     guide = await job_guide(sampling, tools, limits, prep, "text.format.schema")
     messages = _messages(req.instructions, [*history, *req.items()], len(history))
-    messages, template_kwargs = await prep.run("input", with_tools, messages, {}, tools,
+    switch = effort_variables(reasoning, req.effort, {}, "reasoning.effort")
+    messages, template_kwargs = await prep.run("input", with_tools, messages, switch, tools,
                                                tool_format)  # fmt: skip
     conv = Conversation(messages, template_kwargs, tools, req.max_output_tokens,
                         "max_output_tokens", "input")  # fmt: skip
     tool_plan = tools.plan(tool_format) if tools else None
     kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
+    if reasoning is not None:
+        kept += reasoning.kept_token_ids(client.tokenizer)
     job = await conversation_job(sampling, conv, client, default_max_tokens, guide, prep, n=1,
                                  kept_special_ids=kept)  # fmt: skip
     return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan,
-                cache_salt=req.cache_salt or "",
+                reasoning=reasoning_of(reasoning, client, job), cache_salt=req.cache_salt or "",
                 prompt_cache_key=req.prompt_cache_key or "", priority=req.priority)  # fmt: skip

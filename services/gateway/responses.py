@@ -126,6 +126,7 @@ class ChatMessageOut(_Doc):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # with a reasoning parser: the reply's reasoning
 
 
 class ChatChoice(_Doc):
@@ -184,6 +185,19 @@ class OutputFunctionCall(_Doc):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class ReasoningText(_Doc):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(_Doc):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[Any]  # always empty: no summaries are written
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseObject(_Doc):
     """A Responses API response (`POST /v1/responses`, `GET /v1/responses/{id}`)."""
 
@@ -195,7 +209,7 @@ class ResponseObject(_Doc):
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
     instructions: str | None
@@ -210,6 +224,7 @@ class ResponseObject(_Doc):
     tool_choice: str | dict[str, Any]
     metadata: dict[str, str]
     user: str | None
+    reasoning: dict[str, Any]  # {"effort": as requested or null, "summary": null}
 
 
 class ResponseItemList(_Doc):

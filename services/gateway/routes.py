@@ -1,6 +1,6 @@
 """The gateway's route table (`create_app`): the OpenAI generation routes and the stored
 responses of the Responses API (handled by `app.Gateway`; a stored response's input
-items listed here), the discovery and token
+items listed here), Anthropic's Messages API (`messages_api`), the discovery and token
 routes defined here (GET /v1/models, POST /tokenize and /detokenize in vLLM's shapes,
 GET /version), health, metrics, the cache view, and the documented error responses."""
 
@@ -20,6 +20,15 @@ from radixserve.services.gateway.app import Gateway
 from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.errors import OpenAIError, install_error_handlers
 from radixserve.services.gateway.explorer import install_explorer
+from radixserve.services.gateway.messages_api import (
+    MESSAGES_ERRORS,
+    MESSAGES_RESPONSES,
+    MessageResponse,
+    TokenCount,
+    count_tokens,
+    create_message,
+)
+from radixserve.services.gateway.messages_request import CountTokensRequest, MessagesRequest
 from radixserve.services.gateway.openapi import body, install_openapi
 from radixserve.services.gateway.query import int_param, only_params
 from radixserve.services.gateway.request_tracing import install_tracing
@@ -228,6 +237,10 @@ def create_app(client: EngineClient, settings: GatewaySettings | None = None) ->
          _RESPONSE_ID, _STORED_ERRORS),
         ("/v1/responses/{response_id}/input_items", "GET", input_items, ResponseItemList,
          _ITEM_PARAMETERS, _STORED_ERRORS),
+        ("/v1/messages", "POST", create_message, MessageResponse, MessagesRequest,
+         MESSAGES_RESPONSES),
+        ("/v1/messages/count_tokens", "POST", count_tokens, TokenCount, CountTokensRequest,
+         MESSAGES_ERRORS),
         ("/v1/models", "GET", models, ModelList, None, _AUTH_ERROR),
         ("/tokenize", "POST", tokenize, TokenizeResponse, TokenizeRequest, _ERRORS),
         ("/detokenize", "POST", detokenize, DetokenizeResponse, DetokenizeRequest, _ERRORS),

@@ -281,6 +281,10 @@ class ChatMessage(_Body):
     tool_call_id: str | None = Field(
         None, max_length=256, description="A tool message: the call it answers."
     )
+    reasoning_content: str | None = Field(
+        None, description="An assistant message's reasoning (as replies return it): given "
+        "to the chat template, which keeps or drops it as the model was trained.",
+    )  # fmt: skip
 
     def to_template(self, index: int = 0) -> dict[str, Any]:
         """The message as the chat template sees it (text parts joined, tool calls with
@@ -309,6 +313,11 @@ class ChatMessage(_Body):
             out["tool_calls"] = [call.to_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            if self.role != "assistant":
+                raise OpenAIError(400, f"{where}.reasoning_content is only for assistant "
+                                  "messages", f"{where}.reasoning_content")  # fmt: skip
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -392,6 +401,15 @@ class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
     store: Literal[False] | None = Field(None, description="Completions are never stored.")
     safety_identifier: str | None = Field(None, max_length=256, description="Ignored.")
     modalities: list[Literal["text"]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="Set through the chat template's thinking switch (none and minimal: "
+        "off; the others: on); a model whose template has none accepts only medium.",
+    )  # fmt: skip
+    thinking_token_budget: Int | None = Field(
+        None, ge=0, le=2**31 - 1,
+        description="vLLM's: most tokens the reply may reason; then the reasoning format's "
+        "end marker (</think>) is written and the model answers. A thinking model only.",
+    )  # fmt: skip
 
     @property
     def requested_max_tokens(self) -> int | None:

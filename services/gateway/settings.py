@@ -137,6 +137,14 @@ class GatewaySettings(PeerSettings):
         "at the gateway, not yet written to its client, per prompt; a client that falls "
         "further behind has its request aborted (the engine does not wait for one reader).",
     )
+    stream_ping_interval_s: float = Field(
+        10.0,
+        ge=0.001,
+        le=600,
+        description="A /v1/messages stream sends Anthropic's ping event after this many "
+        "seconds without another event (a long prefill, a stalled worker), so clients and "
+        "proxies see the connection alive.",
+    )
     max_request_timeout_s: float = Field(
         3600.0,
         gt=0,
@@ -215,6 +223,14 @@ class GatewaySettings(PeerSettings):
         description="How tool calls are found in a reply: hermes (<tool_call>{json}"
         '</tool_call>), llama3_json ({"name", "parameters"}), mistral ([TOOL_CALLS][...]); '
         "auto = the chat template's own format (hermes when it renders no tools).",
+    )
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1", "gpt_oss"] = Field(
+        "auto",
+        description="How a reply's reasoning is split from its answer (chat's "
+        "reasoning_content, the Responses API's reasoning items): qwen3 (a reply opening "
+        "<think>...</think>), deepseek_r1 (reasoning until </think>), gpt_oss (the harmony "
+        "analysis channel), none (all answer); auto = the chat template's own format "
+        "(deepseek_r1 when its generation prompt ends in <think>, none without think markers).",
     )
     prepare_workers: int = Field(
         4,

@@ -16,9 +16,9 @@ Formats (chosen by `parser_for_template` or the ``tool_parser`` setting):
 
 A parser takes the text from a call's start marker on and returns the calls and the
 text around them, or None when the text is malformed (an unclosed tag, invalid JSON,
-arguments that are not an object). Its `head` finds, in text still growing, where a
-call's arguments object begins once the function's name is known, so that the
-arguments can stream as they are generated.
+arguments that are not an object). Its `opener` finds, in text still growing, where
+each call's JSON begins, so that the `tool_stream.ToolCallStream` can read the call
+(`call_scanner.CallScanner`) and stream its arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -135,39 +135,41 @@ def parse_json(text: str) -> tuple[list[Call], str] | None:
 class ToolParser:
     """A family's format: its parse function, where a call may start (`markers`
     anywhere in the reply, `leading` only at its start, after whitespace), and how its
-    calls' arguments are found while they stream: `opener` finds the next call's start
-    in held text, `head` matches there up to the arguments object (group ``name``).
-    `tokens`: its markers, which some vocabularies make special tokens that a decode
-    leaves out unless asked to keep them."""
+    calls are read while they stream: `opener` matches from where the next call may
+    begin (the start of the held text, or the end of the last call) up to the call's
+    JSON: a ``{"name", "arguments"}`` object, or, where the pattern has a ``name``
+    group (Mistral v11), the arguments object itself. `apart`: text may come between
+    calls, so the next opener is searched for (else it must follow the last call).
+    `args_keys`: the keys that hold a call object's arguments. `tokens`: its markers,
+    which some vocabularies make special tokens that a decode leaves out unless asked
+    to keep them."""
 
     name: str
     parse: Parse
     markers: tuple[str, ...]
     leading: tuple[str, ...] = ()
     opener: re.Pattern[str] | None = None
-    head: re.Pattern[str] | None = None
+    apart: bool = False
+    args_keys: tuple[str, ...] = ("arguments", "parameters")
     tokens: tuple[str, ...] = ()
 
 
-_NAME_FIELD = r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*'
-_ARGS_OBJECT = r"\s*(?=\{)"  # the arguments are an object: its brace follows
+_OBJECT = r"\s*(?=\{)"  # the call's JSON is an object: its brace follows
 
 PARSERS = {
     p.name: p
     for p in (
-        ToolParser("hermes", parse_hermes, ("<tool_call>",), (), re.compile("<tool_call>"),
-                   re.compile(rf'<tool_call>\s*{_NAME_FIELD}"arguments"\s*:{_ARGS_OBJECT}'),
-                   ("<tool_call>", "</tool_call>")),
+        ToolParser("hermes", parse_hermes, ("<tool_call>",), (),
+                   re.compile(rf"<tool_call>{_OBJECT}"), apart=True,
+                   tokens=("<tool_call>", "</tool_call>")),
         ToolParser("llama3_json", parse_llama3_json, ("<|python_tag|>",), ("{",),
-                   re.compile(r"<\|python_tag\|>|\{"),
-                   re.compile(rf'(?:<\|python_tag\|>)?\s*{_NAME_FIELD}"(?:parameters|arguments)"'
-                              rf"\s*:{_ARGS_OBJECT}"), ("<|python_tag|>",)),
+                   re.compile(rf"(?:<\|python_tag\|>|\s*;)?{_OBJECT}"),
+                   tokens=("<|python_tag|>",)),
         ToolParser("mistral", parse_mistral, ("[TOOL_CALLS]",), ("[",),
-                   re.compile(r"\[TOOL_CALLS\]"),
-                   re.compile(rf"{_MISTRAL_V11_CALL.pattern}{_ARGS_OBJECT}"),
-                   ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
-        ToolParser("json", parse_json, (), ("",), re.compile(r"\{"),
-                   re.compile(rf'{_NAME_FIELD}"arguments"\s*:{_ARGS_OBJECT}')),
+                   re.compile(rf"{_MISTRAL_V11_CALL.pattern}(?=\{{)"
+                              rf"|\s*(?:\[TOOL_CALLS\]\s*)?\[{_OBJECT}|\s*,{_OBJECT}"),
+                   tokens=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
+        ToolParser("json", parse_json, (), ("",), re.compile(_OBJECT), args_keys=("arguments",)),
     )
 }  # fmt: skip
 

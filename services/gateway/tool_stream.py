@@ -2,21 +2,40 @@
 in OpenAI's delta shapes (``{"content": ...}``, ``{"tool_calls": [...]}``).
 
 Contract: text is content until a call's start marker (`tool_calls.ToolParser`); from
-the marker on it is held. Once a call's function name is known (the parser's `head`)
-and names a tool of the request, the call opens (a delta with its ``index``, ``id``
-and name) and its arguments stream as the model writes them (deltas carrying
-``function.arguments`` fragments, the model's own JSON text) until their object
-closes. When the choice finishes, the held text is parsed: the calls that did not
-stream (another key order, the Mistral array form) come out whole, and text around the
-calls becomes content.
+the marker on it is held, and read as it grows (`call_scanner.CallScanner`): once a
+call's function name is known and names a tool of the request, and its arguments have
+begun, the call opens (a delta with its ``index``, ``id`` and name) and its arguments
+stream as the model writes them (deltas carrying ``function.arguments`` fragments, the
+model's own JSON text) until their object closes. What streams when, per format:
+
+* ``hermes`` ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, ``json`` (a
+  forced call), ``llama3_json`` (``{"name": ..., "parameters": {...}}``, after
+  ``<|python_tag|>`` or not, several separated by ``;``) and ``mistral``'s array form
+  (``[TOOL_CALLS][{...}, {...}]``): each call object's arguments stream as written
+  when its ``name`` comes first; when the arguments come first (``{"arguments": {...},
+  "name": ...}``) their text is held until the name is known, then sent at once and
+  streamed from there on. Arguments given as a JSON string that holds an object are
+  sent when the string ends, as its content;
+* ``mistral`` v11 (``[TOOL_CALLS]name[ARGS]{...}``): the name comes first, the
+  arguments stream as written.
+
+Calls stream one after the other as the format allows (hermes: text may come between
+them); with ``parallel_tool_calls`` false only the first streams. Text around calls
+(after the first call's marker) comes when the choice finishes, when the held text is
+parsed: the calls that could not stream (after text the format does not allow between
+calls) come out whole then.
 
 Two modes. A streamed choice (``incremental``) lets deltas out as they come. A whole
 reply holds every delta until the end, so output that does not parse (an unclosed
 tag, invalid JSON, a tool name the request did not offer) is returned as plain
 content, unchanged. A streamed choice cannot take back a call it has opened: when the
-text after it turns out malformed (e.g. ``max_tokens`` cut it), the opened calls stay
-as sent and `complete` is False. Otherwise the streamed deltas reassemble to exactly
-the whole reply's message.
+parser rejects the reply after that (malformed JSON, a cut by ``max_tokens``, a call
+of a tool the request did not offer, calls that differ from those streamed), the
+opened calls stay as sent, `complete` is False and `error` says why (the chat stream
+then ends without ``finish_reason: "tool_calls"`` and with an error event; the
+Responses API marks the call ``incomplete`` and the response ``incomplete`` or
+``failed``). Otherwise the streamed deltas reassemble to exactly the whole reply's
+message.
 """
 
 from __future__ import annotations
@@ -26,51 +45,28 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.services.gateway.call_scanner import CallScanner
 from radixserve.services.gateway.tool_calls import ToolParser, new_call_id
 
-_MAX_HEAD_CHARS = 256  # past this after an opener without a head match, a call won't stream
+_MAX_HEAD_CHARS = 256  # held text past a call's end without the next opener: no more streaming
 
 
 @dataclass
-class _ObjectEnd:
-    """Finds where a JSON object ends, fed its text piece by piece (strings and escapes
-    followed, so braces inside strings do not count)."""
+class _Call:
+    """A call read from the held text (`scan`); `call_id` once it has opened."""
 
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    scan: CallScanner
+    call_id: str = ""
+    sent: list[str] = field(default_factory=list)  # the arguments text sent so far
+    sent_len: int = 0
 
-    def scan(self, text: str) -> int | None:
-        """Consume `text`; how much of it completes the object, or None if it goes on."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        return None
+    @property
+    def name(self) -> str:
+        return self.scan.name or ""
 
-
-@dataclass
-class _OpenCall:
-    """A call whose arguments are streaming: from `start` in the held text on."""
-
-    call_id: str
-    name: str
-    start: int
-    arguments: str = ""  # the arguments text sent so far
-    end: _ObjectEnd = field(default_factory=_ObjectEnd)
-    closed: bool = False  # the arguments object has ended
+    @property
+    def arguments(self) -> str:
+        return "".join(self.sent)
 
 
 @dataclass
@@ -78,7 +74,8 @@ class ToolCallStream:
     """One choice's text as content and tool calls (see the module docstring).
 
     `feed` returns the deltas that can be sent now; `finish` those left at the end.
-    `calls` holds the calls once finished (empty: a plain reply).
+    `calls` holds the calls once finished (empty: a plain reply); `error` says why a
+    streamed choice's calls were rejected after one had opened (None: they were not).
     """
 
     parser: ToolParser
@@ -86,18 +83,20 @@ class ToolCallStream:
     single: bool = False  # return at most one call (parallel_tool_calls false)
     incremental: bool = False  # a streamed choice: deltas go out as they come
     calls: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
     _pending: str = ""  # not yet sent: trailing whitespace, a possible marker prefix
     _held: str | None = None  # from a start marker on (None: no marker seen)
     _sent: bool = False  # any content sent
-    _opened: list[_OpenCall] = field(default_factory=list)  # calls streamed, in order
+    _opened: list[_Call] = field(default_factory=list)  # calls streamed, in order
+    _reading: _Call | None = None  # the call being read (opened or not yet)
     _scan_from: int = 0  # where the next call may start in the held text
     _streaming: bool = True  # False once a call cannot stream: the rest is held
     _kept: list[dict[str, Any]] = field(default_factory=list)  # a whole reply's deltas
 
     @property
     def complete(self) -> bool:
-        """Every call's arguments parse (False: a streamed call was cut short)."""
-        return all(is_json_object(c["function"]["arguments"]) for c in self.calls)
+        """No streamed call was rejected (False: `error` says why)."""
+        return self.error is None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self._held is not None:
@@ -121,7 +120,7 @@ class ToolCallStream:
         return self._content(buf[:cut])
 
     def finish(self) -> list[dict[str, Any]]:
-        """The deltas left once the choice has finished; sets `calls`."""
+        """The deltas left once the choice has finished; sets `calls` (and `error`)."""
         if self._held is None:
             return self._content(self._pending)
         parsed = self.parser.parse(self._held)
@@ -131,6 +130,7 @@ class ToolCallStream:
         if not self.incremental or not self._opened:  # malformed: plain content
             self._opened, self._kept = [], []
             return self._content(self._pending + self._held)
+        self.error = self._rejection(parsed[0] if parsed else None)
         for call in self._opened:  # a streamed call cannot be taken back
             self._record(call.call_id, call.name, call.arguments)
         return []
@@ -145,48 +145,82 @@ class ToolCallStream:
         return min(found) if found else None
 
     def _advance(self) -> list[dict[str, Any]]:
-        """Open the calls whose name is known and send their arguments written so far."""
+        """Read the held text on: open the calls whose name is known and send their
+        arguments written so far."""
         held, deltas = self._held or "", []
-        while True:
-            call = self._opened[-1] if self._opened else None
-            if call is not None and not call.closed:
-                rest = held[call.start + len(call.arguments) :]
-                end = call.end.scan(rest)
-                piece = rest if end is None else rest[:end]
-                if piece:
-                    call.arguments += piece
-                    deltas.append({"tool_calls": [{"index": len(self._opened) - 1,
-                                                   "function": {"arguments": piece}}]})  # fmt: skip
-                if end is None:
-                    return deltas
-                call.closed, self._scan_from = True, call.start + len(call.arguments)
-                self._streaming = self._streaming and not self.single
-            if not self._streaming:
-                return deltas
-            opened = self._open_next(held)
-            if opened is None:
-                return deltas
-            deltas += opened
+        while self._streaming:
+            if self._reading is None:
+                self._reading = self._next_call(held)
+                if self._reading is None:
+                    break
+            call = self._reading
+            call.scan.scan(held)
+            deltas += self._stream(call, held)
+            if not call.scan.done or not self._streaming:
+                break
+            self._reading = None
+            if call.scan.failed or not call.call_id:
+                self._streaming = False  # not a call that can stream: the rest is held
+                break
+            self._scan_from = call.scan.end or 0
+            self._streaming = not self.single
+        return deltas
 
-    def _open_next(self, held: str) -> list[dict[str, Any]] | None:
-        """The deltas opening the next call once its head is complete; None while it is
-        not (or never will be: the rest is then held)."""
-        opener, head = self.parser.opener, self.parser.head
-        found = opener.search(held, self._scan_from) if opener else None
-        if found is None or head is None:
+    def _next_call(self, held: str) -> _Call | None:
+        """The next call, once its opener is in the held text."""
+        opener = self.parser.opener
+        if opener is None:
+            self._streaming = False
             return None
-        match = head.match(held, found.start())
-        if match is None or match["name"] not in self.tool_names:
-            if match is not None or len(held) - found.start() > _MAX_HEAD_CHARS:
+        find = opener.search if self.parser.apart else opener.match
+        found = find(held, self._scan_from)
+        if found is None:
+            if not self.parser.apart and len(held) - self._scan_from > _MAX_HEAD_CHARS:
                 self._streaming = False
             return None
-        deltas = [] if self._opened else self._content(self._pending.rstrip())
-        call = _OpenCall(new_call_id(), match["name"], match.end())
-        self._opened.append(call)
-        deltas.append({"tool_calls": [{"index": len(self._opened) - 1, "id": call.call_id,
-                                       "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
+        name = found.groupdict().get("name")
+        if name is not None:  # the name came first: what follows is the arguments object
+            return _Call(CallScanner.bare_arguments(found.end(), name))
+        return _Call(CallScanner(found.end(), self.parser.args_keys))
+
+    def _stream(self, call: _Call, held: str) -> list[dict[str, Any]]:
+        """The deltas of `call` since the last: its opening once it can open, then the
+        arguments text it gained."""
+        deltas: list[dict[str, Any]] = []
+        if not call.call_id:
+            if not self._can_open(call.scan, held):
+                return []
+            deltas += [] if self._opened else self._content(self._pending.rstrip())
+            call.call_id = new_call_id()
+            self._opened.append(call)
+            deltas.append({"tool_calls": [{"index": len(self._opened) - 1, "id": call.call_id,
+                                           "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})  # fmt: skip
+        piece = _arguments(call.scan, held, call.sent_len)
+        if piece:
+            call.sent.append(piece)
+            call.sent_len += len(piece)
+            deltas.append({"tool_calls": [{"index": len(self._opened) - 1,
+                                           "function": {"arguments": piece}}]})  # fmt: skip
         return deltas
+
+    def _can_open(self, scan: CallScanner, held: str) -> bool:
+        """A call opens once its name and the start of its arguments are known (or its
+        object ended without arguments: ``{}``), its name is a tool of the request and
+        its arguments are an object (a JSON string holding one: once the string ends).
+        False while that may still come; when it never will, the rest is held."""
+        if scan.name is None or (scan.args_start is None and scan.end is None):
+            return False
+        if scan.name not in self.tool_names or scan.args_kind not in ("", "{", '"'):
+            self._streaming = False
+            return False
+        if scan.args_kind == '"':
+            if scan.args_end is None:
+                return False
+            if not is_json_object(_arguments(scan, held)):
+                self._streaming = False
+                return False
+        return True
 
     def _agrees(self, parsed: list[tuple[str, dict[str, Any]]]) -> bool:
         """The parsed calls name offered tools and begin with the streamed ones."""
@@ -194,8 +228,21 @@ class ToolCallStream:
             return False
         if len(self._opened) > len(parsed[:1] if self.single else parsed):
             return False
-        return all(c.closed and c.name == name and _loads(c.arguments) == args
+        return all(c.scan.end is not None and c.name == name and _loads(c.arguments) == args
                    for c, (name, args) in zip(self._opened, parsed))  # fmt: skip
+
+    def _rejection(self, parsed: list[tuple[str, dict[str, Any]]] | None) -> str:
+        """Why the reply's calls were rejected after the last streamed one opened."""
+        index, last = len(self._opened) - 1, self._opened[-1]
+        where = f"tool call {index} ({last.name}, {last.call_id})"
+        if parsed is not None:
+            unknown = [name for name, _ in parsed if name not in self.tool_names]
+            if unknown:
+                return f"the reply calls {unknown[0]!r}, which is not one of the request's tools"
+            return f"the reply's {self.parser.name} tool calls differ from the streamed ones"
+        if last.scan.end is None and not last.scan.failed:
+            return f"{where} was cut short: its JSON does not end"
+        return f"the reply's {self.parser.name} tool-call text is malformed from {where} on"
 
     def _rest(self, parsed: list[tuple[str, dict[str, Any]]], rest: str) -> list[dict[str, Any]]:
         """What follows the streamed calls in a reply that parsed: the text before its
@@ -232,6 +279,21 @@ class ToolCallStream:
             return []
         self._sent = True
         return [{"content": text}]
+
+
+def _arguments(scan: CallScanner, held: str, sent: int = 0) -> str:
+    """The arguments text of the call `scan` reads, as far as it is known, from its
+    `sent` th character on: the model's own JSON text of an object (a slice of the new
+    part only: long arguments fed token by token cost no quadratic copying), the
+    content of a JSON string once it has ended, ``{}`` for an object that ended
+    without arguments."""
+    if scan.args_start is None:
+        return "{}"[sent:] if scan.end is not None else ""
+    stop = scan.args_end if scan.args_end is not None else scan.pos
+    if scan.args_kind != '"':
+        return held[scan.args_start + sent : stop]
+    value = _loads(held[scan.args_start : stop]) if scan.args_end is not None else None
+    return value[sent:] if isinstance(value, str) else ""
 
 
 def _loads(text: str) -> Any:

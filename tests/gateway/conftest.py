@@ -9,11 +9,13 @@ in a background thread (with the server configuration `radixserve serve` runs,
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import GenerationResult
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
+from radixserve.services.gateway.engine_client import EngineClient
 from radixserve.services.gateway.http_server import server_config
 from tests.engine.engine_helpers import TINY, make_engine
 
@@ -132,21 +135,33 @@ def tiny_engine() -> Iterator[LocalEngineClient]:
     client.close()
 
 
+@contextlib.contextmanager
+def gateways(
+    engine_of: Callable[..., EngineClient],
+) -> Iterator[Callable[..., tuple[RunningServer, httpx.Client]]]:
+    """A starter of gateways on the engine ``engine_of(*args)`` gives, with the given
+    GatewaySettings fields: (server, an HTTP client of it); all stopped on exit."""
+    started: list[tuple[RunningServer, httpx.Client]] = []
+
+    def start(*args: Any, **settings: Any) -> tuple[RunningServer, httpx.Client]:
+        running = RunningServer(create_app(engine_of(*args), GatewaySettings(**settings)))
+        started.append((running, httpx.Client(base_url=running.url, timeout=60)))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for running, http in started:
+            http.close()
+            running.stop()
+
+
 @pytest.fixture
 def tiny_gateway(tiny_engine) -> Iterator[Callable[..., tuple[RunningServer, httpx.Client]]]:
     """Start gateways (given GatewaySettings fields) on the tiny engine: (server, an
     HTTP client of it); both stopped after the test."""
-    started: list[tuple[RunningServer, httpx.Client]] = []
-
-    def start(**settings) -> tuple[RunningServer, httpx.Client]:
-        running = RunningServer(create_app(tiny_engine, GatewaySettings(**settings)))
-        started.append((running, httpx.Client(base_url=running.url, timeout=60)))
-        return started[-1]
-
-    yield start
-    for running, http in started:
-        http.close()
-        running.stop()
+    with gateways(lambda: tiny_engine) as start:
+        yield start
 
 
 def wait_idle(http: httpx.Client, timeout: float = 15.0) -> dict:

@@ -1,12 +1,14 @@
 """Fuzzing the gateway from its own /openapi.json (schemathesis): request bodies made
 from the documented models, valid and invalid, never get a 5xx, an undocumented status
-or content type, or a response that breaks the documented schema; and nothing leaks.
+or content type, or a response that breaks the documented schema; a 400 names the field
+(the Messages API's errors are Anthropic's objects); and nothing leaks.
 
 Bounded: a small context (48 tokens), 4 requests in flight, 4 choices per request, a
 few dozen examples per operation and about a minute in all."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -29,10 +31,38 @@ from tests.gateway.conftest import RunningServer, wait_idle
 BUDGET_S = 60.0
 
 
+MESSAGES = {"POST /v1/messages", "POST /v1/messages/count_tokens"}
+ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error",
+                   "not_found_error", "request_too_large", "rate_limit_error", "api_error",
+                   "overloaded_error", "timeout_error"}  # fmt: skip
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _anthropic_error(response, case) -> None:
+    """Every 4xx of the Messages API is Anthropic's error object; a 400 to a JSON object
+    begins with the field at fault (one the body has, or a required one it lacks)."""
+    if response.status_code < 400:
+        return
+    body = response.json()
+    if set(body) != {"type", "error"} or body["type"] != "error" or set(body["error"]) != {
+        "type", "message"} or body["error"]["type"] not in ANTHROPIC_TYPES:  # fmt: skip
+        raise AssertionError(f"{case.operation.label}: not Anthropic's error object: {body}")
+    if response.status_code != 400 or not isinstance(case.body, dict):
+        return
+    message = body["error"]["message"]
+    field = _FIELD.match(message)
+    if field is None or field[0] not in {*case.body, "model", "messages", "max_tokens"}:
+        raise AssertionError(f"{case.operation.label} {case.body}: a 400 not naming the "
+                             f"field: {message}")  # fmt: skip
+
+
 @schemathesis.check
 def names_the_field(ctx, response, case) -> None:
     """A 400 to a JSON object names the field at fault: ``error.param`` is set and the
-    message says it."""
+    message says it (the Messages API: `_anthropic_error`)."""
+    if case.operation.label in MESSAGES:
+        _anthropic_error(response, case)
+        return
     if response.status_code != 400 or not isinstance(case.body, dict):
         return
     error = response.json()["error"]
@@ -72,6 +102,8 @@ def _fuzz(op, mode, examples: int, deadline: float, url: str, served: dict[str, 
         if time.monotonic() > deadline:
             return
         calls += 1
+        if op.label == "POST /v1/messages" and isinstance(case.body, dict) and calls % 2:
+            case.body["model"] = "default"  # a served model: the rest of the body is fuzzed
         response = case.call_and_validate(base_url=url, checks=CHECKS, timeout=60)
         if response.status_code == 200:
             served[op.label] = served.get(op.label, 0) + 1
@@ -86,9 +118,11 @@ def test_fuzz_gateway_from_its_openapi(fuzz_server):
     deadline = time.monotonic() + BUDGET_S
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
-    generating = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"}
+    generating = {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+                  "POST /v1/messages"}  # fmt: skip
     stored = {"GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}
-    assert generating | stored | {"POST /tokenize", "POST /detokenize", "GET /version"} <= labels
+    assert generating | stored | MESSAGES | {"POST /tokenize", "POST /detokenize",
+                                             "GET /version"} <= labels  # fmt: skip
     shares = {op.label: 4.0 if op.label in generating else 1.0 for op in operations}
     served: dict[str, int] = {}  # operation -> 200 responses
     calls = 0

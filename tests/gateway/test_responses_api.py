@@ -271,7 +271,11 @@ REFUSALS = {  # body fields -> the param the error names
     "forced with text.format": ({"tools": TOOLS, "tool_choice": "required", "text": {
         "format": {"type": "json_object"}}}, "tool_choice"),
     "background": ({"background": True}, "background"),
-    "reasoning": ({"reasoning": {"effort": "high"}}, "reasoning"),
+    "reasoning effort without a switch": ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    "reasoning summary": ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    "encrypted reasoning": ({"input": [{"type": "reasoning", "summary": [],
+                                        "encrypted_content": "x"}]},
+                            "input[0].encrypted_content"),
     "include": ({"include": ["reasoning.encrypted_content"]}, "include"),
     "truncation auto": ({"truncation": "auto"}, "truncation"),
     "conversation": ({"conversation": "conv_1"}, "conversation"),

@@ -185,9 +185,9 @@ def test_a_streamed_call_cut_short_stays_as_sent():
     assert split("hermes", text) == (text, [])
 
 
-def test_calls_that_cannot_stream_come_whole_at_the_end():
-    """A call whose arguments come before its name, or an unknown tool's, is held;
-    the calls after a streamed one still come out, in order."""
+def test_calls_stream_in_order_whatever_their_key_order():
+    """A call whose arguments come before its name streams once the name is known,
+    after the call before it, in order."""
     text = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
             '<tool_call>{"arguments": {"city": "Lima"}, "name": "get_weather"}</tool_call>')  # fmt: skip
     deltas = _deltas("hermes", text, 2)

@@ -4,6 +4,7 @@ they arrive."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from radixserve.protocol import (
     GenerateRequest,
     KVReady,
     LogprobEntry,
+    PrefillRequest,
     ProtocolError,
     SamplingSpec,
     TokenChunk,
@@ -37,6 +39,20 @@ def test_every_sampling_param_round_trips():
     back = decode(encode(msg))
     assert isinstance(back, GenerateRequest)
     assert to_params(back.sampling) == params
+
+
+def test_the_thinking_budget_round_trips():
+    """(Not with a guide: the two are refused together.) Every `SamplingParams` field has
+    a wire field, so none is dropped on the way to a cluster worker."""
+    params = SamplingParams(max_tokens=9, thinking_token_budget=3, thinking_start_ids=(4, 5),
+                            thinking_end_ids=(6,), thinking_open=True)  # fmt: skip
+    for msg in (GenerateRequest("r", (1, 2), sampling=to_spec(params)),
+                PrefillRequest("r", (1, 2), (0,), sampling=to_spec(params))):  # fmt: skip
+        back = decode(encode(msg))
+        assert isinstance(back, type(msg))
+        assert to_params(back.sampling) == params
+    wire = {f.name for f in dataclasses.fields(SamplingSpec)}
+    assert {f.name for f in dataclasses.fields(SamplingParams)} - wire == {"logit_bias"}
 
 
 def test_logprobs_travel_in_token_chunks_and_kv_ready():
