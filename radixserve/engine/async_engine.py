@@ -325,6 +325,7 @@ class AsyncEngine:
         try:
             value = call.fn(self.engine)
         except Exception as exc:
+            self._stats = EngineStats.of(self.engine)
             if call.loop is None:
                 logger.exception("engine call failed")
                 if call.watch is not None:
@@ -332,6 +333,7 @@ class AsyncEngine:
             else:
                 call.loop.call_soon_threadsafe(_settle, call.result, None, exc)
             return
+        self._stats = EngineStats.of(self.engine)  # what the call changed, before its answer
         produced = value if isinstance(value, list) else [value]
         outputs = [v for v in produced if isinstance(v, RequestOutput)]
         if call.loop is None:  # submitted: outputs go where a step's would

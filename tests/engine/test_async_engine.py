@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -67,3 +68,33 @@ def test_bad_request_raises_before_streaming(engines):
 
     with pytest.raises(InvalidRequestError, match="empty"):
         asyncio.run(main())
+
+
+def test_stats_include_what_a_call_changed_once_it_returns():
+    """The counters read right after a call include the call's effect (an operator's
+    clear of a failed-closed audit shows at once). No step runs between the call and
+    the read here: the engine thread is held before the call and right after it."""
+    engine = make_engine(TINY, kv_cache_memory_gib=0.1, audit_sample_rate=1.0,
+                         audit_fail_closed=True)  # fmt: skip
+    front = AsyncEngine(engine)
+    first, second = threading.Event(), threading.Event()
+
+    def fail_closed(e) -> None:
+        e.scheduler.serve_from_cache = False
+
+    async def main() -> int:
+        front.submit(lambda e: first.wait(10))  # holds the engine thread
+        call = asyncio.ensure_future(front.call(fail_closed))
+        await asyncio.sleep(0)  # the call is queued
+        front.submit(lambda e: second.wait(10))  # handled right after it, before any step
+        first.set()
+        await call
+        return front.stats().cache["audit_fail_closed"]
+
+    try:
+        assert front.stats().cache["audit_fail_closed"] == 0
+        assert asyncio.run(main()) == 1
+    finally:
+        first.set()
+        second.set()
+        front.close()
