@@ -316,6 +316,31 @@ def test_the_next_turn_renders_as_the_template_says(serve, checkpoints, name):
         assert kept == (name == "qwen3" and label == "tool result"), (label, text)
 
 
+def test_the_next_turn_reads_the_first_from_the_cache(serve, engines):
+    """A next turn, rendered with the reply and its reasoning as the template says, is
+    served from the cache up to where it leaves the first turn's prompt (in whole
+    pages): the template's rendering keeps the cache's prefix."""
+    _, http = serve("qwen3")
+    page = engines["qwen3"].cache_page_size
+    first = [{"role": "user", "content": "Tell me about rivers. " * 6}]
+    reply = _chat(http, messages=first)["choices"][0]["message"]
+    first_ids = _tokenize(http, first)
+    assert len(first_ids) > 2 * page
+    for label, messages in {
+        "next question": [*first, reply, {"role": "user", "content": "And then?"}],
+        "tool result": [*first, {**reply, "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    }.items():  # fmt: skip
+        ids = _tokenize(http, messages)
+        common = next((i for i, (a, b) in enumerate(zip(first_ids, ids)) if a != b),
+                      min(len(first_ids), len(ids)))  # fmt: skip
+        usage = _chat(http, messages=messages, max_tokens=1)["usage"]
+        assert usage["prompt_tokens"] == len(ids), label
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert common // page * page <= cached < len(ids), (label, common, cached)
+
+
 def test_the_thinking_switch(serve, checkpoints):
     """chat_template_kwargs and reasoning_effort reach Qwen3's enable_thinking; a request
     setting it both ways, or reasoning_content on a user message, is refused by name."""
