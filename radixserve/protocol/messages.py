@@ -19,7 +19,12 @@ from disk (`HostLookup.reads_loading`, `HostLease.loading` / `ready_pages`), and
 hashes chain from (`SpillRun`), a `HostLease` the stored tokens of its pages. 5.1: a
 request's place among other tenants' for the engines' fair share (`GenerateRequest` and
 `PrefillRequest`: ``tenant``, ``priority``, ``tenant_weight``); a 5.0 peer ignores them
-and its engine serves every request as one tenant's.
+and its engine serves every request as one tenant's. 5.2: a
+reasoning budget (`SamplingSpec`: ``thinking_token_budget``, ``thinking_start_ids``,
+``thinking_end_ids``, ``thinking_open``); a 5.1 peer ignores it and lets the model
+reason as long as it will. Every message's frame is checked against golden bytes
+(`tests/protocol/golden/frames.json`): a wire change fails there until it is written
+again with the version.
 
 Flow of the disaggregated design::
 
@@ -70,7 +75,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (5, 1)
+PROTOCOL_VERSION: tuple[int, int] = (5, 2)
 
 MAX_PAGE_ID = 2**31 - 1
 MAX_PAGES_PER_MESSAGE = 1 << 20
