@@ -10,6 +10,7 @@ from typing import Any
 
 from radixserve.cli.engine import QUANTIZATIONS, build_settings, engine_args, engine_env
 from radixserve.errors import UsageError
+from radixserve.transfer import BACKENDS
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -420,7 +421,7 @@ def add_command(sub: Any) -> None:
                        help="local prefill workers (default 1; chaos: 2)")  # fmt: skip
     suite.add_argument("--decode", type=int,
                        help="local decode workers (default 1; chaos: 2)")  # fmt: skip
-    suite.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+    suite.add_argument("--transport", choices=BACKENDS, default="nixl",
                        help="KV transfer between the local workers (default nixl)")  # fmt: skip
     peer = bench.add_argument_group("peer (--scenario peer; --preset and --seed apply too)")
     peer.add_argument(

@@ -46,7 +46,7 @@ from radixserve.runtime.settings import WorkerSettings
 from radixserve.services.kvstore.service import KVStoreService
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.settings import EngineSettings
-from radixserve.transfer import create_agent
+from radixserve.transfer import BACKENDS, create_agent
 
 PAGE = 16
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per prefix")
     parser.add_argument("--prefixes", type=int, default=6, help="prefixes (at least 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
-    parser.add_argument("--transport", choices=["nixl", "zmq"], default="nixl")
+    parser.add_argument("--transport", choices=BACKENDS, default="nixl")
     args = parser.parse_args(argv)
     if args.prefixes < 2 or args.tokens < PAGE or args.rounds < 1:
         parser.error("need --prefixes >= 2, --tokens >= 16 and --rounds >= 1")

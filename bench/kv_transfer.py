@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from radixserve.cache.kv_pool import KVPool  # noqa: E402
-from radixserve.transfer import PoolCompat, TransferError, create_agent  # noqa: E402
+from radixserve.transfer import BACKENDS, PoolCompat, TransferError, create_agent  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def measure_transfer(
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
-    for backend in ("nixl", "zmq"):
+    for backend in BACKENDS:
         for scattered in (True, False):
             try:
                 result = measure_transfer(backend, 256, scattered=scattered)

@@ -16,6 +16,7 @@ from radixserve.cli.engine import (
     gateway_args,
 )
 from radixserve.errors import UsageError
+from radixserve.transfer import BACKENDS
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -276,7 +277,7 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--decode-tp", type=int, default=1,
                     help="tensor-parallel size of each decode worker (default 1; KV pages "
                     "move between the pools when one size divides the other)")  # fmt: skip
-    up.add_argument("--transport", choices=["nixl", "zmq"], default="nixl",
+    up.add_argument("--transport", choices=BACKENDS, default="nixl",
                     help="how KV pages move between workers (default nixl)")  # fmt: skip
     up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
                     help="do not start the kvstore (the cluster-wide cache index)")  # fmt: skip
@@ -332,7 +333,7 @@ def add_commands(sub: Any) -> None:
             service.add_argument("--join", metavar="KVSTORE",
                                  help="join the cluster whose kvstore is at this address "
                                  "(tcp://host:port; as `radixserve up` prints it)")  # fmt: skip
-            service.add_argument("--transport", choices=["nixl", "zmq"],
+            service.add_argument("--transport", choices=BACKENDS,
                                  help="KV transfer backend (the cluster's)")  # fmt: skip
             service.add_argument("--tp", type=worker_tp,
                                  help="tensor-parallel size: ranks (processes, one device "

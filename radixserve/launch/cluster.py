@@ -45,6 +45,7 @@ from radixserve.launch.local_pools import LocalPools, PoolControl
 from radixserve.launch.supervisor import ProcessSpec, Supervisor
 from radixserve.launch.warm import WarmServer, available
 from radixserve.runtime.probe import probe
+from radixserve.transfer import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class ClusterConfig:
             raise ValueError("--prefill must be 0 or more")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("--prefill-tp and --decode-tp must be 1 or more")
-        if self.transport not in ("nixl", "zmq"):
+        if self.transport not in BACKENDS:
             raise ValueError(f"--transport must be nixl or zmq, not {self.transport!r}")
         if self.host_tier_gib is not None and self.host_tier_gib < 0:
             raise ValueError("--host-tier-gib must be 0 (no host tier) or more")

@@ -18,6 +18,7 @@ from radixserve.protocol.security import (
     is_placeholder,
     require_secret,
 )
+from radixserve.transfer import Backend
 from radixserve.transfer.network import TransferNetwork
 
 
@@ -152,7 +153,7 @@ class TransferSettings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid")
 
-    transfer_backend: Literal["nixl", "zmq"] = Field(
+    transfer_backend: Backend = Field(
         "nixl",
         description="How KV pages move between workers and the host tier: NIXL "
         "(UCX) or ZMQ over TCP; the same in the whole cluster.",

@@ -9,7 +9,7 @@ listens and what it advertises. `create_agent` picks by name.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from radixserve.transfer.network import TransferNetwork
     from radixserve.transfer.shards import KVShard
 
-BACKENDS = ("nixl", "zmq")
+#: the transfer backends, by name: the one list settings, flags and tools take them from
+Backend = Literal["nixl", "zmq"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 # Loaded on first use (PEP 562): `transfer.network` (addresses, ports) is read by processes
 # that never move a page — the gateway among them — and must not pull in torch.
@@ -37,6 +39,7 @@ _LAZY = {
 
 __all__ = [
     "BACKENDS",
+    "Backend",
     "KVShard",
     "KVTransferAgent",
     "PoolCompat",
