@@ -62,7 +62,7 @@ from radixserve.transfer.shards import KVShard
 logger = logging.getLogger(__name__)
 
 TransferState = Literal["pending", "done", "failed"]
-_METADATA_VERSION = 1
+_METADATA_VERSION = 2  # 2: region_bytes (was page_bytes)
 
 
 class TransferError(RadixServeError):
@@ -101,7 +101,7 @@ class PeerInfo:
     compat: PoolCompat
     shard: KVShard
     num_pages: int
-    page_bytes: int
+    region_bytes: int  # one page of one layer's K (or V) on the peer's shard
     backend_md: dict[str, Any]
     raw: bytes = field(repr=False)
 
@@ -192,7 +192,7 @@ class KVTransferAgent(EventLoopWaits):
         self.keys = self.network.keys  # with a cluster secret: sign and check metadata
         self.num_pages = int(kv.shape[2])
         self.num_regions = int(kv.shape[0]) * 2
-        self.page_bytes = int(kv[0, 0, 0].numel() * kv.element_size())
+        self.region_bytes = int(kv[0, 0, 0].numel() * kv.element_size())  # compat.region_bytes
         self.default_timeout_s = default_timeout_s
         self._peers: dict[str, tuple[PeerInfo, Any]] = {}
         self._active: dict[int, TransferHandle] = {}
@@ -213,7 +213,7 @@ class KVTransferAgent(EventLoopWaits):
             "compat_hash": self.compat.digest,
             "shard": self.shard.to_list(),
             "num_pages": self.num_pages,
-            "page_bytes": self.page_bytes,
+            "region_bytes": self.region_bytes,
             "backend_md": self._backend_metadata(),
         }
         packed: bytes = msgpack.packb(envelope, use_bin_type=True)
@@ -260,6 +260,12 @@ class KVTransferAgent(EventLoopWaits):
     def _decode_peer(self, name: str, generation: int, metadata: bytes) -> PeerInfo:
         try:
             env = msgpack.unpackb(metadata, raw=False)
+            if not isinstance(env, dict):
+                raise TypeError(f"a {type(env).__name__}, not a map")
+            if env.get("v") != _METADATA_VERSION:
+                raise TransferError(f"peer {name!r} sends transfer metadata version "
+                                    f"{env.get('v')!r}, this side {_METADATA_VERSION}: "
+                                    "run the same radixserve release on both")  # fmt: skip
             compat = PoolCompat.from_dict(env["compat"])
             backend, remote_name = env["backend"], env["name"]
             info = PeerInfo(
@@ -268,7 +274,7 @@ class KVTransferAgent(EventLoopWaits):
                 compat=compat,
                 shard=KVShard.from_list(env["shard"]),
                 num_pages=int(env["num_pages"]),
-                page_bytes=int(env["page_bytes"]),
+                region_bytes=int(env["region_bytes"]),
                 backend_md=dict(env["backend_md"]),
                 raw=bytes(metadata),
             )
@@ -283,10 +289,10 @@ class KVTransferAgent(EventLoopWaits):
         if env.get("compat_hash") != compat.digest or compat.digest != self.compat.digest:
             diff = "; ".join(self.compat.mismatches(compat)) or "compat hash differs"
             raise TransferError(f"peer {name!r} has an incompatible KV pool: {diff}")
-        if info.page_bytes * self.shard.count != self.page_bytes * info.shard.count:
+        if info.region_bytes * self.shard.count != self.region_bytes * info.shard.count:
             raise TransferError(
-                f"peer {name!r} page is {info.page_bytes} bytes for {info.shard.count} KV "
-                f"heads, ours {self.page_bytes} for {self.shard.count}"
+                f"peer {name!r} page region is {info.region_bytes} bytes for "
+                f"{info.shard.count} KV heads, ours {self.region_bytes} for {self.shard.count}"
             )
         return info
 

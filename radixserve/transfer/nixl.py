@@ -3,7 +3,7 @@
 The pattern vLLM's NixlConnector uses:
   * the pool tensor is registered with NIXL once, as a single region;
   * a descriptor list of every (region, page) run — descriptor id `r * num_pages + p`,
-    `page_bytes` long — is prepared once locally and once per peer (`prep_xfer_dlist`);
+    `region_bytes` long — is prepared once locally and once per peer (`prep_xfer_dlist`);
   * a read is one `make_prepped_xfer("READ", ...)` over descriptor indices, posted with
     `transfer` and polled with `check_xfer_state`.
 
@@ -101,11 +101,11 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
-def _descriptor_table(base: int, num_descs: int, page_bytes: int, dev_id: int) -> np.ndarray:
+def _descriptor_table(base: int, num_descs: int, region_bytes: int, dev_id: int) -> np.ndarray:
     """Nx3 uint64 (address, length, device) for descriptors 0..num_descs-1."""
     table = np.empty((num_descs, 3), dtype=np.uint64)
-    table[:, 0] = base + np.arange(num_descs, dtype=np.uint64) * np.uint64(page_bytes)
-    table[:, 1] = page_bytes
+    table[:, 0] = base + np.arange(num_descs, dtype=np.uint64) * np.uint64(region_bytes)
+    table[:, 1] = region_bytes
     table[:, 2] = dev_id
     return table
 
@@ -148,7 +148,10 @@ class NixlTransferAgent(KVTransferAgent):
         self._had_failures = False  # a read failed: settle UCX before closing
         try:
             table = _descriptor_table(
-                self.kv.data_ptr(), self.num_regions * self.num_pages, self.page_bytes, self._dev_id
+                self.kv.data_ptr(),
+                self.num_regions * self.num_pages,
+                self.region_bytes,
+                self._dev_id,
             )
             self._local_dlist = self._agent.prep_xfer_dlist("", table, self._mem_type)
         except self._errors as exc:
@@ -177,7 +180,7 @@ class NixlTransferAgent(KVTransferAgent):
             table = _descriptor_table(
                 int(md["base_addr"]),
                 self.num_regions * info.num_pages,
-                info.page_bytes,
+                info.region_bytes,
                 int(md["dev_id"]),
             )
             return self._agent.prep_xfer_dlist(remote_name, table, str(md["mem_type"]))

@@ -125,7 +125,7 @@ class ZmqTransferAgent(KVTransferAgent):
         self._pages = (
             self.kv.view(-1)
             .view(torch.uint8)
-            .view(self.num_regions, self.num_pages, self.page_bytes)
+            .view(self.num_regions, self.num_pages, self.region_bytes)
         )
         self._host_pages = None if self.kv.is_cuda else self._pages.numpy()
         self._ctx = zmq.Context()
@@ -253,7 +253,7 @@ class ZmqTransferAgent(KVTransferAgent):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         # a reply frame is one run of pages (or their heads) landing in our pool
-        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_REQUEST_BYTES, self.num_pages * self.page_bytes))
+        sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_REQUEST_BYTES, self.num_pages * self.region_bytes))
         if self.keys is not None:
             self.keys.secure(sock, bind=False)
         sock.connect(endpoint)
@@ -330,7 +330,7 @@ class ZmqTransferAgent(KVTransferAgent):
         return ("failed", error) if error is not None else ("done", None)
 
     def _receive_frame(self, sock: zmq.Socket, region: int, start: int, count: int) -> str | None:
-        want = count * self.page_bytes
+        want = count * self.region_bytes
         if self._host_pages is not None:
             dst = self._host_pages[region, start : start + count].reshape(-1)
             got = sock.recv_into(dst.data)

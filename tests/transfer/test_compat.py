@@ -112,6 +112,8 @@ def test_add_peer_rejects_bad_metadata(pair: tuple[ZmqTransferAgent, ZmqTransfer
         (_edit(md, name="z"), "not 'a'"),
         (_edit(md, compat=replace(BASE, model_name="x").to_dict()), "model_name"),
         (_edit(md, compat_hash="0" * 64), "compat hash"),
+        (_edit(md, v=1), "metadata version 1, this side 2: run the same radixserve release"),
+        (msgpack.packb([1, 2]), "malformed"),
     ]
     for metadata, reason in cases:
         with pytest.raises(TransferError, match=reason):
