@@ -20,7 +20,8 @@ hashes chain from (`SpillRun`), a `HostLease` the stored tokens of its pages. 5.
 request's place among other tenants' for the engines' fair share (`GenerateRequest` and
 `PrefillRequest`: ``tenant``, ``priority``, ``tenant_weight``); a 5.0 peer ignores them
 and its engine serves every request as one tenant's. 5.2: a
-reasoning budget (`SamplingSpec`: ``thinking_token_budget``, ``thinking_start_ids``,
+`PrefillRequest` carries its prompt's page hashes, a `KVReady` how long its pages stay
+lent (``lease_ms``, which the reader checks before it reads); a reasoning budget (`SamplingSpec`: ``thinking_token_budget``, ``thinking_start_ids``,
 ``thinking_end_ids``, ``thinking_open``); a 5.1 peer ignores it and lets the model
 reason as long as it will. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
@@ -292,8 +293,13 @@ class PrefillRequest(Message):
     tenant: str = field(default="", metadata=_spec(TENANT_ID))  # the request's, as above
     priority: int = field(default=0, metadata=_spec(PRIORITY))
     tenant_weight: float = field(default=1.0, metadata=_spec(TENANT_WEIGHT))
+    # the chained hashes of the prompt's full pages in its scope's namespace (the
+    # gateway's, as the decode worker got them): its host-tier lookup hashes nothing again
+    page_hashes: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_HASHES))
 
     def invariant_error(self) -> str | None:
+        if len(self.page_hashes) > len(self.token_ids):
+            return f"{len(self.page_hashes)} page hashes for {len(self.token_ids)} tokens"
         if self.num_cached_tokens >= len(self.token_ids):
             return (
                 f"num_cached_tokens={self.num_cached_tokens} must be below "
@@ -309,7 +315,8 @@ class KVReady(Message):
     ``first_token_ids`` holds every choice's first token, in choice order (one for n = 1).
     ``src_page_ids`` names the prefill worker's pages holding the prompt past the decode
     side's ``num_cached_tokens``, leased until the decode worker, having read them,
-    sends ``TransferDone`` (or the lease ends).
+    sends ``TransferDone`` (or the lease ends: ``lease_ms`` after this was sent; None
+    from a peer that does not say). A reader starts no read the lease has run out for.
     """
 
     TYPE_TAG: ClassVar[str] = "kv_ready"
@@ -326,6 +333,7 @@ class KVReady(Message):
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
     spans: tuple[SpanRecord, ...] = field(default=(), metadata=_spec(SPAN_RECORDS))  # traced
+    lease_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
 
 
 @dataclass(frozen=True)

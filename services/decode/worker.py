@@ -300,6 +300,7 @@ class DecodeWorker(Worker):
                     traceparent=remote.traceparent(),
                     cache_scope=scope,
                     **share_fields(share),
+                    page_hashes=tuple(hashes[: len(ids) // self.page_size]),
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
@@ -360,11 +361,14 @@ class DecodeWorker(Worker):
             raise TransferError(f"KVReady names {len(kv.src_page_ids)} pages, expected {len(dst)}")
         if not dst:
             return
+        timeout_s = self.settings.transfer_timeout_s
+        if kv.lease_ms is not None:  # the pages are lent for this long from its sending
+            timeout_s = min(timeout_s, kv.lease_ms / 1000)
+            if timeout_s <= 0:
+                raise TransferError("the prefill worker's lease on the pages ran out")
         agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
         start = time.perf_counter()
-        handle = agent.read_pages(
-            link.name, list(kv.src_page_ids), dst, timeout_s=self.settings.transfer_timeout_s
-        )
+        handle = agent.read_pages(link.name, list(kv.src_page_ids), dst, timeout_s=timeout_s)
         if await agent.wait_async(handle) == "failed":
             raise TransferError(handle.error or "KV transfer failed")
         elapsed = time.perf_counter() - start

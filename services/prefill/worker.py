@@ -155,7 +155,8 @@ class PrefillWorker(Worker):
         computing = NO_SPAN
         try:
             params = to_params(msg.sampling)
-            _, out = await self.admit(rid, ids, params, lease_s=self.settings.lease_s,
+            _, out = await self.admit(rid, ids, params, hashes=msg.page_hashes or None,
+                                      lease_s=self.settings.lease_s,
                                       cache_scope=msg.cache_scope, share=to_share(msg),
                                       under=queued)  # fmt: skip
             queued.end()
@@ -203,6 +204,7 @@ class PrefillWorker(Worker):
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                     spans=request.records(),
+                    lease_ms=max(0.0, grant_until - asyncio.get_running_loop().time()) * 1000,
                 ),
             )
         except asyncio.CancelledError:

@@ -23,6 +23,7 @@ from radixserve.protocol import (
     Abort,
     GenerateRequest,
     HelloAck,
+    KVReady,
     Message,
     PrefillRequest,
     RequestFailed,
@@ -352,3 +353,39 @@ def test_a_scoped_request_keeps_its_cache_scope_on_both_workers() -> None:
             await until(lambda: engine.pages_in_use() == 0, "the request's pages freed")
 
     run_scenario(scenario)
+
+
+def test_a_prefill_request_carries_the_hashes_and_a_run_out_lease_is_not_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The prefill worker gets the prompt's page hashes (it hashes nothing again); a
+    KVReady whose lease has run out (``lease_ms`` 0) is not read: the reservation is
+    given back, the prefill worker told, and the prompt computed here."""
+    seen: dict[str, Any] = {}
+
+    async def answer_expired(peer: FakePeer, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):
+            seen["hashes"] = msg.page_hashes
+            ready = KVReady(msg.request_id, (7,), src_page_ids=(0, 1, 2), lease_ms=0.0)
+            await peer.send_to(identity, ready)
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        engine = FakeEngine(base_token=100)
+        p0 = prefill_peer(context, "p0", answer_expired)
+        try:
+            async with decode_worker(context, engine, [p0.address]) as (worker, gateway):
+                await gateway.send(request("r1", LONG))
+                seen["tokens"], seen["failed"] = await gateway.stream("r1")
+                seen["ops"] = engine.ops("r1")
+                seen["failures"] = worker.counters["remote_prefill_failures_total"]
+                seen["read"] = worker.counters["kv_transfers_total"]
+                await until(lambda: engine.pages_in_use() == 0, "the reservation freed")
+        finally:
+            await p0.close()
+
+    run_scenario(scenario)
+    assert seen["hashes"] == tuple(page_hashes(LONG, PAGE_SIZE, NAMESPACE))
+    assert (seen["tokens"], seen["failed"]) == (LOCAL_TOKENS, None)
+    assert seen["ops"] == ["admit", "abort_now", "admit"]
+    assert (seen["failures"], seen["read"]) == (1, 0)
+    assert "(the prefill worker's lease on the pages ran out)" in caplog.text  # no read began

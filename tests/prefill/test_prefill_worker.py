@@ -69,6 +69,10 @@ def test_pages_are_lent_under_a_lease_until_transfer_done(num_cached_tokens: int
             assert ready.request_id == "r1" and ready.first_token_ids == (7,)
             assert ready.src_page_ids == tuple(leased[skip:])
             assert (ready.cached_tokens, engine.stats().leases) == (0, 1)
+            # how long the pages stay lent from now: the worker's lease_s, less its work
+            assert (
+                ready.lease_ms is not None and 0 < ready.lease_ms <= worker.settings.lease_s * 1000
+            )
 
             kv = torch.zeros(1, 2, 4, PAGE_SIZE, 1, 2)  # the reader's pool (L, 2, P, S, H, D)
             reader = create_agent("zmq", "decode-test", kv, PoolCompat.of(kv, MODEL))
