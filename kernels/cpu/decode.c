@@ -23,11 +23,19 @@
    ops round each product. Denormals are not flushed here (torch does not flush them);
    qgemm and attention flush inside their own calls, as they do when torch calls them.
 
+   Rows: each row is one new token with its own position, KV slot and sequence (row_seq:
+   its row of the page table). Several rows may be one sequence's (positions p, p + 1, ...
+   of a cached turn's delta): every row's K/V is stored before any row attends, and a row
+   at position p reads keys [0, p], so it sees the rows before it in this step and none
+   after. Runs of one sequence's rows (chunks) are attended together, each K/V block read
+   once for the run; a row's bits do not depend on its run (attention.c).
+
    Threads: `decode_step` is called once per thread (thread t of n, all with the same
-   arguments); the threads split each GEMM's column blocks and the attention's (row, kv
-   head) items, and meet at a barrier between dependent phases (5 per layer). Norms are
-   computed by every thread into its own buffer (only thread 0 writes the residual), so
-   no barrier waits for them. Which thread computes an output never changes its bits. */
+   arguments); the threads split each GEMM's column blocks, the store's (row, kv head)
+   items and the attention's (chunk, kv head) items, and meet at a barrier between
+   dependent phases (6 per layer). Norms are computed by every thread into its own buffer
+   (only thread 0 writes the residual), so no barrier waits for them. Which thread
+   computes an output never changes its bits. */
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -99,8 +107,8 @@ typedef struct {
     const float *cos, *sin;                  /* (max_pos, head_dim / 2) float32 */
     const uint16_t *silu;                    /* (65536,) torch's silu of every bfloat16 */
     const int64_t *positions, *slots;        /* (B,) */
-    const int64_t *page_table;               /* (B, table_stride) */
-    const int64_t *row_seq, *row_pos, *chunks; /* (B,), (B,), (B + 1,): attention's rows */
+    const int64_t *page_table;               /* (S, table_stride): each sequence's pages */
+    const int64_t *row_seq, *row_pos, *chunks; /* (B,), (B,), (C + 1,): attention's rows */
     uint16_t *x;                             /* (B, hidden): in the embeddings, out the last down */
     uint16_t *residual[2];                   /* (B, hidden) each; the stream ends in [0] */
     uint16_t *qkv, *attn, *proj, *gate_up, *act;  /* shared activations */
@@ -108,6 +116,7 @@ typedef struct {
     float *xs;                               /* (threads, B, max K / 16) each thread's group sums */
     int64_t xs_stride;
     Barrier *barrier;
+    int64_t num_chunks;                      /* C: runs of rows [chunks[i], chunks[i + 1]) */
 } Step;
 
 static void barrier_wait(Barrier *b, int64_t threads) {
@@ -260,14 +269,14 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     share(qkv_n / 16, t, threads, &lo, &hi);
     gemm(c, &ly->qkv, h, xs, c->qkv, qkv_n, lo, hi);
     barrier_wait(c->barrier, threads);
-    /* rope, store, attention: items (row, kv head), strided over the threads */
-    const int64_t items = B * c->kv_heads;
-    for (int64_t i = t; i < items; i += threads) {
+    /* rope and store: items (row, kv head), strided over the threads; then, once every
+       row's K/V is in the pool, attention: items (chunk, kv head), strided likewise */
+    for (int64_t i = t; i < B * c->kv_heads; i += threads)
         rope_and_store(c, ly, i / c->kv_heads, i % c->kv_heads);
-        paged_attention(c->qkv, qkv_n, d, ly->k_cache, ly->v_cache, c->attn, c->row_seq,
-                        c->row_pos, c->page_table, c->table_stride, c->page_size, c->heads,
-                        c->kv_heads, d, 0, c->scale, 1, c->chunks, i, i + 1, 1);
-    }
+    barrier_wait(c->barrier, threads);
+    paged_attention(c->qkv, qkv_n, d, ly->k_cache, ly->v_cache, c->attn, c->row_seq, c->row_pos,
+                    c->page_table, c->table_stride, c->page_size, c->heads, c->kv_heads, d, 0,
+                    c->scale, 1, c->chunks, t, c->num_chunks * c->kv_heads, threads);
     barrier_wait(c->barrier, threads);
     sums(c, &ly->o, c->attn, xs);
     share(n / 16, t, threads, &lo, &hi);

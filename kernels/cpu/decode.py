@@ -2,12 +2,16 @@
 
 The layers' ops written in torch cost a dispatch and an allocation each (a dozen per
 layer, most of a decode step's time on a small model); `DecodeStep` runs every layer of
-a step of one-token sequences in one call over buffers allocated once, and returns what
+a step of new tokens (rows) in one call over buffers allocated once, and returns what
 the torch layers return, (x, residual) before the final norm, bit for bit: the GEMMs and
 the attention are the same C functions in the same order, and the norms, RoPE and
 silu · up round as the torch ops do (`decode.c` writes out each step). It takes
 bfloat16 activations and int4 or int8 weights in the native GEMM's layouts
 (`qgemm.py`), and bfloat16 KV pools (`attention.py`).
+
+A row is one new token: its position, its KV slot and its sequence's page-table row.
+Several rows may be one sequence's consecutive positions (a cached turn's delta): each
+layer stores every row's K/V before any row attends, so a row sees the rows before it.
 
 With n threads the call is handed to the native kernels' pool once per step; the
 threads split each GEMM's column blocks and the attention's (row, KV head) items and
@@ -54,8 +58,19 @@ class _Step(ctypes.Structure):
         ("silu", _P), ("positions", _P), ("slots", _P), ("page_table", _P), ("row_seq", _P),
         ("row_pos", _P), ("chunks", _P), ("x", _P), ("residual", _P * 2), ("qkv", _P),
         ("attn", _P), ("proj", _P), ("gate_up", _P), ("act", _P), ("h", _P), ("xs", _P),
-        ("xs_stride", _I), ("barrier", _P),
+        ("xs_stride", _I), ("barrier", _P), ("num_chunks", _I),
     ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """Which sequence each row of a step is, for the attention: row_seq (B,) int64, each
+    row's row of the page table; chunks (C + 1,) int64, runs of rows [chunks[i],
+    chunks[i + 1]) of one sequence, attended together (each K/V block read once a run;
+    the same bits as one run a row)."""
+
+    row_seq: torch.Tensor
+    chunks: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -144,8 +159,8 @@ def supports(shape: DecodeShape) -> str | None:
 
 
 class DecodeStep:
-    """Every layer of a decode step in one native call; buffers for up to `max_batch`
-    sequences made once."""
+    """Every layer of a step in one native call; buffers for up to `max_rows` rows
+    (new tokens) made once (`buffer_bytes`)."""
 
     def __init__(
         self,
@@ -153,7 +168,7 @@ class DecodeStep:
         layers: list[LayerWeights],
         cos: torch.Tensor,  # (max_pos, head_dim / 2) float32
         sin: torch.Tensor,
-        max_batch: int,
+        max_rows: int,
         threads: int,
     ) -> None:
         lib = native_library()
@@ -162,29 +177,32 @@ class DecodeStep:
         lib.decode_step.argtypes = [_P, _I, _I]
         lib.decode_step_size.restype = _I
         assert lib.decode_step_size() == ctypes.sizeof(_Step), "decode.c and decode.py differ"
-        self._lib, self.shape, self.max_batch, self.threads = lib, shape, max_batch, threads
-        s, b = shape, max_batch
+        self._lib, self.shape, self.max_rows, self.threads = lib, shape, max_rows, threads
+        s, b = shape, max_rows
         self._keep = [cos.contiguous(), sin.contiguous(), silu_table()]
         self._layers = (_Layer * len(layers))(*[self._layer(w) for w in layers])
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         max_k = max(s.hidden, q_size, s.inter)
 
+        self.buffer_bytes = 0  # the activation buffers below
+
         def buf(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
             t = torch.zeros(*size, dtype=dtype)
             self._keep.append(t)
+            self.buffer_bytes += t.nbytes
             return t
 
         self.residual = buf(2, b, s.hidden)  # (2, B, hidden): the stream ends in [0]
-        self._row_seq = torch.arange(b, dtype=torch.int64)
-        self._chunks = torch.arange(b + 1, dtype=torch.int64)
+        # a decode step's rows: row b is sequence b, a run of its own
+        self._one_each = RowRuns(torch.arange(b, dtype=torch.int64),
+                                 torch.arange(b + 1, dtype=torch.int64))  # fmt: skip
         self._barrier = _Barrier(0, 0)
         step = _Step(
             num_layers=len(layers), hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
             head_dim=s.head_dim, inter=s.inter, sum_lanes=sum_lanes(s.hidden), eps=s.eps,
             scale=s.scale, page_size=s.page_size, layers=ctypes.addressof(self._layers),
             cos=self._keep[0].data_ptr(), sin=self._keep[1].data_ptr(),
-            silu=self._keep[2].data_ptr(), row_seq=self._row_seq.data_ptr(),
-            chunks=self._chunks.data_ptr(),
+            silu=self._keep[2].data_ptr(),
             qkv=buf(b, q_size + 2 * kv_size).data_ptr(), attn=buf(b, q_size).data_ptr(),
             proj=buf(b, s.hidden).data_ptr(), gate_up=buf(b, 2 * s.inter).data_ptr(),
             act=buf(b, s.inter).data_ptr(), h=buf(threads, b, s.hidden).data_ptr(),
@@ -210,19 +228,28 @@ class DecodeStep:
         x: torch.Tensor,  # (B, hidden) bfloat16 contiguous: the embeddings; overwritten
         positions: torch.Tensor,  # (B,) int64: each new token's position
         slots: torch.Tensor,  # (B,) int64: its KV slot (-1: none)
-        page_table: torch.Tensor,  # (B, W) int64 contiguous
+        page_table: torch.Tensor,  # (S, W) int64 contiguous: each sequence's pages
         threads: int | None = None,  # at most the threads it was built for (default)
+        rows: RowRuns | None = None,  # None: row b is sequence b (S = B), one token each
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it), both (B, hidden);
         x is the first (written in place), the second a view of a buffer the next call
-        overwrites. The same bits on any number of threads."""
+        overwrites. A row attends to its sequence's keys up to its own position (the
+        rows before it in this step included). The same bits on any number of threads."""
         batch = x.shape[0]
-        assert 0 < batch <= self.max_batch and x.dtype == torch.bfloat16 and x.is_contiguous()
-        assert page_table.is_contiguous() and page_table.shape[0] == batch
+        assert 0 < batch <= self.max_rows and x.dtype == torch.bfloat16 and x.is_contiguous()
+        assert page_table.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
+        runs = self._one_each if rows is None else rows
+        if rows is None:
+            assert page_table.shape[0] == batch
+        else:
+            assert rows.row_seq.shape[0] == batch and int(rows.chunks[-1]) == batch
         st = self._step
         st.batch, st.x = batch, x.data_ptr()
-        st.positions = st.row_pos = positions.data_ptr()  # a decode row's position: its last
+        st.positions = st.row_pos = positions.data_ptr()  # a row's keys end at its position
         st.slots, st.page_table = slots.data_ptr(), page_table.data_ptr()
+        st.row_seq, st.chunks = runs.row_seq.data_ptr(), runs.chunks.data_ptr()
+        st.num_chunks = batch if rows is None else rows.chunks.shape[0] - 1
         st.table_stride = page_table.shape[1]
         self._barrier.arrived = self._barrier.generation = 0
         ptr = ctypes.addressof(st)

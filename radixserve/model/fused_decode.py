@@ -6,11 +6,19 @@ through `radixserve.kernels.cpu.decode.DecodeStep`, which computes the same bits
 layers' torch ops (`tests/model/test_fused_decode.py` checks logits and greedy tokens
 with `torch.equal`) without their per-op dispatch, allocation and thread hand-off.
 
+A step with extends (a cached turn's delta, a short prompt, decodes beside them) of up
+to `max_rows` new tokens runs there too, one native row per new token: its position,
+its slot and its sequence's page-table row. The torch path computes every token's row
+the same way whatever the other rows (the native GEMM never mixes rows, the attention
+is batch-invariant, the norms, RoPE and silu are row-wise), so the bits are the same
+(`tests/model/test_fused_extend.py`).
+
 `fused_decode_for` decides once, at start-up, whether a model can take it; `why_not`
 says why not (logged): it needs bfloat16, every layer's matrices int4 or int8 through
 the native GEMM, the native attention, and the plain Llama layer (no biases, q/k norms,
-extra norms, GELU, experts, sliding windows, tensor parallelism). Steps with a prefill
-chunk, and batches over `max_batch`, run the layers in torch.
+extra norms, GELU, experts, sliding windows, tensor parallelism). Decode-only batches
+over `max_batch`, and steps with extends over `max_rows` new tokens, run the layers in
+torch.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from radixserve.kernels.cpu.decode import (
     DecodeStep,
     LayerWeights,
     ProjWeights,
+    RowRuns,
     supports,
 )
 from radixserve.model.forward_batch import ForwardBatch
@@ -45,6 +54,14 @@ FUSED_MAX_BATCH = 16
 #: stalls every barrier; bench/decode_ab.py)
 FUSED_THREADS = 2
 TWO_THREADS_FROM = 8
+#: the most new tokens of a step with extends that the native step takes: a whole prefill
+#: chunk (`prefill_chunk_tokens`' default). Its buffers are made for them at start-up
+#: (9.6 MB on the default model, two threads); it beat the torch layers at every size
+#: measured, 16 to 512 new tokens over a 2k-token prefix (bench/extend_ab.py)
+FUSED_MAX_ROWS = 512
+#: rows of one sequence attended together (each K/V block read once for them): small
+#: enough that one sequence's delta still splits over both threads' (run, KV head) items
+RUN_ROWS = 16
 
 
 def _proj(layer: Linear) -> ProjWeights | None:
@@ -110,30 +127,50 @@ class FusedDecode:
         max_batch: int,
         threads: int,
         two_threads_from: int = TWO_THREADS_FROM,
+        max_rows: int = FUSED_MAX_ROWS,
     ) -> None:
         self.model = model
-        self.max_batch = max_batch
-        self.two_threads_from = two_threads_from  # smaller batches run on one thread
+        self.max_batch = max_batch  # decode-only steps
+        self.max_rows = max_rows  # steps with extends: their new tokens
+        self.two_threads_from = two_threads_from  # fewer rows run on one thread
         layers = []
         for layer, (k, v) in zip(model.decoder_layers, kv_caches):
             projs = [_proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             assert all(p is not None for p in projs)
             layers.append(LayerWeights(layer.input_norm, layer.post_norm, *projs, k, v))  # type: ignore[arg-type]
         self.step = DecodeStep(_shape(model, kv_caches), layers, model.rope.cos, model.rope.sin,
-                               max_batch, threads)  # fmt: skip
+                               max(max_batch, max_rows), threads)  # fmt: skip
 
     def applies(self, fb: ForwardBatch) -> bool:
-        """Whether this step is one the native step computes (every row one new token)."""
-        return fb.attn.num_extend_tokens == 0 and 0 < fb.input_ids.shape[0] <= self.max_batch
+        """Whether the native step computes this step: a decode-only step of up to
+        `max_batch` sequences, or a step with extends of up to `max_rows` new tokens."""
+        rows = fb.input_ids.shape[0]
+        if fb.attn.num_extend_tokens == 0:
+            return 0 < rows <= self.max_batch
+        return rows <= self.max_rows
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model's logits for `fb` (as `LlamaModel.forward`), (N, vocab) float32."""
         x = self.model._embed(fb.input_ids).contiguous()  # (B, hidden)
         meta = fb.attn
         threads = 1 if x.shape[0] < self.two_threads_from else None  # None: as built
+        rows = _row_runs(meta.cu_seqlens_q.tolist()) if meta.num_extend_tokens else None
         x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous(),
-                                threads)  # fmt: skip
+                                threads, rows)  # fmt: skip
         return self.model.logits(x, residual, fb.logits_indices)
+
+
+def _row_runs(cu_seqlens: list[int]) -> RowRuns:
+    """The rows of sequences whose new tokens are rows [cu[s], cu[s + 1]): each row's
+    sequence, and runs of up to `RUN_ROWS` rows of one sequence."""
+    row_seq: list[int] = []
+    chunks: list[int] = []
+    for seq, (lo, hi) in enumerate(zip(cu_seqlens, cu_seqlens[1:])):
+        row_seq.extend([seq] * (hi - lo))
+        chunks.extend(range(lo, hi, RUN_ROWS))
+    chunks.append(cu_seqlens[-1])
+    return RowRuns(torch.tensor(row_seq, dtype=torch.int64),
+                   torch.tensor(chunks, dtype=torch.int64))  # fmt: skip
 
 
 def fused_decode_for(
@@ -142,11 +179,15 @@ def fused_decode_for(
     max_batch: int,
     threads: int,
     two_threads_from: int = TWO_THREADS_FROM,
+    max_rows: int = FUSED_MAX_ROWS,
 ) -> FusedDecode | None:
     """The native decode step for `model`, or None (logged) where it does not apply."""
     reason = why_not(model, kv_caches)
     if reason is not None:
         logger.info("decode runs the layers in torch ops: %s", reason)
         return None
-    logger.info("decode runs the layers in one native call (batches up to %d)", max_batch)
-    return FusedDecode(model, kv_caches, max_batch, threads, two_threads_from)
+    fused = FusedDecode(model, kv_caches, max_batch, threads, two_threads_from, max_rows)
+    logger.info("decode runs the layers in one native call (batches up to %d, steps with "
+                "extends up to %d tokens; buffers %.1f MB)", max_batch, max_rows,
+                fused.step.buffer_bytes / 1e6)  # fmt: skip
+    return fused
