@@ -44,7 +44,7 @@ from radixserve.launch.cluster import ClusterConfig, base_env, gateway_healthy
 from radixserve.launch.listeners import Listener
 from radixserve.protocol import decode, encode
 from radixserve.protocol.messages import KVReady, TokenChunk
-from radixserve.services.gateway.trace_store import TraceStore
+from radixserve.services.gateway.server.trace_store import TraceStore
 from radixserve.tracing import NO_SPAN, Span, Tracer
 from radixserve.tracing.otlp import SpanConverter
 

@@ -6,6 +6,7 @@ its KV pool; and the cluster gateway runs without torch."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,102 @@ def test_the_cluster_gateway_imports_neither_torch_nor_the_engine() -> None:
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
+
+
+#: the allocator and the radix tree: only the cache package and the cache manager
+#: import them (a type named in an annotation, under TYPE_CHECKING, holds no page)
+PAGE_STATE = {"radixserve.cache.page_allocator", "radixserve.cache.radix_cache"}
+PAGE_OWNERS = ("radixserve.cache.", "radixserve.engine.kv_cache_manager")
+BENCHMARKS = ("radixserve.bench", "radixserve.kernels.bench")  # drive the parts directly
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The absolute module names ``path`` imports outside ``if TYPE_CHECKING:`` blocks
+    (functions' imports included)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found
+
+
+def test_only_the_cache_manager_imports_the_allocator_and_the_radix_tree() -> None:
+    """`KVCacheManager` is the one owner of the pool's pages: the scheduler, the engine,
+    the leases, the audit, the runtime and the services reach pages through it."""
+    offenders = sorted(
+        f"{name} imports {imported}"
+        for name, path in modules().items()
+        if not name.startswith(PAGE_OWNERS + BENCHMARKS)
+        for imported in runtime_imports(path) & PAGE_STATE
+    )
+    assert offenders == []
+    kv = modules()["radixserve.engine.kv_cache_manager"]
+    assert runtime_imports(kv) >= PAGE_STATE  # the rule sees the imports it forbids
+
+
+def test_neither_the_scheduler_nor_the_cache_manager_imports_kernels() -> None:
+    """The page-run size (the CPU decode attention's block) is passed in by the engine:
+    what pages a request gets is not tied to one kernel's module."""
+    mods = modules()
+    engine = imports(mods["radixserve.engine.engine"], "radixserve.engine.engine", set(mods))
+    assert any(name.startswith("radixserve.kernels") for name in engine)  # the walk sees them
+    for name in ("radixserve.engine.scheduler", "radixserve.engine.kv_cache_manager"):
+        found = imports(mods[name], name, set(mods))
+        assert sorted(m for m in found if m.startswith("radixserve.kernels")) == [], name
+
+
+ARCH_NAME = re.compile(r"(^|_)arch(itecture)?s?$")
+
+
+def arch_tests(source: str) -> list[str]:
+    """The comparisons (==, !=, in, not in) in ``source`` that test a value named
+    ``arch``, ``architecture``, ``*_arch`` … (a model family told by its name)."""
+
+    def named(node: ast.expr) -> bool:
+        name = getattr(node, "id", None) or getattr(node, "attr", None)
+        return isinstance(name, str) and bool(ARCH_NAME.search(name))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        if any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops) and any(
+            named(x) for x in (node.left, *node.comparators)
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_family_registry_tells_families_by_name() -> None:
+    """A model family's differences live in its module of `radixserve.model.families`:
+    no code elsewhere tests an architecture's name (``arch == "gemma3"``)."""
+    families = ROOT / "radixserve" / "model" / "families"
+    offenders = [
+        f"{path.relative_to(ROOT)}:{hit}"
+        for folder in ("radixserve", "services")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if families not in path.parents
+        for hit in arch_tests(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_an_architecture_test_is_found() -> None:
+    code = (
+        "if config.architecture == 'mixtral': pass\n"
+        "ok = arch in ('qwen3', 'gemma3')\n"
+        "x = gguf_arch != 'llama'\n"
+        "y = size == 3\n"
+    )
+    assert [hit.split(":")[0] for hit in arch_tests(code)] == ["1", "2", "3"]

@@ -23,8 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from radixserve.cache.radix_cache import RadixNode
-
 Route = Literal["local", "remote", "host"]
 
 
@@ -45,17 +43,6 @@ class Admission:
     route: Route
     cached_tokens: int  # prompt tokens already on this engine's device (page-aligned)
     page_ids: tuple[int, ...] = ()  # remote: for the prefill worker's KV; host: for the read
-
-
-@dataclass
-class HostLoad:
-    """A request waiting for its host-tier read: the prefix it will cache when done."""
-
-    tokens: list[int]  # the prefix that will be cached: device head + loaded pages
-    head_pages: list[int]  # the device-cached head, locked through `node`
-    page_ids: list[int]  # the pages the host-tier read fills, in order
-    node: RadixNode
-    namespace: bytes | None = None  # the request's (`Request.namespace`)
 
 
 def choose_route(prompt_len: int, cached: int, host_tokens: int, remote_over: int | None) -> Route:

@@ -23,11 +23,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from radixserve.cache.radix_cache import BlockCallback, SpillCallback
 from radixserve.engine.admission import Admission, HostPlan
 from radixserve.engine.engine import Engine
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
@@ -35,6 +34,9 @@ from radixserve.engine.info import EngineInfo, EngineStats
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.settings import EngineSettings
+
+if TYPE_CHECKING:  # the listeners' signatures
+    from radixserve.cache.radix_cache import BlockCallback, SpillCallback
 
 logger = logging.getLogger(__name__)
 
@@ -195,21 +197,12 @@ class AsyncEngine:
         ``buffer`` (whole pages; a file at ``buffer_path`` with tensor parallelism, so
         every rank maps it) is where `copy_out` copies them."""
 
-        def listen(e: Engine) -> None:
-            if e.cache is None:
-                return
-            if on_spill is not None:
-                e.cache.clear_written()
-                if buffer is not None:
-                    e.set_spill_buffer(buffer, buffer_path)
-            e.cache.set_spill_listener(on_spill, write_through_uses)
-
-        self.submit(listen)
+        self.submit(lambda e: e.spill.listen(on_spill, write_through_uses, buffer, buffer_path))
 
     def copy_out(self, page_ids: list[int], slots: list[int]) -> None:
         """Copy pages into ``slots`` of the spill buffer (`listen_spills`), on every rank.
         Only on the engine thread: from ``on_spill``, before the cache lets them go."""
-        self.engine.copy_out(page_ids, slots)
+        self.engine.spill.copy_out(page_ids, slots)
 
     async def call(
         self, fn: Callable[[Engine], T], watch: str | None = None
@@ -291,7 +284,7 @@ class AsyncEngine:
         page lease expires, which the next step releases); False on close."""
         while True:
             timeout = None
-            deadline = self.engine.leases.next_deadline() if block else None
+            deadline = self.engine.kv.leases.next_deadline() if block else None
             if deadline is not None:
                 timeout = max(0.0, deadline - time.perf_counter()) + 0.001
             try:

@@ -29,17 +29,20 @@ attribute against None and does nothing else.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from radixserve.cache.page_allocator import PageAllocator
+from radixserve.cache.block_hash import page_hashes
 from radixserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import ScheduledBatch
+from radixserve.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,17 @@ MAX_PENDING = 8
 #: kernels that are not invariant (the GPU's, not yet measured): 0.125 of the top logit in bfloat16,
 #: 1.6e-2 in float16, 1.9e-6 in float32 (`tests/engine/test_cache_audit.py`).
 TOLERANCE_EPS = 16.0
+
+
+def make_audit(
+    settings: EngineSettings, dtype: torch.dtype, tokenizer: TokenDecoder
+) -> CacheAudit | None:
+    """The audit ``settings`` ask for (None with ``audit_sample_rate`` 0)."""
+    if settings.audit_sample_rate <= 0:
+        return None
+    tolerance = settings.audit_tolerance or audit_tolerance(dtype)
+    return CacheAudit(settings.audit_sample_rate, settings.audit_fail_closed,
+                      settings.audit_logits_k, tolerance, tokenizer)  # fmt: skip
 
 
 def audit_tolerance(dtype: torch.dtype) -> float:
@@ -104,8 +118,8 @@ class ShadowPrefill:
 
 class CacheAudit:
     """The audit's state — sampling, pending jobs, the shadow in progress, its counters —
-    owned by the engine thread. Whether the engine still serves from its cache after a
-    mismatch is the scheduler's (`Scheduler.serve_from_cache`), set by the engine."""
+    owned by the engine thread. Its shadow's pages, and whether the engine still serves
+    from its cache after a mismatch, are the cache manager's (`KVCacheManager.distrust`)."""
 
     def __init__(
         self,
@@ -137,11 +151,12 @@ class CacheAudit:
         self,
         sampling: Sequence[Request],
         logits: torch.Tensor,
-        cached_pages: Callable[[Request], tuple[list[int], list[int]]],
+        page_size: int,
+        namespace: bytes,
     ) -> None:
         """A step's rows (``logits`` (N, vocab), row i for ``sampling[i]``): keep the rows
-        of sampled cache hits at their first token. ``cached_pages(req)``: the ids and
-        hashes of the pages its cached prefix read."""
+        of sampled cache hits at their first token, with the ids and hashes of the pages
+        their cached prefix read (``namespace``: the engine's, for the default scope)."""
         for i, req in enumerate(sampling):
             if req.output_ids or req.index or req.num_cached_tokens <= 0:
                 continue  # not a first token of a cache hit (or a fork of one)
@@ -152,7 +167,10 @@ class CacheAudit:
             if len(self._pending) >= MAX_PENDING:
                 self.num_skipped += 1
                 continue
-            pages, hashes = cached_pages(req)
+            num_pages = req.num_cached_tokens // page_size
+            tokens = req.prompt_ids[: num_pages * page_size]
+            pages = req.page_ids[:num_pages]
+            hashes = page_hashes(tokens, page_size, req.namespace or namespace)
             row = logits[i].detach().float().cpu()  # (vocab,)
             job = AuditJob(req.group_id, list(req.prompt_ids), row, pages, hashes)
             self._pending.append(job)
@@ -163,27 +181,53 @@ class CacheAudit:
             self.shadow = ShadowPrefill(self._pending.popleft(), self._tokenizer)
         return self.shadow
 
-    def yield_shadow(self, allocator: PageAllocator) -> None:
+    def run_shadow(
+        self, kv: KVCacheManager, run: Callable[[ScheduledBatch], torch.Tensor], chunk_tokens: int
+    ) -> float | None:
+        """The engine is idle: compute the next ``chunk_tokens`` of the shadow prefill
+        (``run`` returns a batch's logits (rows, vocab); what a request arriving meanwhile
+        may wait for, as behind any long prompt; its pages are free ones or evicted, never
+        preempted) and judge it once computed. The seconds it took; None if skipped."""
+        shadow = self.next_shadow()
+        assert shadow is not None
+        pages = kv.allocate(shadow.pages_needed(kv.page_size) - len(shadow.req.page_ids))
+        if pages is None:
+            self.skip_shadow(kv)
+            return None
+        shadow.req.page_ids.extend(pages)
+        start = time.perf_counter()
+        batch = shadow.chunk(chunk_tokens)
+        logits = run(batch)
+        shadow.advance(batch.num_new_tokens[0])
+        if shadow.done and self.judge(logits[0], kv) and self.fail_closed:
+            dropped = kv.distrust()
+            logger.error("cache audit failed closed: %d cached pages dropped, the cache serves "
+                         "nothing until cleared", dropped)  # fmt: skip
+        spent = time.perf_counter() - start
+        self.seconds += spent
+        return spent
+
+    def yield_shadow(self, kv: KVCacheManager) -> None:
         """Real work is back: free the shadow's pages; its job starts over when idle."""
         if self.shadow is None:
             return
-        allocator.decref(self.shadow.req.page_ids)
+        kv.drop(self.shadow.req.page_ids)
         self._pending.appendleft(self.shadow.job)
         self.shadow = None
 
-    def skip_shadow(self, allocator: PageAllocator) -> None:
+    def skip_shadow(self, kv: KVCacheManager) -> None:
         """The shadow cannot run (no pages to spare): drop its job, counted "skipped"."""
         assert self.shadow is not None
-        allocator.decref(self.shadow.req.page_ids)
+        kv.drop(self.shadow.req.page_ids)
         self.shadow = None
         self.num_skipped += 1
 
-    def judge(self, row: torch.Tensor, allocator: PageAllocator) -> bool:
+    def judge(self, row: torch.Tensor, kv: KVCacheManager) -> bool:
         """The finished shadow's last-position logits ``row`` (vocab,) against the cached
         path's; returns True on a mismatch (counted and logged)."""
         assert self.shadow is not None
         job = self.shadow.job
-        allocator.decref(self.shadow.req.page_ids)
+        kv.drop(self.shadow.req.page_ids)
         self.shadow = None
         diff, scale = compare_rows(job.cached_row, row.detach().float().cpu(), self.logits_k)
         self.num_checked += 1

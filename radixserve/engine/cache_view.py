@@ -20,29 +20,28 @@ from radixserve.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import RadixCache, RadixNode
+    from radixserve.cache.radix_cache import RadixNode
+    from radixserve.engine.kv_cache_manager import KVCacheManager
     from radixserve.engine.request import Request
     from radixserve.model.tokenizer import Tokenizer
 
 
 def describe(
     query_id: str,
-    cache: RadixCache | None,
+    kv: KVCacheManager,
     requests: Iterable[Request],
-    host_loading: Collection[str],
-    leased: Iterable[str],
     tokenizer: Tokenizer,
     max_nodes: int,
     text_tokens: int,
 ) -> CacheTreeReply:
-    """The reply to a `CacheTreeQuery`: the ``max_nodes`` largest nodes of ``cache`` (with
-    their first ``text_tokens`` tokens as text, none when 0) and the live requests:
-    ``requests`` (the engine's own), of which ``host_loading`` wait for a host-tier
-    read, and the ``leased`` ids (a prefill worker's pages kept for a reader). With
-    ``max_nodes`` 0 the tree is not walked (``num_nodes`` 0): the live requests only."""
-    requests = list(requests)
-    live = [_live(req, host_loading) for req in requests]
-    live += [LiveRequestView(rid, "leased") for rid in leased]
+    """The reply to a `CacheTreeQuery`: the ``max_nodes`` largest nodes of ``kv``'s cache
+    (with their first ``text_tokens`` tokens as text, none when 0) and the live requests:
+    ``requests`` (the engine's own), of which some wait for a host-tier read
+    (``kv.host_loads``), and the leased ids (a prefill worker's pages kept for a reader).
+    With ``max_nodes`` 0 the tree is not walked (``num_nodes`` 0): the live requests only."""
+    requests, cache = list(requests), kv.cache
+    live = [_live(req, kv.host_loads) for req in requests]
+    live += [LiveRequestView(rid, "leased") for rid in kv.leases.request_ids()]
     nodes: list[CacheNodeView] = []
     num_nodes = 0
     if cache is not None and max_nodes > 0:  # the O(nodes) walks, only when asked for

@@ -5,13 +5,20 @@ from __future__ import annotations
 import torch
 
 from radixserve.cache.kv_pool import KVPool
-from radixserve.engine.cuda_graph import DecodeGraphs
+from radixserve.engine.cuda_graph import DecodeGraphs, make_decode_graphs
+from radixserve.engine.model_shard import ModelShard
 from radixserve.engine.request import Request
 from radixserve.engine.scheduler import ScheduledBatch
 from radixserve.engine.tp_group import TPGroup
 from radixserve.model.forward_batch import SequenceChunk, forward_batch_of, pack_step
-from radixserve.model.fused_decode import FusedDecode
+from radixserve.model.fused_decode import (
+    FUSED_MAX_BATCH,
+    FUSED_THREADS,
+    FusedDecode,
+    fused_decode_for,
+)
 from radixserve.model.llama import LlamaModel
+from radixserve.settings import EngineSettings
 
 
 class ModelRunner:
@@ -31,6 +38,27 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # decode-only steps replay a captured graph when one fits
         self.fused = fused  # decode-only steps run the layers in one native call (CPU)
+
+    @classmethod
+    def build(
+        cls,
+        settings: EngineSettings,
+        shard: ModelShard,
+        device: torch.device,
+        max_model_len: int,
+        tp_group: TPGroup | None,
+    ) -> ModelRunner:
+        """Rank 0's runner of ``shard``, with the decode paths ``settings`` and the device
+        allow: captured graphs (not with ranks: a graph would replay without them) and
+        the native decode step (CPU, one rank)."""
+        model, kv_pool, graphs, fused = shard.model, shard.kv_pool, None, None
+        if tp_group is None:
+            graphs = make_decode_graphs(model, kv_pool, shard.attention.name, max_model_len,
+                                        settings.cuda_graph_max_batch_size, device)  # fmt: skip
+        if settings.fused_decode and tp_group is None and device.type == "cpu":
+            batch = min(settings.max_num_seqs, FUSED_MAX_BATCH)
+            fused = fused_decode_for(model, kv_pool.layers, batch, FUSED_THREADS)
+        return cls(model, kv_pool, device, graphs, tp_group, fused)
 
     @torch.inference_mode()
     def run(

@@ -9,7 +9,8 @@ of KV pages (page ids mean the same on every rank).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import collections
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -18,7 +19,8 @@ import torch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.model.attention import AttentionBackend, make_attention_backend
 from radixserve.model.checkpoint import Checkpoint
-from radixserve.model.llama import LlamaModel, Plan, checkpoint_schemes, quant_targets
+from radixserve.model.layout import Plan, checkpoint_schemes, quant_targets
+from radixserve.model.llama import LlamaModel
 from radixserve.model.quant import plan_schemes
 from radixserve.model.tp import TPComm, TPShard
 from radixserve.settings import EngineSettings
@@ -84,3 +86,15 @@ def copy_out(kv_pool: KVPool, shard: KVShard, page_ids: list[int], buffer: torch
         buffer.index_copy_(2, dst, pages)
     else:
         buffer[:, :, dst, :, shard.first : shard.first + shard.count] = pages
+
+
+def describe_plan(plan: Mapping[str, str]) -> str:
+    """ "int4" when every matrix is int4, else e.g. "int4 (embed int8)"."""
+    counts = collections.Counter(plan.values())
+    if not counts:
+        return "none"
+    main = max(counts, key=lambda s: counts[s])
+    others = sorted(f"{key} {s}" for key, s in plan.items() if s != main)
+    if len(others) > 3:
+        others = [f"{n} {s}" for s, n in counts.items() if s != main]
+    return main + (f" ({', '.join(others)})" if others else "")

@@ -30,13 +30,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixserve.cache.radix_cache import MatchResult, RadixNode
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.thinking_budget import ThinkingBudget
+
+if TYPE_CHECKING:  # what a request holds of the cache, `radixserve.engine.kv_cache_manager`'s
+    from radixserve.cache.radix_cache import MatchResult, RadixNode
 
 
 class RequestStatus(enum.Enum):

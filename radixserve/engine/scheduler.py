@@ -28,14 +28,10 @@ else, at its own priority, the newest of the tenant furthest over its share of s
 (``max_num_seqs`` x its weight / the weights of the tenants with requests) when its own
 tenant is under its share. With one tenant and one priority none of this changes a step.
 
-Pages come from the allocator; when it runs short the radix cache evicts unlocked
-leaves, and if that is not enough the newest running request of the worst priority (the
-highest value) is preempted (its KV goes into the cache, its pages are released, it
-re-queues first). Each allocation for a
-request also reserves the pages up to the end of its current block of `block_pages`
-(the next whole block when it ends one, never past what the request can still use), so
-its pages come in the runs the CPU decode attention reads in place; the reservation is
-returned whenever the request's pages are (finish, abort, preemption).
+Pages come from the cache manager (`KVCacheManager.grow`: evict if short, then allocate,
+in runs the CPU decode attention reads in place); when even evicting is not enough the
+newest running request of the worst priority (the highest value) is preempted (its KV
+goes into the cache, its pages are released, it re-queues first) and `grow` is retried.
 """
 
 from __future__ import annotations
@@ -45,11 +41,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import MatchResult, RadixCache
 from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue, share_rows
+from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.request import Request, RequestStatus
-from radixserve.kernels.cpu.decode_attention import block_pages
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +63,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
-        cache: RadixCache | None,
-        page_size: int,
+        kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         prefill_chunk_tokens: int | None = None,
         fair_quantum_tokens: int = 256,
         fair_step_rows: int = 0,
     ) -> None:
-        self.allocator = allocator
-        self.cache = cache
-        self.page_size = page_size
-        self.run_pages = block_pages(page_size)  # pages a request's runs are aligned to
+        self.kv = kv  # every page a request holds comes from it and goes back to it
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_tokens = min(
@@ -95,9 +84,6 @@ class Scheduler:
         self._decoded_at: dict[str, int] = {}  # request id → the step it last decoded in
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
-        # False while a failed-closed cache audit waits for an operator (set by the
-        # engine, `Engine.clear_audit`): nothing is matched, every prompt is computed
-        self.serve_from_cache = True
 
     @property
     def has_work(self) -> bool:
@@ -234,12 +220,12 @@ class Scheduler:
                 budget[0] += refund
                 if grants is not None and victim.tenant in grants:
                     grants[victim.tenant] += refund
-            self._admit(req)
+            self.kv.admit(req)
             n = min(req.num_pending, self.prefill_chunk_tokens, budget[0])
             if grants is not None:
                 n = min(n, grants[req.tenant])
             if not self._reserve(req, req.num_computed + n, None):
-                self._release(req, cache_kv=False)
+                self.kv.release(req, cache_kv=False)
                 return  # no pages for it now: nor for those behind it
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -276,23 +262,8 @@ class Scheduler:
     def uncached_tokens(self, req: Request) -> int:
         """Tokens ``req`` would compute if admitted now (its cache hit looked up, nothing
         locked; the last token is always computed; a scored prompt skips the cache)."""
-        match = self.match(req)
+        match = self.kv.match(req)
         return req.num_tokens - (match.num_tokens if match is not None else 0)
-
-    def match(self, req: Request) -> MatchResult | None:
-        """``req``'s longest cached prefix in its cache scope (`Request.namespace`;
-        never its last token: its logits are needed), walked once and kept while the
-        tree has not changed (`RadixCache.version`): the
-        engine's admission, this step's short-delta check and `_admit` share one walk.
-        None without a cache, for a scored prompt (it computes all of it) and while the
-        cache does not serve (`serve_from_cache`)."""
-        if self.cache is None or req.scores_prompt or not self.serve_from_cache:
-            return None
-        kept = req.match
-        if kept is None or kept[0] != self.cache.version or kept[1] != req.num_tokens:
-            match = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.namespace)
-            kept = req.match = (self.cache.version, req.num_tokens, match)
-        return kept[2]
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; share finished prompt chunks through the cache."""
@@ -300,15 +271,15 @@ class Scheduler:
             if req.num_computed < len(req.prompt_ids):
                 req.num_computed_prompt_tokens += min(n, len(req.prompt_ids) - req.num_computed)
             req.num_computed += n
-            if n > 1 and self.cache is not None:
-                self._cache_running(req)
+            if n > 1:
+                self.kv.share(req)
 
     def reserve_remote(self, req: Request) -> bool:
         """Lock `req`'s cached prefix and give it pages for the rest of its prompt, to be
         filled by a KV transfer. False (nothing held) if the pool cannot spare them now."""
-        self._admit(req)
+        self.kv.admit(req)
         if not self._reserve(req, len(req.prompt_ids), None):
-            self._release(req, cache_kv=False)
+            self.kv.release(req, cache_kv=False)
             return False
         req.status = RequestStatus.AWAITING_KV
         self.awaiting_kv[req.request_id] = req
@@ -322,30 +293,11 @@ class Scheduler:
         self.running.append(req)
 
     def fork(self, parent: Request, child: Request, copy_page: Callable[[int, int], None]) -> bool:
-        """Start ``child`` running from ``parent``'s computed tokens: the parent's full
-        pages are shared (one more reference each, its cache node locked once more) and
-        its partial last page is copied (``copy_page(src, dst)``). False, with nothing
-        held, if no page can be found for the copy."""
-        num = parent.num_computed
-        full = num // self.page_size
-        tail: list[int] = []
-        if num % self.page_size:
-            if self.allocator.num_free < 1 and not (self.cache and self.cache.evict(1) >= 1):
-                return False
-            tail = self.allocator.alloc(
-                1, owner=child.request_id, spare=self._spare_pages(child, full + 1)
-            )
-            copy_page(parent.page_ids[full], tail[0])
-        shared = parent.page_ids[:full]
-        self.allocator.incref(shared)
-        if parent.locked_node is not None:
-            assert self.cache is not None
-            self.cache.lock(parent.locked_node)
-        child.locked_node = parent.locked_node
-        child.page_ids = shared + tail
-        child.num_computed = num
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.admitted_once = True
+        """Start ``child`` running from ``parent``'s computed tokens (`KVCacheManager.fork`:
+        shared full pages, a copied partial one). False, with nothing held, if no page
+        can be found for the copy."""
+        if not self.kv.fork(parent, child, copy_page):
+            return False
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         return True
@@ -366,55 +318,22 @@ class Scheduler:
         elif req.status is RequestStatus.AWAITING_KV:
             del self.awaiting_kv[req.request_id]
             cache_kv = False  # its reserved pages were never filled
-        self._release(req, cache_kv=cache_kv)
+        self.kv.release(req, cache_kv=cache_kv)
         self._decoded_at.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
     # -- pages ------------------------------------------------------------------------
 
-    def _admit(self, req: Request) -> None:
-        """Point a waiting request at its longest cached prefix (locked), if caching."""
-        match = self.match(req)
-        req.match = None  # used: the next admission (after a preemption) walks again
-        if match is not None:
-            assert self.cache is not None
-            self.allocator.incref(match.page_ids)
-            self.cache.lock(match.node)
-            if match.num_tokens:
-                self.cache.note_use(match.node, req.request_id)
-            req.locked_node = match.node
-            req.page_ids = list(match.page_ids)
-            req.num_computed = match.num_tokens
-        if not req.admitted_once:
-            req.num_cached_tokens = req.num_computed
-            req.admitted_once = True
-
     def _reserve(
         self, req: Request, num_tokens: int, chosen: dict[str, tuple[Request, int]] | None
     ) -> bool:
         """Give `req` pages for `num_tokens` tokens, evicting and (if `chosen` is given,
         i.e. `req` is running) preempting newer requests. False if it cannot."""
-        need = -(-num_tokens // self.page_size) - len(req.page_ids)
-        if need <= 0:
-            return True
-        while self.allocator.num_free < need:
-            short = need - self.allocator.num_free
-            if self.cache is not None and self.cache.evict(short) >= short:
-                continue
+        while not self.kv.grow(req, num_tokens):
             if chosen is None or not self._preempt_newest(req, chosen):
                 return False
-        spare = self._spare_pages(req, len(req.page_ids) + need)
-        req.page_ids.extend(self.allocator.alloc(need, owner=req.request_id, spare=spare))
         return True
-
-    def _spare_pages(self, req: Request, num_pages: int) -> int:
-        """Pages to reserve for `req` after its first `num_pages`: to the end of their
-        block of `run_pages` (a whole next block if they end one), at most as many as
-        its prompt and `max_tokens` can still fill."""
-        spare = -num_pages % self.run_pages or self.run_pages
-        most = -(-(len(req.prompt_ids) + req.params.max_tokens) // self.page_size)
-        return max(0, min(spare, most - num_pages))
 
     def _preempt_newest(self, req: Request, chosen: dict[str, tuple[Request, int]]) -> bool:
         """Preempt the newest running request of the worst priority (the highest value;
@@ -429,42 +348,7 @@ class Scheduler:
         first among its tenant's. Returns the tokens it had been given this step."""
         _, n = chosen.pop(victim.request_id, (victim, 0))
         self.running.remove(victim)
-        self._release(victim, cache_kv=True)
+        self.kv.release(victim, cache_kv=True)
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         return n
-
-    def _release(self, req: Request, cache_kv: bool) -> None:
-        if self.cache is not None and cache_kv:
-            aligned = min(req.num_computed // self.page_size, len(req.page_ids))
-            if aligned:
-                tokens = req.token_ids[: aligned * self.page_size]
-                self.cache.insert(tokens, req.page_ids[:aligned], req.namespace)
-        self.allocator.decref(req.page_ids)
-        self.allocator.release(req.request_id)
-        if req.locked_node is not None:
-            assert self.cache is not None
-            self.cache.unlock(req.locked_node)
-        req.page_ids = []
-        req.locked_node = None
-        req.num_computed = 0  # no page: no KV
-
-    def _cache_running(self, req: Request) -> None:
-        """Insert a running request's full pages and re-point it at the cache's copies,
-        so concurrent requests sharing the prefix reuse them at once."""
-        assert self.cache is not None
-        num_pages = req.num_computed // self.page_size
-        if num_pages == 0:
-            return
-        tokens = req.token_ids[: num_pages * self.page_size]
-        match = self.cache.insert_path(tokens, req.page_ids[:num_pages], req.namespace)
-        for i, canonical in enumerate(match.page_ids):
-            mine = req.page_ids[i]
-            if mine != canonical:
-                self.allocator.incref([canonical])
-                self.allocator.decref([mine])
-                req.page_ids[i] = canonical
-        self.cache.lock(match.node)
-        if req.locked_node is not None:
-            self.cache.unlock(req.locked_node)
-        req.locked_node = match.node

@@ -22,7 +22,7 @@ from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_loader import load_gguf
 from radixserve.model.hf_loader import load_hf_dir
-from radixserve.model.llama import weight_layout
+from radixserve.model.layout import weight_layout
 from radixserve.model.model_files import DEFAULT_MODEL, model_kind, resolve_model_path
 from radixserve.model.quant import QuantizedRows, RequantError, Scheme
 from radixserve.model.tokenizer import Tokenizer

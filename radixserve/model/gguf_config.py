@@ -14,12 +14,13 @@ from gguf.quants import dequantize
 
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig, RopeScaling
+from radixserve.model.families.family import GGUFShape
+from radixserve.model.families.registry import for_gguf
 from radixserve.model.gguf_file import GGUFFile
 from radixserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 _GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
@@ -65,8 +66,7 @@ def _rope_scaling(
 
 def _moe(meta: Mapping[str, Any], arch: str, names: set[str], layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields: a layer is sparse where its router
-    (``ffn_gate_inp``) is stored; {} for a dense model. A llama-arch file with experts is
-    Mixtral."""
+    (``ffn_gate_inp``) is stored; {} for a dense model."""
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if not experts:
         return {}
@@ -76,7 +76,6 @@ def _moe(meta: Mapping[str, Any], arch: str, names: set[str], layers: int) -> di
                              "(the router's top-k is over a softmax of its logits)")  # fmt: skip
     inter = meta.get(f"{arch}.expert_feed_forward_length") or meta[f"{arch}.feed_forward_length"]
     return {
-        "architecture": "mixtral" if arch == "llama" else "qwen3_moe",
         "num_experts": experts,
         "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
         "moe_intermediate_size": int(inter),
@@ -86,40 +85,10 @@ def _moe(meta: Mapping[str, Any], arch: str, names: set[str], layers: int) -> di
     }
 
 
-def _gemma3(meta: Mapping[str, Any], layers: int, hidden: int, heads: int, head_dim: int):
-    """Gemma 3's fields as llama.cpp reads them: the window from the file; the pattern
-    from ``attention.sliding_window_pattern`` (a period n: every n-th layer global, or a
-    flag per layer) or else llama.cpp's 6; the local RoPE base from
-    ``rope.freq_base_swa`` or else 10000; the softmax scale 1/sqrt(head_dim) except for
-    the 62-layer 27B, whose query_pre_attn_scalar is hidden / heads (llama.cpp's rule:
-    the file does not store it). The converter stores norms as 1 + w already."""
-    if meta.get("gemma3.attn_logit_softcapping") is not None:
-        raise ModelLoadError(f"gemma3.attn_logit_softcapping="
-                             f"{meta['gemma3.attn_logit_softcapping']!r} is not supported")  # fmt: skip
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):
-        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
-    else:
-        sliding = tuple(i for i in range(layers) if i % int(pattern) < int(pattern) - 1)
-    scalar = hidden / heads if layers == 62 else head_dim
-    return {
-        "sliding_window": int(meta["gemma3.attention.sliding_window"]),
-        "sliding_layers": sliding,
-        "rope_local_theta": float(meta.get("gemma3.rope.freq_base_swa") or 10000.0),
-        "hidden_act": "gelu_tanh",
-        "post_norms": True,
-        "embed_scale": True,
-        "attention_scale": scalar**-0.5,
-        "final_logit_softcap": meta.get("gemma3.final_logit_softcapping"),
-    }
-
-
 def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: Tokenizer):
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    arch = str(meta.get("general.architecture"))  # its metadata keys' prefix
+    # the family: of that arch, with experts or not (a llama file with experts is Mixtral)
+    family = for_gguf(meta.get("general.architecture"), bool(meta.get(f"{arch}.expert_count")))
 
     def need(key: str) -> Any:
         value = meta.get(f"{arch}.{key}")
@@ -136,12 +105,9 @@ def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: To
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     layers = int(need("block_count"))
-    # a qwen3moe file names its architecture qwen3_moe in `_moe` (qwen3 if it has no experts)
-    extra = {"architecture": "qwen3" if arch == "qwen3moe" else arch,
-             **_moe(meta, arch, names, layers)}  # fmt: skip
-    if arch == "gemma3":
-        extra.update(_gemma3(meta, layers, hidden, heads, head_dim))
+    shape = GGUFShape(arch, layers, hidden, heads, head_dim)
     return ModelConfig(
+        architecture=family.name,
         vocab_size=int(vocab or tokenizer.vocab_size),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -159,7 +125,8 @@ def _config(meta: Mapping[str, Any], reader: GGUFFile, path: Path, tokenizer: To
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=str(meta.get("general.name") or path.stem),
-        **extra,
+        **_moe(meta, arch, names, layers),
+        **family.gguf_fields(meta, shape),
     )
 
 

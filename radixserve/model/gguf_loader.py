@@ -3,14 +3,15 @@
 Weights are memory-mapped by `GGUFFile` and dequantised one tensor at a time
 (`gguf.quants.dequantize`) under Hugging Face Llama names. llama.cpp's converter
 permutes the rows of Q and K (and their biases) for llama-arch models (Mixtral
-included) from Hugging Face's rotate-half layout to interleaved pairs;
-`_unpermute_rows` undoes that, so the weights work with rotate-half RoPE. qwen2-, qwen3-
-and qwen3moe-arch files are stored unpermuted.
+included: `Family.gguf_permuted_qk`) from Hugging Face's rotate-half layout to
+interleaved pairs; `_unpermute_rows` undoes that, so the weights work with rotate-half
+RoPE. Other families' files are stored unpermuted.
 
 A mixture-of-experts layer stores its experts stacked, one tensor per projection
 (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: (E, rows, inputs)) and its router
 as ``ffn_gate_inp``; each expert's slice is served under its Hugging Face name
-(Mixtral's ``block_sparse_moe.experts.{e}.w1``, Qwen3-MoE's ``mlp.experts.{e}.gate_proj``)
+(the family's `TensorNames`: Mixtral's ``block_sparse_moe.experts.{e}.w1``, Qwen3-MoE's
+``mlp.experts.{e}.gate_proj``)
 and read by itself, quantized blocks included.
 """
 
@@ -25,6 +26,8 @@ import torch
 from gguf.quants import dequantize
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.families.family import Family
+from radixserve.model.families.registry import by_name
 from radixserve.model.gguf_blocks import read_direct
 from radixserve.model.gguf_config import read_gguf
 from radixserve.model.gguf_file import GGUFFile, GGUFTensor
@@ -51,24 +54,17 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# MoE tensors: GGUF part → (Mixtral's name, Qwen3-MoE's name) under the layer's block
-_EXPERT_NAMES = {"ffn_gate_exps": ("w1", "gate_proj"), "ffn_up_exps": ("w3", "up_proj"),
-                 "ffn_down_exps": ("w2", "down_proj")}  # fmt: skip
-# Gemma's norms around the attention and the MLP (its ffn_norm is the MLP's input norm)
-_GEMMA_NAMES = {
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+# MoE tensors: GGUF part → which of the family's expert projections (gate, up, down)
+_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+def hf_name(gguf_name: str, family: Family) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for tensors we do not use."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, part, kind = m.groups()
-        names = {**_BLOCK_NAMES, **_GEMMA_NAMES} if architecture == "gemma3" else _BLOCK_NAMES
+        names = {**_BLOCK_NAMES, **family.names.gguf_blocks}
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{kind}"
         return None
@@ -84,13 +80,13 @@ def _moe_names(gguf_name: str, config: ModelConfig) -> list[str]:
     if m is None or not config.moe_layers:
         return []
     layer, part, _ = m.groups()
-    mixtral = config.architecture == "mixtral"
-    block = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    names = by_name(config.architecture).names
+    block = f"model.layers.{layer}.{names.moe_block}"
     if part == "ffn_gate_inp":
         return [f"{block}.gate.weight"]
-    if part not in _EXPERT_NAMES:
+    if part not in _EXPERT_PARTS:
         return []
-    proj = _EXPERT_NAMES[part][0 if mixtral else 1]
+    proj = names.experts[_EXPERT_PARTS[part]]
     return [f"{block}.experts.{e}.{proj}.weight" for e in range(config.num_experts)]
 
 
@@ -106,8 +102,9 @@ class GGUFWeights:
     def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
         self._config = config
-        arch = config.architecture
-        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name, arch)) is not None}
+        family = by_name(config.architecture)
+        self._permuted_qk = family.gguf_permuted_qk
+        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name, family)) is not None}
         self._expert: dict[str, int] = {}  # an expert's name → its index in its stack
         for t in reader.tensors:
             names = _moe_names(t.name, config)
@@ -126,7 +123,7 @@ class GGUFWeights:
     def _heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp permuted in `name`, or None."""
         cfg = self._config
-        if cfg.architecture in ("llama", "mixtral"):
+        if self._permuted_qk:
             if ".self_attn.q_proj." in name:
                 return cfg.num_heads
             if ".self_attn.k_proj." in name:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
+from radixserve.model.families.registry import by_name
 from radixserve.model.hf_config import read_hf_dir, read_json
 from radixserve.model.tokenizer import Tokenizer
 
@@ -66,7 +67,7 @@ def load_hf_dir(root: Path) -> tuple[ModelConfig, Tokenizer, SafetensorsWeights]
     """
     config, tokenizer, cfg = read_hf_dir(root)
     index = root / "model.safetensors.index.json"
-    weights = SafetensorsWeights(root, norm_offset=config.architecture == "gemma3")
+    weights = SafetensorsWeights(root, norm_offset=by_name(config.architecture).norm_offset)
     if "tie_word_embeddings" not in cfg and "lm_head.weight" not in weights.names():
         logger.warning("%s: no tie_word_embeddings and no lm_head.weight; tying them", root)
         config = dataclasses.replace(config, tie_word_embeddings=True)

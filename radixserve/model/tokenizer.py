@@ -3,7 +3,8 @@
 Built either from a Hugging Face `tokenizer.json` or from the `tokenizer.ggml.*` metadata
 of a GGUF file. Only byte-level BPE GGUF vocabularies (`tokenizer.ggml.model == "gpt2"`)
 are supported; the pre-tokenizer is picked from `tokenizer.ggml.pre` to match the one
-the model's own Hugging Face tokenizer uses.
+the model's own Hugging Face tokenizer uses (the model families declare theirs:
+`radixserve.model.families`).
 """
 
 from __future__ import annotations
@@ -27,46 +28,26 @@ from tokenizers import (
 
 from radixserve.errors import InvalidRequestError, ModelLoadError
 from radixserve.model.chat_template import ChatTemplate
+from radixserve.model.families.family import PreTokenizer
+from radixserve.model.families.registry import pre_tokenizer
 
 logger = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType): 3 is CONTROL, 4 is USER_DEFINED.
 _CONTROL, _USER_DEFINED = 3, 4
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
-_NFC_PRE = ("qwen2", "deepseek-r1-qwen")
 
-
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for a GGUF `tokenizer.ggml.pre` value (ModelLoadError if unknown)."""
-    if pre in ("default", "gpt2", ""):
+def _byte_level_pre_tokenizer(spec: PreTokenizer | None) -> pre_tokenizers.PreTokenizer:
+    """A GGUF vocabulary's pre-tokenizer: its family's (`PreTokenizer`), GPT-2's if None."""
+    if spec is None:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # SmolLM's tokenizer.json: every digit on its own, then GPT-2's byte-level regex.
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"):
-        return _split_then_bytes(_LLAMA3_SPLIT)
-    if pre in _NFC_PRE:
-        return _split_then_bytes(_QWEN2_SPLIT)
-    raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r}")
+    steps: list[pre_tokenizers.PreTokenizer] = []
+    if spec.digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split is not None:
+        steps.append(pre_tokenizers.Split(Regex(spec.split), behavior="isolated"))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=spec.split is None))
+    return pre_tokenizers.Sequence(steps)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -196,15 +177,16 @@ class Tokenizer:
                 raise ModelLoadError(f"malformed GGUF merge {merge!r}")
             pairs.append((parts[0], parts[1]))
         pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+        spec = pre_tokenizer(pre)  # the model family's (`radixserve.model.families`)
+        if spec is None and pre not in ("default", "gpt2", ""):
+            raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r}")
         backend = tokenizers.Tokenizer(
             models.BPE(
-                vocab=vocab,
-                merges=pairs,
-                ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3"),
+                vocab=vocab, merges=pairs, ignore_merges=spec is not None and spec.ignore_merges
             )
         )
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-        if pre in _NFC_PRE:  # Qwen2's tokenizer.json normalises to NFC first
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(spec)
+        if spec is not None and spec.nfc:
             backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
         control = [i for i in sorted(special) if types[i] == _CONTROL]

@@ -3,7 +3,7 @@
 `create_app(client, settings)` builds the FastAPI app over an `EngineClient`:
 `LocalEngineClient` runs the engine in-process, `ClusterClient` serves through decode
 workers; `build_client` picks by settings. In cluster mode the gateway loads only the
-model's config and tokenizer: neither torch nor the engine is imported. See `app` for the endpoints.
+model's config and tokenizer: neither torch nor the engine is imported. See `routes` for the endpoints.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixserve.launch.listeners import adopt
-from radixserve.services.gateway.engine_client import EngineClient, LocalEngineClient
+from radixserve.runtime.engine_client import EngineClient, LocalEngineClient
 from radixserve.services.gateway.routes import create_app
 from radixserve.services.gateway.settings import GatewaySettings
 
@@ -35,7 +35,7 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
     an in-process engine built from ``engine_settings``."""
     if settings.decode_workers or settings.kvstore:
         from radixserve.model.model_files import open_model
-        from radixserve.services.gateway.cluster_client import ClusterClient
+        from radixserve.runtime.routing.cluster_client import ClusterClient
 
         model = open_model(engine_settings.model)  # config and tokenizer, no weights
         # the page-hash namespace (model identity and cache salt) is the workers': the
@@ -52,10 +52,10 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
 
 def serve(client: EngineClient, settings: GatewaySettings) -> None:
     """Run the gateway over `client` with uvicorn until interrupted, then close `client`
-    (the server's connection limits: `http_server`)."""
+    (the server's connection limits: `server.http_server`)."""
     import uvicorn
 
-    from radixserve.services.gateway.http_server import server_config
+    from radixserve.services.gateway.server.http_server import server_config
 
     try:
         settings.require_secure()  # no unauthenticated gateway beyond loopback

@@ -23,9 +23,9 @@ from pydantic_settings import SettingsConfigDict
 from radixserve.engine.sampling_params import MAX_GUIDE_CHARS
 from radixserve.protocol.security import dial_host, is_loopback, require_secret
 from radixserve.runtime.settings import PeerSettings
-from radixserve.services.gateway.admission import Admission
-from radixserve.services.gateway.limits import PrepareLimits
-from radixserve.services.gateway.tenants import ApiKey, Keyring
+from radixserve.services.gateway.openai_api.limits import PrepareLimits
+from radixserve.services.gateway.tenancy.admission import Admission
+from radixserve.services.gateway.tenancy.tenants import ApiKey, Keyring
 
 _ENTRIES = TypeAdapter(list[ApiKey])
 

@@ -9,8 +9,8 @@ from radixserve.bench.tracing_ab import (
     traced_request_ns,
     untraced_calls_ns,
 )
-from radixserve.services.gateway.tenants import ANONYMOUS
-from radixserve.services.gateway.trace_store import TraceStore
+from radixserve.services.gateway.server.trace_store import TraceStore
+from radixserve.services.gateway.tenancy.tenants import ANONYMOUS
 from radixserve.tracing import Tracer
 
 

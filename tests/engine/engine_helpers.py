@@ -97,7 +97,7 @@ def assert_no_leaks(engine: Engine) -> None:
         assert stats["pages_used"] == 0, stats
     assert stats["page_refs_outside_cache"] == 0, stats
     assert stats["pages_reserved"] == 0, stats  # every reservation returned
-    engine.allocator.check_integrity()
+    engine.check_integrity()  # the allocator's, the tree's and the cache manager's accounts
 
 
 def assert_greedy_matches_transformers(engine: Engine, hf_model, prompts: list[list[int]], n: int):

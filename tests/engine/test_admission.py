@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
@@ -85,20 +86,6 @@ def test_a_cached_request_gets_its_first_token_two_steps_after_it_arrives():
     assert_no_leaks(engine)
 
 
-class _Pages:
-    """A page allocator with plenty of pages (the scheduler's tiers need no KV)."""
-
-    num_free = 1 << 20
-
-    def alloc(self, n: int, owner: object = None, spare: int = 0) -> list[int]:
-        return list(range(n))
-
-    def decref(self, pages) -> None: ...
-
-    def release(self, owner: object) -> int:
-        return 0
-
-
 def test_tiers_decodes_then_short_deltas_then_chunks():
     def request(rid: str, tokens: int, computed: int = 0) -> Request:
         # the scheduler reads token counts only: no detokenizer is needed
@@ -106,8 +93,8 @@ def test_tiers_decodes_then_short_deltas_then_chunks():
         req.num_computed = computed
         return req
 
-    s = Scheduler(_Pages(), None, 16, max_num_batched_tokens=200, max_num_seqs=16,
-                  prefill_chunk_tokens=64)  # type: ignore[arg-type]  # fmt: skip
+    s = Scheduler(KVCacheManager(4096, 16), max_num_batched_tokens=200, max_num_seqs=16,
+                  prefill_chunk_tokens=64)  # fmt: skip
     for rid, n, done in (("dec", 10, 9), ("long-run", 500, 64)):
         req = request(rid, n, done)
         req.status = RequestStatus.RUNNING

@@ -80,7 +80,7 @@ def test_stats_include_what_a_call_changed_once_it_returns():
     first, second = threading.Event(), threading.Event()
 
     def fail_closed(e) -> None:
-        e.scheduler.serve_from_cache = False
+        e.kv.serve_from_cache = False
 
     async def main() -> int:
         front.submit(lambda e: first.wait(10))  # holds the engine thread

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from radixserve.cache.page_allocator import PageAllocator
 from radixserve.engine.fair_share import DeficitRoundRobin, FairQueue, share_rows
+from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import Scheduler
+from radixserve.kernels.cpu.decode_attention import block_pages
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -28,9 +29,9 @@ def request(
 
 
 def scheduler(max_num_seqs: int = 16, budget: int = 256, num_pages: int = 4096) -> Scheduler:
-    return Scheduler(PageAllocator(num_pages), None, 16, max_num_batched_tokens=budget,
-                     max_num_seqs=max_num_seqs, prefill_chunk_tokens=64,
-                     fair_quantum_tokens=32)  # fmt: skip
+    kv = KVCacheManager(num_pages, 16, block_pages(16))
+    return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                     prefill_chunk_tokens=64, fair_quantum_tokens=32)  # fmt: skip
 
 
 def step(s: Scheduler) -> dict[str, int]:
@@ -138,16 +139,16 @@ def test_out_of_pages_the_newest_of_the_worst_priority_is_preempted() -> None:
     held = {"x": (16, 0), "y": (32, 5), "z": (16, 0)}  # prompt tokens, priority; z newest
     for rid, (tokens, priority) in held.items():
         req = request(rid, tokens, priority=priority)
-        req.page_ids = s.allocator.alloc(tokens // 16, owner=rid)
+        req.page_ids = s.kv.allocator.alloc(tokens // 16, owner=rid)
         req.num_computed = tokens
         req.output_ids.append(1)  # each decodes its first output: a page more each
         req.status = RequestStatus.RUNNING
         s.running.append(req)
-    assert s.allocator.num_free == 0
+    assert s.kv.allocator.num_free == 0
     batch = step(s)
     assert batch == {"x": 1, "z": 1}  # y (priority 5) was preempted, not z (the newest)
     assert [r.request_id for r in s.waiting] == ["y"]
-    s.allocator.check_integrity()
+    s.kv.allocator.check_integrity()
 
 
 def test_one_tenant_is_first_come_first_served_as_without_tenants() -> None:
@@ -159,7 +160,7 @@ def test_one_tenant_is_first_come_first_served_as_without_tenants() -> None:
             steps.append(step(s))
         while s.has_work:
             steps.append(step(s))
-        s.allocator.check_integrity()
+        s.kv.allocator.check_integrity()
         return steps
 
     plain = run("", 1.0)
@@ -217,8 +218,9 @@ def test_a_flood_of_decodes_shares_the_step_rows_and_every_stream_advances() -> 
     """With fair_step_rows 4, one tenant's 12 decoding streams beside another's one: the
     other's stream decodes in every step, each step has 4 decode rows, and over 4 steps
     every one of the flood's streams advanced (the longest-waiting go first)."""
-    s = Scheduler(PageAllocator(4096), None, 16, max_num_batched_tokens=256, max_num_seqs=16,
-                  prefill_chunk_tokens=64, fair_quantum_tokens=32, fair_step_rows=4)  # fmt: skip
+    kv = KVCacheManager(4096, 16, block_pages(16))
+    s = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=16, prefill_chunk_tokens=64,
+                  fair_quantum_tokens=32, fair_step_rows=4)  # fmt: skip
     flood = [request(f"f{i}", 8, tenant="flood") for i in range(12)]
     for req in flood:
         req.params = SamplingParams(max_tokens=100, temperature=0.0)

@@ -35,7 +35,7 @@ from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import shard_layout, weight_layout
+from radixserve.model.layout import shard_layout, weight_layout
 from radixserve.model.tp import TPShard, take
 from radixserve.settings import EngineSettings
 from tests.cluster.cluster_helpers import gone

@@ -24,9 +24,9 @@ import uvicorn
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import GenerationResult
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.runtime.engine_client import EngineClient
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.http_server import server_config
+from radixserve.services.gateway.server.http_server import server_config
 from tests.engine.engine_helpers import TINY, make_engine
 
 COMPLETION_PROMPT = "The capital of France is"

@@ -18,8 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from radixserve.services.gateway import GatewaySettings
-from radixserve.services.gateway.admission import Admission, Refused
-from radixserve.services.gateway.tenants import TenantLimits
+from radixserve.services.gateway.tenancy.admission import Admission, Refused
+from radixserve.services.gateway.tenancy.tenants import TenantLimits
 from tests.gateway.absent_clients import metric, wait_for
 from tests.gateway.conftest import assert_openai_error
 

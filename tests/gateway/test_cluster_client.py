@@ -33,9 +33,9 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import ErrorType
+from radixserve.runtime.routing.cluster_client import ClusterClient
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.services.decode.worker import DecodeWorker
-from radixserve.services.gateway.cluster_client import ClusterClient
 from radixserve.services.gateway.settings import GatewaySettings
 from tests.fake_engine import (
     MODEL,

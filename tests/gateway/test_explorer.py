@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from radixserve.engine.async_engine import AsyncEngine
+from radixserve.runtime.engine_client import LOCAL_WORKER
 from radixserve.services.autoscaler.connectors import DryRunConnector
 from radixserve.services.autoscaler.service import AutoscalerService
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from radixserve.services.gateway.engine_client import LOCAL_WORKER
 from tests.autoscaler.test_service import _Scrapes, exposition
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error

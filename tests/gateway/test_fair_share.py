@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.fair_share import TenantShare
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from radixserve.services.gateway.errors import OpenAIError
+from radixserve.services.gateway.server.errors import OpenAIError
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error
 

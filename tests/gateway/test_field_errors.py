@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from radixserve.services.gateway.field_errors import describe
-from radixserve.services.gateway.response_request import ResponsesRequest
-from radixserve.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from radixserve.services.gateway.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from radixserve.services.gateway.responses_api.request import ResponsesRequest
+from radixserve.services.gateway.server.field_errors import describe
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 CASES = [  # model, body, the sentence

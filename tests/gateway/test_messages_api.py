@@ -21,9 +21,9 @@ import jsonschema
 import pytest
 
 from radixserve.services.gateway import GatewaySettings, create_app
-from radixserve.services.gateway.messages_output import with_pings
-from radixserve.services.gateway.messages_request import MessagesRequest, checked_tools
-from radixserve.services.gateway.tools import ToolFormat
+from radixserve.services.gateway.messages.output import with_pings
+from radixserve.services.gateway.messages.request import MessagesRequest, checked_tools
+from radixserve.services.gateway.tools.tool_request import ToolFormat
 from tests.gateway.conftest import RunningServer
 from tests.gateway.test_reasoning_http import (  # (its fixtures: the thinking checkpoints)
     ANSWER,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from radixserve.engine import grammar
-from radixserve.services.gateway.app import Gateway
+from radixserve.services.gateway.gateway import Gateway
 from tests.gateway.conftest import RunningServer, assert_openai_error
 
 #: a prompt that takes the tokenizer seconds (≈0.5-1 s per MiB here) and fits the body limit
@@ -42,7 +42,10 @@ def compiles(monkeypatch) -> Iterator[list[str]]:
         seen.append(kind)
         return original(kind, guide)
 
-    for module in ("radixserve.services.gateway.plan", "radixserve.services.gateway.tools"):
+    for module in (
+        "radixserve.services.gateway.openai_api.plan",
+        "radixserve.services.gateway.tools.tool_request",
+    ):
         monkeypatch.setattr(f"{module}.grammar_for", counting)
     yield seen
 

@@ -16,9 +16,11 @@ import pydantic
 import pytest
 
 from radixserve.cli import make_parser
-from radixserve.services.gateway.choices import Choice, reply_deltas
-from radixserve.services.gateway.errors import OpenAIError
-from radixserve.services.gateway.reasoning import (
+from radixserve.services.gateway.openai_api.choices import Choice, reply_deltas
+from radixserve.services.gateway.responses_api.output import ResponseBuilder
+from radixserve.services.gateway.server.errors import OpenAIError
+from radixserve.services.gateway.settings import GatewaySettings
+from radixserve.services.gateway.tools.reasoning import (
     PARSERS,
     SETTING_VALUES,
     HarmonyStream,
@@ -28,9 +30,7 @@ from radixserve.services.gateway.reasoning import (
     prompt_opens,
     split_reasoning,
 )
-from radixserve.services.gateway.response_output import ResponseBuilder
-from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.gateway.tools import ToolPlan
+from radixserve.services.gateway.tools.tool_request import ToolPlan
 
 QWEN3_REPLY = "<think>\nFirst, 2 < 3.\nThen more.\n\n</think>\n\nThe answer is 3."
 HARMONY_REPLY = ("<|channel|>analysis<|message|>User asks; 2 < 3.<|end|><|start|>assistant"

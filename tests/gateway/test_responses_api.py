@@ -14,13 +14,13 @@ import jsonschema
 import openai
 import pytest
 
+from radixserve.runtime.engine_client import EngineClient
 from radixserve.services.gateway import GatewaySettings, create_app
-from radixserve.services.gateway.engine_client import EngineClient
-from radixserve.services.gateway.response_output import ResponseBuilder
-from radixserve.services.gateway.response_store import ResponseStore, Turn
-from radixserve.services.gateway.tenants import ANONYMOUS
-from radixserve.services.gateway.tool_calls import PARSERS
-from radixserve.services.gateway.tool_stream import ToolCallStream
+from radixserve.services.gateway.responses_api.output import ResponseBuilder
+from radixserve.services.gateway.responses_api.store import ResponseStore, Turn
+from radixserve.services.gateway.tenancy.tenants import ANONYMOUS
+from radixserve.services.gateway.tools.tool_calls import PARSERS
+from radixserve.services.gateway.tools.tool_stream import ToolCallStream
 from tests.gateway.conftest import RunningServer, assert_openai_error
 from tests.gateway.test_tools import ADD, SCHEMAS, WEATHER
 

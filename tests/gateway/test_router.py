@@ -4,7 +4,7 @@ another cheaper (cost = uncached pages + load_weight * in-flight requests)."""
 from __future__ import annotations
 
 from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
-from radixserve.services.gateway.router import DecodeRouter, PrefixView, affinity_key
+from radixserve.runtime.routing.router import DecodeRouter, PrefixView, affinity_key
 
 PAGE = 4
 

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.protocol.security import InsecureBindError
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
-from radixserve.services.gateway.request_log import RequestLog
-from radixserve.services.gateway.tenants import ANONYMOUS, Keyring, Principal, key_tenant
-from radixserve.services.gateway.trace_store import TraceStore
+from radixserve.services.gateway.ops.request_log import RequestLog
+from radixserve.services.gateway.server.trace_store import TraceStore
+from radixserve.services.gateway.tenancy.tenants import ANONYMOUS, Keyring, Principal, key_tenant
 from radixserve.tracing import Tracer
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error

@@ -10,9 +10,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.services.gateway.tool_calls import PARSERS, parser_for_template
-from radixserve.services.gateway.tool_stream import ToolCallStream, split_message
-from radixserve.services.gateway.tools import ToolPlan
+from radixserve.services.gateway.tools.tool_calls import PARSERS, parser_for_template
+from radixserve.services.gateway.tools.tool_request import ToolPlan
+from radixserve.services.gateway.tools.tool_stream import ToolCallStream, split_message
 
 NAMES = ("get_weather", "add")
 

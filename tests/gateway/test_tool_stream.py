@@ -12,10 +12,10 @@ from typing import Any
 import openai
 import pytest
 
-from radixserve.services.gateway.call_scanner import CallScanner
-from radixserve.services.gateway.response_output import ResponseBuilder
-from radixserve.services.gateway.tool_calls import PARSERS
-from radixserve.services.gateway.tool_stream import ToolCallStream, split_message
+from radixserve.services.gateway.responses_api.output import ResponseBuilder
+from radixserve.services.gateway.tools.call_scanner import CallScanner
+from radixserve.services.gateway.tools.tool_calls import PARSERS
+from radixserve.services.gateway.tools.tool_stream import ToolCallStream, split_message
 
 NAMES = ("get_weather", "add")
 # a 200+ character arguments object with what a scanner must follow: nesting, braces

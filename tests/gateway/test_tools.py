@@ -13,9 +13,9 @@ import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from radixserve.model.chat_template import ChatTemplate
-from radixserve.services.gateway.schemas import ChatCompletionRequest
+from radixserve.services.gateway.openai_api.schemas import ChatCompletionRequest
 from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.gateway.tools import ToolFormat, template_inputs, tool_request
+from radixserve.services.gateway.tools.tool_request import ToolFormat, template_inputs, tool_request
 from tests.gateway.conftest import assert_openai_error
 
 WEATHER = {

@@ -1,6 +1,7 @@
 """GET /debug/traces on a real gateway over the tiny model in process: each generation
 request's trace continues the client's ``traceparent`` (or starts a new one for a
 malformed header), is listed newest first and served span by span, behind the API keys;
+the route table's traced rows, and only they, are traced;
 bad parameters are refused by name, an unknown trace is a 404; with no trace buffer and
 no OTLP endpoint, tracing is off. (Spans of the workers: tests/cluster/test_tracing.py.)"""
 
@@ -10,9 +11,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fastapi.routing import APIRoute
 
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.services.gateway import GatewaySettings, LocalEngineClient, create_app
+from radixserve.services.gateway.routes import ROUTES
 from radixserve.tracing import parse_traceparent
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error
@@ -69,6 +72,21 @@ def test_a_request_continues_the_clients_trace(keyed):
     assert root["attributes"]["http.route"] == "/v1/completions"
     assert root["attributes"]["request_id"] == resp.json()["id"]
     assert BODY["prompt"] not in str(body)  # token counts, never text
+
+
+def test_the_route_tables_traced_column_picks_the_traced_routes(tiny_client, keyed):
+    """Every route is a row of `ROUTES`; a POST to a traced row gets a span (its
+    ``traceparent`` answered, a refusal too), one to any other row none."""
+    app = create_app(tiny_client, GatewaySettings())  # not served: only its routes are read
+    app.state.gateway.preparer.close()
+    served = {(r.path, m) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+    assert served == {(r.path, r.method) for r in ROUTES}
+    traced = {r.path for r in ROUTES if r.traced}
+    assert traced == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    for route in ROUTES:
+        if route.method == "POST":
+            resp = keyed.post(route.path, json={}, headers=AUTH)
+            assert ("traceparent" in resp.headers) == route.traced, (route.path, resp.text)
 
 
 def test_a_malformed_traceparent_starts_a_new_trace(keyed):

@@ -461,6 +461,9 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
                 await w1.hello("w1")
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted and ack.disk_tier, ack
+                # the tier opens on the first attach, in a task: what the host tier evicts
+                # before it is ready is not written
+                await until(lambda: service.disk.ready, 5.0, "the disk tier to open")  # type: ignore[union-attr]
                 await w1.ask(H.offer(1, [101, 102, 103, 104], [0, 1, 2, 3]))
                 await w1.ask(H.offer(2, [105, 106, 107, 108], [4, 5, 6, 7]))
                 assert service.disk is not None

@@ -1,0 +1,1 @@
+"""The cluster gateway's routing: `ClusterClient` (decode workers, migration), `DecodeRouter`."""

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: its requests, replies and events, and routes."""

@@ -1,0 +1,1 @@
+"""OpenAI's completions and chat: schemas, plans, choices, bodies, and the token routes."""

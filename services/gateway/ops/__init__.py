@@ -1,0 +1,1 @@
+"""The operator's routes: health, metrics, the cache view and audit clear, the explorer."""

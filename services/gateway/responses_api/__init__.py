@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: its requests, output items, stored responses and routes."""

@@ -1,0 +1,1 @@
+"""The gateway's HTTP layer: server limits, errors, bodies and queries, streams, tracing."""

@@ -1,0 +1,1 @@
+"""Who may ask for what: API keys and tenants, and admission against their bounds."""
