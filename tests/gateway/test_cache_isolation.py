@@ -1,7 +1,8 @@
 """Cache isolation through a real gateway over the tiny model in process: each tenant's
 requests share cached KV only with the tenant's own (or its declared group's), a
 ``cache_salt`` narrows that further, and ``cached_tokens`` reports only that sharing.
-``cache_salt`` and ``prompt_cache_key`` are accepted on completions, chat and Responses;
+``cache_salt`` and ``prompt_cache_key`` are accepted on completions, chat and Responses
+(the Messages API, its key in ``x-api-key``, isolates the same way);
 a value of the wrong type is refused by name."""
 
 from __future__ import annotations
@@ -79,6 +80,23 @@ def test_tenants_share_only_their_own_cache(http: httpx.Client, endpoint: str) -
     same_tenant = cached(http.post(endpoint, json=body(endpoint, text), headers=auth(A2)))
     assert other_tenant == 0  # B cannot tell that A sent this prompt
     assert same_tenant >= 32  # A's other key shares A's pages
+
+
+def test_the_messages_api_shares_only_the_tenants_own_cache(http: httpx.Client) -> None:
+    """Anthropic's Messages API, its key in ``x-api-key``: the same isolation, reported
+    as ``cache_read_input_tokens``."""
+    text = "Served at /v1/messages. " + SYSTEM
+
+    def read(key: str) -> int:
+        request = {"model": "default", "max_tokens": 3, "temperature": 0, "system": text,
+                   "messages": [{"role": "user", "content": "Who signs?"}]}  # fmt: skip
+        resp = http.post("/v1/messages", json=request, headers={"x-api-key": key})
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["usage"]["cache_read_input_tokens"])
+
+    assert read(A1) == 0
+    assert read(B) == 0  # B cannot tell that A sent this prompt
+    assert read(A2) >= 32  # A's other key shares A's pages
 
 
 def test_a_cache_salt_narrows_sharing_inside_the_tenant(http: httpx.Client) -> None:
