@@ -1,5 +1,10 @@
 """Every message type of the wire protocol, with the bounds of each field.
 
+The request flow, handshake and liveness are defined here; the kvstore's index and the
+membership in `index_messages`, the host tier's in `host_messages`, the operator's view
+in `view_messages`, the limits and field specs they share in `fields`: every one is
+registered (`MESSAGE_TYPES`) and re-exported here.
+
 Messages are frozen dataclasses of plain data (no tensors: KV bytes move through the
 transfer layer) whose fields carry wire specs (`radixserve.protocol.wire`). Construction
 only normalises containers; the codec (`radixserve.protocol.codec`) is the single gate.
@@ -48,12 +53,78 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar
 
+from radixserve.protocol.fields import (  # noqa: F401 - the limits are re-exported
+    COUNT,
+    DURATION_MS,
+    ERROR_TEXT,
+    ERROR_TYPES,
+    FINISH_REASONS,
+    LOAD_STATS,
+    MAX_BLOB_BYTES,
+    MAX_ERROR_CHARS,
+    MAX_ID_CHARS,
+    MAX_LOAD_STATS,
+    MAX_NAME_CHARS,
+    MAX_PAGE_ID,
+    MAX_PAGES_PER_MESSAGE,
+    NAMESPACE,
+    PAGE_HASHES,
+    PARENT_HASH,
+    PEER_NAME,
+    PROMPT_IDS,
+    REQUEST_ID,
+    ROLE,
+    ROLES,
+    ROUTES,
+    TOKEN_IDS,
+    ErrorType,
+    FinishReason,
+    Role,
+)
+from radixserve.protocol.host_messages import (  # noqa: F401 - re-exported
+    PAGE_IDS,
+    HostAttach,
+    HostAttachAck,
+    HostLease,
+    HostLookup,
+    HostPagesReady,
+    HostRelease,
+    SpillDone,
+    SpillOffer,
+    SpillRun,
+)
+from radixserve.protocol.index_messages import (  # noqa: F401 - re-exported
+    KV_EVENT_KINDS,
+    MAX_MEMBERS,
+    Deregister,
+    IndexQuery,
+    IndexReply,
+    KVEvent,
+    KVResync,
+    MemberInfo,
+    MemberList,
+    Register,
+    WatchMembers,
+)
 from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LOGPROB_ENTRIES,
     LogprobEntry,
     SamplingSpec,
+)
+from radixserve.protocol.view_messages import (  # noqa: F401 - re-exported
+    MAX_IDS_PER_NODE,
+    MAX_NODE_TEXT_TOKENS,
+    MAX_TREE_NODES,
+    REQUEST_IDS,
+    REQUEST_PHASES,
+    CacheAuditClear,
+    CacheAuditCleared,
+    CacheNodeView,
+    CacheTreeQuery,
+    CacheTreeReply,
+    LiveRequestView,
 )
 from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exported
     INT64_MAX,
@@ -77,39 +148,6 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 from radixserve.protocol.wire import field_spec as _spec
 
 PROTOCOL_VERSION: tuple[int, int] = (5, 2)
-
-MAX_PAGE_ID = 2**31 - 1
-MAX_PAGES_PER_MESSAGE = 1 << 20
-MAX_ID_CHARS = 256
-MAX_NAME_CHARS = 128
-MAX_ERROR_CHARS = 4096
-MAX_LOAD_STATS = 256
-MAX_BLOB_BYTES = 1 << 20
-
-Role = Literal["gateway", "prefill", "decode", "kvstore"]
-ErrorType = Literal["invalid_request", "capacity", "internal", "timeout", "peer_lost", "draining"]
-FinishReason = Literal["stop", "length", "abort"]
-ROLES: frozenset[str] = frozenset(get_args(Role))
-ERROR_TYPES: frozenset[str] = frozenset(get_args(ErrorType))
-FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
-ROUTES: frozenset[str] = frozenset({"", "local", "host", "remote"})  # `Admission.route`
-
-
-COUNT = IntSpec()
-REQUEST_ID = StrSpec(MAX_ID_CHARS, min_chars=1)
-PEER_NAME = StrSpec(MAX_NAME_CHARS, min_chars=1)
-ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
-DURATION_MS = FloatSpec()
-TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
-PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
-PAGE_HASHES = HashesSpec(MAX_PAGES_PER_MESSAGE)  # 128-bit hashes, 16 bytes each
-PARENT_HASH = HashesSpec(1)  # a page's parent: none (the first page) or one hash
-NAMESPACE = BytesSpec(64)
-ROLE = StrSpec(MAX_NAME_CHARS, choices=ROLES)
-LOAD_STATS = StatsSpec(
-    MAX_LOAD_STATS, StrSpec(MAX_NAME_CHARS, 1), IntSpec(-INT64_MAX), FloatSpec(-1e300, 1e300)
-)
-
 
 # --- handshake and liveness -----------------------------------------------------------
 
@@ -401,355 +439,6 @@ class RequestFailed(Message):
     request_id: str = field(metadata=_spec(REQUEST_ID))
     error_type: ErrorType = field(metadata=_spec(StrSpec(32, choices=ERROR_TYPES)))
     message: str = field(default="", metadata=_spec(ERROR_TEXT))
-
-
-# --- the kvstore: cluster-wide index of cached pages ---------------------------------
-
-KV_EVENT_KINDS: frozenset[str] = frozenset({"stored", "removed", "cleared"})
-
-
-@dataclass(frozen=True)
-class KVEvent(Message):
-    """Worker -> kvstore: pages entered (``stored``) or left (``removed``) its device cache,
-    or it dropped everything (``cleared``). ``seq`` counts this worker's events from 1 per
-    generation; a gap tells the kvstore it missed some and must resync the worker."""
-
-    TYPE_TAG: ClassVar[str] = "kv_event"
-    worker: str = field(metadata=_spec(PEER_NAME))
-    generation: int = field(metadata=_spec(COUNT))
-    seq: int = field(metadata=_spec(IntSpec(1)))
-    kind: str = field(metadata=_spec(StrSpec(16, choices=KV_EVENT_KINDS)))
-    page_hashes: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_HASHES))
-
-
-@dataclass(frozen=True)
-class KVResync(Message):
-    """Kvstore -> worker: send ``cleared`` and then every cached page as ``stored``."""
-
-    TYPE_TAG: ClassVar[str] = "kv_resync"
-    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
-
-
-@dataclass(frozen=True)
-class IndexQuery(Message):
-    """Anyone -> kvstore: which workers hold how long a prefix of these chained page
-    hashes (the pages of a prompt, `radixserve.cache.block_hash.page_hashes`)?"""
-
-    TYPE_TAG: ClassVar[str] = "index_query"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
-
-
-@dataclass(frozen=True)
-class IndexReply(Message):
-    """Kvstore -> asker: leading pages of the query each worker holds on device (workers
-    with 0 left out), and ``host_pages``: leading pages any worker can load from the
-    kvstore's tiers (host memory, or disk, promoted through host memory)."""
-
-    TYPE_TAG: ClassVar[str] = "index_reply"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    device_pages: Mapping[str, int | float] = field(
-        default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
-    )
-    host_pages: int = field(default=0, metadata=_spec(COUNT))
-
-
-# --- membership: which services make up the cluster ----------------------------------
-
-MAX_MEMBERS = 4096
-
-
-@dataclass(frozen=True)
-class MemberInfo(WireStruct):
-    """One service of the cluster as the kvstore's registry knows it: reachable at
-    ``address`` (its control socket, as others must dial it)."""
-
-    name: str = field(metadata=_spec(PEER_NAME))
-    role: Role = field(metadata=_spec(ROLE))
-    address: str = field(metadata=_spec(StrSpec(MAX_NAME_CHARS * 2, min_chars=1)))
-    generation: int = field(default=0, metadata=_spec(COUNT))
-    draining: bool = field(default=False, metadata=_spec(BoolSpec()))
-
-
-@dataclass(frozen=True)
-class Register(Message):
-    """Service -> kvstore: ``member`` is in the cluster (sent on connecting and whenever
-    its state changes, e.g. when it starts draining)."""
-
-    TYPE_TAG: ClassVar[str] = "register"
-    member: MemberInfo = field(metadata=_spec(NestedSpec(MemberInfo)))
-
-
-@dataclass(frozen=True)
-class Deregister(Message):
-    """Service -> kvstore: it leaves the cluster now (its drain is done)."""
-
-    TYPE_TAG: ClassVar[str] = "deregister"
-    name: str = field(metadata=_spec(PEER_NAME))
-    generation: int = field(default=0, metadata=_spec(COUNT))
-
-
-@dataclass(frozen=True)
-class WatchMembers(Message):
-    """Anyone -> kvstore: send me the members of these ``roles`` now and on every change."""
-
-    TYPE_TAG: ClassVar[str] = "watch_members"
-    roles: tuple[str, ...] = field(default=(), metadata=_spec(ListSpec(ROLE, 8)))
-
-
-@dataclass(frozen=True)
-class MemberList(Message):
-    """Kvstore -> watcher: every registered member of the watched roles. ``epoch`` is the
-    kvstore's generation (a new one starts with an empty registry that fills as services
-    register again); ``version`` grows with every change within an epoch."""
-
-    TYPE_TAG: ClassVar[str] = "member_list"
-    epoch: int = field(metadata=_spec(COUNT))
-    version: int = field(metadata=_spec(COUNT))
-    members: tuple[MemberInfo, ...] = field(
-        default=(), metadata=_spec(ListSpec(NestedSpec(MemberInfo), MAX_MEMBERS))
-    )
-
-
-# --- the kvstore's host-memory tier ---------------------------------------------------
-
-PAGE_IDS = ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE)
-
-
-@dataclass(frozen=True)
-class HostAttach(Message):
-    """Worker -> kvstore: join the host tier. ``metadata`` is the worker's spill buffer
-    agent (`KVTransferAgent.metadata`): the kvstore reads spilled pages from it."""
-
-    TYPE_TAG: ClassVar[str] = "host_attach"
-    worker: str = field(metadata=_spec(PEER_NAME))
-    generation: int = field(metadata=_spec(COUNT))
-    metadata: bytes = field(metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
-
-
-@dataclass(frozen=True)
-class HostAttachAck(Message):
-    """Kvstore -> worker: ``accepted`` with the host pool's agent ``metadata`` (the worker
-    reads host pages from it), or refused with ``reason`` (no tier, other model...).
-    ``disk_tier``: a lookup may read pages from the kvstore's disk tier first (the
-    worker then waits for it as long as computing those pages would take)."""
-
-    TYPE_TAG: ClassVar[str] = "host_attach_ack"
-    accepted: bool = field(metadata=_spec(BoolSpec()))
-    metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
-    num_pages: int = field(default=0, metadata=_spec(COUNT))
-    reason: str = field(default="", metadata=_spec(ERROR_TEXT))
-    disk_tier: bool = field(default=False, metadata=_spec(BoolSpec()))
-
-
-@dataclass(frozen=True)
-class SpillRun(WireStruct):
-    """``num_pages`` consecutive pages of a `SpillOffer`, chained from ``parent`` (empty:
-    the first of them starts a sequence) in ``namespace``: what the kvstore recomputes
-    their hashes from, with their tokens."""
-
-    num_pages: int = field(metadata=_spec(IntSpec(1, MAX_PAGES_PER_MESSAGE)))
-    namespace: bytes = field(metadata=_spec(NAMESPACE))
-    parent: tuple[int, ...] = field(default=(), metadata=_spec(PARENT_HASH))
-
-
-@dataclass(frozen=True)
-class SpillOffer(Message):
-    """Worker -> kvstore: pages it evicted (or writes through), staged in its spill buffer
-    at ``buffer_page_ids``, one per chained hash; the kvstore copies those it lacks.
-    ``token_ids``: every page's tokens (page size each), and ``runs`` what their hashes
-    chain from: the kvstore stores only pages whose hash it recomputes from them."""
-
-    TYPE_TAG: ClassVar[str] = "spill_offer"
-    spill_id: int = field(metadata=_spec(IntSpec(1)))
-    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
-    buffer_page_ids: tuple[int, ...] = field(metadata=_spec(PAGE_IDS))
-    token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
-    runs: tuple[SpillRun, ...] = field(
-        default=(), metadata=_spec(ListSpec(NestedSpec(SpillRun), MAX_PAGES_PER_MESSAGE))
-    )
-
-    def invariant_error(self) -> str | None:
-        if len(self.page_hashes) != len(self.buffer_page_ids):
-            return (
-                f"{len(self.page_hashes)} page hashes for {len(self.buffer_page_ids)} buffer pages"
-            )
-        if self.runs and sum(run.num_pages for run in self.runs) != len(self.page_hashes):
-            return (
-                f"runs of {sum(r.num_pages for r in self.runs)} pages for {len(self.page_hashes)}"
-            )
-        if self.page_hashes and len(self.token_ids) % len(self.page_hashes):
-            return f"{len(self.token_ids)} tokens for {len(self.page_hashes)} pages"
-        return None
-
-
-@dataclass(frozen=True)
-class SpillDone(Message):
-    """Kvstore -> worker: done with spill ``spill_id``'s buffer pages (reuse them);
-    ``stored`` new pages entered the host tier."""
-
-    TYPE_TAG: ClassVar[str] = "spill_done"
-    spill_id: int = field(metadata=_spec(IntSpec(1)))
-    stored: int = field(default=0, metadata=_spec(COUNT))
-
-
-@dataclass(frozen=True)
-class HostLookup(Message):
-    """Worker -> kvstore: lease the longest leading run of these chained page hashes held
-    in the host tier (the pages of a prompt past the worker's own device hit). Pages on
-    the disk tier are read into host memory first when that is quicker than the worker
-    computing them at its measured ``prefill_tokens_per_s`` (0: not measured yet).
-    ``reads_loading``: the worker can take a ``loading`` lease (`HostPagesReady`); a
-    worker that does not say so gets its lease once every page is in host memory."""
-
-    TYPE_TAG: ClassVar[str] = "host_lookup"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
-    prefill_tokens_per_s: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e12)))
-    reads_loading: bool = field(default=False, metadata=_spec(BoolSpec()))
-
-
-@dataclass(frozen=True)
-class HostLease(Message):
-    """Kvstore -> worker: host pages holding the first ``len(host_page_ids)`` queried
-    pages, kept until `HostRelease` (or the lease expires); lease 0 = nothing found.
-    ``disk_pages`` of them are read from the disk tier for this lookup. With ``loading``
-    that read is still under way: only the first ``ready_pages`` may be read now, and
-    `HostPagesReady` messages say when more may (the worker reads those meanwhile).
-    ``token_ids``: the tokens the tier stored with those pages (page size each), which
-    the worker checks against its prompt before it uses any of them."""
-
-    TYPE_TAG: ClassVar[str] = "host_lease"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    lease_id: int = field(default=0, metadata=_spec(COUNT))
-    host_page_ids: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_IDS))
-    disk_pages: int = field(default=0, metadata=_spec(COUNT))
-    loading: bool = field(default=False, metadata=_spec(BoolSpec()))
-    ready_pages: int = field(default=0, metadata=_spec(COUNT))
-    token_ids: tuple[int, ...] = field(default=(), metadata=_spec(TOKEN_IDS))
-
-
-@dataclass(frozen=True)
-class HostPagesReady(Message):
-    """Kvstore -> worker: of a ``loading`` lease, the first ``ready_pages`` hold their KV
-    now; ``failed``: the page after them could not be read from disk, and no more come
-    (the worker computes the prompt)."""
-
-    TYPE_TAG: ClassVar[str] = "host_pages_ready"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    ready_pages: int = field(metadata=_spec(COUNT))
-    failed: bool = field(default=False, metadata=_spec(BoolSpec()))
-
-
-@dataclass(frozen=True)
-class HostRelease(Message):
-    """Worker -> kvstore: done reading a lease's pages."""
-
-    TYPE_TAG: ClassVar[str] = "host_release"
-    lease_id: int = field(metadata=_spec(IntSpec(1)))
-
-
-# --- the operator's view: a worker's radix tree and live requests --------------------
-
-MAX_TREE_NODES = 1024
-MAX_NODE_TEXT_TOKENS = 64
-MAX_IDS_PER_NODE = 16
-REQUEST_PHASES: frozenset[str] = frozenset(
-    {"queued", "host_load", "awaiting_kv", "prefill", "decode", "leased"}
-)
-REQUEST_IDS = ListSpec(REQUEST_ID, MAX_IDS_PER_NODE)
-
-
-@dataclass(frozen=True)
-class CacheNodeView(WireStruct):
-    """One node of a worker's radix tree as the explorer draws it. ``num_tokens``: its
-    own run of tokens, ``prefix_tokens``: the prefix it ends; ``subtree_pages``: pages
-    held by it and its descendants; ``locks``: its lock count (`RadixNode.lock_ref`);
-    ``last_hit_s``: wall-clock time of its latest hit (0: none); ``text``: its first
-    tokens as text, empty unless the asker asked for text; ``recent_request_ids`` /
-    ``live_request_ids``: requests whose cached prefix ended at or below it, latest
-    first / requests running from it now."""
-
-    node_id: int = field(metadata=_spec(COUNT))
-    parent_id: int = field(default=0, metadata=_spec(COUNT))  # 0: a child of the root
-    num_tokens: int = field(default=0, metadata=_spec(COUNT))
-    prefix_tokens: int = field(default=0, metadata=_spec(COUNT))
-    num_pages: int = field(default=0, metadata=_spec(COUNT))
-    subtree_pages: int = field(default=0, metadata=_spec(COUNT))
-    hits: int = field(default=0, metadata=_spec(COUNT))
-    locks: int = field(default=0, metadata=_spec(COUNT))
-    last_hit_s: float = field(default=0.0, metadata=_spec(FloatSpec(0.0, 1e13)))
-    text: str = field(default="", metadata=_spec(StrSpec(MAX_NODE_TEXT_TOKENS * 64)))
-    recent_request_ids: tuple[str, ...] = field(default=(), metadata=_spec(REQUEST_IDS))
-    live_request_ids: tuple[str, ...] = field(default=(), metadata=_spec(REQUEST_IDS))
-
-
-@dataclass(frozen=True)
-class LiveRequestView(WireStruct):
-    """A request a worker holds now and its phase: ``queued`` (waiting for a step),
-    ``host_load`` (reading host-tier pages), ``awaiting_kv`` (a prefill worker computes
-    its prompt), ``prefill`` / ``decode`` (running), ``leased`` (a prefill worker's
-    pages kept for the decode worker's read)."""
-
-    request_id: str = field(metadata=_spec(REQUEST_ID))
-    phase: str = field(metadata=_spec(StrSpec(16, choices=REQUEST_PHASES)))
-    prompt_tokens: int = field(default=0, metadata=_spec(COUNT))
-    computed_tokens: int = field(default=0, metadata=_spec(COUNT))
-    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
-    output_tokens: int = field(default=0, metadata=_spec(COUNT))
-
-
-@dataclass(frozen=True)
-class CacheTreeQuery(Message):
-    """Gateway -> worker: describe your radix tree (its ``max_nodes`` largest nodes; 0:
-    none) and your live requests. ``text_tokens`` > 0 asks for each node's first tokens
-    as text (only where the gateway's operator allows prompt text to be shown)."""
-
-    TYPE_TAG: ClassVar[str] = "cache_tree_query"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    max_nodes: int = field(default=0, metadata=_spec(IntSpec(0, MAX_TREE_NODES)))
-    text_tokens: int = field(default=0, metadata=_spec(IntSpec(0, MAX_NODE_TEXT_TOKENS)))
-
-
-@dataclass(frozen=True)
-class CacheTreeReply(Message):
-    """Worker -> gateway: the answer to `CacheTreeQuery` ``query_id``: the chosen nodes
-    (parents before children), the tree's totals (``num_nodes`` 0 when no node was
-    asked for), the live requests (at most ``MAX_TREE_NODES``, ``num_live`` in all)."""
-
-    TYPE_TAG: ClassVar[str] = "cache_tree_reply"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    nodes: tuple[CacheNodeView, ...] = field(
-        default=(), metadata=_spec(ListSpec(NestedSpec(CacheNodeView), MAX_TREE_NODES))
-    )
-    num_nodes: int = field(default=0, metadata=_spec(COUNT))
-    cached_pages: int = field(default=0, metadata=_spec(COUNT))
-    requests: tuple[LiveRequestView, ...] = field(
-        default=(), metadata=_spec(ListSpec(NestedSpec(LiveRequestView), MAX_TREE_NODES))
-    )
-    num_live: int = field(default=0, metadata=_spec(COUNT))
-
-
-# --- the cache audit: an operator's all-clear ----------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheAuditClear(Message):
-    """Gateway -> worker: an operator cleared the cache audit; a worker that failed
-    closed (`Engine.clear_audit`) drops its cached pages and serves from its cache again."""
-
-    TYPE_TAG: ClassVar[str] = "cache_audit_clear"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-
-
-@dataclass(frozen=True)
-class CacheAuditCleared(Message):
-    """Worker -> gateway: `CacheAuditClear` ``query_id`` is done; ``was_failed``: the
-    worker had failed closed until then."""
-
-    TYPE_TAG: ClassVar[str] = "cache_audit_cleared"
-    query_id: str = field(metadata=_spec(REQUEST_ID))
-    was_failed: bool = field(default=False, metadata=_spec(BoolSpec()))
 
 
 # every message type: the classes above, each a direct subclass of `Message` (checked
