@@ -224,13 +224,20 @@ def test_the_default_model_at_tp_2_is_refused_before_any_rank_starts():
     before = _rank_processes()
     with pytest.raises(ModelLoadError, match="9 query heads, 3 KV heads"):
         Engine(_settings("default", 2))
-    # no rank started (ranks of other tests, another worker's, may end meanwhile)
+    # no rank started by this process (another xdist worker's ranks are not its children)
     assert _rank_processes() - before == set()
 
 
 def _rank_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["cmdline"])
-            if "radixserve.engine.tp_rank" in " ".join(p.info["cmdline"] or [])}  # fmt: skip
+    """The TP rank processes this test process started (and that are still alive)."""
+    ranks = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "radixserve.engine.tp_rank" in " ".join(p.cmdline()):
+                ranks.add(p.pid)
+        except psutil.Error:  # ended meanwhile
+            continue
+    return ranks
 
 
 HOLDER = """
