@@ -22,8 +22,11 @@
    polynomial below (Cephes' expf), identical in every path; denormals are flushed (DAZ
    and FTZ) for the call. Keys off [start, p] in a block are never read (zeros stand in).
 
-   Work is split by the caller over items (a run of rows of one sequence, one kv head):
-   each (row, head) is computed by one thread, whole. */
+   Work is split by the caller over items (a run of rows of one sequence, and one kv head
+   or all of them): each (row, head) is computed by one thread, whole. An item of all
+   the kv heads reads each block of the sequence's keys once, whole (its heads lie side
+   by side in the pool), where an item per kv head reads a third of each line run per
+   pass; the keys two blocks ahead are prefetched. Neither changes a bit. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -100,8 +103,11 @@ static inline float load_at(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+#define PREFETCH_BLOCKS 2 /* key j's K/V rows are asked for (into L2) as key j - 32 loads */
+
 /* keys [16 blk, 16 blk + 16) of sequence `seq`, kv head g, as float32 rows (zeros
-   outside [lo, hi]) */
+   outside [lo, hi]); the same keys of block blk + PREFETCH_BLOCKS are prefetched, one
+   key at a time, so their reads overlap this block's work (no effect on any result) */
 static void load_block(const Call *c, int64_t seq, int64_t g, int64_t blk, int64_t lo,
                        int64_t hi, float *kb, float *vb) {
     const int64_t d = c->dim;
@@ -116,6 +122,16 @@ static void load_block(const Call *c, int64_t seq, int64_t g, int64_t blk, int64
             continue;
         }
         int64_t at = ((pages[index] * c->page_size + slot) * c->kv_heads + g) * d;
+        const int64_t ahead = j + PREFETCH_BLOCKS * KEYS;
+        if (ahead <= hi) {
+            const int64_t bytes = d * (c->bf16 ? 2 : 4);
+            const int64_t far = ((pages[ahead / c->page_size] * c->page_size +
+                                  ahead % c->page_size) * c->kv_heads + g) * bytes;
+            for (int64_t o = 0; o < bytes; o += 64) {
+                __builtin_prefetch((const char *)c->k_cache + far + o, 0, 1);
+                __builtin_prefetch((const char *)c->v_cache + far + o, 0, 1);
+            }
+        }
         if (c->bf16) {  /* a loop the compiler vectorizes: widen and shift */
             const uint16_t *k = (const uint16_t *)c->k_cache + at;
             const uint16_t *v = (const uint16_t *)c->v_cache + at;
@@ -327,10 +343,10 @@ static void update_256(const float *q, const float *kb, const float *vb, int64_t
 #define UPDATE update_plain
 #endif
 
-/* rows [r0, r1) of one sequence (positions increasing), kv head g */
-static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g) {
+/* rows [r0, r1) of one sequence (positions increasing), kv heads [g0, g1) */
+static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g0, int64_t g1) {
     const int64_t d = c->dim, group = c->heads / c->kv_heads, rows = r1 - r0;
-    const int64_t seq = c->row_seq[r0];
+    const int64_t seq = c->row_seq[r0], per = (g1 - g0) * group; /* q heads of the item */
     int64_t lo = INT64_MAX, hi = -1;
     for (int64_t r = r0; r < r1; r++) {
         int64_t p = c->row_pos[r];
@@ -339,33 +355,34 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g) {
         lo = start < lo ? start : lo;
         hi = p > hi ? p : hi;
     }
-    State *st = malloc(sizeof(State) * rows * group);
-    float *q = malloc(sizeof(float) * rows * group * d);
+    State *st = malloc(sizeof(State) * rows * per);
+    float *q = malloc(sizeof(float) * rows * per * d);
     float *kb = malloc(sizeof(float) * 2 * KEYS * d), *vb = kb + KEYS * d;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < group; i++) {
-            State *s = st + r * group + i;
+        for (int64_t i = 0; i < per; i++) {
+            State *s = st + r * per + i;
             s->m = -INFINITY;
             s->l = 0.0f;
             memset(s->acc, 0, d * sizeof(float));
-            int64_t at = (r0 + r) * c->q_row + (g * group + i) * c->q_head;
-            for (int64_t e = 0; e < d; e++) q[(r * group + i) * d + e] = load_at(c->q, at + e, c->bf16);
+            int64_t at = (r0 + r) * c->q_row + (g0 * group + i) * c->q_head;
+            for (int64_t e = 0; e < d; e++) q[(r * per + i) * d + e] = load_at(c->q, at + e, c->bf16);
         }
-    for (int64_t blk = hi < 0 ? 0 : lo / KEYS; hi >= 0 && blk <= hi / KEYS; blk++) {
-        load_block(c, seq, g, blk, lo, hi, kb, vb);
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t p = c->row_pos[r0 + r];
-            int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
-            if (p < 0 || blk < start / KEYS || blk > p / KEYS) continue;
-            for (int64_t i = 0; i < group; i++)
-                UPDATE(q + (r * group + i) * d, kb, vb, d, c->scale, start, p, blk * KEYS,
-                       st + r * group + i);
+    for (int64_t blk = hi < 0 ? 0 : lo / KEYS; hi >= 0 && blk <= hi / KEYS; blk++)
+        for (int64_t g = g0; g < g1; g++) {
+            load_block(c, seq, g, blk, lo, hi, kb, vb);
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t p = c->row_pos[r0 + r];
+                int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
+                if (p < 0 || blk < start / KEYS || blk > p / KEYS) continue;
+                for (int64_t i = (g - g0) * group; i < (g - g0 + 1) * group; i++)
+                    UPDATE(q + (r * per + i) * d, kb, vb, d, c->scale, start, p, blk * KEYS,
+                           st + r * per + i);
+            }
         }
-    }
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < group; i++) {
-            const State *s = st + r * group + i;
-            int64_t at = ((r0 + r) * c->heads + g * group + i) * d;
+        for (int64_t i = 0; i < per; i++) {
+            const State *s = st + r * per + i;
+            int64_t at = ((r0 + r) * c->heads + g0 * group + i) * d;
             int valid = c->row_pos[r0 + r] >= 0;
             for (int64_t e = 0; e < d; e++) {
                 float v = valid ? s->acc[e] / s->l : 0.0f;
@@ -388,20 +405,31 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g) {
 
 const char *attention_path(void) { return ATTENTION_PATH; }
 
-/* Items item_begin, item_begin + item_step, ... below item_end of chunks x kv heads
-   (the caller's threads take interleaved strides: later rows cost more): item i is rows
-   [chunks[i / kv_heads], chunks[i / kv_heads + 1]) (one sequence's), kv head
-   i % kv_heads. out (T, H, D) in the dtype of q and the caches (bfloat16 or float32). */
+/* kv heads per item for `chunks` runs of rows on `threads` threads: all of them where
+   the chunks alone keep every thread busy, else one (more, smaller items to share) */
+int64_t attention_item_heads(int64_t chunks, int64_t kv_heads, int64_t threads) {
+    return threads <= 1 || chunks >= 2 * threads ? kv_heads : 1;
+}
+
+/* Items item_begin, item_begin + item_step, ... below item_end of chunks x head groups
+   (the caller's threads take interleaved strides: later rows cost more), a group being
+   item_heads kv heads (1 or kv_heads; per = kv_heads / item_heads groups a chunk): item
+   i is rows [chunks[i / per], chunks[i / per + 1]) (one sequence's), kv heads
+   [(i % per) item_heads, (i % per + 1) item_heads). out (T, H, D) in the dtype of q and
+   the caches (bfloat16 or float32). */
 void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
                      const void *v_cache, void *out, const int64_t *row_seq,
                      const int64_t *row_pos, const int64_t *page_table, int64_t table_stride,
                      int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim,
                      int64_t window, double scale, int64_t bf16, const int64_t *chunks,
-                     int64_t item_begin, int64_t item_end, int64_t item_step) {
+                     int64_t item_heads, int64_t item_begin, int64_t item_end,
+                     int64_t item_step) {
     Call c = {q, q_row, q_head, k_cache, v_cache, out, row_seq, row_pos, page_table,
               table_stride, page_size, heads, kv_heads, dim, window, (float)scale, (int)bf16};
     FLUSH_BEGIN
+    const int64_t per = kv_heads / item_heads;
     for (int64_t i = item_begin; i < item_end; i += item_step)
-        attend_item(&c, chunks[i / kv_heads], chunks[i / kv_heads + 1], i % kv_heads);
+        attend_item(&c, chunks[i / per], chunks[i / per + 1], i % per * item_heads,
+                    (i % per + 1) * item_heads);
     FLUSH_END
 }

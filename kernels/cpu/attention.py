@@ -41,9 +41,14 @@ class PagedAttention:
         lib.attention_path.restype = ctypes.c_char_p
         lib.paged_attention.restype = None
         lib.paged_attention.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I,
-                                        _I, _I, ctypes.c_double, _I, _P, _I, _I, _I]  # fmt: skip
+                                        _I, _I, ctypes.c_double, _I, _P, _I, _I, _I, _I]  # fmt: skip
+        lib.attention_item_heads.restype = _I
+        lib.attention_item_heads.argtypes = [_I, _I, _I]
         self._lib = lib
         self.path: str = lib.attention_path().decode()  # "avx512", "avx2" or "plain"
+        # kv heads per work item: None lets the library choose (all of them where the
+        # chunks keep every thread busy); the tests pin 1 or all to compare the bits
+        self.item_heads: int | None = None
 
     def __call__(
         self,
@@ -68,10 +73,15 @@ class PagedAttention:
                 out.data_ptr(), row_seq.data_ptr(), row_pos.data_ptr(), table.data_ptr(),
                 table.stride(0), page_size, heads, kv_heads, dim, window, scale,
                 int(q.dtype == torch.bfloat16), bounds.data_ptr())  # fmt: skip
-        items = (len(chunks) - 1) * kv_heads
         work = int(row_pos.clamp(min=0).sum()) * heads * dim // 16
-        run_strided(lambda first, step: self._lib.paged_attention(*args, first, items, step),
-                    items, work >= _SPLIT_WORK)  # fmt: skip
+        split = work >= _SPLIT_WORK
+        threads = torch.get_num_threads() if split else 1
+        item_heads = self.item_heads if self.item_heads is not None else (
+            self._lib.attention_item_heads(len(chunks) - 1, kv_heads, threads))  # fmt: skip
+        items = (len(chunks) - 1) * (kv_heads // item_heads)
+        run_strided(lambda first, step: self._lib.paged_attention(*args, item_heads, first,
+                                                                  items, step),
+                    items, split)  # fmt: skip
         return out
 
 

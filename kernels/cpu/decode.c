@@ -69,7 +69,9 @@ void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
                      const int64_t *row_pos, const int64_t *page_table, int64_t table_stride,
                      int64_t page_size, int64_t heads, int64_t kv_heads, int64_t dim,
                      int64_t window, double scale, int64_t bf16, const int64_t *chunks,
-                     int64_t item_begin, int64_t item_end, int64_t item_step);
+                     int64_t item_heads, int64_t item_begin, int64_t item_end,
+                     int64_t item_step);
+int64_t attention_item_heads(int64_t chunks, int64_t kv_heads, int64_t threads);
 
 static inline float bf(uint16_t b) {
     uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f;
@@ -270,13 +272,15 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     gemm(c, &ly->qkv, h, xs, c->qkv, qkv_n, lo, hi);
     barrier_wait(c->barrier, threads);
     /* rope and store: items (row, kv head), strided over the threads; then, once every
-       row's K/V is in the pool, attention: items (chunk, kv head), strided likewise */
+       row's K/V is in the pool, attention: items (chunk, kv heads), strided likewise */
     for (int64_t i = t; i < B * c->kv_heads; i += threads)
         rope_and_store(c, ly, i / c->kv_heads, i % c->kv_heads);
     barrier_wait(c->barrier, threads);
+    const int64_t item_heads = attention_item_heads(c->num_chunks, c->kv_heads, threads);
     paged_attention(c->qkv, qkv_n, d, ly->k_cache, ly->v_cache, c->attn, c->row_seq, c->row_pos,
                     c->page_table, c->table_stride, c->page_size, c->heads, c->kv_heads, d, 0,
-                    c->scale, 1, c->chunks, t, c->num_chunks * c->kv_heads, threads);
+                    c->scale, 1, c->chunks, item_heads,
+                    t, c->num_chunks * (c->kv_heads / item_heads), threads);
     barrier_wait(c->barrier, threads);
     sums(c, &ly->o, c->attn, xs);
     share(n / 16, t, threads, &lo, &hi);

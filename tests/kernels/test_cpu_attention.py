@@ -94,8 +94,11 @@ def test_a_row_is_the_same_bits_however_it_is_computed(dtype, window, threads, m
     """Every row of a 70-token sequence, from the full prefill, from extends over cached
     prefixes of 1, 15, 16, 17 and 69 tokens (among another sequence's rows), from decode
     steps (alone and beside other sequences), with the pages laid out another way, on 1,
-    2 and 3 threads split down to single items: the same bits."""
+    2 and 3 threads split down to single items, each item one kv head or all of them: the
+    same bits."""
     monkeypatch.setattr(cpu_attention, "_SPLIT_WORK", 0)
+    kernel = native_attention()
+    assert kernel is not None
     n, heads, kv_heads, dim = 70, 6, 2, 64
     pool = Pool([n, 50], 16, kv_heads, dim, dtype, seed=1)
     q = torch.randn(n, heads, dim).to(dtype)
@@ -103,17 +106,18 @@ def test_a_row_is_the_same_bits_however_it_is_computed(dtype, window, threads, m
     torch.set_num_threads(1)
     full, _ = _extend(pool, q, [0], [n], window=window)
     expected = _bits(full)
-    for num_threads in (1, 2, 3):
+    for num_threads, item_heads in [(t, h) for t in (1, 2, 3) for h in (1, kv_heads)]:
         torch.set_num_threads(num_threads)
+        monkeypatch.setattr(kernel, "item_heads", item_heads)
         for split in (1, 15, 16, 17, n - 1):  # this sequence's rows beside another's
             out, _ = _extend(pool, torch.cat((q[split:], other)), [split, 20], [n - split, 30],
                              window=window)  # fmt: skip
-            assert torch.equal(_bits(out[: n - split]), expected[split:]), (split, num_threads)
+            assert torch.equal(_bits(out[: n - split]), expected[split:]), (split, item_heads)
         for pos in (0, 15, 16, 40, n - 1):  # a decode step, alone and beside the other
             seq_lens = torch.tensor([pos + 1, 50])
             qd = torch.stack((q[pos], other[0]))
             out = decode_attention(qd, pool.k, pool.v, pool.table, seq_lens, window=window)
-            assert torch.equal(_bits(out[0]), expected[pos]), (pos, num_threads)
+            assert torch.equal(_bits(out[0]), expected[pos]), (pos, item_heads)
             alone = decode_attention(q[pos : pos + 1], pool.k, pool.v, pool.table[:1],
                                      torch.tensor([pos + 1]), window=window)  # fmt: skip
             assert torch.equal(_bits(alone[0]), expected[pos])
