@@ -34,6 +34,11 @@ template itself), temperature 0, fixed ``max_tokens``, ``ignore_eos`` where the 
 honours it. TTFT: request sent → first content chunk (client side); ITL: gaps between
 content chunks. A request that fails (HTTP error, broken stream, timeout) is counted
 as an error, not measured. Results: `peer_report.py`.
+
+Before the first server starts, with none running, the bench process measures the
+rates of radixserve's compute floor (`compute_floor.py`: the GEMM on `FLOOR_ROWS` rows,
+the native attention on those rows over the cached tokens of a conversation's first
+and last cached turn), for the report's cached turns against their floor.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import asyncio
 import contextlib
 import math
 import signal
+import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -52,6 +58,7 @@ import httpx
 from tqdm import tqdm
 
 from radixserve.bench import peer_servers as ps
+from radixserve.bench.compute_floor import ComputeFloor, measure_compute_floor
 from radixserve.bench.local_cluster import LocalCluster
 from radixserve.bench.peer_options import (  # noqa: F401 - the bench CLI reads them here
     MODES,
@@ -68,6 +75,7 @@ from radixserve.bench.peer_options import (  # noqa: F401 - the bench CLI reads 
 from radixserve.bench.report import Sample
 from radixserve.bench.suite import BenchError, Client, Messages, run_multi_turn, run_rag
 from radixserve.bench.workload import (
+    MultiTurnSize,
     MultiTurnWorkload,
     RagWorkload,
     build_multi_turn,
@@ -273,6 +281,27 @@ def build_workloads(options: PeerOptions, count: Callable[[str], int]) -> Worklo
     )
 
 
+FLOOR_ROWS = (16, 32, 64, 128, 256)  # the rates' row counts: a cached turn's delta
+
+
+def floor_prefix_lens(size: MultiTurnSize, first_prompt_tokens: int) -> tuple[int, int]:
+    """About the cached tokens of a conversation's first cached turn (round 1's prompt
+    and answer) and of its last (round 1's prompt and R − 1 turns of mean user message
+    and answer)."""
+    turn = statistics.fmean(size.user_tokens) + statistics.fmean(size.answer_tokens)
+    first = first_prompt_tokens + size.answer_tokens[1]
+    return first, max(first, round(first_prompt_tokens + (size.rounds - 1) * turn))
+
+
+def measure_floor(
+    options: PeerOptions, first_prompt_tokens: int
+) -> tuple[ComputeFloor, dict[str, Any]]:
+    prefix_lens = floor_prefix_lens(options.preset.multi_turn, first_prompt_tokens)
+    print(f"peer: measuring the compute floor's rates (no server running) on {FLOOR_ROWS} "
+          f"rows over {prefix_lens} cached tokens ...", file=sys.stderr)  # fmt: skip
+    return measure_compute_floor(options.model, FLOOR_ROWS, prefix_lens)
+
+
 def run_targets(
     targets: list[Target], wl: Workloads, options: PeerOptions,
     progress: Callable[[list[TargetRun], dict[str, str]], None] | None = None,
@@ -329,9 +358,11 @@ def run_peer_bench(options: PeerOptions) -> dict[str, Any]:
     eos = tokenizer.eos_token_ids
     targets += [peer_target(p, m, options, logs, eos) for p in peers for m in MODES]
     expected_prompt = len(tokenizer.encode_chat(first_messages(wl.multi_turn)))
+    floor = measure_floor(options, expected_prompt) if RADIXSERVE in options.servers else None
 
     def document(runs: list[TargetRun], failed: dict[str, str]) -> dict[str, Any]:
-        doc = peer_report.build_result(options, runs, skipped, peers, model_path, expected_prompt)
+        doc = peer_report.build_result(options, runs, skipped, peers, model_path,
+                                       expected_prompt, floor)  # fmt: skip
         return {**doc, "not_measured": failed, "logs": str(logs)}
 
     def save(runs: list[TargetRun], failed: dict[str, str]) -> None:

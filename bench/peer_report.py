@@ -3,9 +3,15 @@
 Per server and mode, for each workload: TTFT p50 / p90 (and mean), ITL p50 / p90,
 requests/s and output tokens/s over the workload's wall time, errors (failed requests
 are counted, never measured), mean prompt and cached tokens as the server reported
-them. The multi-turn chat also per round, and its two summary figures: the mean TTFT of
-rounds 2..R (the cached turns) and of round 1. The comparisons the issue asks for are
-ratios radixserve ÷ llama.cpp from the same run.
+them. The multi-turn chat also per round, and its summary figures: the mean TTFT of
+rounds 2..R (the cached turns) and of round 1, and a 64-token cached turn end to end
+(that mean TTFT + 63 × the chat's ITL p50). The comparisons are ratios radixserve ÷
+llama.cpp from the same run.
+
+radixserve's cached turns (cache on) also against their compute floor
+(`compute_floor.py`): each turn's delta (prompt − cached tokens, as the server reported
+them) over its cached tokens, at the rates measured in the bench process before the
+first server started.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from radixserve.bench.report import Sample, ScenarioRun, percentile
 
 if TYPE_CHECKING:
+    from radixserve.bench.compute_floor import ComputeFloor
     from radixserve.bench.peer_options import PeerOptions, TargetRun
     from radixserve.bench.peer_servers import PeerConfig
 
@@ -57,18 +65,32 @@ def run_stats(run: ScenarioRun) -> dict[str, Any]:
     }
 
 
+TURN_TOKENS = 64  # the answer of the cached turn timed end to end
+
+
+def turn_ms(cached_ttft_ms: float | None, itl_p50_ms: float | None) -> float | None:
+    """A cached turn of `TURN_TOKENS` output tokens end to end: its first token, then
+    the other 63 at the ITL p50."""
+    if cached_ttft_ms is None or itl_p50_ms is None:
+        return None
+    return cached_ttft_ms + (TURN_TOKENS - 1) * itl_p50_ms
+
+
 def multi_turn_stats(run: ScenarioRun) -> dict[str, Any]:
-    """`run_stats` plus per round and the cached-turn / round-1 means."""
+    """`run_stats` plus per round, the cached-turn / round-1 means and a 64-token cached
+    turn end to end."""
     rounds = sorted({s.round for s in run.samples})
     per_round = [
         {"round": r, **sample_stats([s for s in run.samples if s.round == r])} for r in rounds
     ]
     later = [row["ttft_ms"]["mean"] for row in per_round[1:] if row["ttft_ms"]["mean"] is not None]
     first = run.samples[0] if run.samples else None
+    stats = run_stats(run)
     return {
-        **run_stats(run),
+        **stats,
         "rounds": per_round,
         "cached_turn_ttft_ms": _mean(later),  # mean over rounds 2..R of each round's mean
+        "cached_turn_64_tokens_ms": turn_ms(_mean(later), stats["itl_ms"]["p50"]),
         "round1_ttft_ms": per_round[0]["ttft_ms"]["mean"] if per_round else None,
         "first_request_ttft_ms": first.ttft_ms if first and first.error is None else None,
     }
@@ -130,6 +152,13 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peers,
     )
     native = [p for p in peers if p["server"] == "llama-server"]
+    add(
+        f"multi-turn: a {TURN_TOKENS}-token cached turn end to end (2..R TTFT mean + "
+        f"{TURN_TOKENS - 1} × ITL p50), ms",
+        lambda r: r["multi_turn"]["cached_turn_64_tokens_ms"],
+        "≤ 0.8×",
+        native,
+    )
     add("load: TTFT p50, ms", lambda r: r["load"]["ttft_ms"]["p50"], "< 1×", native)
     add("load: TTFT p90, ms", lambda r: r["load"]["ttft_ms"]["p90"], "< 1×", native)
     add("load: errors", lambda r: r["load"]["errors"], "0", native)
@@ -165,6 +194,58 @@ def weights_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+FLOOR_DEFINITION = (
+    "per cached turn (rounds 2..R), its delta R = prompt - cached tokens over its cached "
+    "tokens P: 2 x R x layer_params + 2 x vocab x hidden GEMM FLOPs at the GEMM rate on R "
+    "rows, plus R x (P + (R+1)/2) x heads x head_dim x 4 x layers attention FLOPs at the "
+    "native attention's rate on R rows over P (rates interpolated between those measured)"
+)
+
+
+def cached_turn_floor(samples: Sequence[Sample], floor: ComputeFloor) -> dict[str, Any] | None:
+    """The cached turns (rounds 2..R, answered, with usage) against their compute floors:
+    the means and the ratio of the means."""
+    turns = []
+    for s in samples:
+        if s.round < 2 or s.error is not None or not s.usage_reported:
+            continue
+        delta = max(s.prompt_tokens - s.cached_tokens, 1)  # the last prompt token always runs
+        prefix_len = s.prompt_tokens - delta
+        turns.append({"round": s.round, "prompt_tokens": s.prompt_tokens,
+                      "cached_tokens": s.cached_tokens, "delta_tokens": delta,
+                      "ttft_ms": s.ttft_ms, "floor_ms": floor.floor_ms(delta, prefix_len)})  # fmt: skip
+    if not turns:
+        return None
+    ttft, floor_ms = _mean([t["ttft_ms"] for t in turns]), _mean([t["floor_ms"] for t in turns])
+    return {
+        "turns": len(turns),
+        "delta_tokens_mean": _mean([t["delta_tokens"] for t in turns]),
+        "prompt_tokens_mean": _mean([t["prompt_tokens"] for t in turns]),
+        "ttft_ms_mean": ttft,
+        "floor_ms_mean": floor_ms,
+        "ttft_over_floor": _ratio(ttft, floor_ms),
+        "per_turn": turns,
+    }
+
+
+def floor_section(
+    runs: list[TargetRun], floor: tuple[ComputeFloor, dict[str, Any]] | None
+) -> dict[str, Any] | None:
+    """The rates, how they were measured, and radixserve's cache-on turns against them."""
+    if floor is None:
+        return None
+    compute, measured = floor
+    mine = [r for r in runs if r.target.server == "radixserve" and r.target.mode == "on"]
+    turns = cached_turn_floor(mine[0].multi_turn.samples, compute) if mine else None
+    return {
+        "definition": FLOOR_DEFINITION,
+        "measured": measured,
+        "shape": asdict(compute.shape),
+        "rates": compute.rates.to_json(),
+        "radixserve_cached_turns": turns,
+    }
+
+
 def build_result(
     options: PeerOptions,
     runs: list[TargetRun],
@@ -172,6 +253,7 @@ def build_result(
     peers: list[PeerConfig],
     model_path: Path,
     expected_prompt_tokens: int,
+    floor: tuple[ComputeFloor, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     from radixserve.bench.peer_servers import install_commands, llama_server_build_commands
     from radixserve.bench.suite import machine_info
@@ -207,6 +289,7 @@ def build_result(
         "runs": docs,
         "comparisons": comparisons(docs),
         "weights": weights_rows(docs),
+        "compute_floor": floor_section(runs, floor),
     }
 
 
@@ -265,6 +348,50 @@ def per_round(doc: dict[str, Any]) -> list[str]:
         + " | ".join(_f(r["multi_turn"]["cached_turn_ttft_ms"]) for r in runs)
         + " |"
     )
+    lines.append(
+        f"| **a {TURN_TOKENS}-token cached turn** (2..R mean + {TURN_TOKENS - 1} × ITL p50) | "
+        + " | ".join(_f(r["multi_turn"].get("cached_turn_64_tokens_ms")) for r in runs)
+        + " |"
+    )
+    return lines
+
+
+def floor_table(doc: dict[str, Any]) -> list[str]:
+    """radixserve's cached turns against their compute floor, and the rates measured."""
+    section = doc.get("compute_floor")
+    if not section:
+        return []
+    m, rates, turns = section["measured"], section["rates"], section["radixserve_cached_turns"]
+    lines = [
+        f"compute floor of a cached turn: its delta's GEMM FLOPs at the layer matrices' rate "
+        f"on its rows + its attention FLOPs at the native attention's rate over its cached "
+        f"tokens; rates measured in the bench process with no server running "
+        f"({m['torch_threads']} torch threads, {m['dtype']}, {m['seconds']:.0f} s)",
+        "",
+        "| radixserve, cache on | cached turns | delta tok (mean) | context tok (mean) | "
+        "TTFT mean, ms | floor mean, ms | TTFT / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    if turns is None:
+        lines.append("| rounds 2..R | — | — | — | — | — | — |")
+    else:
+        lines.append(
+            f"| rounds 2..R | {turns['turns']} | {_f(turns['delta_tokens_mean'])} | "
+            f"{_f(turns['prompt_tokens_mean'])} | {_f(turns['ttft_ms_mean'])} | "
+            f"{_f(turns['floor_ms_mean'])} | {_f(turns['ttft_over_floor'], '.2f')}× |"
+        )
+    lines += [
+        "",
+        "| GFLOP/s | " + " | ".join(f"{r} rows" for r in rates["rows"]) + " |",
+        "|---|" + "---|" * len(rates["rows"]),
+        "| GEMM | " + " | ".join(_f(g) for g in rates["gemm_gflops"]) + " |",
+    ]
+    for prefix_len, row in zip(rates["prefix_lens"], rates["attention_gflops"]):
+        lines.append(
+            f"| attention over {prefix_len} cached tokens | "
+            + " | ".join(_f(a) for a in row)
+            + " |"
+        )
     return lines
 
 
@@ -309,6 +436,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         *comparison_table(doc),
     ]
+    if doc.get("compute_floor"):
+        lines += ["", *floor_table(doc)]
     if doc.get("weights"):
         lines += ["", *comparison_table(doc, "weights", "radixserve: default weights vs "
                                         "quantization=none (cache on)", "weights none")]  # fmt: skip

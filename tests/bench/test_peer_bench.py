@@ -17,6 +17,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 
 from radixserve.bench import peer_report
 from radixserve.bench import peer_servers as ps
+from radixserve.bench.compute_floor import ComputeFloor, FloorShape, Rates
 from radixserve.bench.peer import (
     Deployment,
     PeerOptions,
@@ -31,10 +33,12 @@ from radixserve.bench.peer import (
     Target,
     build_workloads,
     find_peers,
+    floor_prefix_lens,
     install_hint,
     llama_server_hint,
     run_targets,
 )
+from radixserve.bench.report import Sample, ScenarioRun
 from radixserve.bench.workload import MultiTurnSize, RagSize
 from radixserve.cli import main
 from radixserve.engine.async_engine import AsyncEngine
@@ -152,7 +156,10 @@ def test_runs_measure_what_they_claim(
             count = len(tokenizer.encode_chat(sent))
             assert run.multi_turn.samples[r].prompt_tokens == count, (run.target.mode, r)
 
-    doc = peer_report.build_result(options, runs, {"llama-server": "not here"}, [], Path("m"), 0)
+    floor = ComputeFloor(FloorShape(1000, 50, 8, 2, 4, 3), Rates((16,), (1.0,), (64,), ((1.0,),)))
+    measured = {"torch_threads": 2, "dtype": "torch.bfloat16", "seconds": 1.0}
+    doc = peer_report.build_result(options, runs, {"llama-server": "not here"}, [], Path("m"), 0,
+                                   (floor, measured))  # fmt: skip
     peer_report.write(doc, options.out_path)
     saved = json.loads(options.out_path.read_text())
     mt = saved["runs"][0]["multi_turn"]
@@ -164,8 +171,84 @@ def test_runs_measure_what_they_claim(
     assert load["output_tokens_per_s"] == pytest.approx(12 / load["wall_s"])
     assert saved["skipped"] == {"llama-server": "not here"} and saved["install"]
     assert all(c["peer"] is None and c["ratio"] is None for c in saved["comparisons"])
+    assert mt["cached_turn_64_tokens_ms"] == pytest.approx(
+        mt["cached_turn_ttft_ms"] + 63 * mt["itl_ms"]["p50"]
+    )
+    # the cache-on run's rounds 2 and 3 against the floor, with the server's token counts
+    turns = saved["compute_floor"]["radixserve_cached_turns"]
+    assert [t["delta_tokens"] for t in turns["per_turn"]] == [
+        s.prompt_tokens - s.cached_tokens for s in on.multi_turn.samples[1:]
+    ]
+    assert turns["floor_ms_mean"] > 0 and turns["ttft_ms_mean"] == pytest.approx(
+        sum(s.ttft_ms for s in on.multi_turn.samples[1:]) / 2
+    )
     out = capsys.readouterr().out
     assert "| load | radixserve | busted |" in out and "llama-server: skipped" in out
+    assert "| rounds 2..R | 2 |" in out and "| attention over 64 cached tokens | 1 |" in out
+
+
+def _run_doc(server: str, mode: str, cached_ttft: float, itl_p50: float) -> dict:
+    return {
+        "server": server,
+        "mode": mode,
+        "multi_turn": {
+            "cached_turn_ttft_ms": cached_ttft,
+            "round1_ttft_ms": 1000.0,
+            "cached_turn_64_tokens_ms": peer_report.turn_ms(cached_ttft, itl_p50),
+        },
+        "load": {
+            "ttft_ms": {"p50": 1.0, "p90": 2.0},
+            "itl_ms": {"p50": 1.0},
+            "errors": 0,
+            "requests_per_s": 1.0,
+        },  # fmt: skip
+    }
+
+
+def test_a_64_token_cached_turn_is_compared_with_llama_server() -> None:
+    # round 1 then two cached turns (150 ms mean); ITL gaps 10, 30, 20, 20, 20: p50 20
+    samples = [Sample(1, 1500, 0, 3, 500.0, [10.0, 30.0]), Sample(2, 1600, 1500, 3, 100.0,
+               [20.0, 20.0]), Sample(3, 1700, 1600, 2, 200.0, [20.0])]  # fmt: skip
+    stats = peer_report.multi_turn_stats(ScenarioRun(samples, 1.0))
+    assert stats["cached_turn_64_tokens_ms"] == 150.0 + 63 * 20.0
+    runs = [
+        _run_doc("radixserve", "on", 100.0, 20.0),  # 1,360 ms
+        _run_doc("radixserve", "busted", 50.0, 1.0),  # busted runs are not compared
+        _run_doc("llama-server", "on", 300.0, 30.0),  # 2,190 ms
+        _run_doc("llama-cpp-python", "on", 100.0, 10.0),  # 730: not the native server
+    ]
+    row = next(c for c in peer_report.comparisons(runs) if "64-token cached turn" in c["what"])
+    assert (row["radixserve"], row["peer"], row["peer_value"]) == (1360.0, "llama-server", 2190.0)
+    assert row["ratio"] == pytest.approx(1360 / 2190) and row["target"] == "≤ 0.8×"
+    table = "\n".join(peer_report.comparison_table({"comparisons": [row]}))
+    assert "| 1360 | 2190 (llama-server) | 0.62× | ≤ 0.8× |" in table
+    assert peer_report.turn_ms(None, 20.0) is None
+
+
+def test_the_floor_rates_are_measured_over_the_first_and_last_cached_turns() -> None:
+    # the quick preset: round 1's prompt 1558 tokens, answers 16, users 20-60, 6 rounds
+    size = MultiTurnSize(1500, 6, 1, (20, 60), (16, 16), concurrency=1)
+    assert floor_prefix_lens(size, 1558) == (1558 + 16, 1558 + 5 * (40 + 16))
+    assert floor_prefix_lens(replace(size, rounds=1), 1558) == (1574, 1574)
+
+
+def test_the_floor_table_of_a_synthetic_doc() -> None:
+    turns = {"turns": 10, "delta_tokens_mean": 41.2, "prompt_tokens_mean": 1702.4,
+             "ttft_ms_mean": 138.0, "floor_ms_mean": 120.0, "ttft_over_floor": 1.15}  # fmt: skip
+    rates = {"rows": [16, 32], "gemm_gflops": [150.4, 160.0], "prefix_lens": [1556, 2400],
+             "attention_gflops": [[26.6, 42.8], [23.0, 24.9]]}  # fmt: skip
+    section = {"measured": {"torch_threads": 2, "dtype": "torch.bfloat16", "seconds": 52.6},
+               "rates": rates, "radixserve_cached_turns": turns}  # fmt: skip
+    lines = peer_report.floor_table({"compute_floor": section})
+    assert "2 torch threads, torch.bfloat16, 53 s" in lines[0]
+    assert "| rounds 2..R | 10 | 41 | 1702 | 138 | 120 | 1.15× |" in lines
+    assert "| GFLOP/s | 16 rows | 32 rows |" in lines and "| GEMM | 150 | 160 |" in lines
+    assert "| attention over 2400 cached tokens | 23 | 25 |" in lines
+    missing = peer_report.floor_table(
+        {"compute_floor": {**section, "radixserve_cached_turns": None}}
+    )
+    assert "| rounds 2..R | — | — | — | — | — | — |" in missing
+    assert peer_report.floor_table({"compute_floor": None}) == []
 
 
 def test_a_failed_request_is_counted_not_measured(server: RunningServer, tmp_path: Path) -> None:
