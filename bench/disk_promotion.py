@@ -43,6 +43,7 @@ from radixserve.model.model_files import open_model
 from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.links import LinkIdentity, LinkSet
 from radixserve.runtime.settings import WorkerSettings
+from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.service import KVStoreService
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.settings import EngineSettings
@@ -108,9 +109,8 @@ async def fill(
 ) -> None:
     """Random pages for every prefix's hashes (with the tokens they are hashed from),
     written through the host tier to disk."""
-    host, disk = service.host, service.disk
+    host, disk = service.host, disk_tier(service)
     assert host is not None and host.index is not None and host.kv is not None
-    assert disk is not None
     for prompt, hashes in zip(prompts, prefixes):
         proofs = chain_proofs(namespace, None, prompt[: len(hashes) * PAGE], hashes)
         reserved = host.index.reserve(hashes)  # evicts the prefix before: towards the disk
@@ -119,7 +119,13 @@ async def fill(
         host.index.commit([hashes[i] for i, _ in reserved], [proofs[i] for i, _ in reserved])
         while not disk.idle:  # the evicted prefix written before the next evicts this one
             await asyncio.sleep(0.01)
-    await disk.flush(host.index, 600)
+    await disk.flush(host.stored_pages())
+
+
+def disk_tier(service: KVStoreService) -> DiskPool:
+    (disk,) = service.tiers[1:]
+    assert isinstance(disk, DiskPool)
+    return disk
 
 
 async def load(client: HostTierClient, rid: str, tokens: list[int], hashes: list[int]) -> float:
@@ -152,7 +158,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
     page_bytes = engine.info.geometry.page_bytes
     common = {"host": "127.0.0.1", "port": 0, "transfer_backend": args.transport,
               "host_capacity_gib": 1.25 * pages * page_bytes / (1 << 30),
-              "disk_tier_dir": root, "disk_tier_gib": 2 * args.prefixes * pages * page_bytes / (1 << 30)}  # fmt: skip
+              "disk_tier_dir": root, "disk_flush_s": 600, "disk_tier_gib": 2 * args.prefixes * pages * page_bytes / (1 << 30)}  # fmt: skip
     times: dict[str, list[float]] = {"sequential": [], "overlapped": []}
     try:
         for r in range(2 * args.rounds):
@@ -162,8 +168,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
                 kvstore(settings) as service,
                 client_of(engine, service.address, args.transport) as client,
             ):
-                assert service.disk is not None
-                while not service.disk.ready:  # the rebuild from the files
+                while not disk_tier(service).ready:  # the rebuild from the files
                     await asyncio.sleep(0.01)
                 if r == 0:
                     await fill(service, prompts, prefixes, namespace)

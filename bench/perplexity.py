@@ -161,7 +161,7 @@ def score(engine: Engine, plan: ChunkPlan, label: str) -> tuple[list[float], int
             if i is None or out.prompt_logprobs is None:
                 continue
             nlls[i] = scored_nlls(plan, i, out.prompt_logprobs)
-            cached += out.cached_tokens
+            cached += out.cached.total
             so_far = estimate([v for chunk in nlls.values() for v in chunk])
             print(f"  {label}: chunk {len(nlls)}/{len(plan.chunks)}, running PPL "
                   f"{so_far.ppl:.4f}", file=sys.stderr)  # fmt: skip

@@ -5,9 +5,8 @@ several apps can live in one process (tests). Latencies are observed by `Request
 as outputs stream; pool gauges are refreshed from the engine's `stats()` at scrape time.
 
 Metric names: radixserve_ttft_seconds, radixserve_itl_seconds, radixserve_e2e_seconds
-(histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total{tier} (tier
-"device": the worker's own cache; "host": loaded from the kvstore's host tier; "disk":
-read from the kvstore's disk tier, through host memory),
+(histograms); radixserve_prompt_tokens_total, radixserve_cached_tokens_total{tier} (tier: each of
+`CachedTokens`' tiers, "device", "host", "disk", as it defines them),
 radixserve_prefill_computed_tokens_total (= prompt - cached),
 radixserve_generation_tokens_total, radixserve_requests_total{finish_reason} (counters);
 radixserve_queue_depth, radixserve_gateway_queued_work_tokens,
@@ -20,16 +19,18 @@ per worker: radixserve_worker_audit_fail_closed); radixserve_kv_identity_mismatc
 (per worker and the kvstore: host- or disk-tier pages refused because their stored tokens
 do not prove their hash or do not match the prompt's).
 
-Behind a disaggregated gateway the workers' own numbers arrive in their heartbeats and
-are exported per worker (labels ``worker``, ``role``): ``radixserve_worker_<key>`` for
-each gauge (pages_used, pages_free, pages_locked, live_requests, queued_tokens, ...),
-``radixserve_worker_<key>_total`` for each counter (kv_transfer_pages_total,
-kv_transfer_bytes_total, prefill_computed_tokens_total, ...), ``radixserve_worker_<name>``
-histograms carried as `StatsHistogram` keys (a prefill worker's per-request
-``prefill_wait_seconds`` and ``prefill_request_tokens``), ``radixserve_worker_up``,
-and ``radixserve_kv_transfer_seconds`` (a summary: transfer count and total seconds).
+Behind a disaggregated gateway the workers' own numbers arrive in their heartbeats
+(typed: `radixserve.protocol.stats_messages.ServiceStats`) and are exported per worker
+(labels ``worker``, ``role``) by one table, `radixserve.worker_metrics.WORKER_METRICS`:
+``radixserve_worker_<field>`` for each gauge (pages_used, pages_free, pages_locked,
+live_requests, queued_tokens, ...), ``radixserve_worker_<field without _total>`` for
+each counter (kv_transfer_pages_total, kv_transfer_bytes_total,
+prefill_computed_tokens_total, ...), the prefill workers' histograms
+(``prefill_wait_seconds``, ``prefill_request_tokens``), ``radixserve_worker_up``, and
+``radixserve_kv_transfer_seconds`` (a summary: transfer count and total seconds).
 
-Each service also serves its own numbers on its HTTP port (`service_metrics`): the same
+Each service also serves its own numbers on its HTTP port
+(`radixserve.worker_metrics.service_metrics`): the same
 families with the same ``worker`` and ``role`` labels, one worker's worth. A Prometheus
 that scrapes the pods therefore drops these families from its gateway scrape (the
 compose and Kubernetes files do), so every series has one source and sums do not
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -55,17 +56,19 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    SummaryMetricFamily,
-)
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from radixserve.engine.outputs import RequestOutput, cached_by_tier
+from radixserve.engine.outputs import RequestOutput
+from radixserve.protocol.cached_tokens import TIERS, CachedTokens
+from radixserve.protocol.messages import HistogramStats
 from radixserve.vllm_metrics import FrontMetrics
+from radixserve.worker_metrics import (
+    AUDIT_DOC,
+    Snapshot,
+    WorkerView,
+    audit_results,
+    worker_families,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,29 +94,24 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class StatsHistogram:
-    """A histogram a worker carries in its heartbeat's flat ``stats``: the cumulative
-    count under ``<name>:le=<bound>`` (the last ``+Inf``) and the sum under
-    ``<name>:sum``. The gateway (and the worker's own /metrics) export it as the
-    histogram ``radixserve_worker_<name>`` (`_worker_families`)."""
+    """A histogram a worker observes and carries in its heartbeat (`HistogramStats`); the
+    gateway (and the worker's own /metrics) export it as ``radixserve_worker_<field>``."""
 
-    def __init__(self, name: str, bounds: tuple[float, ...]) -> None:
-        self.name = name
-        self.bounds = (*bounds, float("inf"))
-        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last +Inf
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += 1
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), -1)] += 1
         self.sum += value
 
-    def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {}
-        below = 0
-        for bound, count in zip(self.bounds, self.counts, strict=True):
+    def stats(self) -> HistogramStats:
+        cumulative, below = [], 0
+        for count in self.counts:
             below += count
-            out[f"{self.name}:le={floatToGoString(bound)}"] = below
-        out[f"{self.name}:sum"] = round(self.sum, 6)
-        return out
+            cumulative.append(below)
+        return HistogramStats(self.bounds, tuple(cumulative), round(self.sum, 6))
 
 
 class ServingMetrics:
@@ -142,7 +140,7 @@ class ServingMetrics:
             ["tier"],
             registry=r,
         )
-        for tier in ("device", "host", "disk"):
+        for tier in TIERS:
             self.cached_tokens.labels(tier=tier)
         self.prefill_computed_tokens = Counter(
             "radixserve_prefill_computed_tokens",
@@ -193,39 +191,33 @@ class ServingMetrics:
             ["reason"],
             registry=r,
         )
-        self._workers = _Snapshot(_worker_families)
+        self._workers = Snapshot(worker_families)
         r.register(self._workers)
-        self._front = _Snapshot(_front_families)
+        self._front = Snapshot(_front_families)
         r.register(self._front)
-        self._audit = _Snapshot(_audit_families)  # the in-process engine's audit
+        self._audit = Snapshot(_audit_families)  # the in-process engine's audit
         r.register(self._audit)
 
     def record_finish(
         self,
         prompt_tokens: int,
-        cached_tokens: int,
+        cached: CachedTokens,
         completion_tokens: int,
         reason: str,
-        host_cached_tokens: int = 0,
-        disk_cached_tokens: int = 0,
     ) -> None:
-        """Count one finished (or aborted) request; ``host_cached_tokens`` of its
-        ``cached_tokens`` came through the kvstore, ``disk_cached_tokens`` of those from
-        its disk tier (the rest from host memory)."""
-        device, host, disk = cached_by_tier(cached_tokens, host_cached_tokens, disk_cached_tokens)
+        """Count one finished (or aborted) request, its prompt's ``cached`` tokens by tier."""
         self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.labels(tier="device").inc(device)
-        self.cached_tokens.labels(tier="host").inc(host)
-        self.cached_tokens.labels(tier="disk").inc(disk)
-        self.prefill_computed_tokens.inc(max(prompt_tokens - cached_tokens, 0))
+        for tier, tokens in cached.by_tier().items():
+            self.cached_tokens.labels(tier=tier).inc(tokens)
+        self.prefill_computed_tokens.inc(max(prompt_tokens - cached.total, 0))
         self.generation_tokens.inc(completion_tokens)
         self.requests.labels(finish_reason=reason).inc()
 
     def render(
-        self, stats: Mapping[str, int], workers: Mapping[str, Mapping[str, Any]] | None = None
+        self, stats: Mapping[str, int], workers: Mapping[str, WorkerView] | None = None
     ) -> bytes:
         """Prometheus text exposition, pool gauges refreshed from `stats` and per-worker
-        families from `workers` (name -> heartbeat stats with "role" and "up") first."""
+        families from `workers` (name -> the worker's link, load and stats) first."""
         for key, gauge in self._pool.items():
             if key in stats:
                 gauge.set(stats[key])
@@ -248,22 +240,6 @@ _FRONT_COUNTERS = {
 }
 
 
-class _Snapshot(Collector):
-    """Exports families made at scrape time from ``snapshot`` (set before each scrape)."""
-
-    def __init__(
-        self, families: Callable[[dict[str, Any]], Iterator[Any]], snapshot: dict | None = None
-    ) -> None:
-        self.snapshot: dict[str, Any] = snapshot or {}
-        self._families = families
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        return self._families(self.snapshot)
-
-
 def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
     """The cluster client's own counters."""
     for key, value in sorted(snapshot.items()):
@@ -271,27 +247,13 @@ def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
         yield CounterMetricFamily(name, doc, value=value)
 
 
-#: the cache audit's counters in an engine's stats, by the result they count; matches
-#: are the audits checked less those that did not match
-_AUDIT_COUNTERS = ("audit_checked", "audit_mismatches", "audit_skipped")
-#: a worker's (or the kvstore's) count of stored KV pages refused because their tokens
-#: did not prove their hash (`radixserve.cache.page_proof`)
-IDENTITY_MISMATCH = "kv_identity_mismatch_total"
-_NOT_EXPORTED = frozenset(
-    {"role", "address", "up", "generation", IDENTITY_MISMATCH, *_AUDIT_COUNTERS}
-)
-
-
 def _audit_results(stats: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """(result, count) of the cache audit in one engine's ``stats``; none if it is off."""
+    """(result, count) of the cache audit in the in-process engine's ``stats``; none if
+    it is off."""
     if "audit_checked" not in stats:
         return []
-    mismatches = float(stats.get("audit_mismatches", 0))
-    return [
-        ("match", float(stats["audit_checked"]) - mismatches),
-        ("mismatch", mismatches),
-        ("skipped", float(stats.get("audit_skipped", 0))),
-    ]
+    return audit_results(float(stats["audit_checked"]), float(stats.get("audit_mismatches", 0)),
+                         float(stats.get("audit_skipped", 0)))  # fmt: skip
 
 
 def _audit_families(stats: dict[str, Any]) -> Iterator[Any]:
@@ -299,7 +261,7 @@ def _audit_families(stats: dict[str, Any]) -> Iterator[Any]:
     results = _audit_results(stats)
     if not results:
         return
-    family = CounterMetricFamily("radixserve_cache_audit", _AUDIT_DOC, labels=["result"])
+    family = CounterMetricFamily("radixserve_cache_audit", AUDIT_DOC, labels=["result"])
     for result, count in results:
         family.add_metric([result], count)
     yield family
@@ -309,84 +271,7 @@ def _audit_families(stats: dict[str, Any]) -> Iterator[Any]:
     )  # fmt: skip
 
 
-_AUDIT_DOC = "Cache hits recomputed without the cache, by result (match, mismatch, skipped)."
 _FAIL_CLOSED_DOC = "1 while a failed-closed cache audit keeps the engine off its cache."
-
-
-def _worker_families(snapshot: dict[str, Mapping[str, Any]]) -> Iterator[Any]:
-    """The latest per-worker stats as labelled families."""
-    labels = ["worker", "role"]
-    families: dict[str, Any] = {}
-    up = GaugeMetricFamily("radixserve_worker_up", "1 while the worker is up.", labels=labels)
-    transfer = SummaryMetricFamily(
-        "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=labels
-    )
-    audit = CounterMetricFamily("radixserve_cache_audit", _AUDIT_DOC, labels=[*labels, "result"])
-    mismatch = CounterMetricFamily(
-        "radixserve_kv_identity_mismatch",
-        "KV pages of the host or disk tier refused because their stored tokens do not "
-        "prove their hash or do not match the prompt's (dropped, recomputed).",
-        labels=labels,
-    )
-    for name, stats in sorted(snapshot.items()):
-        ids = [name, str(stats.get("role", ""))]
-        up.add_metric(ids, 1.0 if stats.get("up") else 0.0)
-        if IDENTITY_MISMATCH in stats:
-            mismatch.add_metric(ids, float(stats[IDENTITY_MISMATCH]))
-        for result, count in _audit_results(stats):
-            audit.add_metric([*ids, result], count)
-        if "kv_transfers_total" in stats:
-            transfer.add_metric(
-                ids, stats["kv_transfers_total"], stats.get("kv_transfer_seconds_total", 0.0)
-            )
-        _add_histograms(families, ids, stats)
-        for key, value in stats.items():
-            if key in _NOT_EXPORTED or ":" in key or not isinstance(value, int | float):
-                continue
-            if key.endswith("_total"):
-                base = f"radixserve_worker_{key[: -len('_total')]}"
-                family = families.get(base) or CounterMetricFamily(
-                    base, f"Worker counter {key}.", labels=labels
-                )
-            else:
-                base = f"radixserve_worker_{key}"
-                family = families.get(base) or GaugeMetricFamily(
-                    base, f"Worker {key.replace('_', ' ')}.", labels=labels
-                )
-            families[base] = family
-            family.add_metric(ids, float(value))
-    yield up
-    yield transfer
-    if audit.samples:
-        yield audit
-    if mismatch.samples:
-        yield mismatch
-    yield from families.values()
-
-
-def _add_histograms(families: dict[str, Any], ids: list[str], stats: Mapping[str, Any]) -> None:
-    """The `StatsHistogram`s among one worker's ``stats``, added to ``families``."""
-    buckets: dict[str, list[tuple[str, float]]] = {}
-    for key, value in stats.items():
-        name, sep, part = key.partition(":le=")
-        if sep and isinstance(value, int | float):
-            buckets.setdefault(name, []).append((part, float(value)))
-    for name, points in buckets.items():
-        base = f"radixserve_worker_{name}"
-        family = families.get(base) or HistogramMetricFamily(
-            base, f"Worker histogram {name}.", labels=["worker", "role"]
-        )
-        families[base] = family
-        points.sort(key=lambda p: float(p[0]))  # "+Inf" sorts last
-        family.add_metric(ids, points, float(stats.get(f"{name}:sum", 0.0)))
-
-
-def service_metrics(name: str, role: str, stats: Mapping[str, Any]) -> bytes:
-    """One service's own ``radixserve_worker_*`` families (its heartbeat numbers,
-    ``stats``), labelled ``worker=name, role=role``, as the Prometheus text exposition."""
-    registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Snapshot(_worker_families, {name: {**stats, "role": role, "up": True}}))
-    return generate_latest(registry)
 
 
 class RequestTimer:
@@ -418,7 +303,4 @@ class RequestTimer:
     def finish(self, last: RequestOutput, reason: str) -> None:
         """The request ended (``reason``); ``last`` is its latest output (the counts)."""
         self._metrics.e2e.observe(time.perf_counter() - self._start)
-        self._metrics.record_finish(
-            last.prompt_tokens, last.cached_tokens, last.completion_tokens, reason,
-            last.host_cached_tokens, last.disk_cached_tokens,
-        )  # fmt: skip
+        self._metrics.record_finish(last.prompt_tokens, last.cached, last.completion_tokens, reason)

@@ -104,6 +104,22 @@ class EngineSettings(BaseSettings):
         "per-op cost) where the model and kernels allow it (CPU, bfloat16, int4/int8 "
         "weights through the native GEMM); else, or when false, the layers' torch ops.",
     )
+    speculative_method: Literal["off", "prompt", "radix", "both"] = Field(
+        "off",
+        description="Speculative decoding without a draft model (radixserve/engine/"
+        "speculation.py): draft tokens from the request's own tokens ('prompt'), from the "
+        "token sequences this engine has cached, in the request's cache namespace "
+        "('radix'), or both; verified exactly in the step (greedy and seeded outputs are "
+        "the tokens decoding one by one gives). 'off': every step decodes one token.",
+    )
+    speculative_max_draft_tokens: int = Field(
+        8, ge=0, le=64, description="The most draft tokens a request verifies in one step."
+    )
+    speculative_max_batch: int = Field(
+        4, ge=1, le=1024,
+        description="Steps with more decoding requests than this verify no drafts (a "
+        "bigger batch pays more for verifying than speculation saves).",
+    )  # fmt: skip
     cache_salt: str = Field(
         "", max_length=256, description="Mixed into page hashes so tenants never share KV."
     )

@@ -39,12 +39,16 @@ the scrape time with empty adapter lists and ``max_lora="0"``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from radixserve.protocol.messages import WorkerLoad
+    from radixserve.protocol.stats_messages import EngineSection
 
 #: vLLM v1's buckets for time to first token
 TTFT_BUCKETS = (
@@ -56,57 +60,62 @@ ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-#: a worker's counters (in its stats) behind vLLM's prefix-cache counters
+#: a worker's counters (`EngineSection` fields) behind vLLM's prefix-cache counters
 QUERIED_TOKENS = "prefix_cache_queried_tokens_total"
 HIT_TOKENS = "prefix_cache_hit_tokens_total"
 
 
-def kv_cache_usage(stats: Mapping[str, Any]) -> float:
+def kv_cache_usage(stats: EngineSection) -> float:
     """The share of the pool's pages held by requests (0..1): neither free nor cached
     and evictable."""
-    total = float(stats.get("pages_total", 0))
-    if total <= 0:
+    if stats.pages_total <= 0:
         return 0.0
-    held = total - float(stats.get("pages_free", 0)) - float(stats.get("pages_evictable", 0))
-    return min(max(held / total, 0.0), 1.0)
+    held = stats.pages_total - stats.pages_free - (stats.pages_evictable or 0)
+    return min(max(held / stats.pages_total, 0.0), 1.0)
 
 
-def engine_families(model_name: str, engine: str, stats: Mapping[str, Any]) -> Iterator[Any]:
-    """vLLM's per-engine families from one worker's ``stats`` (its heartbeat numbers and
-    typed load: ``running``, ``waiting``, the pool pages, the prefix-cache counters)."""
+def engine_families(
+    model_name: str, engine: str, load: WorkerLoad, stats: EngineSection
+) -> Iterator[Any]:
+    """vLLM's per-engine families from one worker's heartbeat numbers: its ``load``
+    (running, waiting) and its engine's ``stats`` (the pool pages, the prefix-cache
+    counters)."""
     labels, values = ["model_name", "engine"], [model_name, engine]
     for name, doc, value in (
         ("vllm:num_requests_running", "Number of requests in model execution batches.",
-         stats.get("running", 0)),
+         load.running),
         ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-         stats.get("waiting", 0)),
+         load.waiting),
         ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
          kv_cache_usage(stats)),
     ):  # fmt: skip
         gauge = GaugeMetricFamily(name, doc, labels=labels)
         gauge.add_metric(values, float(value))
         yield gauge
-    for name, doc, key in (
+    for name, doc, count in (
         ("vllm:prefix_cache_queries",
-         "Prefix cache queries, in terms of number of queried tokens.", QUERIED_TOKENS),
+         "Prefix cache queries, in terms of number of queried tokens.",
+         stats.prefix_cache_queried_tokens_total),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-         HIT_TOKENS),
+         stats.prefix_cache_hit_tokens_total),
     ):  # fmt: skip
         counter = CounterMetricFamily(name, doc, labels=labels)
-        counter.add_metric(values, float(stats.get(key, 0)))
+        counter.add_metric(values, float(count))
         yield counter
 
 
-def engine_metrics(model_name: str, engine: str, stats: Mapping[str, Any]) -> bytes:
+def engine_metrics(model_name: str, engine: str, load: WorkerLoad, stats: EngineSection) -> bytes:
     """`engine_families` as the Prometheus text exposition (a worker's /metrics)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_EngineSnapshot(model_name, engine, stats))
+    registry.register(_EngineSnapshot(model_name, engine, load, stats))
     return generate_latest(registry)
 
 
 class _EngineSnapshot(Collector):
-    def __init__(self, model_name: str, engine: str, stats: Mapping[str, Any]) -> None:
-        self._args = (model_name, engine, stats)
+    def __init__(
+        self, model_name: str, engine: str, load: WorkerLoad, stats: EngineSection
+    ) -> None:
+        self._args = (model_name, engine, load, stats)
 
     def describe(self) -> list[Any]:
         return []

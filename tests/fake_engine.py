@@ -45,6 +45,7 @@ from radixserve.protocol import (
     TokenChunk,
     WorkerLoad,
 )
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.runtime.service import Service
 from radixserve.transfer import KVShard, PoolCompat
 
@@ -194,18 +195,11 @@ class FakeEngine:
         self,
         request_id: str,
         first_tokens: Sequence[int],
-        cached_tokens: int,
-        host_cached_tokens: int,
+        cached: CachedTokens,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
-        disk_cached_tokens: int = 0,
     ) -> None:
-        self._record(
-            "activate_remote",
-            request_id,
-            first_tokens=list(first_tokens),
-            cached_tokens=cached_tokens,
-        )
+        self._record("activate_remote", request_id, first_tokens=list(first_tokens), cached=cached)
         req = self._requests[request_id]
         pages = self.reserved.pop(request_id)
         self.activated_kv[request_id] = self.info.kv[:, :, pages].clone()
@@ -285,7 +279,6 @@ class FakeEngine:
             finished=last,
             finish_reason="length" if last else None,
             prompt_tokens=req.prompt_len,
-            cached_tokens=0,
             completion_tokens=position + 1,
             ttft_ms=1.0,
             leased_page_ids=leased,

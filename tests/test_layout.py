@@ -135,7 +135,8 @@ def test_the_cluster_gateway_imports_neither_torch_nor_the_engine() -> None:
 
 #: the allocator and the radix tree: only the cache package and the cache manager
 #: import them (a type named in an annotation, under TYPE_CHECKING, holds no page)
-PAGE_STATE = {"radixserve.cache.page_allocator", "radixserve.cache.radix_cache"}
+PAGE_STATE = {"radixserve.cache.page_allocator", "radixserve.cache.radix_cache",
+              "radixserve.cache.radix_tree"}  # fmt: skip
 PAGE_OWNERS = ("radixserve.cache.", "radixserve.engine.kv_cache_manager")
 BENCHMARKS = ("radixserve.bench", "radixserve.kernels.bench")  # drive the parts directly
 

@@ -1,22 +1,9 @@
-"""Page-aligned radix tree over token ids: the prefix cache (RadixAttention-style).
+"""The prefix cache (RadixAttention-style): the pages of a radix tree over token ids,
+owned, locked, evicted and reported.
 
-The tree maps token prefixes to the KV pages that hold them. It owns page ids, never
-KV data, and holds one allocator reference on every page it owns. Every edge key is a
-run of whole pages, so a node's ``key``, ``page_ids`` and ``page_hashes`` line up one
-page per entry (page_size = 4 shown):
-
-    root  key=[]                                   lock_ref = every outstanding lock
-     ├── (1,2,3,4) -> key=[1 2 3 4 | 5 6 7 8]      system prompt, 2 pages
-     │                page_ids=[ 7 |  8 ]
-     │                page_hashes=[h0 | h1]        h1 = H(h0, 5 6 7 8)
-     │    ├── (9,9,9,9) -> key=[9 9 9 9]           conversation A, 1 page
-     │    └── (3,1,4,1) -> key=[3 1 4 1 | 5 9 2 6] conversation B, 2 pages
-     └── (0,0,0,0) -> ...                          another prompt
-
-Children are keyed by the tuple of their first page's tokens. A match that ends inside
-a key splits the node at that page boundary; the existing node object keeps the lower
-half (so handles held by callers keep meaning the same prefix) and a new node takes the
-upper half.
+`RadixCache` answers prefix lookups over a `radixserve.cache.radix_tree.RadixTree` (its
+layout, splits and scopes are drawn there). It owns page ids, never KV data, and holds
+one allocator reference on every page the tree holds.
 
 Locks: ``lock(node)`` adds 1 to ``node.own_locks`` and 1 to ``lock_ref`` of the node and
 of every ancestor *including the root*, so for every node
@@ -25,10 +12,9 @@ of every ancestor *including the root*, so for every node
 never evicted. A split gives the new upper half the lower half's ``lock_ref`` and no
 ``own_locks``, which keeps the rule.
 
-Eviction removes least-recently-used unlocked leaves; a parent left as an unlocked
-leaf becomes a candidate. ``last_access`` is a per-cache counter bumped once per
-``match_prefix``/``insert`` and stamped on every node of the walked path, so a parent is
-never older than its children. Not thread-safe: one engine thread drives it.
+Eviction removes least-recently-used unlocked leaves (``last_access``, stamped once per
+``match_prefix``/``insert`` on the walked path); a parent left as an unlocked leaf
+becomes a candidate. Not thread-safe: one engine thread drives it.
 
 Spilling (the kvstore's host tier, `set_spill_listener`): eviction hands each node's
 page hashes and ids to the listener before the tree lets the pages go (write-back); with
@@ -41,28 +27,19 @@ requests whose cached prefix ran through it (``hits``, stamped with the wall-clo
 ``last_hit_s``), and the node where such a prefix ended keeps the latest few request
 ids; `note_use` does this in the walk up the path it already made, so a hit stays
 O(depth) and the memory bounded (`RECENT_IDS` ids per node).
-
-Scopes (`radixserve.cache.block_hash.scoped_namespace`): every walk takes the namespace
-its request's pages are hashed in (default: the cache's own). The root serves the
-cache's own namespace; each other namespace has a *scope root* (no key, no pages, its
-parent the root, so locks still count on the root) whose subtree holds that scope's
-pages only, so a request never matches a page computed under another scope. A scope
-root exists only while it has children or locks (a salt per request cannot grow the
-tree's memory); it is never evicted itself, and the views walk every scope.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from radixserve.cache.block_hash import page_hashes
 from radixserve.cache.page_allocator import PageAllocator
 from radixserve.cache.page_proof import PageProof, chain_proofs
+from radixserve.cache.radix_tree import RadixNode, RadixTree
 
 logger = logging.getLogger(__name__)
 
@@ -76,73 +53,6 @@ BlockCallback = Callable[[str, list[int], int | None, list[int]], None]
 SpillCallback = Callable[[list[int], list[int], list[PageProof]], None]
 
 
-class RadixNode:
-    """One edge of the tree: a page-aligned run of tokens and the pages that hold it."""
-
-    __slots__ = (
-        "node_id",
-        "key",
-        "page_ids",
-        "page_hashes",
-        "parent",
-        "children",
-        "lock_ref",
-        "own_locks",
-        "last_access",
-        "uses",
-        "written",
-        "hits",
-        "last_hit_s",
-        "recent_ids",
-        "namespace",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        key: list[int],
-        page_ids: list[int],
-        hashes: list[int],
-        parent: RadixNode | None,
-        last_access: int,
-        namespace: bytes = b"",
-    ) -> None:
-        self.node_id = node_id
-        self.key = key
-        self.page_ids = page_ids
-        self.page_hashes = hashes
-        self.parent = parent
-        self.children: dict[tuple[int, ...], RadixNode] = {}
-        self.lock_ref = 0
-        self.own_locks = 0
-        self.last_access = last_access
-        self.uses = 0  # requests that started from a prefix ending in this node
-        self.written = False  # handed to the spill listener already
-        self.hits = 0  # requests whose cached prefix ran through this node (`note_use`)
-        self.last_hit_s = 0.0  # wall-clock time of the latest of them (0: none yet)
-        # ids of the latest requests whose cached prefix ended exactly here (at most
-        # `RECENT_IDS`; those that ended below are on the descendants): the explorer's
-        # "who used this prefix", kept on one node per hit so a hit stays O(depth)
-        self.recent_ids: list[str] | None = None
-        self.namespace = namespace  # what its pages are hashed in (its scope's)
-
-    @property
-    def is_root(self) -> bool:
-        """The root or a scope root: no key, no pages, never evicted."""
-        return not self.key
-
-    @property
-    def last_hash(self) -> int | None:
-        """Chained hash of this node's last page (``None`` for the root)."""
-        return self.page_hashes[-1] if self.page_hashes else None
-
-    def __repr__(self) -> str:
-        return (
-            f"RadixNode(id={self.node_id}, pages={len(self.page_ids)}, "
-            f"children={len(self.children)}, lock_ref={self.lock_ref})"
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class MatchResult:
     """Longest cached page-aligned prefix: its pages and the node that ends exactly there."""
@@ -150,11 +60,10 @@ class MatchResult:
     page_ids: list[int]
     node: RadixNode
     num_tokens: int
-    last_hash: int | None
 
 
 class RadixCache:
-    """Prefix cache over an allocator's pages; see the module docstring for the layout."""
+    """Prefix cache over an allocator's pages; see the module docstring."""
 
     def __init__(self, allocator: PageAllocator, page_size: int, namespace: bytes) -> None:
         if page_size < 1:
@@ -166,10 +75,8 @@ class RadixCache:
         self._on_block: BlockCallback | None = None  # `set_block_listener`
         self._on_spill: SpillCallback | None = None
         self._write_through_uses = 0
-        self._clock = itertools.count(1)  # `last_access` stamps
-        self._node_ids = itertools.count(1)
-        self.root = RadixNode(next(self._node_ids), [], [], [], None, 0, namespace)
-        self._scopes: dict[bytes, RadixNode] = {}  # namespace -> scope root (not the root's)
+        self._tree = RadixTree(page_size, namespace)
+        self.root = self._tree.root
         self._evictable: set[RadixNode] = set()  # unlocked non-root leaves
         self._num_cached_pages = 0
         self._num_locked_pages = 0
@@ -186,12 +93,12 @@ class RadixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes in the tree, the root left out. O(nodes): for views."""
-        return sum(1 for _ in self._nodes())
+        return sum(1 for _ in self._tree.nodes())
 
     @property
     def num_scopes(self) -> int:
         """Scope roots now held (namespaces other than the cache's own). O(1)."""
-        return len(self._scopes)
+        return len(self._tree.scopes)
 
     @property
     def num_locked_pages(self) -> int:
@@ -221,11 +128,11 @@ class RadixCache:
         tokens = token_ids if type(token_ids) is list else list(token_ids)
         limit = len(tokens) - len(tokens) % self.page_size
         self.num_matches += 1
-        start = self._scope_root(namespace, create=False)
+        start = self._tree.scope_root(namespace, create=False)
         if start is None:  # a scope with nothing cached
-            return MatchResult([], self.root, 0, None)
-        node, num_tokens, pages = self._descend(start, tokens, limit, next(self._clock))
-        return MatchResult(pages, node, num_tokens, node.last_hash)
+            return MatchResult([], self.root, 0)
+        node, num_tokens, pages = self._tree.descend(start, tokens, limit, self._tree.tick())
+        return MatchResult(pages, node, num_tokens)
 
     def insert(
         self, token_ids: Sequence[int], page_ids: Sequence[int], namespace: bytes | None = None
@@ -248,7 +155,7 @@ class RadixCache:
         pages and the node ending there (what a running request re-points at), from the
         same walk."""
         node, _, pages = self._insert(list(token_ids), page_ids, namespace)
-        return MatchResult(pages, node, len(token_ids), node.last_hash)
+        return MatchResult(pages, node, len(token_ids))
 
     def _insert(
         self, tokens: list[int], page_ids: Sequence[int], namespace: bytes | None
@@ -259,34 +166,15 @@ class RadixCache:
             raise ValueError(
                 f"{len(tokens)} tokens do not fill {len(page_ids)} pages of {self.page_size}"
             )
-        tick = next(self._clock)
+        tick = self._tree.tick()
         # no tokens: nothing to hang anywhere (a scope without pages gets no scope root)
-        start = self._scope_root(namespace, create=bool(tokens)) or self.root
-        node, num_cached, pages = self._descend(start, tokens, len(tokens), tick)
+        start = self._tree.scope_root(namespace, create=bool(tokens)) or self.root
+        node, num_cached, pages = self._tree.descend(start, tokens, len(tokens), tick)
         if num_cached < len(tokens):
             new_pages = list(page_ids[num_cached // self.page_size :])
             node = self._add_leaf(node, tokens[num_cached:], new_pages, tick)
             pages = pages + new_pages
         return node, num_cached, pages
-
-    def _scope_root(self, namespace: bytes | None, create: bool) -> RadixNode | None:
-        """Where the pages of ``namespace`` hang: the root for the cache's own, else its
-        scope root (made if ``create``; None if it has none)."""
-        if namespace is None or namespace == self.namespace:
-            return self.root
-        scope = self._scopes.get(namespace)
-        if scope is None and create:
-            scope = RadixNode(next(self._node_ids), [], [], [], self.root, 0, namespace)
-            self._scopes[namespace] = scope
-        return scope
-
-    def _prune_scope(self, node: RadixNode) -> None:
-        """Forget ``node`` if it is a scope root with no children and no locks."""
-        if node is self.root or not node.is_root or node.children or node.lock_ref:
-            return
-        del self._scopes[node.namespace]
-        node.parent = None
-        self.version += 1  # a match that ended on it is stale
 
     def lock(self, node: RadixNode) -> None:
         """Protect ``node`` and all its ancestors from eviction until ``unlock(node)``."""
@@ -361,7 +249,7 @@ class RadixCache:
 
     def clear_written(self) -> None:
         """Forget which nodes were handed over (the tier they went to was emptied)."""
-        for node in self._nodes():
+        for node in self._tree.nodes():
             node.written = False
 
     def note_use(self, node: RadixNode, request_id: str = "") -> None:
@@ -393,9 +281,9 @@ class RadixCache:
         too (the root is left out; parents come before children). O(nodes): for views,
         not for the hot path."""
         below: dict[int, int] = {}
-        for node in reversed(list(self._nodes())):  # children before their parents
+        for node in reversed(list(self._tree.nodes())):  # children before their parents
             below[id(node)] = len(node.page_ids) + sum(below[id(c)] for c in node.children.values())
-        heap = [(-below[id(c)], c.node_id, c) for c in self._top_nodes()]
+        heap = [(-below[id(c)], c.node_id, c) for c in self._tree.top_nodes()]
         heapq.heapify(heap)
         chosen: list[tuple[RadixNode, int]] = []
         while heap and len(chosen) < max_nodes:
@@ -428,46 +316,31 @@ class RadixCache:
 
     def all_page_hashes(self) -> list[int]:
         """Every cached page's hash, parents before children (a snapshot for a resync)."""
-        return [h for node in self._nodes() for h in node.page_hashes]
+        return [h for node in self._tree.nodes() for h in node.page_hashes]
 
     def roots(self) -> list[RadixNode]:
         """The root, then every scope root (each a namespace's tree; `RadixNode.namespace`)."""
-        return [self.root, *self._scopes.values()]
-
-    def _top_nodes(self) -> list[RadixNode]:
-        """The children of the root and of every scope root: each scope's first nodes."""
-        tops = list(self.root.children.values())
-        for scope in self._scopes.values():
-            tops.extend(scope.children.values())
-        return tops
-
-    def _nodes(self) -> Iterator[RadixNode]:
-        """Every node but the root and the scope roots, each before its children (depth
-        first), every scope's."""
-        stack = self._top_nodes()
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return self._tree.roots()
 
     def check_integrity(self) -> None:
         """Walk the tree and raise ``AssertionError`` on any broken invariant.
 
-        Checks key alignment, child keying, parent links, the lock_ref sum rule, LRU
-        stamps, the O(1) counters, the evictable set, page ownership (each page owned
-        once, refcount >= 1) and every hash against a recomputation. Changes nothing.
+        Checks the tree's structure (`RadixTree.check_integrity`: key alignment, child
+        keying, parent links, the lock_ref sum rule, LRU stamps, scopes, every hash
+        against a recomputation), the O(1) counters, the evictable set and page
+        ownership (each page owned once, refcount >= 1). Changes nothing.
         """
-        root = self.root
-        if root.key or root.page_ids or root.page_hashes or root.parent is not None:
-            raise AssertionError("root must be empty and parentless")
-        if root.namespace != self.namespace:
-            raise AssertionError("the root's namespace is not the cache's")
-        self._check_scopes()
+        self._tree.check_integrity()
         owned: set[int] = set()
         locked_pages = 0
         evictable: set[RadixNode] = set()
-        for node in [root, *self._scopes.values(), *self._nodes()]:
-            self._check_node(node, owned)
+        for node in [*self._tree.roots(), *self._tree.nodes()]:
+            for page in node.page_ids:
+                if page in owned:
+                    raise AssertionError(f"page {page} is owned twice")
+                if self._allocator.refcount(page) < 1:
+                    raise AssertionError(f"owned page {page} is free in the allocator")
+                owned.add(page)
             if node.lock_ref > 0:
                 locked_pages += len(node.page_ids)
             elif not node.children and not node.is_root:
@@ -479,153 +352,22 @@ class RadixCache:
         if evictable != self._evictable:
             raise AssertionError("evictable-leaf set disagrees with the tree")
 
-    def _check_scopes(self) -> None:
-        """The scope roots' part of ``check_integrity``: each is an empty node under the
-        root, of its own namespace, kept only while it has children or locks."""
-        for namespace, scope in self._scopes.items():
-            if scope.key or scope.page_ids or scope.parent is not self.root:
-                raise AssertionError(f"scope root {scope!r} is not an empty node under the root")
-            if scope.namespace != namespace or namespace == self.namespace:
-                raise AssertionError(f"scope root {scope!r} is filed under another namespace")
-            if not scope.children and not scope.lock_ref:
-                raise AssertionError(f"scope root {scope!r} is kept with nothing under it")
-            if scope.last_access > self.root.last_access:
-                raise AssertionError(f"scope root {scope!r} was accessed after the root")
-
-    def _check_node(self, node: RadixNode, owned: set[int]) -> None:
-        """Per-node part of ``check_integrity``; adds the node's pages to ``owned``."""
-        page_size = self.page_size
-        num_pages = len(node.page_ids)
-        if not node.is_root and len(node.key) % page_size:
-            raise AssertionError(f"{node!r} key of {len(node.key)} tokens is not page-aligned")
-        if num_pages * page_size != len(node.key) or len(node.page_hashes) != num_pages:
-            raise AssertionError(f"{node!r} key, page_ids and page_hashes disagree")
-        below = [*node.children.values(), *(self._scopes.values() if node is self.root else ())]
-        if node.own_locks < 0 or node.lock_ref != node.own_locks + sum(c.lock_ref for c in below):
-            raise AssertionError(f"{node!r} breaks lock_ref == own_locks + children's")
-        for first_page, child in node.children.items():
-            if child.parent is not node or tuple(child.key[:page_size]) != first_page:
-                raise AssertionError(f"{child!r} is keyed or linked wrongly under {node!r}")
-            if child.last_access > node.last_access:
-                raise AssertionError(f"{child!r} was accessed after its parent")
-            if child.namespace != node.namespace:
-                raise AssertionError(f"{child!r} is in another scope than its parent {node!r}")
-        for page in node.page_ids:
-            if page in owned:
-                raise AssertionError(f"page {page} is owned twice")
-            if self._allocator.refcount(page) < 1:
-                raise AssertionError(f"owned page {page} is free in the allocator")
-            owned.add(page)
-        parent_hash = node.parent.last_hash if node.parent is not None else None
-        expected = page_hashes(node.key, page_size, node.namespace, parent_hash)
-        if node.page_hashes != expected:
-            raise AssertionError(f"{node!r} page hashes differ from a recomputation")
-
-    def _descend(
-        self, start: RadixNode, tokens: list[int], limit: int, tick: int
-    ) -> tuple[RadixNode, int, list[int]]:
-        """Walk the longest cached prefix of ``tokens[:limit]`` (limit page-aligned) down
-        from ``start`` (the root or a scope root).
-
-        Splits the last node if the match ends inside it and stamps ``tick`` on the
-        path (the root included). Returns (deepest node, matched token count, matched
-        page ids).
-        """
-        page_size = self.page_size
-        self.root.last_access = tick
-        node = start
-        node.last_access = tick
-        pos = 0
-        pages: list[int] = []
-        while pos < limit:
-            child = node.children.get(tuple(tokens[pos : pos + page_size]))
-            if child is None:
-                break
-            key = child.key
-            end = pos + len(key)
-            full = end <= limit and tokens[pos:end] == key
-            if not full:
-                matched = self._matched_pages(key, tokens, pos, limit)
-                child = self._split(child, matched)
-                end = pos + matched * page_size
-            child.last_access = tick
-            pages.extend(child.page_ids)
-            node = child
-            pos = end
-            if not full:
-                break
-        return node, pos, pages
-
-    def _matched_pages(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
-        """Leading whole pages of ``key`` equal to ``tokens[pos:limit]`` (first page is known).
-
-        Bisects with slice comparisons over ever smaller ranges: O(len(key)) element
-        compares in C and O(log pages) Python steps.
-        """
-        size = self.page_size
-
-        def same(first: int, stop: int) -> bool:  # pages [first, stop) are equal
-            return key[first * size : stop * size] == tokens[pos + first * size : pos + stop * size]
-
-        lo, hi = 1, min(len(key), limit - pos) // size
-        if same(lo, hi):
-            return hi
-        while hi - lo > 1:  # pages [0, lo) are equal; a mismatch lies in pages [lo, hi)
-            mid = (lo + hi) // 2
-            if same(lo, mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
-        """Cut ``node`` after ``num_pages`` pages; return the new upper half.
-
-        ``node`` keeps the lower half (and its own locks); the upper half gets the same
-        ``lock_ref``. Contents, counters and the evictable set are unchanged.
-        """
-        page_size = self.page_size
-        cut = num_pages * page_size
-        parent = node.parent
-        assert parent is not None and 0 < cut < len(node.key)
-        upper = RadixNode(
-            next(self._node_ids),
-            node.key[:cut],
-            node.page_ids[:num_pages],
-            node.page_hashes[:num_pages],
-            parent,
-            node.last_access,
-            node.namespace,
-        )
-        upper.lock_ref = node.lock_ref
-        upper.uses, upper.written = node.uses, node.written
-        upper.hits, upper.last_hit_s = node.hits, node.last_hit_s
-        parent.children[tuple(node.key[:page_size])] = upper
-        node.key = node.key[cut:]
-        node.page_ids = node.page_ids[num_pages:]
-        node.page_hashes = node.page_hashes[num_pages:]
-        node.parent = upper
-        upper.children[tuple(node.key[:page_size])] = node
-        return upper
-
     def _add_leaf(
         self, parent: RadixNode, key: list[int], pages: list[int], tick: int
     ) -> RadixNode:
         """Attach a new unlocked leaf, taking one reference on each of its pages."""
         if len(set(pages)) != len(pages):
             raise ValueError("the same page id is given for two pages")
-        hashes = page_hashes(key, self.page_size, parent.namespace, parent.last_hash)
         self._allocator.incref(pages)
-        leaf = RadixNode(next(self._node_ids), key, pages, hashes, parent, tick, parent.namespace)
-        parent.children[tuple(key[: self.page_size])] = leaf
+        leaf = self._tree.add_leaf(parent, key, pages, tick)
         self._evictable.discard(parent)
         self._evictable.add(leaf)
         self._num_cached_pages += len(pages)
         self.version += 1
         if self._on_event is not None:
-            self._on_event("stored", list(hashes))
+            self._on_event("stored", list(leaf.page_hashes))
         if self._on_block is not None:
-            self._on_block("stored", list(hashes), parent.last_hash, list(key))
+            self._on_block("stored", list(leaf.page_hashes), parent.last_hash, list(key))
         if self._write_through_uses:
             leaf.uses = 1
             if self._write_through_uses == 1:
@@ -643,10 +385,8 @@ class RadixCache:
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Detach an unlocked leaf and drop the tree's references; return its page count."""
-        parent = node.parent
-        assert parent is not None and not node.children and node.lock_ref == 0
-        del parent.children[tuple(node.key[: self.page_size])]
-        node.parent = None
+        assert node.lock_ref == 0
+        parent = self._tree.remove_leaf(node)
         self._evictable.discard(node)
         self._num_cached_pages -= len(node.page_ids)
         self.version += 1
@@ -659,6 +399,11 @@ class RadixCache:
         if self._on_block is not None:
             self._on_block("removed", list(node.page_hashes), None, [])
         return len(node.page_ids)
+
+    def _prune_scope(self, node: RadixNode) -> None:
+        """Forget ``node`` if it is a scope root with nothing under it and no locks."""
+        if self._tree.prune_scope(node):
+            self.version += 1  # a match that ended on it is stale
 
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self.root and node.parent is None:  # a pruned scope root too

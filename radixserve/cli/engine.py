@@ -17,7 +17,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 # the engine flags' `EngineSettings` fields (each read from RADIXSERVE_<FIELD> by the services)
 _ENGINE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_memory_gib",
                   "page_size", "prefix_cache", "tp", "audit_sample_rate",
-                  "audit_fail_closed")  # fmt: skip
+                  "audit_fail_closed", "speculative_method",
+                  "speculative_max_draft_tokens")  # fmt: skip
 
 
 def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool = True) -> None:
@@ -41,6 +42,16 @@ def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool 
     g.add_argument("--audit-fail-closed", action="store_true", default=None,
                    help="cache audit: after a mismatch serve nothing from the cache until "
                    "POST /debug/cache/audit/clear")  # fmt: skip
+    g.add_argument("--speculative-method", choices=["off", "prompt", "radix", "both"],
+                   help="draft tokens from the request's own text (prompt), from the text "
+                   "this engine has cached (radix) or both, verified exactly each step "
+                   "(default off)")  # fmt: skip
+    g.add_argument(
+        "--speculative-max-draft-tokens",
+        type=int,
+        metavar="K",
+        help="the most draft tokens a request verifies in a step (default 8)",
+    )
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default)")
 
 
@@ -209,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": "".join(text),
             "token_ids": token_ids,
             "prompt_tokens": last.prompt_tokens,
-            "cached_tokens": last.cached_tokens,
+            "cached_tokens": last.cached.total,
             "ttft_ms": round(last.ttft_ms or 0.0, 3),
             "finish_reason": last.finish_reason,
         }
@@ -269,7 +280,7 @@ def _chat_answer(front, prompt: list[int], params) -> str:  # type: ignore[no-un
         sys.stdout.flush()
         if out.finished:
             print(
-                f"\n[{out.prompt_tokens} prompt tokens, {out.cached_tokens} cached, "
+                f"\n[{out.prompt_tokens} prompt tokens, {out.cached.total} cached, "
                 f"{out.completion_tokens} generated, TTFT {out.ttft_ms:.0f} ms]",
                 file=sys.stderr,
             )

@@ -33,6 +33,7 @@ from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.info import EngineInfo, EngineStats
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.settings import EngineSettings
 
 if TYPE_CHECKING:  # the listeners' signatures
@@ -140,18 +141,15 @@ class AsyncEngine:
         self,
         request_id: str,
         first_tokens: Sequence[int],
-        cached_tokens: int,
-        host_cached_tokens: int,
+        cached: CachedTokens,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
-        disk_cached_tokens: int = 0,
     ) -> None:
         """The reserved pages hold the prompt's KV now (`Engine.activate_remote`); the
         first outputs go to the request's watch."""
         self.submit(
-            lambda e: e.activate_remote(request_id, list(first_tokens), cached_tokens,
-                                        host_cached_tokens, first_logprobs, prompt_logprobs,
-                                        disk_cached_tokens),
+            lambda e: e.activate_remote(request_id, list(first_tokens), cached, first_logprobs,
+                                        prompt_logprobs),
             watch=request_id,
         )  # fmt: skip
 

@@ -158,7 +158,7 @@ class CacheAudit:
         of sampled cache hits at their first token, with the ids and hashes of the pages
         their cached prefix read (``namespace``: the engine's, for the default scope)."""
         for i, req in enumerate(sampling):
-            if req.output_ids or req.index or req.num_cached_tokens <= 0:
+            if req.output_ids or req.index or req.cached.total <= 0:
                 continue  # not a first token of a cache hit (or a fork of one)
             self._credit += self.sample_rate
             if self._credit < 1.0:
@@ -167,7 +167,7 @@ class CacheAudit:
             if len(self._pending) >= MAX_PENDING:
                 self.num_skipped += 1
                 continue
-            num_pages = req.num_cached_tokens // page_size
+            num_pages = req.cached.total // page_size
             tokens = req.prompt_ids[: num_pages * page_size]
             pages = req.page_ids[:num_pages]
             hashes = page_hashes(tokens, page_size, req.namespace or namespace)

@@ -20,7 +20,7 @@ from radixserve.protocol.messages import (
 )
 
 if TYPE_CHECKING:
-    from radixserve.cache.radix_cache import RadixNode
+    from radixserve.cache.radix_tree import RadixNode
     from radixserve.engine.kv_cache_manager import KVCacheManager
     from radixserve.engine.request import Request
     from radixserve.model.tokenizer import Tokenizer
@@ -63,7 +63,7 @@ def _live(req: Request, host_loading: Collection[str]) -> LiveRequestView:
     else:
         phase = "queued" if status == "waiting" else status
     return LiveRequestView(req.request_id, phase, len(req.prompt_ids), req.num_computed,
-                           req.num_cached_tokens, len(req.output_ids))  # fmt: skip
+                           req.cached, len(req.output_ids))  # fmt: skip
 
 
 def _running_at(requests: list[Request]) -> dict[int, list[str]]:

@@ -27,8 +27,7 @@ import torch
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.engine.admission import Admission, HostPlan, choose_route
 from radixserve.engine.cache_audit import make_audit
-from radixserve.engine.cache_view import describe
-from radixserve.engine.choice_sampler import ChoiceSampler
+from radixserve.engine.choice_sampler import ChoiceSampler, Draw
 from radixserve.engine.cores import CoreBoard
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.device import resolve_device, resolve_dtype
@@ -37,34 +36,36 @@ from radixserve.engine.intake import RequestIntake
 from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.model_runner import ModelRunner
 from radixserve.engine.model_shard import ModelShard, copy_page, describe_plan
+from radixserve.engine.operator_hooks import OperatorHooks
 from radixserve.engine.outputs import GenerationResult, RequestOutput, TokenLogprob
 from radixserve.engine.postprocess import append_token, generation_result, request_output
 from radixserve.engine.request import Request, RequestStatus
 from radixserve.engine.sampler import Sampler
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.scheduler import ScheduledBatch, Scheduler
+from radixserve.engine.speculation import Speculator, verify_drafts
 from radixserve.engine.spill import SpillHook
 from radixserve.engine.step_stats import StepStats
 from radixserve.engine.structured import GuideCompiler
+from radixserve.engine.tp_calls import StartAgent
 from radixserve.engine.tp_group import TPGroup, threads_per_rank
 from radixserve.errors import InvalidRequestError
 from radixserve.kernels.cpu.decode_attention import block_pages
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
 from radixserve.model.identity import checkpoint_identity
 from radixserve.model.tp import TPShard
-from radixserve.protocol.messages import CacheTreeReply
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.settings import EngineSettings
 from radixserve.transfer.compat import dtype_name
 
 if TYPE_CHECKING:
-    from radixserve.cache.page_allocator import PageAllocator
-    from radixserve.cache.radix_cache import RadixCache
+    pass
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(OperatorHooks):
     """Synchronous engine. Not thread-safe: one thread calls add_request/step/abort."""
 
     def __init__(self, settings: EngineSettings, checkpoint: Checkpoint | None = None) -> None:
@@ -128,6 +129,9 @@ class Engine:
             self.tokenizer.to_json(), self.config.vocab_size, eos[0] if eos else None
         )
         self.choices = ChoiceSampler(self.sampler, self.guides, eos, self.device)
+        self.speculator = Speculator(settings.speculative_method,
+                                     settings.speculative_max_draft_tokens,
+                                     settings.speculative_max_batch)  # fmt: skip
         self.spill = SpillHook(self.kv, self.kv_pool, self.kv_shard, self.tp_group)
         # None when off (or without a cache): the step pays nothing
         self.audit = make_audit(settings, self.dtype, self.tokenizer) if self.kv.cache else None
@@ -232,8 +236,8 @@ class Engine:
         loaded = self.kv.finish_host_load(request_id, ok)
         req = self.intake.requests.get(request_id)
         if loaded is not None and req is not None:
-            req.num_host_cached_tokens = loaded * self.page_size
-            req.num_disk_cached_tokens = min(disk_pages, loaded) * self.page_size
+            disk = min(disk_pages, loaded) * self.page_size
+            req.cached = CachedTokens(host=loaded * self.page_size - disk, disk=disk)
             self._queue(req)
 
     def release_lease(self, request_id: str) -> bool:
@@ -245,19 +249,15 @@ class Engine:
         self,
         request_id: str,
         first_tokens: int | Sequence[int],
-        cached_tokens: int | None = None,
-        host_cached_tokens: int = 0,
+        cached: CachedTokens | None = None,
         first_logprobs: Sequence[TokenLogprob] = (),
         prompt_logprobs: Sequence[TokenLogprob] | None = None,
-        disk_cached_tokens: int = 0,
     ) -> list[RequestOutput]:
         """The reserved pages now hold the prompt's KV; continue with each choice's first
         token (one id, or n in choice order; the choices fork here) and return each
-        choice's first output. ``cached_tokens`` (the prefill worker's cache hit, of
-        which ``host_cached_tokens`` came from the kvstore and ``disk_cached_tokens`` of
-        those from its disk tier) replaces this engine's own count; ``first_logprobs``
-        (one per choice) and ``prompt_logprobs`` are the prefill side's, when the
-        request asks for them."""
+        choice's first output. ``cached`` (the prefill worker's cache hits) replaces this
+        engine's own; ``first_logprobs`` (one per choice) and ``prompt_logprobs`` are the
+        prefill side's, when the request asks for them."""
         req = self.intake.requests.get(request_id)
         if req is None or req.status is not RequestStatus.AWAITING_KV:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting KV")
@@ -268,11 +268,9 @@ class Engine:
                 f"tokens and {len(first_logprobs)} log-probabilities"
             )
         self.scheduler.activate_remote(req)
-        if cached_tokens is not None:
-            req.num_cached_tokens = cached_tokens
-            req.num_computed_prompt_tokens = len(req.prompt_ids) - cached_tokens
-        req.num_host_cached_tokens = host_cached_tokens
-        req.num_disk_cached_tokens = disk_cached_tokens
+        if cached is not None:
+            req.cached = cached
+            req.num_computed_prompt_tokens = len(req.prompt_ids) - cached.total
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
         members = [req] if req.forked else [req, *self._fork(req)]
@@ -313,6 +311,7 @@ class Engine:
         live = [m for m in group if m.status is not RequestStatus.FINISHED]
         for member in live:
             self.intake.requests.pop(member.request_id, None)
+            self.speculator.forget(member)
             if member.request_id in self.kv.host_loads:  # waiting for its host read: not queued
                 self.finish_host_admission(member.request_id, ok=False)
                 member.status, member.finish_reason = RequestStatus.FINISHED, "abort"
@@ -331,6 +330,8 @@ class Engine:
                 spent = self.audit.run_shadow(self.kv, self._run_shadow, chunk)
                 self._last_step_s = self._last_step_s if spent is None else spent
                 return []
+        if self.speculator.enabled:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         if batch is None:
             self.idle()
@@ -338,21 +339,41 @@ class Engine:
         self._take_cores()
         start = time.perf_counter()
         masks = self.choices.start_masks(batch)  # computed while the model runs
-        logits, sampling, prompt_logits = self.runner.run(batch)
+        logits, sampling, prompt_logits, drafts = self.runner.run(batch)
         if self.audit is not None:
             self.audit.observe(sampling, logits, self.page_size, self.namespace)
         self.scheduler.after_step(batch)
         for req, position, rows in prompt_logits:
             self.choices.score_prompt(req, position, rows)
+        last_rows = {}
+        if drafts:  # a verifying request samples its chunk's first position first
+            last_rows = {r.request_id: logits[i] for i, r in enumerate(sampling) if r.draft}
+            logits = torch.stack([drafts[r.request_id][0] if r.draft else logits[i]
+                                  for i, r in enumerate(sampling)])  # fmt: skip
         draws = self.choices.sample(logits, sampling, masks, self._fork) if sampling else []
         now = time.perf_counter()
         self.step_stats.record(batch.num_new_tokens, now - start)
+        self.speculator.cost.observe(sum(batch.num_new_tokens), now - start)
         self._last_step_s = now - start
-        outputs = [self._append(req, tok, now, lp) for req, tok, lp in draws]
+        outputs = [self._append(req, tok, now, lp) for req, tok, lp in draws if not req.draft]
+        if drafts:
+            outputs += self._verify([d for d in draws if d[0].draft], drafts, last_rows, now)
         if not self.scheduler.has_work:
             self.idle()
         self.step_stats.queued_prompt_tokens = self.scheduler.pending_prompt_tokens()
         return outputs
+
+    def _verify(self, first: list[Draw], drafts: dict[str, torch.Tensor],
+                last_rows: dict[str, torch.Tensor], now: float) -> list[RequestOutput]:  # fmt: skip
+        """The drafts' verification (`speculation.verify_drafts`; no request with a
+        grammar drafts, so no masks): one output each."""
+        done = verify_drafts(first, drafts, last_rows,
+                             lambda rows, reqs: self.choices.sample(rows, reqs, dict, self._fork),
+                             lambda req, token, lp: self._add(req, token, now, lp))  # fmt: skip
+        for v in done:
+            self.speculator.verified(v.req, v.drafted, v.accepted, len(v.tokens))
+            v.req.draft = []
+        return [self._output(v.req, v.tokens, v.text, v.logprobs) for v in done]
 
     def _fork(self, parent: Request) -> list[Request]:
         """Choices 1..n-1 of ``parent``, which has just computed its prompt (they share it)."""
@@ -373,11 +394,11 @@ class Engine:
             self.tp_group.copy_page(src, dst)
         copy_page(self.kv_pool, src, dst)
 
-    def start_rank_agents(self, request: dict[str, object]) -> None:
-        """Have ranks 1..N-1 start their KV transfer agents (`radixserve.transfer.group`):
-        ``request`` as `radixserve.engine.tp_rank.run_call`'s "agent" reads it."""
+    def start_rank_agents(self, call: StartAgent) -> None:
+        """Have ranks 1..N-1 start their KV transfer agents (`radixserve.transfer.group`)
+        as ``call`` says, with this engine's model identity."""
         assert self.tp_group is not None, "no tensor-parallel ranks"
-        self.tp_group.call({**request, "op": "agent", "identity": self.identity.digest})
+        self.tp_group.call(dataclasses.replace(call, identity=self.identity.digest))
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (the engine computes no more)."""
@@ -387,9 +408,15 @@ class Engine:
     def _append(
         self, req: Request, token: int, now: float, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
+        text = self._add(req, token, now, logprob)
+        return self._output(req, [token], text, None if logprob is None else [logprob])
+
+    def _add(self, req: Request, token: int, now: float, logprob: TokenLogprob | None) -> str:
+        """Append ``token`` to ``req`` (ending it if it finishes); its text."""
         eos, max_len = self.config.eos_token_ids, self.max_model_len
         text, reason = append_token(req, token, now, logprob, eos, max_len)
         if reason is not None:
+            self.speculator.finished(req)
             if req.lease_s is not None:  # prefill-only: keep the prompt KV for the reader
                 num_pages = -(-len(req.prompt_ids) // self.page_size)
                 self.kv.lease(req.request_id, req.page_ids[:num_pages], now + req.lease_s)
@@ -397,7 +424,7 @@ class Engine:
             del self.intake.requests[req.request_id]
             if all(m.status is RequestStatus.FINISHED for m in req.group):
                 self.intake.groups.pop(req.group_id, None)
-        return self._output(req, [token], text, None if logprob is None else [logprob])
+        return text
 
     def _output(
         self, req: Request, new_ids: list[int], text: str, lps: list[TokenLogprob] | None = None
@@ -418,45 +445,6 @@ class Engine:
             self.step()
         return [generation_result(r) for g in groups for r in g]
 
-    def cache_view(self, query_id: str, max_nodes: int, text_tokens: int) -> CacheTreeReply:
-        """The radix tree's largest nodes and the live requests with their phases, for
-        the operator's view (`radixserve.engine.cache_view`)."""
-        return describe(query_id, self.kv, self.intake.requests.values(), self.tokenizer, max_nodes,
-                        text_tokens)  # fmt: skip
-
-    # -- the cache audit (`radixserve.engine.cache_audit`) -------------------------------
-
     def _run_shadow(self, batch: ScheduledBatch) -> torch.Tensor:
         self._take_cores()
         return self.runner.run(batch)[0]
-
-    def clear_audit(self) -> bool:
-        """An operator's all-clear after a failed-closed audit: drop what the cache holds
-        now (pages locked at the failure have been released since) and serve from it
-        again. Returns whether it had failed closed."""
-        return self.kv.trust_again()
-
-    def cache_stats(self) -> dict[str, int]:
-        """The pool's pages (`KVCacheManager.stats`), the live requests and the audit's."""
-        stats = self.kv.stats()
-        stats["live_requests"] = len(self.intake.requests)
-        if self.audit is not None:
-            stats.update(self.audit.stats())
-            stats["audit_fail_closed"] = int(not self.kv.serve_from_cache)
-        return stats
-
-    def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless every page is accounted for by the live
-        requests, the audit's shadow, the leases, the host loads and the cache."""
-        shadow = self.audit.shadow if self.audit is not None else None
-        self.kv.check_integrity([*self.intake.requests.values(), *([shadow.req] if shadow else [])])
-
-    @property
-    def allocator(self) -> PageAllocator:
-        """The pool's page ids (tests and benchmarks fill pages of their own)."""
-        return self.kv.allocator
-
-    @property
-    def cache(self) -> RadixCache | None:
-        """The prefix cache (tests, listeners and the engine info read it)."""
-        return self.kv.cache

@@ -86,7 +86,9 @@ class EngineStats:
         cache = engine.cache_stats()
         return cls(
             cache=MappingProxyType(cache),
-            steps=MappingProxyType(engine.step_stats.as_dict()),
+            steps=MappingProxyType(
+                {**engine.step_stats.as_dict(), **engine.speculator.counters()}
+            ),  # fmt: skip
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
             queued_prompt_tokens=engine.step_stats.queued_prompt_tokens,
@@ -99,7 +101,3 @@ class EngineStats:
         prefill share (0 before the first prefill)."""
         seconds = self.steps.get("engine_prefill_seconds_total", 0.0)
         return self.steps.get("engine_prefill_tokens_total", 0) / seconds if seconds > 0 else 0.0
-
-    def as_dict(self) -> dict[str, int | float]:
-        """Pool pages and live requests, then the step counters: one flat map."""
-        return {**self.cache, **self.steps}

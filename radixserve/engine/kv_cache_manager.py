@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import MatchResult, RadixCache, RadixNode
+from radixserve.cache.radix_cache import MatchResult, RadixCache
+from radixserve.cache.radix_tree import RadixNode
 from radixserve.engine.lease import LeaseTable
 from radixserve.engine.request import Request
 
@@ -105,7 +106,7 @@ class KVCacheManager:
             req.page_ids = list(match.page_ids)
             req.num_computed = match.num_tokens
         if not req.admitted_once:
-            req.num_cached_tokens = req.num_computed
+            req.cached = req.cached.with_total(req.num_computed)
             req.admitted_once = True
 
     def grow(self, req: Request, num_tokens: int) -> bool:
@@ -142,7 +143,6 @@ class KVCacheManager:
         child.locked_node = parent.locked_node
         child.page_ids = shared + tail
         child.num_computed = num
-        child.num_cached_tokens = parent.num_cached_tokens
         child.admitted_once = True
         return True
 

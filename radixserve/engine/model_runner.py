@@ -63,11 +63,19 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, int, torch.Tensor]]]:
+    ) -> tuple[
+        torch.Tensor,
+        list[Request],
+        list[tuple[Request, int, torch.Tensor]],
+        dict[str, torch.Tensor],
+    ]:
         """Compute the batch; returns logits (N, vocab) for the N requests whose chunk
-        reached their newest token (they sample next), those requests in order, and for
+        reached their newest token (they sample next), those requests in order; for
         requests scoring their prompt (`Request.scores_prompt`) (req, p, logits (k, V))
-        of chunk positions p..p+k-1 whose next token is a prompt token."""
+        of chunk positions p..p+k-1 whose next token is a prompt token; and for requests
+        verifying a draft (`Request.draft`, k tokens after their pending one) the logits
+        (k, V) of the chunk's first k positions, by request id (its last position's row
+        is among the N)."""
         # Multi-token chunks (extends) first, then single-token decodes.
         order = sorted(range(len(batch.requests)), key=lambda i: batch.num_new_tokens[i] == 1)
         chunks: list[SequenceChunk] = []
@@ -76,6 +84,13 @@ class ModelRunner:
         for i in order:
             req, n = batch.requests[i], batch.num_new_tokens[i]
             lo = req.num_computed
+            if req.draft:  # its pending token, then the draft: every position's logits
+                assert n == 1 + len(req.draft) and lo + 1 == req.num_tokens
+                tokens = [*req.token_ids[lo:], *req.draft]
+                chunks.append(SequenceChunk(tokens, lo, req.page_ids, True, len(req.draft)))
+                sampling.append(req)
+                scored.append((req, lo, len(req.draft)))
+                continue
             last = lo + n == req.num_tokens
             k = max(0, min(lo + n, len(req.prompt_ids) - 1) - lo) if req.scores_prompt else 0
             chunks.append(SequenceChunk(req.token_ids[lo : lo + n], lo, req.page_ids, last, k))
@@ -95,9 +110,12 @@ class ModelRunner:
                 logits = self.model(
                     fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
                 )
-        # rows: the sampling requests' in order, then each scored chunk's prompt rows
-        prompt_logits, at = [], len(sampling)
+        # rows: the sampling requests' in order, then each scored chunk's rows
+        prompt_logits, draft_logits, at = [], {}, len(sampling)
         for req, lo, k in scored:
-            prompt_logits.append((req, lo, logits[at : at + k]))
+            if req.draft:
+                draft_logits[req.request_id] = logits[at : at + k]
+            else:
+                prompt_logits.append((req, lo, logits[at : at + k]))
             at += k
-        return logits[: len(sampling)], sampling, prompt_logits
+        return logits[: len(sampling)], sampling, prompt_logits, draft_logits

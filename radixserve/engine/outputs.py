@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixserve.protocol.cached_tokens import CachedTokens
+
 #: What a log-probability of minus infinity is reported as (OpenAI's convention).
 NEG_INF_LOGPROB = -9999.0
 
@@ -38,15 +40,13 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" on the choice's last output
     prompt_tokens: int
-    cached_tokens: int
     completion_tokens: int  # tokens this choice has generated so far
     ttft_ms: float | None
-    host_cached_tokens: int = 0  # of cached_tokens, those loaded from the host tier
+    cached: CachedTokens = field(default_factory=CachedTokens)  # the prompt's, by tier
     index: int = 0  # the choice
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     # when asked for: one per prompt token but the first, on choice 0's first output
     prompt_logprobs: list[TokenLogprob] | None = field(default=None)
-    disk_cached_tokens: int = 0  # of host_cached_tokens, those the kvstore read from disk
     # a prefill worker's request (`Engine.admit` with a lease), on a choice's last output:
     # the pages holding its prompt, kept for the reader until the lease ends
     leased_page_ids: list[int] | None = None
@@ -55,20 +55,6 @@ class RequestOutput:
     route: str = ""
     prefill_worker: str = ""
     decode_worker: str = ""
-
-    def cached_by_tier(self) -> tuple[int, int, int]:
-        """This output's cached tokens as (device, host memory, disk)."""
-        return cached_by_tier(self.cached_tokens, self.host_cached_tokens,
-                              self.disk_cached_tokens)  # fmt: skip
-
-
-def cached_by_tier(cached: int, host_cached: int, disk_cached: int) -> tuple[int, int, int]:
-    """``cached`` tokens as (device, host memory, disk), of which ``host_cached`` came
-    through the kvstore and ``disk_cached`` of those from its disk tier (each clamped to
-    the count it is a part of)."""
-    host = min(host_cached, cached)
-    disk = min(disk_cached, host)
-    return cached - host, host - disk, disk
 
 
 @dataclass(frozen=True)
@@ -79,7 +65,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # generated tokens only
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
+    cached_tokens: int  # the prompt's `CachedTokens.total`
     computed_prompt_tokens: int  # prompt tokens that ran through the model
     finish_reason: str
     ttft_ms: float

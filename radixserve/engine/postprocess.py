@@ -65,18 +65,10 @@ def request_output(
         finished=all(m.status is RequestStatus.FINISHED for m in req.group),
         finish_reason=req.finish_reason,
         prompt_tokens=len(req.prompt_ids),
-        cached_tokens=min(req.num_cached_tokens, len(req.prompt_ids)),  # resumed: past it
         completion_tokens=len(req.output_ids),
         ttft_ms=req.ttft_ms,
-        host_cached_tokens=min(
-            req.num_host_cached_tokens, req.num_cached_tokens, len(req.prompt_ids)
-        ),  # fmt: skip
-        disk_cached_tokens=min(
-            req.num_disk_cached_tokens,
-            req.num_host_cached_tokens,
-            req.num_cached_tokens,
-            len(req.prompt_ids),
-        ),
+        # a resumed request's match may reach past its prompt
+        cached=req.cached.with_total(min(req.cached.total, len(req.prompt_ids))),
         index=req.index,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -92,7 +84,7 @@ def generation_result(req: Request) -> GenerationResult:
         text=req.detokenizer.text,
         token_ids=list(req.output_ids),
         prompt_tokens=len(req.prompt_ids),
-        cached_tokens=req.num_cached_tokens,
+        cached_tokens=req.cached.total,
         computed_prompt_tokens=req.num_computed_prompt_tokens,
         finish_reason=req.finish_reason or "stop",
         ttft_ms=(req.first_token_time - req.arrival_time) * 1000.0,

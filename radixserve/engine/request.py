@@ -18,7 +18,7 @@ members that share the prompt's pages (`Scheduler.fork`), each with its own outp
 
 A request's pages are cached in its ``namespace``: the engine's own for the default
 scope (""), else the one its ``cache_scope`` names (`radixserve.cache.block_hash`), so it
-matches only pages computed under the same scope (`radixserve.cache.radix_cache`).
+matches only pages computed under the same scope (`radixserve.cache.radix_tree`).
 
 Its ``tenant``, ``priority`` and ``weight`` (`radixserve.engine.fair_share.TenantShare`)
 decide, with other tenants' requests, when it is admitted and how many prefill tokens it
@@ -36,9 +36,11 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.thinking_budget import ThinkingBudget
+from radixserve.protocol.cached_tokens import CachedTokens
 
 if TYPE_CHECKING:  # what a request holds of the cache, `radixserve.engine.kv_cache_manager`'s
-    from radixserve.cache.radix_cache import MatchResult, RadixNode
+    from radixserve.cache.radix_cache import MatchResult
+    from radixserve.cache.radix_tree import RadixNode
 
 
 class RequestStatus(enum.Enum):
@@ -66,9 +68,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in page_ids
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    num_host_cached_tokens: int = 0  # of those, loaded from the host tier just before
-    num_disk_cached_tokens: int = 0  # of those, read from the disk tier on the way
+    # its prompt's cache hits: a host read's, then the device's at first admission
+    cached: CachedTokens = field(default_factory=CachedTokens)
     num_computed_prompt_tokens: int = 0  # prompt tokens this request actually ran through the model
     locked_node: RadixNode | None = None
     # the radix match taken at admission: (cache version, tokens matched over, result)
@@ -85,6 +86,8 @@ class Request:
     prompt_logprobs_sent: bool = False
     group: list[Request] = field(default_factory=list)  # every member, this one included
     thinking: ThinkingBudget | None = None  # its thinking-token budget, fed every token
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (`speculation`)
+    draft_method: str = ""  # where they came from: "prompt" or "radix"
 
     def __post_init__(self) -> None:
         if self.thinking is None:
@@ -113,8 +116,7 @@ class Request:
             group=self.group,
         )
         child.forked = child.prompt_logprobs_sent = True
-        child.num_host_cached_tokens = self.num_host_cached_tokens
-        child.num_disk_cached_tokens = self.num_disk_cached_tokens
+        child.cached = self.cached
         child.guide = self.guide.deep_copy() if self.guide is not None else None
         self.group.append(child)
         return child

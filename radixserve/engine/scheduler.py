@@ -103,6 +103,7 @@ class Scheduler:
         chosen: dict[str, tuple[Request, int]] = {}
         budget = [self.max_num_batched_tokens]  # tokens left in this step
         decodes = [r for r in self.running if r.num_pending == 1]
+        drafting = [r for r in decodes if r.draft]
         prefills = sorted(
             (r for r in self.running if r.num_pending > 1),
             key=lambda r: (r.priority, r.num_pending),
@@ -110,8 +111,10 @@ class Scheduler:
         self._steps += 1
         if self.fair_step_rows and len(decodes) > self.fair_step_rows:
             decodes = share_rows(decodes, self.fair_step_rows, self._decoded_at)
-        for req in decodes:
-            self._take_running(req, 1, chosen, budget)
+        for req in decodes:  # with a draft (`speculation`): its tokens too, if pages
+            if req.draft and not self.kv.grow(req, req.num_tokens + len(req.draft)):
+                req.draft = []  # (a draft never preempts anyone)
+            self._take_running(req, 1 + len(req.draft), chosen, budget)
             self._decoded_at[req.request_id] = self._steps
         grants = self._split(prefills, budget[0])
         self._take_prefills(prefills, chosen, budget, grants)
@@ -119,6 +122,9 @@ class Scheduler:
             prefills = sorted((r for r in self.running if r.num_pending > 1),
                               key=lambda r: (r.priority, r.num_pending))  # fmt: skip
             self._take_prefills(prefills, chosen, budget, None)
+        for req in drafting:  # a draft cut to what the step gave (none if preempted)
+            given = chosen[req.request_id][1] if req.request_id in chosen else 1
+            req.draft = req.draft[: given - 1]
         if not chosen:
             return None
         items = list(chosen.values())
@@ -268,6 +274,9 @@ class Scheduler:
     def after_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens; share finished prompt chunks through the cache."""
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.draft:  # its pending token only: the engine counts the accepted drafts
+                req.num_computed += 1
+                continue
             if req.num_computed < len(req.prompt_ids):
                 req.num_computed_prompt_tokens += min(n, len(req.prompt_ids) - req.num_computed)
             req.num_computed += n

@@ -11,6 +11,7 @@ import torch
 from radixserve.cache.kv_pool import KVPool
 from radixserve.engine.kv_cache_manager import KVCacheManager
 from radixserve.engine.model_shard import copy_out
+from radixserve.engine.tp_calls import MapSpillBuffer, Spill
 from radixserve.engine.tp_group import TPGroup
 from radixserve.transfer.shards import KVShard
 
@@ -41,8 +42,8 @@ class SpillHook:
                 self._buffer = buffer
                 if self._tp is not None:
                     assert path is not None, "a tensor-parallel worker's spill buffer is a file"
-                    self._tp.call({"op": "spill_buffer", "path": path, "shape": list(buffer.shape),
-                                   "dtype": str(buffer.dtype).removeprefix("torch.")})  # fmt: skip
+                    dtype = str(buffer.dtype).removeprefix("torch.")
+                    self._tp.call(MapSpillBuffer(path, list(buffer.shape), dtype))
         cache.set_spill_listener(on_spill, write_through_uses)
 
     def copy_out(self, page_ids: list[int], slots: list[int]) -> None:
@@ -50,4 +51,4 @@ class SpillHook:
         assert self._buffer is not None, "listen with a buffer first"
         copy_out(self._pool, self._shard, page_ids, self._buffer, slots)
         if self._tp is not None:
-            self._tp.call({"op": "spill", "pages": page_ids, "slots": slots})
+            self._tp.call(Spill(page_ids, slots))

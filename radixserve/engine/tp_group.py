@@ -8,9 +8,9 @@ fixed-size header, then one int64 buffer of token ids, positions, slots and page
 every rank rebuilds the same `ForwardBatch` from it and runs its shard, and the shards'
 collectives (`DistComm`) meet inside the forward. Page ids are the same on every rank,
 so the only other messages are a page copy (choices of ``n`` sharing a prompt page) and
-`call`s: a JSON request every rank runs before rank 0 goes on (a worker's ranks starting
-their KV transfer agents, copying their heads of spilled pages into the host tier's
-buffer; `radixserve.engine.tp_rank`).
+`call`s: a typed call (`radixserve.engine.tp_calls`) every rank runs before rank 0 goes on
+(a worker's ranks starting their KV transfer agents, copying their heads of spilled pages
+into the host tier's buffer).
 
 Failure: a rank that exits (or is killed) takes its worker down: rank 0 watches its rank
 processes and, when one exits unasked, logs which and exits (the supervisor restarts the
@@ -21,7 +21,6 @@ worker and the gateway migrates its streams, as for any dead worker); a rank who
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from radixserve.engine.tp_calls import TPCall, encode
 from radixserve.errors import ModelLoadError
 from radixserve.model.forward_batch import PackedStep
 from radixserve.settings import EngineSettings
@@ -155,10 +155,10 @@ class TPGroup:
         header[0], header[1], header[2] = OP_COPY_PAGE, src, dst
         dist.broadcast(header, src=0)
 
-    def call(self, request: dict[str, object]) -> None:
-        """Have ranks 1..N-1 run ``request`` (`radixserve.engine.tp_rank.run_call`), and wait
+    def call(self, call: TPCall) -> None:
+        """Have ranks 1..N-1 run ``call`` (`radixserve.engine.tp_rank.HANDLERS`), and wait
         until all have; RuntimeError if any failed (its error is in its log)."""
-        data = torch.frombuffer(bytearray(json.dumps(request).encode()), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode(call)), dtype=torch.uint8)
         header = self._header
         header.zero_()
         header[0], header[1] = OP_CALL, data.numel()
@@ -168,7 +168,7 @@ class TPGroup:
         dist.all_reduce(failed)
         if int(failed):
             raise RuntimeError(f"{int(failed)} tensor-parallel rank(s) failed "
-                               f"{request.get('op')!r} (see their log)")  # fmt: skip
+                               f"{call.OP!r} (see their log)")  # fmt: skip
 
     def stop(self) -> None:
         """Tell the ranks to exit, and wait for them (killing any that does not)."""

@@ -2,26 +2,29 @@
 group, started by its rank 0 (`radixserve.engine.tp_group.TPGroup`) with the engine's
 settings, its rank and the port of the group's store in the environment. It loads its
 shard of the model and of the KV pool, then runs every step rank 0 sends until told to
-stop, and the calls of a worker (`run_call`): start this rank's KV transfer agent, which
-rank 0's `GroupAgent` drives, and copy this rank's heads of spilled pages into the host
-tier's buffer, shared with rank 0 through a file."""
+stop, and the calls of a worker (`radixserve.engine.tp_calls`, each run by its handler in
+`HANDLERS`): start this rank's KV transfer agent, which rank 0's `GroupAgent` drives, and
+copy this rank's heads of spilled pages into the host tier's buffer, shared with rank 0
+through a file."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from radixserve.engine.device import resolve_device, resolve_dtype
 from radixserve.engine.model_shard import ModelShard, copy_out, copy_page
+from radixserve.engine.tp_calls import MapSpillBuffer, Spill, StartAgent, decode
 from radixserve.engine.tp_group import (
     ENV_PORT,
     ENV_RANK,
@@ -96,33 +99,32 @@ class RankState:
         self.spill_buffer: torch.Tensor | None = None
 
 
-def run_call(state: RankState, request: dict) -> None:
-    """One `TPGroup.call` of rank 0 (the same on every rank)."""
-    op = request["op"]
-    if op == "agent":  # this rank's KV transfer agent, driven by rank 0's GroupAgent
-        net = request["network"]
-        network = TransferNetwork(net["bind"], net["advertise"], net["port_min"],
-                                  net["port_max"], keys_from(net["secret"]))  # fmt: skip
-        shard = state.shard.kv_shard
-        compat = replace(state.compat, identity=request.get("identity", ""))  # rank 0's
-        agent = create_agent(request["backend"], f"{request['name']}.tp{shard.rank}",
-                             state.shard.kv_pool.kv, compat, request["timeout_s"],
-                             request["nixl_progress_thread"], network, shard)  # fmt: skip
-        serve_rank(agent, request["endpoint"], shard.rank)
-    elif op == "spill_buffer":  # rank 0's host-tier spill buffer, mapped from its file
-        shape = request["shape"]
-        state.spill_buffer = torch.from_file(
-            request["path"],
-            shared=True,
-            size=math.prod(shape),
-            dtype=getattr(torch, request["dtype"]),
-        ).view(shape)
-    elif op == "spill":
-        assert state.spill_buffer is not None, "spill before spill_buffer"
-        copy_out(state.shard.kv_pool, state.shard.kv_shard, request["pages"],
-                 state.spill_buffer, request["slots"])  # fmt: skip
-    else:
-        raise ValueError(f"unknown tensor-parallel call {op!r}")
+def _start_agent(state: RankState, call: StartAgent) -> None:
+    """This rank's KV transfer agent, driven by rank 0's `GroupAgent`."""
+    network = TransferNetwork(call.bind_host, call.advertise_host, call.port_min,
+                              call.port_max, keys_from(call.secret))  # fmt: skip
+    shard = state.shard.kv_shard
+    compat = replace(state.compat, identity=call.identity)  # rank 0's
+    agent = create_agent(call.backend, f"{call.name}.tp{shard.rank}", state.shard.kv_pool.kv,
+                         compat, call.timeout_s, call.nixl_progress_thread, network, shard)  # fmt: skip
+    serve_rank(agent, call.endpoint, shard.rank)
+
+
+def _map_spill_buffer(state: RankState, call: MapSpillBuffer) -> None:
+    state.spill_buffer = torch.from_file(call.path, shared=True, size=math.prod(call.shape),
+                                         dtype=getattr(torch, call.dtype)).view(call.shape)  # fmt: skip
+
+
+def _spill(state: RankState, call: Spill) -> None:
+    assert state.spill_buffer is not None, "spill before map_spill_buffer"
+    copy_out(state.shard.kv_pool, state.shard.kv_shard, call.page_ids, state.spill_buffer,
+             call.slots)  # fmt: skip
+
+
+#: each `radixserve.engine.tp_calls.TPCall`'s handler, the same on every rank
+HANDLERS: dict[type, Callable[[RankState, Any], None]] = {
+    StartAgent: _start_agent, MapSpillBuffer: _map_spill_buffer, Spill: _spill,
+}  # fmt: skip
 
 
 @torch.inference_mode()
@@ -144,7 +146,8 @@ def serve(shard: ModelShard, device: torch.device, compat: PoolCompat) -> None:
             dist.broadcast(data, src=0)
             failed = torch.zeros(1, dtype=torch.int64)
             try:
-                run_call(state, json.loads(bytes(data.numpy())))
+                call = decode(bytes(data.numpy()))
+                HANDLERS[type(call)](state, call)
             except Exception:
                 logger.exception("tensor-parallel rank %d: call failed", shard.kv_shard.rank)
                 failed += 1

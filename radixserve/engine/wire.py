@@ -59,9 +59,8 @@ def _to_logprobs(entries: Sequence[LogprobEntry]) -> list[TokenLogprob] | None:
 
 # the fields a `RequestOutput` and its `TokenChunk` share, name for name
 _SHARED_FIELDS = (
-    "request_id", "finished", "finish_reason", "prompt_tokens", "cached_tokens",
-    "completion_tokens", "ttft_ms", "host_cached_tokens", "index", "disk_cached_tokens",
-    "route", "prefill_worker",
+    "request_id", "finished", "finish_reason", "prompt_tokens", "cached", "completion_tokens",
+    "ttft_ms", "index", "route", "prefill_worker",
 )  # fmt: skip
 
 

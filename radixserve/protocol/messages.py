@@ -28,7 +28,10 @@ and its engine serves every request as one tenant's. 5.2: a
 `PrefillRequest` carries its prompt's page hashes, a `KVReady` how long its pages stay
 lent (``lease_ms``, which the reader checks before it reads); a reasoning budget (`SamplingSpec`: ``thinking_token_budget``, ``thinking_start_ids``,
 ``thinking_end_ids``, ``thinking_open``); a 5.1 peer ignores it and lets the model
-reason as long as it will. Every message's frame is checked against golden bytes
+reason as long as it will. 6.0: a prompt's cache hits are one `CachedTokens` by tier
+(``cached``) on `KVReady`, `TokenChunk` and `LiveRequestView`, replacing
+``cached_tokens`` / ``host_cached_tokens`` / ``disk_cached_tokens``; a `Heartbeat`'s ``stats`` are typed
+(`ServiceStats`, `radixserve.protocol.stats_messages`), no longer a map of names. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -55,6 +58,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
 
+from radixserve.protocol.cached_tokens import CACHED, TIERS, CachedTokens  # noqa: F401 - re-exported
 from radixserve.protocol.fields import (  # noqa: F401 - the limits are re-exported
     COUNT,
     DURATION_MS,
@@ -113,6 +117,12 @@ from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LogprobEntry,
     SamplingSpec,
 )
+from radixserve.protocol.stats_messages import (  # noqa: F401 - re-exported
+    HistogramStats,
+    MetricSpec,
+    ServiceStats,
+    gauge,
+)
 from radixserve.protocol.view_messages import (  # noqa: F401 - re-exported
     MAX_IDS_PER_NODE,
     MAX_NODE_TEXT_TOKENS,
@@ -147,7 +157,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (5, 2)
+PROTOCOL_VERSION: tuple[int, int] = (6, 0)
 
 # --- handshake and liveness -----------------------------------------------------------
 
@@ -203,24 +213,24 @@ class WorkerLoad(WireStruct):
     ``draining``: the service takes no new requests and leaves once its work is done.
     """
 
-    queued_tokens: int = field(default=0, metadata=_spec(COUNT))
-    running: int = field(default=0, metadata=_spec(COUNT))
-    waiting: int = field(default=0, metadata=_spec(COUNT))
-    draining: bool = field(default=False, metadata=_spec(BoolSpec()))
+    queued_tokens: int = gauge("Prompt tokens accepted and not computed yet.")
+    running: int = gauge("Requests in the engine's running batch.")
+    waiting: int = gauge("Requests in the engine's admission queue.")
+    draining: bool = field(default=False, metadata={
+        "wire": BoolSpec(), "metric": MetricSpec("gauge", "1 while the service drains.")})  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Periodic liveness, typed load (`WorkerLoad`) and counters for metrics (``stats``,
-    e.g. ``{"pages_free": 100, "kv_transfer_bytes_total": 4096}``; read by nothing but
-    metrics and /debug/cache)."""
+    """Periodic liveness, typed load (`WorkerLoad`) and the service's numbers
+    (`ServiceStats`: exported as metrics, shown by /debug/cache and the explorer)."""
 
     TYPE_TAG: ClassVar[str] = "heartbeat"
     sender: str = field(metadata=_spec(PEER_NAME))
     generation: int = field(default=0, metadata=_spec(COUNT))
     load: WorkerLoad = field(default_factory=WorkerLoad, metadata=_spec(NestedSpec(WorkerLoad)))
-    stats: Mapping[str, int | float] = field(
-        default_factory=lambda: MappingProxyType({}), metadata=_spec(LOAD_STATS)
+    stats: ServiceStats = field(
+        default_factory=ServiceStats, metadata=_spec(NestedSpec(ServiceStats))
     )
 
 
@@ -365,11 +375,9 @@ class KVReady(Message):
     src_page_ids: tuple[int, ...] = field(
         default=(), metadata=_spec(ListSpec(IntSpec(0, MAX_PAGE_ID), MAX_PAGES_PER_MESSAGE))
     )
-    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
-    host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached: CachedTokens = field(default_factory=CachedTokens, metadata=_spec(CACHED))
     first_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
-    disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
     spans: tuple[SpanRecord, ...] = field(default=(), metadata=_spec(SPAN_RECORDS))  # traced
     lease_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
 
@@ -397,14 +405,12 @@ class TokenChunk(Message):
         default=None, metadata=_spec(OptionalSpec(StrSpec(16, choices=FINISH_REASONS)))
     )
     prompt_tokens: int = field(default=0, metadata=_spec(COUNT))
-    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached: CachedTokens = field(default_factory=CachedTokens, metadata=_spec(CACHED))
     completion_tokens: int = field(default=0, metadata=_spec(COUNT))
     ttft_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
-    host_cached_tokens: int = field(default=0, metadata=_spec(COUNT))
     index: int = field(default=0, metadata=_spec(IntSpec(0, 2**31 - 1)))
     logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
-    disk_cached_tokens: int = field(default=0, metadata=_spec(COUNT))  # of host_cached_tokens
     # on the request's last chunk: how the decode worker got its prompt's KV (computed
     # here, loaded from the host tier, or computed by the prefill worker ``prefill_worker``)
     route: str = field(default="", metadata=_spec(StrSpec(16, choices=ROUTES)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from radixserve.protocol.cached_tokens import CACHED, CachedTokens
 from radixserve.protocol.fields import (
     COUNT,
     REQUEST_ID,
@@ -69,7 +70,7 @@ class LiveRequestView(WireStruct):
     phase: str = field(metadata=_spec(StrSpec(16, choices=REQUEST_PHASES)))
     prompt_tokens: int = field(default=0, metadata=_spec(COUNT))
     computed_tokens: int = field(default=0, metadata=_spec(COUNT))
-    cached_tokens: int = field(default=0, metadata=_spec(COUNT))
+    cached: CachedTokens = field(default_factory=CachedTokens, metadata=_spec(CACHED))
     output_tokens: int = field(default=0, metadata=_spec(COUNT))
 
 

@@ -81,7 +81,7 @@ class ListSpec:
 class OptionalSpec:
     """None (msgpack nil) or a value matching ``inner``."""
 
-    inner: IntSpec | FloatSpec | StrSpec
+    inner: IntSpec | FloatSpec | StrSpec | NestedSpec
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from radixserve.tracing import NO_SPAN, Span
 
 if TYPE_CHECKING:  # only the in-process client has one; the cluster gateway has no torch
     from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.worker_metrics import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,9 @@ class EngineClient(abc.ABC):
         """Whether requests can be served now, and details for /health."""
         return True, {}
 
-    def worker_stats(self) -> dict[str, dict[str, Any]]:
-        """Per-worker load and pool counters (name -> stats) for /debug/cache and
-        /metrics; empty for an in-process engine (see `stats`)."""
+    def worker_stats(self) -> dict[str, WorkerView]:
+        """Per-worker link, load and stats (name -> view) for /debug/cache, /metrics and
+        the explorer; empty for an in-process engine (see `stats`)."""
         return {}
 
     async def cache_tree(

@@ -62,10 +62,12 @@ from radixserve.protocol import (
     SpillOffer,
     SpillRun,
 )
+from radixserve.protocol.stats_messages import HostTierSection, fill
 from radixserve.protocol.wire import MAX_TOKENS_PER_MESSAGE
 from radixserve.runtime.calls import Replies, Tasks, send_quietly
 from radixserve.runtime.links import Link
 from radixserve.runtime.network import transfer_network
+from radixserve.runtime.service import Handlers, dispatch
 from radixserve.runtime.settings import WorkerSettings
 from radixserve.transfer import KVTransferAgent, TransferError, create_agent
 from radixserve.transfer.group import GroupAgent
@@ -140,6 +142,10 @@ class _Loading:
         self.changed.set()
 
 
+#: what the kvstore sends a worker's host tier (`handlers`, in `Worker.kvstore_handlers`)
+HostTierFromKVStore = HostAttachAck | SpillDone | HostLease | HostPagesReady
+
+
 class HostTierClient:
     """Spill buffer, its agent and the load path of one worker."""
 
@@ -193,6 +199,8 @@ class HostTierClient:
         self._leases: Replies[HostLease] = Replies()
         self._loading: dict[str, _Loading] = {}  # query id -> a loading lease's progress
         self._notices = Tasks(f"{name} host tier")
+        self.handlers: Handlers = {HostAttachAck: self._attached, SpillDone: self._spill_done,
+                                   HostLease: self._lease, HostPagesReady: self._pages_ready}  # fmt: skip
         self._busy = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._tasks = [
@@ -241,28 +249,27 @@ class HostTierClient:
 
     def on_message(self, link: Link, msg: Message) -> bool:
         """Handle a host-tier message from the kvstore; False if it is not one."""
-        if isinstance(msg, HostAttachAck):
-            self._attached(link, msg)
-        elif isinstance(msg, SpillDone):
-            pages = self._outstanding.pop(msg.spill_id, None)
-            if pages is not None:
-                self.buffer_agent.revoke(link.name, pages)
-                with self._lock:
-                    self._free.extend(pages)
-                    self.counters["host_spill_stored_pages_total"] += msg.stored
-        elif isinstance(msg, HostLease):
-            if msg.loading and msg.lease_id:
-                self._loading[msg.query_id] = _Loading(msg.ready_pages)
-            if not self._leases.answer(msg.query_id, msg) and msg.lease_id:
-                self._loading.pop(msg.query_id, None)
-                self._notices.spawn(send_quietly(self.link, HostRelease(msg.lease_id)))
-        elif isinstance(msg, HostPagesReady):
-            loading = self._loading.get(msg.query_id)
-            if loading is not None:
-                loading.update(msg.ready_pages, msg.failed)
-        else:
-            return False
-        return True
+        return dispatch(self.handlers, link, msg)
+
+    def _spill_done(self, link: Link, msg: SpillDone) -> None:
+        pages = self._outstanding.pop(msg.spill_id, None)
+        if pages is not None:
+            self.buffer_agent.revoke(link.name, pages)
+            with self._lock:
+                self._free.extend(pages)
+                self.counters["host_spill_stored_pages_total"] += msg.stored
+
+    def _lease(self, _link: Link, msg: HostLease) -> None:
+        if msg.loading and msg.lease_id:
+            self._loading[msg.query_id] = _Loading(msg.ready_pages)
+        if not self._leases.answer(msg.query_id, msg) and msg.lease_id:
+            self._loading.pop(msg.query_id, None)
+            self._notices.spawn(send_quietly(self.link, HostRelease(msg.lease_id)))
+
+    def _pages_ready(self, _link: Link, msg: HostPagesReady) -> None:
+        loading = self._loading.get(msg.query_id)
+        if loading is not None:
+            loading.update(msg.ready_pages, msg.failed)
 
     def _attached(self, link: Link, ack: HostAttachAck) -> None:
         self.settled = True
@@ -446,15 +453,16 @@ class HostTierClient:
         with self._lock:
             self.counters[key] += n
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> HostTierSection:
         with self._lock:
-            stats: dict[str, int | float] = dict(self.counters)
-            stats["host_spill_buffer_free"] = len(self._free)
-            stats["host_spill_refused_reads_total"] = self.buffer_agent.refused_reads
-            stats["host_spill_buffer_pages"] = self.buffer.shape[2]
-            stats["host_load_seconds_total"] = self.load_seconds
-        stats["host_attached"] = int(self.attached)
-        # 0 until the kvstore answered the attach: the gateway is not ready meanwhile (a
-        # request would compute what the host and disk tiers hold)
-        stats["host_attach_settled"] = int(self.settled)
-        return stats
+            return fill(
+                HostTierSection, self.counters,
+                host_spill_buffer_free=len(self._free),
+                host_spill_refused_reads_total=self.buffer_agent.refused_reads,
+                host_spill_buffer_pages=self.buffer.shape[2],
+                host_load_seconds_total=self.load_seconds,
+                host_attached=int(self.attached),
+                # 0 until the kvstore answered the attach: the gateway is not ready
+                # meanwhile (a request would compute what the host and disk tiers hold)
+                host_attach_settled=int(self.settled),
+            )  # fmt: skip

@@ -30,7 +30,7 @@ Contracts:
   (a worker registers with the kvstore again, re-watches, resyncs).
 - While up, the set sends every worker a `Heartbeat` each ``interval_s`` (so the
   worker keeps this side as a peer) and records the worker's typed load (``load``,
-  `WorkerLoad`) and counters (``stats``) from its own. A worker whose load says
+  `WorkerLoad`) and numbers (``stats``, `ServiceStats`) from its own. A worker whose load says
   ``draining`` is up but not `ready`: nothing new is routed to it.
 - Every other message is handed to ``on_message(link, msg)``; a bad frame is logged
   and dropped. Callbacks run on the event loop and must not block.
@@ -45,9 +45,9 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -63,7 +63,7 @@ from radixserve.protocol import (
     ProtocolError,
     WorkerLoad,
 )
-from radixserve.protocol.messages import Role
+from radixserve.protocol.messages import Role, ServiceStats
 from radixserve.protocol.security import ClusterKeys
 from radixserve.transfer.shards import tp_pair_error
 
@@ -98,7 +98,7 @@ class Link:
     last_seen: float = 0.0
     hello_sent: float = -math.inf
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    stats: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
+    stats: ServiceStats | None = None  # None until its first heartbeat
     ack: HelloAck | None = None
     discovered: bool = False  # added from the membership (not a static address)
     refused: str = ""  # why the last HelloAck was refused (logged once per reason)
@@ -238,6 +238,10 @@ class LearnedGeometry:
         self.known = None
 
 
+#: what a link set handles itself (`LinkSet.control`); any other message goes to ``on_message``
+LinkControl = HelloAck | Heartbeat
+
+
 class LinkSet:
     """DEALER links from this process (``me``) to worker addresses: static ones given here,
     more added and removed at run time (`add`, `remove`)."""
@@ -261,6 +265,8 @@ class LinkSet:
         self._name, self._generation = me.name, me.generation
         self._interval, self._timeout = me.interval_s, me.peer_timeout_s
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
+        self.control: dict[type[Message], Callable[[Link, Any], None]] = {
+            HelloAck: self._acked, Heartbeat: self._beat}  # fmt: skip
         # id(link) -> its receive task and its socket monitor task
         self._tasks: dict[int, tuple[asyncio.Task, asyncio.Task]] = {}
         self._tick_task: asyncio.Task | None = None
@@ -346,19 +352,17 @@ class LinkSet:
             if msg is None:
                 continue
             link.last_seen = time.monotonic()
-            if isinstance(msg, HelloAck):
-                self._acked(link, msg)
-            elif isinstance(msg, Heartbeat):
-                if link.up and msg.generation != link.generation:
-                    self.mark_down(link, f"restarted (generation {msg.generation})")
-                    link.hello_sent = -math.inf
-                elif link.up:
-                    link.load, link.stats = msg.load, msg.stats
-            else:
-                try:
-                    self._on_message(link, msg)
-                except Exception:
-                    logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
+            try:
+                self.control.get(type(msg), self._on_message)(link, msg)
+            except Exception:
+                logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
+
+    def _beat(self, link: Link, msg: Heartbeat) -> None:
+        if link.up and msg.generation != link.generation:
+            self.mark_down(link, f"restarted (generation {msg.generation})")
+            link.hello_sent = -math.inf
+        elif link.up:
+            link.load, link.stats = msg.load, msg.stats
 
     def _stalled(self, gap_s: float) -> None:
         """This process did not run for ``gap_s``, past the peer timeout: take every link

@@ -21,7 +21,7 @@ stops; the process exits 0. SIGINT, or a second SIGTERM, stops at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -36,7 +36,6 @@ import zmq.asyncio
 
 from radixserve.errors import CapacityError, RequestError
 from radixserve.launch.listeners import adopt_fd
-from radixserve.metrics import service_metrics
 from radixserve.protocol import (
     AsyncChannel,
     Heartbeat,
@@ -47,7 +46,7 @@ from radixserve.protocol import (
     RequestFailed,
     WorkerLoad,
 )
-from radixserve.protocol.messages import ErrorType, Role
+from radixserve.protocol.messages import ErrorType, Role, ServiceStats
 from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
 from radixserve.runtime.calls import Tasks
 from radixserve.runtime.links import LinkIdentity, monitor_socket
@@ -55,6 +54,7 @@ from radixserve.runtime.network import advertise_host, default_name
 from radixserve.runtime.probe import ProbeServer
 from radixserve.runtime.settings import ServiceSettings
 from radixserve.transfer.network import url_host
+from radixserve.worker_metrics import service_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,19 @@ class Peer:
     name: str
     role: str
     last_seen: float
+
+
+#: a channel's handler table: message type -> its handler (sender: a `Peer` or a `Link`;
+#: message), run on the event loop; an async one on a `Service`'s socket runs as a task
+Handlers = dict[type[Message], Callable[[Any, Any], Coroutine[Any, Any, None] | None]]
+
+
+def dispatch(table: Handlers, sender: Any, msg: Message) -> bool:
+    """Run ``msg``'s handler in ``table``; False if it has none (an unexpected message)."""
+    handler = table.get(type(msg))
+    if handler is not None:
+        handler(sender, msg)
+    return handler is not None
 
 
 def error_type(exc: BaseException) -> ErrorType:
@@ -86,9 +99,6 @@ class Service:
     role: ClassVar[Role]
     #: request messages answered `RequestFailed` ("draining") once the drain has begun
     refused_while_draining: ClassVar[tuple[type[Message], ...]] = ()
-    #: counters exported at 0 from the first heartbeat and scrape, before their first
-    #: event: a dashboard's rate() over a series that appears only with it misses it
-    counter_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, settings: ServiceSettings) -> None:
         settings.require_secure(self.role)  # off loopback only with the cluster secret
@@ -102,7 +112,10 @@ class Service:
         self.advertised_address = ""  # as others dial it
         self.started_at = time.monotonic()
         self.draining = False
-        self.counters: Counter[str] = Counter(dict.fromkeys(self.counter_names, 0))
+        # events counted, by the name of their `ServiceStats` field (each exported at 0
+        # from the first heartbeat: a dashboard's rate() over a series that appears only
+        # with its first event misses it)
+        self.counters: Counter[str] = Counter()
         self.peers: dict[bytes, Peer] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.notices = Tasks(self.role)  # fire-and-forget sends in flight
@@ -184,9 +197,23 @@ class Service:
         """Hook: the answer to a peer's `Hello`."""
         return HelloAck(name=self.name, role=self.role, generation=self.generation)
 
+    def handlers(self) -> Handlers:
+        """Hook: the handler of each type of the role's request union (`DecodeInbound`…):
+        a bound method (peer, message); a subclass adds its own to its base's table."""
+        return {}
+
+    @functools.cached_property
+    def _inbound_handlers(self) -> Handlers:
+        return self.handlers()
+
     def handle(self, peer: Peer, msg: Message) -> None:
-        """Hook: a request-level message from ``peer`` (must not block)."""
-        logger.warning("%s: unexpected %s from %s", self.name, type(msg).__name__, peer.name)
+        """A request-level message from ``peer``: its handler runs (an async one as a task
+        of its own, `spawn_notice`); any other is logged."""
+        handler = self._inbound_handlers.get(type(msg))
+        if handler is None:
+            logger.warning("%s: unexpected %s from %s", self.name, type(msg).__name__, peer.name)
+        elif (notice := handler(peer, msg)) is not None:
+            self.spawn_notice(notice)
 
     def on_peer_lost(self, peer: Peer) -> None:
         """Hook: ``peer`` went silent; end what it asked for."""
@@ -195,12 +222,17 @@ class Service:
         """Hook: the typed load sent in heartbeats (routers and the autoscaler read it)."""
         return WorkerLoad(draining=self.draining)
 
-    def stats(self) -> dict[str, int | float]:
-        """Counters and gauges sent in heartbeats, for metrics and /debug/cache."""
-        stats: dict[str, int | float] = {"tasks": len(self.tasks)}
-        stats["uptime_s"] = round(time.monotonic() - self.started_at, 3)
-        stats.update(self.counters)
-        return stats
+    def stats(self) -> ServiceStats:
+        """The numbers sent in heartbeats, for metrics, /debug/cache and the explorer;
+        subclasses add their sections (`dataclasses.replace`)."""
+        c = self.counters
+        return ServiceStats(
+            tasks=len(self.tasks),
+            uptime_s=round(time.monotonic() - self.started_at, 3),
+            heartbeats_total=c["heartbeats_total"],
+            refused_draining_total=c["refused_draining_total"],
+            auth_refused_total=c["auth_refused_total"],
+        )
 
     # -- HTTP side ----------------------------------------------------------------------
 
@@ -213,9 +245,8 @@ class Service:
 
     def metrics_text(self) -> bytes:
         """This process's own numbers — its heartbeat's `stats()` and typed `load()` — as
-        the gateway exports them per worker (`radixserve.metrics.service_metrics`)."""
-        stats: dict[str, Any] = {**self.stats(), **dataclasses.asdict(self.load())}
-        return service_metrics(self.name, self.role, stats)
+        the gateway exports them per worker (`radixserve.worker_metrics.service_metrics`)."""
+        return service_metrics(self.name, self.role, self.load(), self.stats())
 
     # -- drain ------------------------------------------------------------------------
 

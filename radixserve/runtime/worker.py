@@ -29,7 +29,7 @@ from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine, OutputQueue
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.metrics import service_metrics
+from radixserve.engine.tp_calls import StartAgent
 from radixserve.protocol import (
     Deregister,
     HelloAck,
@@ -42,20 +42,28 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
+from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
-from radixserve.runtime.service import Peer, Service, serve_until_signalled
+from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
 from radixserve.transfer import create_agent
 from radixserve.transfer.group import GroupAgent
 from radixserve.vllm_metrics import HIT_TOKENS, QUERIED_TOKENS, engine_metrics
+from radixserve.worker_metrics import service_metrics
 
 logger = logging.getLogger(__name__)
+
+
+#: what a worker's peers send it beside its role's requests: an operator's cache queries
+WorkerInbound = CacheTreeQuery | CacheAuditClear
+#: what the kvstore sends a worker beside the host tier's answers (`HostTierClient`)
+WorkerFromKVStore = KVResync | MemberList
 
 
 class Worker(Service):
@@ -79,8 +87,6 @@ class Worker(Service):
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
         self.tracer = Tracer(self.role, otlp_exporter(self.role))
-        for key in (QUERIED_TOKENS, HIT_TOKENS):  # vLLM's prefix-cache counters, in tokens
-            self.counters.setdefault(key, 0)
 
     async def start(self) -> None:
         s = self.settings
@@ -92,15 +98,10 @@ class Worker(Service):
         self.agent = GroupAgent(local, info.kv_shard.size)
         if info.kv_shard.size > 1:  # the other ranks' agents, which ours drives
             secret = s.cluster_secret.get_secret_value() if s.cluster_secret else None
-            request = {
-                "backend": s.transfer_backend, "name": self.name, "endpoint": self.agent.endpoint,
-                "timeout_s": local.default_timeout_s,
-                "nixl_progress_thread": s.nixl_progress_thread,
-                "network": {"bind": network.bind_host, "advertise": network.advertise_host,
-                            "port_min": network.port_min, "port_max": network.port_max,
-                            "secret": secret},
-            }  # fmt: skip
-            await self.engine.call(lambda e: e.start_rank_agents(request))
+            call = StartAgent(s.transfer_backend, self.name, self.agent.endpoint,
+                              local.default_timeout_s, s.nixl_progress_thread, network.bind_host,
+                              network.advertise_host, network.port_min, network.port_max, secret)  # fmt: skip
+            await self.engine.call(lambda e: e.start_rank_agents(call))
             await asyncio.to_thread(self.agent.wait_ranks)
         if s.kv_events_endpoint is not None:
             self._start_kv_events()
@@ -127,6 +128,7 @@ class Worker(Service):
 
             self._emit = emit
             self.engine.listen_cache(emit)
+        self._kvstore_handlers = self.kvstore_handlers()
         self.kvstore.start()
 
     def _start_kv_events(self) -> None:
@@ -249,23 +251,27 @@ class Worker(Service):
         if self.host is not None:
             self.host.on_down(link, why)
 
+    def kvstore_handlers(self) -> Handlers:
+        """Hook: the handler of each type of `WorkerFromKVStore`, and the host tier's (a
+        subclass adds its own)."""
+        host = self.host.handlers if self.host is not None else {}
+        return {KVResync: self._resync, MemberList: self._members, **host}
+
     def _from_kvstore(self, link: Link, msg: Message) -> None:
-        view = self.member_view()
-        if isinstance(msg, MemberList) and view is not None:
-            view.apply(msg)
-        elif isinstance(msg, KVResync):
-            if self._emit is not None:
-                self.engine.resync_cache(self._emit)
-        elif self.host is None or not self.host.on_message(link, msg):
+        if not dispatch(self._kvstore_handlers, link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
-    def handle(self, peer: Peer, msg: Message) -> None:
-        if isinstance(msg, CacheTreeQuery):
-            self.spawn_notice(self._describe_cache(peer, msg))
-        elif isinstance(msg, CacheAuditClear):
-            self.spawn_notice(self._clear_audit(peer, msg))
-        else:
-            super().handle(peer, msg)
+    def _members(self, _link: Link, msg: MemberList) -> None:
+        view = self.member_view()
+        if view is not None:  # None: this worker does not watch the membership
+            view.apply(msg)
+
+    def _resync(self, _link: Link, _msg: KVResync) -> None:
+        if self._emit is not None:
+            self.engine.resync_cache(self._emit)
+
+    def handlers(self) -> Handlers:
+        return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit}
 
     async def _describe_cache(self, peer: Peer, query: CacheTreeQuery) -> None:
         """Answer the gateway's `CacheTreeQuery` for its explorer: one engine call,
@@ -368,24 +374,26 @@ class Worker(Service):
         """Hook: prompt tokens accepted and not computed yet (see `WorkerLoad`)."""
         return 0
 
-    def stats(self) -> dict[str, int | float]:
-        """Pool pages, live requests and the engine's step counters, then the service's
-        tasks and counters, then the host tier's."""
-        stats = self.engine.stats().as_dict()
-        stats["page_bytes"] = self.engine.info.geometry.page_bytes
-        if self.agent is not None:  # peers' reads of pages not lent to them (ZMQ)
-            stats["kv_transfer_refused_reads_total"] = self.agent.refused_reads
-        stats.update(super().stats())
-        if self.host is not None:
-            stats.update(self.host.stats())
-        return stats
+    def stats(self) -> ServiceStats:
+        """The service's numbers, its engine's (pool pages, live requests, audit, step
+        counters, the prefix cache's use) and its host tier's."""
+        engine = self.engine.stats()
+        section = fill(
+            EngineSection, {**engine.cache, **engine.steps, **self.counters},
+            page_bytes=self.engine.info.geometry.page_bytes,
+            # peers' reads of pages not lent to them (ZMQ)
+            kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
+        )  # fmt: skip
+        host = self.host.stats() if self.host is not None else None
+        return dataclasses.replace(super().stats(), engine=section, host_tier=host)
 
     def metrics_text(self) -> bytes:
         """The service's own families, then vLLM's per-engine ones (`radixserve.vllm_metrics`;
         this worker is the engine, named by its name)."""
-        stats: dict[str, Any] = {**self.stats(), **dataclasses.asdict(self.load())}
-        own = service_metrics(self.name, self.role, stats)
-        return own + engine_metrics(self.engine.info.served_name, self.name, stats)
+        load, stats = self.load(), self.stats()
+        own = service_metrics(self.name, self.role, load, stats)
+        assert stats.engine is not None
+        return own + engine_metrics(self.engine.info.served_name, self.name, load, stats.engine)
 
 
 def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:

@@ -18,12 +18,12 @@ if TYPE_CHECKING:
         KVTransferAgent,
         TransferError,
         TransferHandle,
-        TransferState,
         peer_compat,
     )
     from radixserve.transfer.compat import PoolCompat
     from radixserve.transfer.network import TransferNetwork
     from radixserve.transfer.shards import KVShard
+    from radixserve.transfer.waits import TransferState
 
 #: the transfer backends, by name: the one list settings, flags and tools take them from
 Backend = Literal["nixl", "zmq"]
@@ -33,7 +33,7 @@ BACKENDS: tuple[Backend, ...] = get_args(Backend)
 # that never move a page — the gateway among them — and must not pull in torch.
 _LAZY = {
     "KVTransferAgent": "base", "TransferError": "base", "TransferHandle": "base",
-    "TransferState": "base", "peer_compat": "base", "PoolCompat": "compat", "KVShard": "shards",
+    "TransferState": "waits", "peer_compat": "base", "PoolCompat": "compat", "KVShard": "shards",
     "TransferNetwork": "network",
 }  # fmt: skip
 

@@ -38,17 +38,13 @@ Contracts:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import re
-import threading
 import time
-from abc import ABC, abstractmethod
-from collections import Counter
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import torch
@@ -56,13 +52,15 @@ import torch
 from radixserve.errors import RadixServeError
 from radixserve.protocol.security import AuthError, ClusterKeys
 from radixserve.transfer.compat import PoolCompat
+from radixserve.transfer.grants import PageGrants
 from radixserve.transfer.network import TransferNetwork
 from radixserve.transfer.shards import KVShard
+from radixserve.transfer.waits import EventLoopWaits, TransferState
 
 logger = logging.getLogger(__name__)
 
-TransferState = Literal["pending", "done", "failed"]
 _METADATA_VERSION = 2  # 2: region_bytes (was page_bytes)
+T = TypeVar("T")
 
 
 class TransferError(RadixServeError):
@@ -106,67 +104,24 @@ class PeerInfo:
     raw: bytes = field(repr=False)
 
 
-def peer_compat(metadata: bytes, keys: ClusterKeys | None = None) -> PoolCompat:
-    """The pool layout an agent's `metadata` describes, checking its signature first with
-    ``keys`` (for a side that has no agent yet); TransferError if it is malformed or
-    not signed with them."""
+def read_metadata(metadata: bytes, keys: ClusterKeys | None, read: Callable[[Any], T]) -> T:
+    """``read`` of an agent's (or a group's) decoded ``metadata``, its signature checked
+    with ``keys`` first; TransferError if it is not signed with them or is malformed
+    (``read`` raising ValueError, KeyError or TypeError included)."""
     try:
         raw = keys.open(metadata) if keys is not None else metadata
-        return PoolCompat.from_dict(msgpack.unpackb(raw, raw=False)["compat"])
+        return read(msgpack.unpackb(raw, raw=False))
     except AuthError as exc:
         raise TransferError(str(exc)) from None
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise TransferError(f"malformed transfer metadata: {exc}") from None
 
 
-class EventLoopWaits(ABC):
-    """An agent's asyncio loops, over its own `poll`, `remove_peer` and `serve_reads` (a
-    `KVTransferAgent`'s, or a tensor-parallel worker's `GroupAgent`'s)."""
-
-    @abstractmethod
-    def poll(self, handle: Any) -> TransferState:
-        """Non-blocking: "pending", "done" or "failed"."""
-
-    @abstractmethod
-    def remove_peer(self, name: str) -> None:
-        """Forget peer ``name``; its pending transfers fail."""
-
-    @abstractmethod
-    def serve_reads(self) -> None:
-        """Drive our side of peers' reads of our pages."""
-
-    async def wait_async(self, handle: Any, period_s: float = 0.0005) -> TransferState:
-        """Poll ``handle`` from an event loop until it is done or failed; its final state.
-
-        If the caller is cancelled meanwhile, the peer is removed first, which fails the
-        read, so that it can never land in pages the caller frees next."""
-        try:
-            while self.poll(handle) == "pending":
-                await asyncio.sleep(period_s)
-        except asyncio.CancelledError:
-            self.remove_peer(handle.peer)
-            raise
-        return handle.state  # type: ignore[no-any-return]
-
-    async def serve_reads_while(
-        self,
-        busy: Callable[[], bool],
-        wake: asyncio.Event,
-        after: Callable[[], None] | None = None,
-        period_s: float = 0.0002,
-    ) -> None:
-        """Forever: call `serve_reads` every ``period_s`` while ``busy()`` (peers may be
-        reading our pages), then ``after()``; otherwise sleep until ``wake`` is set (set it
-        whenever ``busy()`` may have become true). Run it as the page owner's task."""
-        while True:
-            if not busy():
-                wake.clear()
-                await wake.wait()
-                continue
-            self.serve_reads()
-            await asyncio.sleep(period_s)
-            if after is not None:
-                after()
+def peer_compat(metadata: bytes, keys: ClusterKeys | None = None) -> PoolCompat:
+    """The pool layout an agent's `metadata` describes, checking its signature first with
+    ``keys`` (for a side that has no agent yet); TransferError if it is malformed or
+    not signed with them."""
+    return read_metadata(metadata, keys, lambda env: PoolCompat.from_dict(env["compat"]))
 
 
 class KVTransferAgent(EventLoopWaits):
@@ -464,55 +419,6 @@ class KVTransferAgent(EventLoopWaits):
     @abstractmethod
     def _shutdown(self) -> None:
         """Close sockets / deregister memory."""
-
-
-_RANK_NAME = re.compile(r"(.+)\.tp\d+")  # a tensor-parallel rank's agent: <worker>.tp<N>
-
-
-class PageGrants:
-    """Which pages of an agent's pool are lent to which peer: a count per (peer, page),
-    one per grant (two leases of one page to one reader are two grants). Thread-safe:
-    a backend's serving thread asks `allows` while the owner's loop grants."""
-
-    def __init__(self) -> None:
-        self.enforced = False
-        self._lock = threading.Lock()
-        self._counts: dict[str, Counter[int]] = {}
-
-    def grant(self, peer: str, page_ids: list[int]) -> None:
-        with self._lock:
-            self._counts.setdefault(peer, Counter()).update(page_ids)
-
-    def revoke(self, peer: str, page_ids: list[int] | None = None) -> None:
-        with self._lock:
-            counts = self._counts.get(peer)
-            if counts is None:
-                return
-            if page_ids is None:
-                counts.clear()
-            else:
-                counts.subtract(page_ids)
-                for page in set(page_ids):
-                    if counts.get(page, 0) <= 0:
-                        counts.pop(page, None)
-            if not counts:
-                del self._counts[peer]
-
-    def allows(self, reader: str, page_ids: list[int]) -> bool:
-        """Whether ``reader`` (an agent's name; a rank's ``<peer>.tp<N>`` counts as
-        ``<peer>``) may read every page of ``page_ids`` (always, unless enforced)."""
-        if not self.enforced:
-            return True
-        rank = _RANK_NAME.fullmatch(reader)
-        peer = rank.group(1) if rank else reader
-        with self._lock:
-            counts = self._counts.get(peer)
-            return counts is not None and all(counts[p] > 0 for p in page_ids)
-
-    def num_pages(self) -> int:
-        """Pages granted now, over every peer (a page granted to two counts twice)."""
-        with self._lock:
-            return sum(len(c) for c in self._counts.values())
 
 
 def _validate_ids(

@@ -40,15 +40,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixserve.protocol.security import AuthError, ClusterKeys
-from radixserve.transfer.base import (
-    EventLoopWaits,
-    KVTransferAgent,
-    TransferError,
-    TransferHandle,
-    TransferState,
-)
+from radixserve.protocol.security import ClusterKeys
+from radixserve.transfer.base import KVTransferAgent, TransferError, TransferHandle, read_metadata
 from radixserve.transfer.shards import KVShard, head_sources, tp_pair_error
+from radixserve.transfer.waits import EventLoopWaits, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +59,7 @@ def group_metadata(ranks: list[bytes], keys: ClusterKeys | None) -> bytes:
 
 def split_metadata(metadata: bytes, keys: ClusterKeys | None) -> list[bytes]:
     """Each rank's agent metadata from a group's (or one agent's) ``metadata``."""
-    try:
-        raw = keys.open(metadata) if keys is not None else metadata
-        env = msgpack.unpackb(raw, raw=False)
-    except AuthError as exc:
-        raise TransferError(str(exc)) from None
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise TransferError(f"malformed transfer metadata: {exc}") from None
+    env = read_metadata(metadata, keys, lambda env: env)
     if isinstance(env, dict) and "tp_group" in env:
         ranks = env["tp_group"]
         if not isinstance(ranks, list) or not ranks:
@@ -81,14 +70,9 @@ def split_metadata(metadata: bytes, keys: ClusterKeys | None) -> list[bytes]:
 
 def _agent_info(metadata: bytes, keys: ClusterKeys | None) -> tuple[str, KVShard]:
     """(agent name, KV shard) an agent's metadata names."""
-    try:
-        raw = keys.open(metadata) if keys is not None else metadata
-        env = msgpack.unpackb(raw, raw=False)
-        return str(env["name"]), KVShard.from_list(env["shard"])
-    except AuthError as exc:
-        raise TransferError(str(exc)) from None
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-        raise TransferError(f"malformed transfer metadata: {exc}") from None
+    return read_metadata(
+        metadata, keys, lambda env: (str(env["name"]), KVShard.from_list(env["shard"]))
+    )
 
 
 @dataclass

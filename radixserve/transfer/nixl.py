@@ -48,12 +48,12 @@ from radixserve.transfer.base import (
     PeerInfo,
     TransferError,
     TransferHandle,
-    TransferState,
     region_page_indices,
 )
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork
 from radixserve.transfer.shards import KVShard
+from radixserve.transfer.waits import TransferState
 
 logger = logging.getLogger(__name__)
 

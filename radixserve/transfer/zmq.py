@@ -41,11 +41,11 @@ from radixserve.transfer.base import (
     PeerInfo,
     TransferError,
     TransferHandle,
-    TransferState,
 )
 from radixserve.transfer.compat import PoolCompat
 from radixserve.transfer.network import TransferNetwork, url_host
 from radixserve.transfer.shards import KVShard
+from radixserve.transfer.waits import TransferState
 
 logger = logging.getLogger(__name__)
 

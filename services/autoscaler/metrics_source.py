@@ -6,9 +6,10 @@ Both build the same `Observation` (`policy`), from the same series:
   histograms, p90 over the interval (bucket counts' change, linear within a bucket);
 * requests/s: ``radixserve_requests_total``;
 * per worker (``radixserve_worker_*{worker, role}``, the workers' heartbeats as the
-  gateway exports them): ``up``, ``draining``, ``uptime_s``, ``queued_tokens``,
-  ``running`` and the engine's step counters (`radixserve.engine.step_stats`) — the
-  `WorkerSample`s capacity is learned from;
+  gateway exports them, named by the one table `radixserve.worker_metrics.WORKER_METRICS`):
+  ``up``, ``draining``, ``uptime_s``, ``queued_tokens``, ``running`` and the engine's
+  step counters (`radixserve.engine.step_stats`) — the `WorkerSample`s capacity is
+  learned from (`SAMPLE_FIELDS`, read the same way from either source);
 * demand: prompt tokens the workers computed per second plus the growth of the prefill
   queue (what arrived, even when the pool could not keep up), and tokens generated per
   second;
@@ -38,27 +39,32 @@ from prometheus_client.parser import text_string_to_metric_families
 from radixserve.services.autoscaler.capacity import WorkerSample
 from radixserve.services.autoscaler.histogram import Histogram
 from radixserve.services.autoscaler.policy import ROLES, Observation, PoolState
+from radixserve.worker_metrics import WORKER_UP, WorkerMetric, worker_metric
 
 logger = logging.getLogger(__name__)
 
 Labels = tuple[tuple[str, str], ...]  # sorted
 Key = tuple[str, Labels]  # sample name, labels
 
-#: counter sample -> the `WorkerSample` field its change fills
-WORKER_COUNTERS = {
-    "radixserve_worker_engine_busy_seconds_total": "busy_s",
-    "radixserve_worker_engine_prefill_tokens_total": "prefill_tokens",
-    "radixserve_worker_engine_prefill_seconds_total": "prefill_s",
-    "radixserve_worker_engine_decode_tokens_total": "decode_tokens",
-    "radixserve_worker_engine_decode_only_steps_total": "decode_only_steps",
-    "radixserve_worker_engine_decode_only_seqs_total": "decode_only_seqs",
-    "radixserve_worker_engine_decode_only_seconds_total": "decode_only_s",
+#: each measured `WorkerSample` field -> the worker's number it is read from: a
+#: counter's change over the interval, a gauge's value
+SAMPLE_FIELDS: dict[str, WorkerMetric] = {
+    "busy_s": worker_metric("engine_busy_seconds_total"),
+    "prefill_tokens": worker_metric("engine_prefill_tokens_total"),
+    "prefill_s": worker_metric("engine_prefill_seconds_total"),
+    "decode_tokens": worker_metric("engine_decode_tokens_total"),
+    "decode_only_steps": worker_metric("engine_decode_only_steps_total"),
+    "decode_only_seqs": worker_metric("engine_decode_only_seqs_total"),
+    "decode_only_s": worker_metric("engine_decode_only_seconds_total"),
+    "queued_tokens": worker_metric("queued_tokens"),
+    "running": worker_metric("running"),
 }
-WORKER_GAUGES = ("up", "draining", "uptime_s", "queued_tokens", "running")
+DRAINING, UPTIME = worker_metric("draining").sample, worker_metric("uptime_s").sample
+QUEUED = worker_metric("queued_tokens").sample
 #: the prefill workers' per-request histograms -> the `Observation` field each fills
 PREFILL_HISTOGRAMS = {
-    "radixserve_worker_prefill_request_tokens": "prefill_request_tokens",
-    "radixserve_worker_prefill_wait_seconds": "prefill_wait",
+    worker_metric("prefill_request_tokens").name: "prefill_request_tokens",
+    worker_metric("prefill_wait_seconds").name: "prefill_wait",
 }
 
 
@@ -150,11 +156,10 @@ def _sample(
     name: str, role: str, age_s: float, interval_s: float, values: Mapping[str, float]
 ) -> WorkerSample:
     """A worker's `WorkerSample`: its counters' changes and gauges from ``values``, by
-    field name (0 where absent; the counts as ints)."""
-    measured = (*WORKER_COUNTERS.values(), "queued_tokens", "running")
+    field name (`SAMPLE_FIELDS`; 0 where absent; the counts as ints)."""
     fields: dict[str, float] = {}
     for f in dataclasses.fields(WorkerSample):
-        if f.name in measured:
+        if f.name in SAMPLE_FIELDS:
             value = values.get(f.name, 0.0)
             fields[f.name] = int(value) if isinstance(f.default, int) else value
     return WorkerSample(name, role, age_s, interval_s, **fields)  # type: ignore[arg-type]
@@ -226,31 +231,30 @@ def observation_between(
     prefill_workers: list[Labels] = []  # up and not restarted: their histograms difference
     queue_growth, prefill_queue = 0.0, 0
     computed = generated = 0.0
-    for key in [k for k in new if k[0] == "radixserve_worker_up"]:
+    for key in [k for k in new if k[0] == WORKER_UP]:
         labels = dict(key[1])
 
-        def gauge(name: str, snap: Mapping[Key, float] = new, lab: Key = key) -> float:
-            return snap.get((f"radixserve_worker_{name}", lab[1]), 0.0)
+        def gauge(sample: str, snap: Mapping[Key, float] = new, lab: Key = key) -> float:
+            return snap.get((sample, lab[1]), 0.0)
 
-        role, age = labels.get("role", ""), gauge("uptime_s")
-        view = WorkerView(labels.get("worker", ""), role, gauge("up") > 0,
-                          gauge("draining") > 0, age)  # fmt: skip
+        role, age = labels.get("role", ""), gauge(UPTIME)
+        view = WorkerView(labels.get("worker", ""), role, gauge(WORKER_UP) > 0,
+                          gauge(DRAINING) > 0, age)  # fmt: skip
         views.append(view)
         if not view.up or role not in ROLES:
             continue
-        restarted = age < gauge("uptime_s", old) or (
-            "radixserve_worker_up", key[1]) not in old  # fmt: skip
+        restarted = age < gauge(UPTIME, old) or (WORKER_UP, key[1]) not in old
         if role == "prefill":
-            queued = int(gauge("queued_tokens"))
+            queued = int(gauge(QUEUED))
             prefill_queue += queued
             if not restarted:
-                queue_growth += queued - gauge("queued_tokens", old)
+                queue_growth += queued - gauge(QUEUED, old)
         if restarted:
             continue  # counters started over: no interval to difference
         if role == "prefill":
             prefill_workers.append(key[1])
-        values = {f: _delta(new, old, (c, key[1])) for c, f in WORKER_COUNTERS.items()}
-        values.update(queued_tokens=gauge("queued_tokens"), running=gauge("running"))
+        values = {f: _delta(new, old, (m.sample, key[1])) if m.kind == "counter"
+                  else gauge(m.sample) for f, m in SAMPLE_FIELDS.items()}  # fmt: skip
         sample = _sample(view.name, role, age, dt, values)
         samples.append(sample)
         if role == "prefill":  # decode workers' own short prefills are not this pool's
@@ -306,12 +310,11 @@ class PrometheusMetrics:
     def observe(self, desired: Mapping[str, int | None]) -> Observation:
         w = self.window
         per_worker: dict[tuple[str, str], dict[str, float]] = {}
-        for name in WORKER_GAUGES:
-            for labels, value in self.query(f"radixserve_worker_{name}"):
-                key = (labels.get("worker", ""), labels.get("role", ""))
-                per_worker.setdefault(key, {})[name] = value
-        for counter, field in WORKER_COUNTERS.items():
-            for labels, value in self.query(f"increase({counter}[{w}])"):
+        queries = {"up": WORKER_UP, "draining": DRAINING, "uptime_s": UPTIME}
+        for f, m in SAMPLE_FIELDS.items():
+            queries[f] = f"increase({m.sample}[{w}])" if m.kind == "counter" else m.sample
+        for field, promql in queries.items():
+            for labels, value in self.query(promql):
                 key = (labels.get("worker", ""), labels.get("role", ""))
                 per_worker.setdefault(key, {})[field] = value
         views, samples = [], []
@@ -321,7 +324,7 @@ class PrometheusMetrics:
             views.append(view)
             if view.up and role in ROLES:
                 samples.append(_sample(name, role, view.age_s, self._window_s, v))
-        growth = self._scalar(f'sum(deriv(radixserve_worker_queued_tokens{{role="prefill"}}[{w}]))')
+        growth = self._scalar(f'sum(deriv({QUEUED}{{role="prefill"}}[{w}]))')
         computed = sum(s.prefill_tokens for s in samples if s.role == "prefill")
         quantile = "histogram_quantile(0.9, sum by (le) (rate({}_bucket[{}])))"
         histograms = {

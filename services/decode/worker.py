@@ -47,11 +47,12 @@ from radixserve.protocol import (
     TransferDone,
 )
 from radixserve.protocol.messages import ErrorType
+from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
 from radixserve.runtime.calls import Replies, send_quietly
 from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
-from radixserve.runtime.service import Peer
-from radixserve.runtime.worker import Worker
+from radixserve.runtime.service import Handlers, Peer, dispatch
+from radixserve.runtime.worker import Worker, WorkerFromKVStore, WorkerInbound
 from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.tracing import NO_SPAN, Span
@@ -74,12 +75,16 @@ class _Pending:
     ready: asyncio.Future  # -> KVReady
 
 
+#: what the decode worker's peers send it: gateways' requests, an operator's cache queries
+DecodeInbound = WorkerInbound | GenerateRequest | Abort
+#: what the kvstore sends it: a worker's messages, and the answers to its index queries
+DecodeFromKVStore = WorkerFromKVStore | IndexReply
+#: what prefill workers answer its `PrefillRequest`s
+DecodeFromPrefill = KVReady | RequestFailed
+
+
 class DecodeWorker(Worker):
     role = "decode"
-    counter_names = ("kv_transfers_total", "kv_transfer_pages_total", "kv_transfer_bytes_total",
-                     "local_prefills_total", "remote_prefills_total",
-                     "remote_prefill_failures_total", "resumed_requests_total",
-                     "index_queries_total", "index_misses_total")  # fmt: skip
     refused_while_draining = (GenerateRequest,)
     settings: DecodeSettings
 
@@ -91,6 +96,8 @@ class DecodeWorker(Worker):
         self._index: Replies[IndexReply] = Replies()
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}
+        self.prefill_handlers: Handlers = {KVReady: self._kv_ready,
+                                           RequestFailed: self._prefill_failed}  # fmt: skip
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
         # request id -> how its prompt got its KV: (route, prefill worker), sent on its last chunk
         self._routes: dict[str, tuple[str, str]] = {}
@@ -126,14 +133,15 @@ class DecodeWorker(Worker):
 
     # -- from the gateway ------------------------------------------------------------
 
-    def handle(self, peer: Peer, msg: Message) -> None:
-        if isinstance(msg, GenerateRequest):
-            self._owner[msg.request_id] = peer.identity
-            self.spawn(msg.request_id, self._serve(peer, msg))
-        elif isinstance(msg, Abort):
-            self.cancel(msg.request_id)
-        else:
-            super().handle(peer, msg)
+    def handlers(self) -> Handlers:
+        return {**super().handlers(), GenerateRequest: self._generate, Abort: self._abort}
+
+    def _generate(self, peer: Peer, msg: GenerateRequest) -> None:
+        self._owner[msg.request_id] = peer.identity
+        self.spawn(msg.request_id, self._serve(peer, msg))
+
+    def _abort(self, _peer: Peer, msg: Abort) -> None:
+        self.cancel(msg.request_id)
 
     def on_peer_lost(self, peer: Peer) -> None:
         for request_id, identity in list(self._owner.items()):
@@ -143,12 +151,14 @@ class DecodeWorker(Worker):
     def queued_tokens(self) -> int:
         return self.engine.stats().queued_prompt_tokens
 
-    def stats(self) -> dict[str, int | float]:
-        stats = super().stats()
-        stats["prefills_up"] = len(self.prefills.ready()) if self.prefills else 0
-        stats["awaiting_kv"] = len(self._pending)
-        stats["kv_transfer_seconds_total"] = self.transfer_seconds
-        return stats
+    def stats(self) -> ServiceStats:
+        decode = fill(
+            DecodeSection, self.counters,
+            prefills_up=len(self.prefills.ready()) if self.prefills else 0,
+            awaiting_kv=len(self._pending),
+            kv_transfer_seconds_total=self.transfer_seconds,
+        )  # fmt: skip
+        return dataclasses.replace(super().stats(), decode=decode)
 
     async def _serve(self, peer: Peer, msg: GenerateRequest) -> None:
         rid = msg.request_id
@@ -255,11 +265,11 @@ class DecodeWorker(Worker):
             return {}, 0
         return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
 
-    def _from_kvstore(self, link: Link, msg: Message) -> None:
-        if isinstance(msg, IndexReply):
-            self._index.answer(msg.query_id, msg)
-        else:
-            super()._from_kvstore(link, msg)
+    def kvstore_handlers(self) -> Handlers:
+        return {**super().kvstore_handlers(), IndexReply: self._index_reply}
+
+    def _index_reply(self, _link: Link, msg: IndexReply) -> None:
+        self._index.answer(msg.query_id, msg)
 
     def _kvstore_down(self, link: Link, why: str) -> None:
         self._index.drop_all()
@@ -349,8 +359,7 @@ class DecodeWorker(Worker):
         prompt_lps = None
         if params.prompt_logprobs is not None:
             prompt_lps = [to_logprob(e) for e in kv.prompt_logprobs]
-        self.engine.activate_remote(rid, first, kv.cached_tokens, kv.host_cached_tokens,
-                                    first_lps, prompt_lps, kv.disk_cached_tokens)  # fmt: skip
+        self.engine.activate_remote(rid, first, kv.cached, first_lps, prompt_lps)
         return out
 
     async def _pull(self, link: Link, kv: KVReady, dst: list[int]) -> None:
@@ -384,18 +393,26 @@ class DecodeWorker(Worker):
         await send_quietly(link, TransferDone(rid) if consumed else Abort(rid))
 
     def _from_prefill(self, link: Link, msg: Message) -> None:
-        rid = getattr(msg, "request_id", None)
-        pending = self._pending.get(rid) if isinstance(rid, str) else None
-        if pending is None or pending.link is not link or pending.ready.done():
-            if isinstance(msg, KVReady):  # we gave up on it: let the lease go now
-                self.spawn_notice(send_quietly(link, TransferDone(msg.request_id, ok=False)))
-            return
-        if isinstance(msg, KVReady):
-            pending.ready.set_result(msg)
-        elif isinstance(msg, RequestFailed):
-            pending.ready.set_exception(PrefillFailed(msg.error_type, msg.message))
-        else:
+        if not dispatch(self.prefill_handlers, link, msg):
             logger.warning("%s: unexpected %s from %s", self.name, msg.TYPE_TAG, link.label)
+
+    def _awaited(self, link: Link, rid: str) -> _Pending | None:
+        """The remote prefill of ``rid`` while it still waits for ``link``'s answer."""
+        pending = self._pending.get(rid)
+        waits = pending is not None and pending.link is link and not pending.ready.done()
+        return pending if waits else None
+
+    def _kv_ready(self, link: Link, msg: KVReady) -> None:
+        pending = self._awaited(link, msg.request_id)
+        if pending is not None:
+            pending.ready.set_result(msg)
+        else:  # we gave up on it: let the lease go now
+            self.spawn_notice(send_quietly(link, TransferDone(msg.request_id, ok=False)))
+
+    def _prefill_failed(self, link: Link, msg: RequestFailed) -> None:
+        pending = self._awaited(link, msg.request_id)
+        if pending is not None:
+            pending.ready.set_exception(PrefillFailed(msg.error_type, msg.message))
 
     def _prefill_down(self, link: Link, why: str) -> None:
         for pending in self._pending.values():

@@ -342,6 +342,42 @@ class SlabFiles:
         return HEADER_BYTES + (slot - slab.first) * self.record_bytes
 
 
+def write_records(
+    files: SlabFiles, buffer: RecordBuffer, jobs: list[tuple[int, int, int, int, PageProof]]
+) -> float:
+    """Seal each (slot, record of ``buffer``, hash, seq, proof) and write them; seconds."""
+    start = time.perf_counter()
+    views = [buffer.view(record) for _, record, _, _, _ in jobs]
+    for view, (_, _, page_hash, seq, proof) in zip(views, jobs):
+        seal(view, page_hash, seq, files.digest, files.page_bytes, proof)
+    files.write([slot for slot, *_ in jobs], views)
+    return time.perf_counter() - start
+
+
+def read_records(
+    files: SlabFiles,
+    buffer: RecordBuffer,
+    kv: torch.Tensor,
+    jobs: Sequence[tuple[int, int, int, PageProof | None]],
+) -> tuple[list[bool], float]:
+    """Read each (slot, page of ``kv`` (L, 2, P, S, H, D), hash, proof) through
+    ``buffer``, check it and copy the valid ones (the hash and proof theirs) into their
+    pages; whether each was valid, and the seconds."""
+    start = time.perf_counter()
+    ok: list[bool] = []
+    for first in range(0, len(jobs), buffer.count):
+        chunk = jobs[first : first + buffer.count]
+        views = [buffer.view(i) for i in range(len(chunk))]
+        files.read([slot for slot, _, _, _ in chunk], views)
+        for i, (view, (_, page, page_hash, proof)) in enumerate(zip(views, chunk)):
+            valid = check(view, files.digest, files.page_bytes, files.page_size)
+            fine = valid is not None and valid[0] == page_hash and valid[2] == proof
+            if fine:
+                kv[:, :, page].copy_(buffer.page(i))
+            ok.append(fine)
+    return ok, time.perf_counter() - start
+
+
 def slab_layout(path: Path) -> PoolCompat | None:
     """The layout (`PoolCompat`) a slab's header states; None if it is not a slab of
     this format."""

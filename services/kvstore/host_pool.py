@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from radixserve.cache.host_index import EvictCallback, HostPageIndex
+from radixserve.cache.host_index import HostPageIndex
 from radixserve.cache.page_proof import PageProof, chain_proofs, unpack_tokens
 from radixserve.protocol import HostAttachAck, HostLease, HostLookup, SpillOffer
 from radixserve.runtime.kv_events import MEDIUM_CPU
 from radixserve.runtime.network import transfer_network
 from radixserve.services.kvstore.settings import KVStoreSettings
+from radixserve.services.kvstore.tier import LowerTier
 from radixserve.services.kvstore.tier_events import TierEvents
 from radixserve.transfer import (
     KVTransferAgent,
@@ -58,19 +60,21 @@ def spill_agent_name(worker: str) -> str:
 
 
 class HostPool:
-    """Host pages, their index and the agent that moves them; driven by the kvstore."""
+    """The host tier (a `KVTier`, the top one): host pages, their index and the agent
+    that moves them; driven by the kvstore."""
+
+    tier_name, medium, loaded = "host", MEDIUM_CPU, True
 
     def __init__(
         self,
         name: str,
         settings: KVStoreSettings,
-        on_evict: EvictCallback | None = None,
+        below: Sequence[LowerTier] = (),
         events: TierEvents | None = None,
     ) -> None:
-        """``on_evict(hash, page, proof)``: a stored page is about to be reused (the disk
-        tier copies it out first); ``events``: publishes the pages stored and evicted
-        (medium "CPU")."""
-        self.name, self.settings, self.on_evict, self.events = name, settings, on_evict, events
+        """``below``: the tiers each stored page is staged into before it is reused;
+        ``events``: publishes the pages stored and evicted (medium "CPU")."""
+        self.name, self.settings, self.below, self.events = name, settings, below, events
         self.capacity_bytes = int(settings.host_capacity_gib * (1 << 30))
         self.network = transfer_network(settings)
         self.compat: PoolCompat | None = None
@@ -89,10 +93,6 @@ class HostPool:
         self._leased = asyncio.Event()
         self._server: asyncio.Task | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_bytes > 0
-
     async def stop(self) -> None:
         if self._server is not None:
             self._server.cancel()
@@ -107,7 +107,7 @@ class HostPool:
     ) -> HostAttachAck:
         """Let ``worker`` (at ``generation``, on ``connection``) spill into and load from
         the pool."""
-        if not self.enabled:
+        if not self.capacity_bytes:
             return HostAttachAck(False, reason="this kvstore has no host tier (capacity 0)")
         try:
             compat = peer_compat(metadata, self.network.keys)
@@ -167,8 +167,9 @@ class HostPool:
         """The index evicts ``page`` (it held ``page_hash``) to reuse it."""
         if self.events is not None:
             self.events.removed(MEDIUM_CPU, [page_hash])
-        if self.on_evict is not None:
-            self.on_evict(page_hash, page, proof)
+        assert self.kv is not None  # allocated with the index
+        for tier in self.below:
+            tier.stage(page_hash, self.kv[:, :, page], proof)
 
     def worker_on(self, connection: bytes, named: str) -> str:
         """The worker speaking on ``connection``: ``named`` (its hello's name), or, for a
@@ -216,10 +217,7 @@ class HostPool:
             self.counters["host_spill_failures_total"] += 1
             self.index.abort(mine)
             return 0
-        proofs = [proved[h] for h in mine]
-        self.index.commit(mine, proofs)
-        if self.events is not None:
-            self.events.stored(MEDIUM_CPU, mine, proofs)
+        self.commit(mine, [proved[h] for h in mine])
         assert self.compat is not None  # allocated with the index
         self.counters["host_bytes_stored_total"] += len(dst) * self.compat.page_bytes
         return len(dst)
@@ -249,14 +247,22 @@ class HostPool:
                            "give their hashes", self.name, refused, len(hashes), worker)  # fmt: skip
         return proved
 
-    def tokens_of(self, page_hashes: list[int], disk_proof: Callable[[int], PageProof | None]
+    def commit(self, page_hashes: list[int], proofs: list[PageProof]) -> None:
+        """Make reserved pages, now written, visible with their proofs (a spill's, or a
+        promotion's from a tier below)."""
+        assert self.index is not None
+        self.index.commit(page_hashes, proofs)
+        if self.events is not None:
+            self.events.stored(MEDIUM_CPU, page_hashes, proofs)
+
+    def tokens_of(self, page_hashes: list[int], lower_proof: Callable[[int], PageProof | None]
                   ) -> tuple[int, ...]:  # fmt: skip
-        """The stored tokens of ``page_hashes`` (host pages' proofs, else ``disk_proof``'s,
-        for pages being read from disk), concatenated; empty if one has none."""
+        """The stored tokens of ``page_hashes`` (host pages' proofs, else ``lower_proof``'s,
+        for pages being read from a tier below), concatenated; empty if one has none."""
         assert self.index is not None
         out: list[int] = []
         for h in page_hashes:
-            proof = self.index.proof(h) or disk_proof(h)
+            proof = self.index.proof(h) or lower_proof(h)
             if proof is None:
                 return ()
             out += unpack_tokens(proof.tokens)
@@ -264,7 +270,7 @@ class HostPool:
 
     def lookup(self, worker: str, msg: HostLookup) -> HostLease:
         """Lease the longest stored run of the asked hashes for ``worker`` (pages the
-        disk tier holds were promoted into it first: `DiskPool.promote`)."""
+        tiers below hold were promoted into it first: `Promotion.promote`)."""
         if self.index is None:
             return HostLease(msg.query_id)
         self.counters["host_lookups_total"] += 1
@@ -283,12 +289,12 @@ class HostPool:
         msg: HostLookup,
         run: list[int],
         ready: int,
-        disk_proof: Callable[[int], PageProof | None],
+        lower_proof: Callable[[int], PageProof | None],
     ) -> HostLease:
-        """Lease ``run`` (the leading hashes of ``msg``) to ``worker`` while the disk
-        tier is still reading its pages past the first ``ready`` into their reserved
-        host pages (`DiskPool.promote` with ``on_plan``; ``disk_proof``: the disk
-        tier's proofs of those)."""
+        """Lease ``run`` (the leading hashes of ``msg``) to ``worker`` while the tiers
+        below are still reading its pages past the first ``ready`` into their reserved
+        host pages (`Promotion.promote` with ``on_plan``; ``lower_proof``: their proofs
+        of those)."""
         assert self.index is not None
         self.counters["host_lookups_total"] += 1
         if not run:
@@ -299,12 +305,32 @@ class HostPool:
         self._grant(lease_id, worker, pages)
         self._leased.set()
         disk_pages = len(run) - sum(self.index.stored(h) for h in run)
-        tokens = self.tokens_of(run, disk_proof)
+        tokens = self.tokens_of(run, lower_proof)
         return HostLease(msg.query_id, lease_id, tuple(pages), disk_pages, True, ready, tokens)
 
     def release(self, lease_id: int) -> None:
         if self.index is not None:
             self.index.release(lease_id)
+
+    # -- as a tier (`KVTier`) ---------------------------------------------------------
+
+    def holds(self, page_hash: int) -> bool:
+        return self.index is not None and self.index.stored(page_hash)
+
+    def proof(self, page_hash: int) -> PageProof | None:
+        return self.index.proof(page_hash) if self.index is not None else None
+
+    def hold(self, holder: str, page_hashes: Sequence[int]) -> int:
+        assert self.index is not None
+        return self.index.hold(holder, page_hashes, math.inf)[0]
+
+    def stored_pages(self) -> Iterator[tuple[int, torch.Tensor, PageProof | None]]:
+        """(hash, page (L, 2, S, H, D), proof) of the stored pages, least recently used
+        first (what a tier below writes at the kvstore's stop)."""
+        if self.index is None or self.kv is None:
+            return
+        for page_hash, page in self.index.stored_pages():
+            yield page_hash, self.kv[:, :, page], self.index.proof(page_hash)
 
     def _grant(self, lease_id: int, worker: str, pages: list[int]) -> None:
         assert self.agent is not None
@@ -316,10 +342,6 @@ class HostPool:
         granted = self._granted.pop(lease_id, None)
         if granted is not None and self.agent is not None:
             self.agent.revoke(*granted)
-
-    def match(self, page_hashes: list[int]) -> int:
-        """Leading pages of a prompt the host tier holds (for routing)."""
-        return self.index.match(page_hashes) if self.index is not None else 0
 
     def _expire_leases(self) -> None:
         assert self.index is not None

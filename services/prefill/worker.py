@@ -30,6 +30,7 @@ from time spent behind other prompts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -37,9 +38,10 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.wire import to_entries, to_params, to_share
 from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS, StatsHistogram
-from radixserve.protocol import Abort, KVReady, Message, PrefillRequest, TransferDone
-from radixserve.runtime.service import Peer
-from radixserve.runtime.worker import Worker
+from radixserve.protocol import Abort, KVReady, PrefillRequest, TransferDone
+from radixserve.protocol.stats_messages import PrefillSection, ServiceStats, fill
+from radixserve.runtime.service import Handlers, Peer
+from radixserve.runtime.worker import Worker, WorkerInbound
 from radixserve.services.prefill.settings import PrefillSettings
 from radixserve.tracing import NO_SPAN
 
@@ -56,6 +58,10 @@ def _first_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     return [firsts[i] for i in sorted(firsts)]
 
 
+#: what the prefill worker's peers send it: decode workers' requests, an operator's queries
+PrefillInbound = WorkerInbound | PrefillRequest | TransferDone | Abort
+
+
 class PrefillWorker(Worker):
     role = "prefill"
     refused_while_draining = (PrefillRequest,)
@@ -68,8 +74,8 @@ class PrefillWorker(Worker):
         # request id -> (reader, pages granted, the revoke timer) while its pages are lent
         self._grants: dict[str, tuple[str, list[int], asyncio.TimerHandle]] = {}
         self._lending = asyncio.Event()  # set when a lease is handed over
-        self._wait = StatsHistogram("prefill_wait_seconds", PREFILL_WAIT_BUCKETS)
-        self._request_tokens = StatsHistogram("prefill_request_tokens", PREFILL_TOKENS_BUCKETS)
+        self._wait = StatsHistogram(PREFILL_WAIT_BUCKETS)
+        self._request_tokens = StatsHistogram(PREFILL_TOKENS_BUCKETS)
 
     async def start(self) -> None:
         await super().start()
@@ -82,19 +88,22 @@ class PrefillWorker(Worker):
     def _lending_now(self) -> bool:
         return self.engine.stats().leases > 0
 
-    def handle(self, peer: Peer, msg: Message) -> None:
-        if isinstance(msg, PrefillRequest):
-            self._owner[msg.request_id] = peer.identity
-            self.spawn(msg.request_id, self._prefill(peer, msg))
-        elif isinstance(msg, TransferDone):
-            if not msg.ok:
-                logger.warning("%s: transfer of %s failed on the reader", self.name, msg.request_id)
+    def handlers(self) -> Handlers:
+        return {**super().handlers(), PrefillRequest: self._request,
+                TransferDone: self._transfer_done, Abort: self._abort}  # fmt: skip
+
+    def _request(self, peer: Peer, msg: PrefillRequest) -> None:
+        self._owner[msg.request_id] = peer.identity
+        self.spawn(msg.request_id, self._prefill(peer, msg))
+
+    def _transfer_done(self, _peer: Peer, msg: TransferDone) -> None:
+        if not msg.ok:
+            logger.warning("%s: transfer of %s failed on the reader", self.name, msg.request_id)
+        self._release(msg.request_id)
+
+    def _abort(self, _peer: Peer, msg: Abort) -> None:
+        if not self.cancel(msg.request_id):
             self._release(msg.request_id)
-        elif isinstance(msg, Abort):
-            if not self.cancel(msg.request_id):
-                self._release(msg.request_id)
-        else:
-            super().handle(peer, msg)
 
     def on_peer_lost(self, peer: Peer) -> None:
         for request_id, identity in list(self._owner.items()):
@@ -104,8 +113,10 @@ class PrefillWorker(Worker):
     def queued_tokens(self) -> int:
         return self._queued
 
-    def stats(self) -> dict[str, int | float]:
-        return {**super().stats(), **self._wait.stats(), **self._request_tokens.stats()}
+    def stats(self) -> ServiceStats:
+        prefill = fill(PrefillSection, self.counters, prefill_wait_seconds=self._wait.stats(),
+                       prefill_request_tokens=self._request_tokens.stats())  # fmt: skip
+        return dataclasses.replace(super().stats(), prefill=prefill)
 
     def _record(self, computed: int, elapsed_s: float) -> None:
         """Split one request's time to its first token into its own compute (``computed``
@@ -184,13 +195,13 @@ class PrefillWorker(Worker):
                 )
             self._grant(rid, peer.name, list(src), grant_until)
             self._lending.set()
-            computed = last.prompt_tokens - last.cached_tokens
+            computed = last.prompt_tokens - last.cached.total
             self._record(computed, time.perf_counter() - arrived)
-            computing.end(computed_tokens=computed, cached_tokens=last.cached_tokens,
-                          host_cached_tokens=last.host_cached_tokens)  # fmt: skip
+            tiers = {f"cached_{tier}": n for tier, n in last.cached.by_tier().items()}
+            computing.end(None, computed_tokens=computed, **tiers)
             self.counters["prefill_requests_total"] += 1
             self.counters["prefill_computed_tokens_total"] += computed
-            self.counters["prefill_cached_tokens_total"] += last.cached_tokens
+            self.counters["prefill_cached_tokens_total"] += last.cached.total
             tokens = [o.new_token_ids[0] for o in firsts]
             await self.send_to(
                 peer,
@@ -198,9 +209,7 @@ class PrefillWorker(Worker):
                     request_id=rid,
                     first_token_ids=tuple(tokens),
                     src_page_ids=tuple(src),
-                    cached_tokens=last.cached_tokens,
-                    host_cached_tokens=last.host_cached_tokens,
-                    disk_cached_tokens=last.disk_cached_tokens,
+                    cached=last.cached,
                     first_logprobs=to_entries([o.logprobs[0] for o in firsts if o.logprobs]),
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                     spans=request.records(),

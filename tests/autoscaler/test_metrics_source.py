@@ -19,30 +19,46 @@ from radixserve.metrics import (
     ServingMetrics,
     StatsHistogram,
 )
+from radixserve.protocol.cached_tokens import CachedTokens
+from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.stats_messages import EngineSection, PrefillSection, ServiceStats
 from radixserve.services.autoscaler.metrics_source import (
     PrometheusMetrics,
     histogram_quantile,
     observation_between,
     parse_exposition,
 )
+from radixserve.worker_metrics import WorkerView
 
 
-def worker(role: str, uptime: float, **counters: float) -> dict:
-    stats = {"role": role, "up": True, "draining": False, "uptime_s": uptime,
-             "queued_tokens": counters.pop("queued", 0), "running": counters.pop("running", 0)}  # fmt: skip
-    stats.update({f"engine_{k}_total": v for k, v in counters.items()})
-    return stats
+def worker(
+    role: str,
+    uptime: float,
+    served: list[tuple[int, float]] | None = None,
+    draining: bool = False,
+    **counters: float,
+) -> WorkerView:
+    """A worker as the gateway sees it: up ``uptime`` seconds, its engine's step
+    counters (``prefill_tokens=`` for ``engine_prefill_tokens_total`` ...) and, for a
+    prefill worker, the requests it ``served``."""
+    load = WorkerLoad(int(counters.pop("queued", 0)), int(counters.pop("running", 0)),
+                      draining=draining)  # fmt: skip
+    engine = EngineSection(**{f"engine_{k}_total": v for k, v in counters.items()})  # type: ignore[arg-type]
+    prefill = requests(*served) if served is not None else None
+    stats = ServiceStats(uptime_s=uptime, engine=engine, prefill=prefill)
+    return WorkerView(role, True, load=load, stats=stats)
 
 
-def requests(*served: tuple[int, float]) -> dict[str, float]:
+def requests(*served: tuple[int, float]) -> PrefillSection:
     """A prefill worker's per-request histograms (as its heartbeat carries them) after
     serving ``served`` (uncached tokens, wait) requests."""
-    tokens = StatsHistogram("prefill_request_tokens", PREFILL_TOKENS_BUCKETS)
-    waits = StatsHistogram("prefill_wait_seconds", PREFILL_WAIT_BUCKETS)
+    tokens = StatsHistogram(PREFILL_TOKENS_BUCKETS)
+    waits = StatsHistogram(PREFILL_WAIT_BUCKETS)
     for n, wait in served:
         tokens.observe(n)
         waits.observe(wait)
-    return {**tokens.stats(), **waits.stats()}
+    return PrefillSection(prefill_wait_seconds=waits.stats(),
+                          prefill_request_tokens=tokens.stats())  # fmt: skip
 
 
 def test_two_scrapes_become_one_observation():
@@ -50,9 +66,9 @@ def test_two_scrapes_become_one_observation():
     early = [(2000, 0.0)] * 5
     late = early + [(40000, 0.0)] * 2 + [(1000, 2.0)] * 8  # this interval: 10 requests
     before = m.render({}, {
-        "prefill-0": {**worker("prefill", 100, prefill_tokens=1000, prefill_seconds=1.0,
-                               busy_seconds=1.0, queued=500), **requests(*early)},
-        "prefill-1": {**worker("prefill", 300), **requests(*late)},
+        "prefill-0": worker("prefill", 100, early, prefill_tokens=1000, prefill_seconds=1.0,
+                            busy_seconds=1.0, queued=500),
+        "prefill-1": worker("prefill", 300, late),
         "decode-0": worker("decode", 100, decode_only_steps=100, decode_only_seqs=800,
                            decode_only_seconds=2.0, decode_tokens=800, busy_seconds=2.0),
         "decode-1": worker("decode", 900),
@@ -62,16 +78,16 @@ def test_two_scrapes_become_one_observation():
     for _ in range(10):
         m.itl.observe(0.02)
     for _ in range(10):
-        m.record_finish(100, 50, 10, "stop")
+        m.record_finish(100, CachedTokens(device=50), 10, "stop")
     after = m.render({}, {
-        "prefill-0": {**worker("prefill", 110, prefill_tokens=81000, prefill_seconds=11.0,
-                               busy_seconds=11.0, queued=2500), **requests(*late)},
-        "prefill-1": {**worker("prefill", 4), **requests((500, 0.0))},  # restarted
+        "prefill-0": worker("prefill", 110, late, prefill_tokens=81000, prefill_seconds=11.0,
+                            busy_seconds=11.0, queued=2500),
+        "prefill-1": worker("prefill", 4, [(500, 0.0)]),  # restarted
         "decode-0": worker("decode", 110, decode_only_steps=600, decode_only_seqs=8800,
                            decode_only_seconds=12.0, decode_tokens=8800, busy_seconds=12.0,
                            running=16),
         "decode-1": worker("decode", 5, decode_only_steps=50),  # restarted meanwhile
-        "decode-2": {**worker("decode", 400), "draining": True},
+        "decode-2": worker("decode", 400, draining=True),
     }).decode()  # fmt: skip
     obs = observation_between(parse_exposition(before), parse_exposition(after), 10.0, 50.0,
                               {"prefill": 3, "decode": None})  # fmt: skip

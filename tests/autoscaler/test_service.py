@@ -18,7 +18,7 @@ from radixserve.services.autoscaler.metrics_source import observation_between, p
 from radixserve.services.autoscaler.policy import Observation
 from radixserve.services.autoscaler.service import AutoscalerService
 from radixserve.services.autoscaler.settings import AutoscalerSettings
-from tests.autoscaler.test_metrics_source import requests, worker
+from tests.autoscaler.test_metrics_source import worker
 
 
 class _Scrapes:
@@ -46,9 +46,8 @@ def exposition(m: ServingMetrics, prefill_s: float, served: list[tuple[int, floa
     ``served`` and one decode worker."""
     tokens = sum(n for n, _ in served)
     return m.render({}, {
-        "prefill-0": {**worker("prefill", 600 + prefill_s, prefill_tokens=tokens,
-                               prefill_seconds=prefill_s, busy_seconds=prefill_s,
-                               prefill_requests=len(served)), **requests(*served)},
+        "prefill-0": worker("prefill", 600 + prefill_s, served, prefill_tokens=tokens,
+                            prefill_seconds=prefill_s, busy_seconds=prefill_s),
         "decode-0": worker("decode", 600),
     }).decode()  # fmt: skip
 

@@ -44,7 +44,7 @@ def test_match_on_empty_tree() -> None:
     assert result.page_ids == []
     assert result.node is cache.root
     assert result.num_tokens == 0
-    assert result.last_hash is None
+    assert result.node.last_hash is None
     assert cache.num_cached_pages == 0
 
 
@@ -54,7 +54,7 @@ def test_insert_then_full_match() -> None:
     result = cache.match_prefix(seq(1, 2, 3))
     assert result.page_ids == pages
     assert result.num_tokens == 3 * PAGE
-    assert result.last_hash == page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)[-1]
+    assert result.node.last_hash == page_hashes(seq(1, 2, 3), PAGE, NAMESPACE)[-1]
     assert cache.num_cached_pages == 3
     assert allocator.num_used == 3
     assert all(allocator.refcount(page) == 1 for page in pages)  # the tree's reference
@@ -72,7 +72,7 @@ def test_match_ending_inside_a_node_splits_it() -> None:
     # The existing node object keeps the lower half.
     assert whole.parent is result.node
     assert whole.page_ids == pages[2:]
-    assert result.last_hash == page_hashes(seq(1, 2), PAGE, NAMESPACE)[-1]
+    assert result.node.last_hash == page_hashes(seq(1, 2), PAGE, NAMESPACE)[-1]
     cache.check_integrity()
     assert cache.match_prefix(seq(1, 2, 3, 4)).page_ids == pages
 
@@ -427,8 +427,8 @@ def test_scoped_pages_are_hashed_in_their_namespace() -> None:
     cache, allocator = make_cache()
     run_scoped(cache, allocator, seq(5, 6), TENANT_A)
     match = cache.match_prefix(seq(5, 6), TENANT_A)
-    assert match.last_hash == page_hashes(seq(5, 6), PAGE, TENANT_A)[-1]
-    assert match.last_hash != page_hashes(seq(5, 6), PAGE, NAMESPACE)[-1]
+    assert match.node.last_hash == page_hashes(seq(5, 6), PAGE, TENANT_A)[-1]
+    assert match.node.last_hash != page_hashes(seq(5, 6), PAGE, NAMESPACE)[-1]
     assert sorted(cache.all_page_hashes()) == sorted(page_hashes(seq(5, 6), PAGE, TENANT_A))
 
 

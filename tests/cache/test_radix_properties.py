@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixserve.cache.block_hash import cache_scope, hash_namespace, page_hashes, scoped_namespace
 from radixserve.cache.page_allocator import PageAllocator
-from radixserve.cache.radix_cache import RadixCache, RadixNode
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.radix_tree import RadixNode
 
 NAMESPACE = hash_namespace("property-model", salt="s")
 TENANT_A = scoped_namespace(NAMESPACE, cache_scope(tenant="a"))
@@ -208,9 +209,9 @@ class RadixMachine(RuleBasedStateMachine):
             assert result.node.page_ids[-1] == expected[-1]
             assert result.node.namespace == model_namespace(walk)
             hashes = page_hashes(tokens[: result.num_tokens], self.size, model_namespace(walk))
-            assert result.last_hash == hashes[-1]
+            assert result.node.last_hash == hashes[-1]
         else:
-            assert result.node.is_root and result.last_hash is None
+            assert result.node.is_root and result.node.last_hash is None
             assert result.node.namespace in (model_namespace(walk), NAMESPACE)
 
     @precondition(lambda self: len(self.locks) < MAX_LOCKS)

@@ -49,7 +49,7 @@ def test_every_worker_describes_its_cache_and_the_requests_name_their_route(clus
         record = listed[reply["id"]]
         assert (record["route"], record["prefill_worker"]) == ("remote", roles["prefill"]["name"])
         assert record["decode_worker"] == roles["decode"]["name"]
-        assert record["cached_tokens"] == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert record["cached"]["total"] == reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_a_running_request_shows_its_phase(cluster) -> None:

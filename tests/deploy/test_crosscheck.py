@@ -601,9 +601,12 @@ def test_the_vllm_dashboard_queries_names_radixserve_exports() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from radixserve.metrics import ServingMetrics
+    from radixserve.protocol.messages import WorkerLoad
+    from radixserve.protocol.stats_messages import EngineSection
     from radixserve.vllm_metrics import engine_metrics
 
-    texts = (ServingMetrics("m").render({}).decode(), engine_metrics("m", "decode-0", {}).decode())
+    worker = engine_metrics("m", "decode-0", WorkerLoad(), EngineSection()).decode()
+    texts = (ServingMetrics("m").render({}).decode(), worker)
     exported = {s.name for t in texts for f in text_string_to_metric_families(t) for s in f.samples}
     used = metric_names(dashboard_exprs("vllm"))
     assert used and all(name.startswith("vllm:") for name in used), used

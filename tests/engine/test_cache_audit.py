@@ -10,7 +10,10 @@ import torch
 
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.metrics import ServingMetrics, service_metrics
+from radixserve.metrics import ServingMetrics
+from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
+from radixserve.worker_metrics import service_metrics
 from tests.engine.engine_helpers import FLOAT32, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -69,7 +72,8 @@ def test_a_corrupted_page_is_flagged_and_fail_closed_recomputes(smol_off: Engine
     metrics = ServingMetrics().render(engine.cache_stats()).decode()
     assert 'radixserve_cache_audit_total{result="mismatch"} 1.0' in metrics
     assert "radixserve_cache_audit_fail_closed 1.0" in metrics
-    worker = service_metrics("decode-0", "decode", engine.cache_stats()).decode()
+    stats = ServiceStats(engine=fill(EngineSection, engine.cache_stats()))
+    worker = service_metrics("decode-0", "decode", WorkerLoad(), stats).decode()
     assert (
         'radixserve_cache_audit_total{result="mismatch",role="decode",worker="decode-0"} 1.0'
         in worker

@@ -13,6 +13,7 @@ import pytest
 from radixserve.cache.block_hash import page_hashes
 from radixserve.engine.admission import HostPlan
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.protocol.cached_tokens import CachedTokens
 from tests.engine.engine_helpers import TINY, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -84,8 +85,7 @@ def test_a_prefix_loaded_into_the_cache_serves_like_a_device_hit(source):
     engine.finish_host_admission(admission.request_id, ok=True, disk_pages=2)
     assert cached(engine, ids) == full * size
     outputs = run(engine, admission.request_id)
-    assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == full * size
-    assert outputs[0].disk_cached_tokens == 2 * size  # of those, read from the disk tier
+    assert outputs[0].cached == CachedTokens(host=(full - 2) * size, disk=2 * size)
     assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
     leak_free(engine)
 
@@ -101,8 +101,7 @@ def test_a_failed_aborted_or_refused_load_returns_everything(source):
     assert engine.allocator.num_free == free and engine.cache.num_cached_pages == 0
     engine.finish_host_admission(admission.request_id, ok=True)  # unknown now: nothing
     outputs = run(engine, admission.request_id)  # it computes the prompt instead
-    assert outputs[0].cached_tokens == outputs[0].host_cached_tokens == 0
-    assert outputs[0].disk_cached_tokens == 0
+    assert outputs[0].cached == CachedTokens()
     assert [t for o in outputs for t in o.new_token_ids] == expected
     leak_free(engine)
 

@@ -97,7 +97,7 @@ def test_batch_mixing_prefills_and_decodes(tiny_on, tiny_off):
         def step(engine=engine, results=results, cached=cached):
             for out in engine.step():
                 results.setdefault(out.request_id, []).extend(out.new_token_ids)
-                cached[out.request_id] = out.cached_tokens
+                cached[out.request_id] = out.cached.total
 
         ids = [engine.add_request(prompts[0], GREEDY)]
         for _ in range(3):
@@ -140,7 +140,7 @@ def _run_scoped(engine, prompt, scope, params=GREEDY):
         for out in engine.step():
             if out.request_id == rid:
                 tokens.setdefault(out.index, []).extend(out.new_token_ids)
-                cached = out.cached_tokens
+                cached = out.cached.total
     return [tokens[i] for i in sorted(tokens)], cached
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import InvalidRequestError
+from radixserve.protocol.cached_tokens import CachedTokens
 from tests.engine.engine_helpers import assert_no_leaks
 
 _ids = itertools.count()
@@ -26,6 +27,8 @@ class Stream:
     counts: list[int]  # tokens per output
     finish_reason: str | None
     completion_tokens: int
+    prompt_tokens: int
+    cached: CachedTokens  # the prompt's hits, from the last output
 
     def text_after(self, k: int) -> str:
         """The text streamed once the first ``k`` tokens were out (one token a step)."""
@@ -53,7 +56,8 @@ def run(engine, params: SamplingParams, resume: list[int] | None = None) -> Stre
                 counts.append(len(out.new_token_ids))
                 last = out
     assert last is not None and last.finished
-    return Stream(tokens, texts, counts, last.finish_reason, last.completion_tokens)
+    return Stream(tokens, texts, counts, last.finish_reason, last.completion_tokens,
+                  last.prompt_tokens, last.cached)  # fmt: skip
 
 
 def assert_continues(engine, params: SamplingParams, full: Stream, k: int) -> None:
@@ -87,6 +91,17 @@ def test_a_resumed_stream_continues_exactly(tiny_on, params):
     assert len(full.tokens) == 20
     for k in (1, 9, 19):
         assert_continues(tiny_on, params, full, k)
+    assert_no_leaks(tiny_on)
+
+
+def test_a_resumed_stream_reports_its_own_hits_within_its_prompt(tiny_on):
+    """The engine holds the prompt and the first stream's tokens now: the resumed stream
+    matches past its prompt, yet reports only prompt tokens as cached, all from the device."""
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0.0)
+    full = run(tiny_on, params)
+    assert full.prompt_tokens < tiny_on.page_size and full.cached == CachedTokens()
+    rest = run(tiny_on, params, full.tokens[:30])  # matches 2 pages: prompt and 22 tokens
+    assert rest.cached == CachedTokens(device=rest.prompt_tokens)
     assert_no_leaks(tiny_on)
 
 

@@ -12,6 +12,8 @@ step budget), and again from the prefix cache (the second pass over the same pro
 - the default model (9 query, 3 KV heads) at TP=3 (marked ``benchmark``: the default
   model loaded by four processes; ``make bench-test``), and TP=2 refused at start, naming
   its head counts;
+- a call a rank fails (`TPGroup.call`) is raised by rank 0 naming it, and the group
+  computes on;
 - a rank that dies takes its engine's process down (exit 1, saying which rank), and the
   ranks of a killed rank 0 exit: no process is left.
 
@@ -33,6 +35,7 @@ import torch
 
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.tp_calls import Spill
 from radixserve.errors import ModelLoadError
 from radixserve.model.config import ModelConfig
 from radixserve.model.layout import shard_layout, weight_layout
@@ -218,6 +221,22 @@ def test_experts_at_tp_2_give_the_single_rank_tokens(tmp_path):
 def test_the_default_model_at_tp_3_gives_the_single_rank_tokens():
     texts = PROMPTS[1:3]  # a chunked prompt, and one whose prefix it leaves in the cache
     assert _run(_settings("default", 3), texts) == _run(_settings("default", 1), texts)
+
+
+def test_a_call_a_rank_fails_is_raised_naming_it_and_the_group_computes_on(tiny_model):
+    """A spill before the ranks mapped a spill buffer fails on rank 1: rank 0 raises,
+    naming the call, and the group still computes the single rank's tokens."""
+    threads = torch.get_num_threads()
+    engine = Engine(_settings(tiny_model, 2))
+    try:
+        assert engine.tp_group is not None
+        with pytest.raises(RuntimeError, match=r"1 tensor-parallel rank\(s\) failed 'spill'"):
+            engine.tp_group.call(Spill([0], [0]))
+        got = _greedy(engine, PROMPTS[:1])
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert got == _run(_settings(tiny_model, 1), PROMPTS[:1])
 
 
 def test_the_default_model_at_tp_2_is_refused_before_any_rank_starts():

@@ -32,6 +32,7 @@ from radixserve.protocol import (
     TokenChunk,
     WorkerLoad,
 )
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.protocol.messages import ErrorType
 from radixserve.runtime.routing.cluster_client import ClusterClient
 from radixserve.services.decode.settings import DecodeSettings
@@ -82,9 +83,7 @@ def decode_script(
                 finished=last,
                 finish_reason="length" if last else None,
                 prompt_tokens=len(msg.prompt_token_ids),
-                cached_tokens=cached,
-                host_cached_tokens=cached,
-                disk_cached_tokens=cached,
+                cached=CachedTokens(disk=cached),
             )
             await peer.send_to(identity, chunk)
         if stop_after is not None and then is not None:
@@ -288,8 +287,8 @@ def test_a_stream_whose_decode_worker_dies_continues_on_another() -> None:
 def test_a_stream_drained_past_its_grace_continues_on_another() -> None:
     """d0 streams two tokens, then its drain grace ends (RequestFailed "draining"
     mid-stream): the stream migrates to d1 with those tokens as resume_token_ids. d0 had
-    the prompt's 4 tokens from the disk tier, d1 nothing: every output the caller sees
-    reports d0's cached tokens, host and disk ones included."""
+    the prompt's 4 tokens from the disk tier, d1 nothing: each output the caller sees
+    reports the cached tokens of the attempt that served it, the last (its usage) d1's."""
 
     async def scenario(context: zmq.asyncio.Context) -> None:
         d0 = decode_peer(context, "d0", decode_script(2, "draining", cached=4))
@@ -302,10 +301,8 @@ def test_a_stream_drained_past_its_grace_continues_on_another() -> None:
                 assert sent(d0) == [("r1", HASHES, ())]
                 assert sent(d1) == [("r1~1", HASHES, tuple(TOKENS[:2]))]
                 assert client.stats()["gateway_migrations"] == 1
-                accounting = {
-                    (o.cached_tokens, o.host_cached_tokens, o.disk_cached_tokens) for o in outputs
-                }
-                assert accounting == {(4, 4, 4)}
+                served = [CachedTokens(disk=4)] * 2 + [CachedTokens()] * 2  # d0's, then d1's
+                assert [o.cached for o in outputs] == served
         finally:
             await d0.close()
             await d1.close()
@@ -445,10 +442,11 @@ def test_the_gateway_learns_the_workers_identity_and_refuses_another() -> None:
                     assert client.decodes is not None
                     link = client.decodes.add(d1.address)
                     await until(lambda: link.refused, "d1's HelloAck refused")
-                    entry = client.worker_stats()[link.label]["model_identity"]
+                    entry = client.worker_stats()[link.label].model_identity
+                    assert entry is not None
                     assert not link.up and "model identity" in entry["refused"]
                     assert mine.short in entry["refused"] and other.short in entry["refused"]
-                    card = client.worker_stats()["d0"]["model_identity"]
+                    card = client.worker_stats()["d0"].model_identity
                     assert card == {**mine.to_dict(), "short": mine.short}
                 finally:
                     await d1.close()

@@ -23,6 +23,7 @@ from radixserve.services.gateway import GatewaySettings, LocalEngineClient, crea
 from tests.autoscaler.test_service import _Scrapes, exposition
 from tests.engine.engine_helpers import TINY, make_engine
 from tests.gateway.conftest import RunningServer, assert_openai_error
+from tests.test_worker_metrics import cluster_views
 
 KEY = "sk-explorer-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -86,7 +87,7 @@ def test_the_tree_and_the_requests_show_the_conversation_and_no_prompt_text(
     [engine] = workers["workers"]
     assert engine["name"] == LOCAL_WORKER and engine["state"] == "up"
     assert engine["tiers"]["device"]["pages_total"] > 0
-    assert workers["hit_rate"]["cached_tokens"] > 0 and workers["prompt_text"] is False
+    assert workers["hit_rate"]["cached"]["total"] > 0 and workers["prompt_text"] is False
     tree = keyed.get("/debug/explorer/tree", params={"worker": LOCAL_WORKER}, headers=AUTH).json()
     shared = max(tree["nodes"], key=lambda n: n["hits"])
     assert shared["hits"] >= 2 and shared["parent_id"] == 0
@@ -100,11 +101,11 @@ def test_the_tree_and_the_requests_show_the_conversation_and_no_prompt_text(
         usage = reply["usage"]
         assert record["status"] == "done"
         assert record["prompt_tokens"] == usage["prompt_tokens"]
-        assert record["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
-        assert record["device_cached_tokens"] == record["cached_tokens"]
+        assert record["cached"]["total"] == usage["prompt_tokens_details"]["cached_tokens"]
+        assert record["cached"]["device"] == record["cached"]["total"]
         assert record["completion_tokens"] == usage["completion_tokens"]
         assert record["ttft_ms"] > 0 and record["e2e_ms"] >= record["ttft_ms"]
-    assert by_id[replies[2]["id"]]["cached_tokens"] > 0
+    assert by_id[replies[2]["id"]]["cached"]["total"] > 0
     # each links to its trace, kept by the gateway (tracing is on by default)
     trace_id = by_id[replies[2]["id"]]["trace_id"]
     trace = keyed.get(f"/debug/traces/{trace_id}", headers=AUTH).json()
@@ -191,3 +192,46 @@ def test_the_autoscalers_recent_decisions_are_shown_with_their_reasons(tiny_clie
     recent = {(d.role, d.reason) for d in decided if d.kind != "steady"}
     assert {(d["role"], d["reason"]) for d in body["recent"]} == recent
     assert any(d["advice"] for d in body["latest"])  # the infeasible prompt's remedies
+
+
+def test_a_clusters_workers_in_the_explorer_debug_cache_and_metrics(
+    tiny_client, monkeypatch
+) -> None:
+    """Each worker's typed heartbeat, as the explorer groups it, /debug/cache flattens
+    it and /metrics exports it (the views a cluster gateway holds, `cluster_views`)."""
+    monkeypatch.setattr(tiny_client, "worker_stats", cluster_views)
+    running = RunningServer(create_app(tiny_client, GatewaySettings()))
+    try:
+        with httpx.Client(base_url=running.url, timeout=60) as http:
+            listed = http.get("/debug/explorer/workers").json()["workers"]
+            debug = http.get("/debug/cache").json()["workers"]
+            metrics = http.get("/metrics").text
+    finally:
+        running.stop()
+    shown = {w.pop("name"): w for w in listed}
+    assert list(shown) == ["decode-0", "kvstore", "prefill-0", "prefill-1"]
+    for entry in shown.values():
+        del entry["hit_rate"], entry["live"]
+    assert shown["decode-0"] == {
+        "role": "decode", "state": "up", "address": "tcp://d:1", "tp_size": 2,
+        "tiers": {"device": {"pages_total": 100, "pages_used": 40, "pages_free": 60,
+                             "pages_cached": 30, "pages_locked": 4, "pages_evictable": 26,
+                             "page_bytes": 4096, "live_requests": 2}},
+        "load": {"running": 2, "waiting": 1, "queued_tokens": 5, "gateway_in_flight": 1},
+        "audit": {"audit_checked": 10, "audit_mismatches": 1, "audit_fail_closed": 0},
+    }  # fmt: skip
+    assert shown["kvstore"] == {
+        "role": "kvstore", "state": "up", "address": "tcp://k:1", "tp_size": 0,
+        "tiers": {"host": {"total": 64, "used": 8, "free": 56, "stored": 8, "leased": 1},
+                  "disk": {"total": 1000, "used": 10, "free": 990, "stored": 10, "leased": 0}},
+        "load": {"running": 0, "waiting": 0, "queued_tokens": 0}, "audit": {},
+    }  # fmt: skip
+    assert shown["prefill-0"]["tiers"]["device"] == {
+        "pages_total": 50, "pages_used": 0, "pages_free": 0, "live_requests": 0,
+    }  # fmt: skip
+    assert shown["prefill-1"] == {"role": "prefill", "state": "down", "address": "tcp://p:2",
+                                  "tp_size": 1, "tiers": {}, "load": {}, "audit": {}}  # fmt: skip
+    assert debug == {name: view.as_dict() for name, view in cluster_views().items()}
+    assert debug["decode-0"]["pages_used"] == 40 and debug["kvstore"]["members"] == 3
+    assert 'radixserve_worker_pages_used{role="decode",worker="decode-0"} 40.0' in metrics
+    assert 'radixserve_kv_identity_mismatch_total{role="kvstore",worker="kvstore"} 4.0' in metrics

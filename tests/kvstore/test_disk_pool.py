@@ -37,8 +37,9 @@ from radixserve.services.kvstore.disk_files import (
     check,
     seal,
 )
-from radixserve.services.kvstore.disk_pool import DiskPool, promotion_cut
+from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.host_pool import HostPool
+from radixserve.services.kvstore.promotion import OnPlan, OnReady, Promotion, promotion_cut
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.transfer import PoolCompat
 from tests.kvstore.page_chain import Chain
@@ -78,7 +79,7 @@ async def tiers(
     (the disk tier opens, as in the kvstore, once the pool knows the pages' layout)."""
     s = settings(root, host_pages, disk_slots, **more)
     disk = DiskPool("kvstore-test", s)
-    host = HostPool("kvstore-test", s, disk.stage)
+    host = HostPool("kvstore-test", s, [disk])
     w = worker()
     try:
         attach(host, w)
@@ -97,6 +98,23 @@ async def spill(host: HostPool, disk: DiskPool, w: Worker, hashes: list[int], bu
     they evicted is on disk."""
     assert await host.spill(w.name, offer(1, hashes, buffer_pages)) == len(hashes)
     await until(lambda: disk.idle, 5, "the disk writes")
+
+
+def on_disk(host: HostPool, disk: DiskPool, hashes: list[int]) -> list[bool]:
+    """The leading run of ``hashes`` the two tiers hold: per page, whether it is on disk."""
+    return [tier is disk for tier in Promotion(host, [disk]).run(hashes)]
+
+
+async def promote(
+    host: HostPool,
+    disk: DiskPool,
+    hashes: list[int],
+    rate: float,
+    on_plan: OnPlan | None = None,
+    on_ready: OnReady | None = None,
+) -> set[int]:
+    """`Promotion.promote` from ``disk`` into ``host``, as the kvstore runs it."""
+    return await Promotion(host, [disk]).promote(hashes, rate, on_plan, on_ready)
 
 
 def index(host: HostPool) -> HostPageIndex:
@@ -133,15 +151,15 @@ def test_evicted_pages_go_to_disk_and_come_back_exact_through_a_mixed_run(tmp_pa
         async with tiers(tmp_path) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6], [4, 5])
-            assert disk.run(H(1, 2, 3, 4, 9), index(host)) == [True, True, False, False]
+            assert on_disk(host, disk, H(1, 2, 3, 4, 9)) == [True, True, False, False]
             assert disk.stats()["disk_write_pages_total"] == 2
-            assert H.names(await disk.promote(H(1, 2, 3, 4), index(host), 0.0)) == {1, 2}
+            assert H.names(await promote(host, disk, H(1, 2, 3, 4), 0.0)) == {1, 2}
             pages = lease_pages(host, w, [1, 2, 3, 4])
             assert len(pages) == 4
             for page, buffer_page in zip(pages, [0, 1, 2, 3]):
                 assert same_page(host, page, w, buffer_page)
             await until(lambda: disk.idle, 5, "the disk writes")
-            assert disk.run(H(5, 6), index(host)) == [True, True]  # evicted by the promotion
+            assert on_disk(host, disk, H(5, 6)) == [True, True]  # evicted by the promotion
             stats = disk.stats()
             assert stats["disk_hit_pages_total"] == 2 and stats["disk_read_pages_total"] == 2
             assert stats["disk_write_pages_total"] == 4 and stats["disk_corrupt_pages_total"] == 0
@@ -168,14 +186,14 @@ def test_an_overlapped_promotion_leases_its_run_first_and_readies_it_chunk_by_ch
         async with tiers(tmp_path, disk_read_chunk_mib=0) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6, 7], [4, 5, 6])
-            assert disk.run(H(1, 2, 3, 4), index(host)) == [True, True, True, False]
+            assert on_disk(host, disk, H(1, 2, 3, 4)) == [True, True, True, False]
             seen: list[tuple[str, int, bool]] = []
             lease = HostLease("q")
 
             async def on_plan(run: list[int], ready: int) -> None:
                 nonlocal lease
                 lease = host.lease_loading(
-                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.index.proof
+                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.proof
                 )
                 seen.append(("plan", ready, False))
                 index(host).check_integrity()
@@ -189,7 +207,7 @@ def test_an_overlapped_promotion_leases_its_run_first_and_readies_it_chunk_by_ch
                 assert all(same_page(host, pages[i], w, i) for i in range(ready))
                 index(host).check_integrity()
 
-            promoted = await disk.promote(H(1, 2, 3, 4), index(host), 0.0, on_plan, on_ready)
+            promoted = await promote(host, disk, H(1, 2, 3, 4), 0.0, on_plan, on_ready)
             assert H.names(promoted) == {1, 2, 3}
             assert seen == [("plan", 0, False), ("ready", 1, False), ("ready", 2, False),
                             ("ready", 4, False)]  # fmt: skip
@@ -198,9 +216,9 @@ def test_an_overlapped_promotion_leases_its_run_first_and_readies_it_chunk_by_ch
             index(host).check_integrity()
             assert disk.stats()["disk_hit_pages_total"] == 3
             assert disk.stats()["disk_overlapped_promotions_total"] == 1
-            assert disk._chunk_pages(3) == 1
+            assert disk.chunk_pages(3) == 1
             disk.chunk_bytes = 16 << 20
-            assert disk._chunk_pages(3) >= 3 and disk._chunk_pages(20_000) == 2500  # 8 chunks
+            assert disk.chunk_pages(3) >= 3 and disk.chunk_pages(20_000) == 2500  # 8 chunks
 
     asyncio.run(scenario())
 
@@ -221,13 +239,13 @@ def test_an_overlapped_promotion_stops_at_a_corrupt_page_and_says_so(tmp_path: P
             async def on_plan(run: list[int], ready: int) -> None:
                 nonlocal lease
                 lease = host.lease_loading(
-                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.index.proof
+                    w.name, HostLookup("q", tuple(H(1, 2, 3, 4))), run, ready, disk.proof
                 )
 
             async def on_ready(ready: int, failed: bool) -> None:
                 seen.append((ready, failed))
 
-            promoted = await disk.promote(H(1, 2, 3, 4), index(host), 0.0, on_plan, on_ready)
+            promoted = await promote(host, disk, H(1, 2, 3, 4), 0.0, on_plan, on_ready)
             assert H.names(promoted) == {1} and seen == [(1, False), (1, True)]
             assert disk.stats()["disk_corrupt_pages_total"] == 1
             assert not disk.index.stored(H[2]) and disk.index.stored(H[3])
@@ -251,8 +269,8 @@ def test_a_promotion_waits_for_pages_of_its_run_still_being_written(tmp_path: Pa
             gate = threading.Event()
             disk._writer.submit(gate.wait)  # the writer thread is busy until the gate opens
             assert await host.spill(w.name, offer(2, [5, 6], [4, 5])) == 2  # evicts 1, 2
-            assert disk.run(H(1, 2, 3, 4), index(host)) == []  # 1 is not written yet
-            promoting = asyncio.ensure_future(disk.promote(H(1, 2, 3, 4), index(host), 0.0))
+            assert on_disk(host, disk, H(1, 2, 3, 4)) == []  # 1 is not written yet
+            promoting = asyncio.ensure_future(promote(host, disk, H(1, 2, 3, 4), 0.0))
             await asyncio.sleep(0.05)
             assert not promoting.done()  # it waits for the write...
             gate.set()
@@ -273,7 +291,7 @@ def test_the_tier_keeps_to_its_bound_and_a_page_read_moves_up_its_lru(tmp_path: 
             for k in range(10):
                 await spill(host, disk, w, [100 + 2 * k, 101 + 2 * k], [0, 1])
                 if k == 4:  # page 100 (the oldest on disk) is read: now the most recent
-                    assert H.names(await disk.promote(H(100), index(host), 0.0)) == {100}
+                    assert H.names(await promote(host, disk, H(100), 0.0)) == {100}
                 assert disk.stats()["disk_bytes_total"] <= bound
             stats = disk.stats()
             assert stats["disk_pages_total"] == 16 and stats["disk_pages_stored"] == 16
@@ -298,7 +316,7 @@ def test_a_page_flipped_on_disk_is_counted_dropped_and_never_served(tmp_path: Pa
             await spill(host, disk, w, [1, 2, 3], [0, 1, 2])
             await spill(host, disk, w, [7, 8, 9, 10], [3, 4, 5, 6])
             flip_byte(disk, 2)
-            promoted = await disk.promote(H(1, 2, 3), index(host), 0.0)
+            promoted = await promote(host, disk, H(1, 2, 3), 0.0)
             assert 1 in H.names(promoted) and 2 not in H.names(promoted)
             assert not index(host).stored(H[2]) and not disk.index.stored(H[2])
             assert len(lease_pages(host, w, [1, 2, 3])) == 1
@@ -339,7 +357,7 @@ def test_a_restart_rebuilds_the_index_from_the_files(tmp_path: Path):
             assert stats["disk_restored_pages"] == 5 and stats["disk_corrupt_pages_total"] == 1
             assert stats["disk_foreign_pages"] == 1
             assert H.named(disk.index.stored_hashes()) == [1, 2, 4, 11, 12]
-            assert H.names(await disk.promote(H(1, 2), index(host), 0.0)) == {1, 2}
+            assert H.names(await promote(host, disk, H(1, 2), 0.0)) == {1, 2}
             for page, buffer_page in zip(lease_pages(host, w, [1, 2]), [0, 1]):
                 assert same_page(host, page, w, buffer_page)
             # the promotion moved 1 and 2 up: 4 is the oldest now. Four more pages to
@@ -380,22 +398,23 @@ def test_a_worker_that_computes_faster_than_the_disk_reads_gets_only_the_host_pa
     """Once the tier has measured its read rate, a lookup from a worker whose prefill
     is far quicker promotes nothing (the pages are counted as recomputed), while a slow
     worker's gets the disk pages. `promotion_cut` keeps the most profitable prefix."""
-    assert promotion_cut([True, False, True], None, 1.0) == 3  # unknown: load all
-    assert promotion_cut([True, True], 2.0, 1.0) == 0  # every disk page costs more
-    assert promotion_cut([False, False, True, True], 2.0, 1.0) == 2  # the host pages only
-    assert promotion_cut([True, False, False, False], 2.0, 1.0) == 4  # the host pages repay it
+    assert promotion_cut([None, 0.0, None], 1.0) == 3  # unknown: load all
+    assert promotion_cut([2.0, 0.0], None) == 2
+    assert promotion_cut([2.0, 2.0], 1.0) == 0  # every disk page costs more
+    assert promotion_cut([0.0, 0.0, 2.0, 2.0], 1.0) == 2  # the host pages only
+    assert promotion_cut([2.0, 0.0, 0.0, 0.0], 1.0) == 4  # the host pages repay it
 
     async def scenario() -> None:
         async with tiers(tmp_path) as (host, disk, w):
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6, 7, 8], [4, 5, 6, 7])
-            assert H.names(await disk.promote(H(1), index(host), 0.0)) == {1}  # measures the rate
+            assert H.names(await promote(host, disk, H(1), 0.0)) == {1}  # measures the rate
             assert disk.rates["read"] is not None
             fast = 1e12  # tokens/s: a page computes in femtoseconds
-            assert H.names(await disk.promote(H(2, 3), index(host), fast)) == set()
+            assert H.names(await promote(host, disk, H(2, 3), fast)) == set()
             assert disk.stats()["disk_recomputed_pages_total"] == 2
             assert lease_pages(host, w, [2, 3]) == ()
-            assert H.names(await disk.promote(H(2, 3), index(host), 1.0)) == {2, 3}  # 4 s a page
+            assert H.names(await promote(host, disk, H(2, 3), 1.0)) == {2, 3}  # 4 s a page
 
     asyncio.run(scenario())
 
@@ -411,7 +430,7 @@ def test_an_unusable_directory_turns_the_tier_off_and_the_host_tier_goes_on(tmp_
             await spill(host, disk, w, [1, 2, 3, 4], [0, 1, 2, 3])
             await spill(host, disk, w, [5, 6], [4, 5])
             assert len(lease_pages(host, w, [3, 4, 5, 6])) == 4
-            assert H.names(await disk.promote(H(1), index(host), 0.0)) == set()
+            assert H.names(await promote(host, disk, H(1), 0.0)) == set()
             stats = disk.stats()
             assert stats["disk_tier_up"] == 0 and stats["disk_write_pages_total"] == 0
 
@@ -438,7 +457,7 @@ def test_a_full_disk_stops_the_tier_growing_and_serving_goes_on(tmp_path: Path, 
             stats = disk.stats()
             assert stats["disk_tier_full"] == 1 and stats["disk_tier_up"] == 1
             assert stats["disk_pages_total"] == 2 and stats["disk_write_pages_total"] == 8
-            assert H.names(await disk.promote(H(12, 13), index(host), 0.0)) == {12, 13}
+            assert H.names(await promote(host, disk, H(12, 13), 0.0)) == {12, 13}
             assert len(list(tmp_path.glob("slab-*.kv"))) == 1
 
     asyncio.run(scenario())
@@ -474,8 +493,8 @@ def test_a_write_the_kernel_refuses_turns_the_tier_off_and_serving_goes_on(tmp_p
                 await spill(host, disk, w, [5, 6], [4, 5])  # 3, 4 go nowhere
             assert disk.down is not None and "a write failed" in disk.down
             assert disk.stats()["disk_tier_up"] == 0
-            assert disk.run(H(1, 2), index(host)) == []  # not offered any more
-            assert H.names(await disk.promote(H(1, 2), index(host), 0.0)) == set()
+            assert on_disk(host, disk, H(1, 2)) == []  # not offered any more
+            assert H.names(await promote(host, disk, H(1, 2), 0.0)) == set()
             assert len(lease_pages(host, w, [5, 6])) == 2
 
     asyncio.run(scenario())
@@ -504,7 +523,7 @@ async def main():
         for page in range(16):
             page_hash += 1
             kv[:, :, page] = torch.arange(256.0).reshape(shape) + page_hash
-            disk.stage(H[page_hash], page, H.proof(page_hash))
+            disk.stage(H[page_hash], kv[:, :, page], H.proof(page_hash))
         print(disk.stats()["disk_write_pages_total"], flush=True)
         await asyncio.sleep(0)
         while disk.stats()["disk_write_queued_pages"] > 32:
@@ -534,8 +553,7 @@ def test_pages_listed_after_a_sigkill_mid_write_read_back_valid_and_exact(tmp_pa
 
     async def scenario() -> None:
         compat = PoolCompat("disk-kill-test", "float32", 2, 2, 8, 4)
-        kv = torch.zeros((2, 2, 80, 4, 2, 8))
-        host = HostPageIndex(80)
+        kv = torch.zeros((2, 2, 80, 4, 2, 8))  # the host pool the tier reads into
         disk = DiskPool("reader", settings(tmp_path, 80, 64))
         disk.open(compat, kv)
         try:
@@ -543,10 +561,13 @@ def test_pages_listed_after_a_sigkill_mid_write_read_back_valid_and_exact(tmp_pa
             listed = disk.index.stored_hashes()
             torn = disk.counters["disk_corrupt_pages_total"]  # found by the rebuild
             assert len(listed) + torn <= 64 and len(listed) >= 48  # at most a batch torn
-            assert await disk.promote(listed, host, 0.0) == set(listed)
-            assert disk.counters["disk_corrupt_pages_total"] == torn  # none when read
+            lease_id = disk.hold("t", listed)
+            assert await disk.read([(h, page) for page, h in enumerate(listed)]) == [True] * len(
+                listed
+            )
+            disk.release(lease_id)
             chain = Chain(4, 8192)
-            for page_hash, page in zip(listed, host.lease("t", listed, 1e9)[1]):
+            for page, page_hash in enumerate(listed):
                 expected = torch.arange(256.0).reshape(2, 2, 4, 2, 8) + chain.named([page_hash])[0]
                 assert torch.equal(kv[:, :, page], expected), page_hash
         finally:
@@ -580,7 +601,7 @@ def test_a_record_whose_tokens_do_not_give_its_hash_is_never_served(tmp_path: Pa
             assert stats["kv_identity_mismatch_total"] == 1
             assert stats["disk_corrupt_pages_total"] == 0  # its checksum is valid
             assert not disk.index.stored(H[2]) and disk.index.stored(H[3])
-            assert H.names(await disk.promote(H(1, 2, 3), index(host), 0.0)) == {1}
+            assert H.names(await promote(host, disk, H(1, 2, 3), 0.0)) == {1}
 
     asyncio.run(scenario())
 
@@ -602,7 +623,7 @@ def test_files_are_adopted_at_start_and_let_go_for_a_worker_of_another_identity(
         assert not disk.loaded  # adopting: the kvstore is not ready
         await until(lambda: disk.loaded, 5, "the adoption at start")
         assert disk.stats()["disk_restored_pages"] == 4 and disk.down is None  # 1..4
-        host = HostPool("kvstore-test", s, disk.stage)
+        host = HostPool("kvstore-test", s, [disk])
         other = worker(head_dim=16)
         try:
             attach(host, other)
@@ -611,7 +632,7 @@ def test_files_are_adopted_at_start_and_let_go_for_a_worker_of_another_identity(
             await until(lambda: disk.ready, 5, "the rebuild for the worker's layout")
             stats = disk.stats()
             assert stats["disk_restored_pages"] == 0 and stats["disk_foreign_pages"] == 4
-            assert disk.run(H(1, 2), index(host)) == []
+            assert on_disk(host, disk, H(1, 2)) == []
             # its pages are twice as large: the host tier holds two; 11, 12 go to disk
             await spill(host, disk, other, [11, 12], [0, 1])
             await spill(host, disk, other, [13, 14], [2, 3])

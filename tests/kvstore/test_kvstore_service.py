@@ -44,6 +44,7 @@ from radixserve.protocol import (
     SpillDone,
     WatchMembers,
 )
+from radixserve.services.kvstore.disk_pool import DiskPool
 from radixserve.services.kvstore.host_pool import spill_agent_name
 from radixserve.services.kvstore.service import KVStoreService
 from radixserve.services.kvstore.settings import KVStoreSettings
@@ -139,6 +140,13 @@ async def dealers(address: str, count: int) -> AsyncIterator[list[Dealer]]:
         context.term()
 
 
+def disk_tier(service: KVStoreService) -> DiskPool:
+    """The kvstore's tier below its host tier: its disk tier."""
+    (disk,) = service.tiers[1:]
+    assert isinstance(disk, DiskPool)
+    return disk
+
+
 def member(name: str, role: str = "decode", port: int = 7001) -> MemberInfo:
     return MemberInfo(name, role, f"tcp://127.0.0.1:{port}", 1)  # type: ignore[arg-type]
 
@@ -161,7 +169,7 @@ def test_a_registered_member_is_listed_to_its_watchers_until_it_deregisters():
             update = await router.next()
             assert isinstance(update, MemberList)
             assert update.members == () and update.version == 3
-            assert service.stats()["members"] == 1  # the prefill one
+            assert service.store_stats()["members"] == 1  # the prefill one
 
     asyncio.run(scenario())
 
@@ -197,7 +205,7 @@ def test_a_worker_that_goes_silent_leaves_the_member_list_and_the_index():
             assert isinstance(update, MemberList)
             assert update.members == () and update.version == listing.version + 1
             assert dict((await router.index(1, 2)).device_pages) == {}
-            stats = service.stats()
+            stats = service.store_stats()
             assert stats["members"] == 0 and stats["index_workers"] == 0
 
     asyncio.run(scenario())
@@ -221,7 +229,7 @@ def test_stored_and_removed_events_show_in_index_replies_per_worker():
             assert dict((await w1.index(11, 12, 13)).device_pages) == {"w1": 1, "w2": 2}
             await w1.send(KVEvent("w2", 1, 2, "removed", (11,)))  # not w1's to send
             assert dict((await w1.index(11, 12, 13)).device_pages) == {"w1": 1, "w2": 2}
-            stats = service.stats()
+            stats = service.store_stats()
             assert stats["index_events_total"] == 3 and stats["index_pages"] == 3
             assert stats["index_resyncs_total"] == 0
 
@@ -246,7 +254,7 @@ def test_a_gap_in_event_sequence_numbers_asks_for_one_resync():
             await w1.send(KVEvent("w1", 1, 10, "cleared"))
             await w1.send(KVEvent("w1", 1, 11, "stored", (1, 2, 3)))
             assert dict((await w1.index(1, 2, 3)).device_pages) == {"w1": 3}
-            assert service.stats()["index_resyncs_total"] == 1
+            assert service.store_stats()["index_resyncs_total"] == 1
 
     asyncio.run(scenario())
 
@@ -261,7 +269,7 @@ def test_an_event_from_a_worker_the_kvstore_never_saw_start_asks_for_a_resync():
             resync = await w1.ask(KVEvent("w1", 5, 7, "stored", (1,)))
             assert isinstance(resync, KVResync) and resync.reason == "event 7 out of order"
             assert dict((await w1.index(1)).device_pages) == {}
-            assert service.stats()["index_resyncs_total"] == 1
+            assert service.store_stats()["index_resyncs_total"] == 1
 
     asyncio.run(scenario())
 
@@ -297,7 +305,7 @@ def test_bad_frames_are_dropped_and_the_kvstore_still_answers():
             await socket.send_multipart([b"two", b"frames"])
             reply = await w1.index(1, query_id="after-garbage")
             assert dict(reply.device_pages) == {} and reply.host_pages == 0
-            stats = service.stats()
+            stats = service.store_stats()
             assert stats["index_events_total"] == 0 and stats["index_resyncs_total"] == 0
             assert service.serving
 
@@ -349,16 +357,16 @@ def test_the_host_tier_answers_before_attach_refuses_a_pool_and_serves_a_lease()
                 handle = reader.read_pages(KVSTORE, list(lease.host_page_ids), [0, 1, 2])
                 assert await reader.wait_async(handle) == "done"
                 assert torch.equal(device[:, :, :3], buffer[:, :, 4:7])
-                assert service.stats()["host_leases"] == 1
+                assert service.store_stats()["host_leases"] == 1
                 await w1.send(HostRelease(lease.lease_id))
                 await w1.index(*H(1))  # the release was applied before this answer
-                assert service.stats()["host_leases"] == 0
+                assert service.store_stats()["host_leases"] == 0
 
                 await w2.hello("w2")
                 refused = await w2.ask(HostAttach("w2", 1, other_agent.metadata()))
                 assert isinstance(refused, HostAttachAck) and not refused.accepted
                 assert refused.reason == "the host pool holds other pages: head_dim: 8 != 16"
-                stats = service.stats()
+                stats = service.store_stats()
                 assert stats["host_pages_stored"] == 3 and stats["host_spill_failures_total"] == 0
         finally:
             reader.close()
@@ -391,7 +399,7 @@ def test_a_worker_that_attached_before_its_hello_spills_and_reads_as_itself():
                 handle = reader.read_pages(KVSTORE, list(lease.host_page_ids), [0, 1])
                 assert await reader.wait_async(handle) == "done"
                 assert torch.equal(device[:, :, :2], buffer[:, :, 2:4])
-                assert service.stats().get("host_spill_failures_total", 0) == 0
+                assert service.store_stats().get("host_spill_failures_total", 0) == 0
                 assert [p.name for p in service.peers.values()] == ["?"]
                 await w1.hello("w1")
                 assert [p.name for p in service.peers.values()] == ["w1"]
@@ -463,26 +471,25 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
                 assert isinstance(ack, HostAttachAck) and ack.accepted and ack.disk_tier, ack
                 # the tier opens on the first attach, in a task: what the host tier evicts
                 # before it is ready is not written
-                await until(lambda: service.disk.ready, 5.0, "the disk tier to open")  # type: ignore[union-attr]
+                tier = disk_tier(service)
+                await until(lambda: tier.ready, 5.0, "the disk tier to open")
                 await w1.ask(H.offer(1, [101, 102, 103, 104], [0, 1, 2, 3]))
                 await w1.ask(H.offer(2, [105, 106, 107, 108], [4, 5, 6, 7]))
-                assert service.disk is not None
-                await until(lambda: service.disk.idle, 5.0, "the disk writes")  # type: ignore[union-attr]
-                assert service.stats()["disk_pages_stored"] == 2
+                await until(lambda: tier.idle, 5.0, "the disk writes")
+                assert service.store_stats()["disk_pages_stored"] == 2
                 assert (await w1.index(*hashes)).host_pages == 8
             async with kvstore(**disk) as service, dealers(service.address, 1) as (w1,):
                 await w1.hello("w1")
                 # the files are adopted at start, before any worker: then it is ready
-                assert service.disk is not None
-                await until(lambda: service.disk.loaded, 5.0, "the adoption")  # type: ignore[union-attr]
-                assert service.health()[0] and service.stats()["disk_tier_ready"] == 1
-                assert service.stats()["disk_restored_pages"] == 8
+                tier = disk_tier(service)
+                await until(lambda: tier.loaded, 5.0, "the adoption")
+                assert service.health()[0] and service.store_stats()["disk_tier_ready"] == 1
+                assert service.store_stats()["disk_restored_pages"] == 8
                 assert (await w1.index(*hashes)).host_pages == 0  # no worker's layout yet
                 ack = await w1.ask(HostAttach("w1", 1, spill_agent.metadata()))
                 assert isinstance(ack, HostAttachAck) and ack.accepted, ack
-                assert service.disk is not None
-                await until(lambda: service.disk.ready, 5.0, "the rebuild")  # type: ignore[union-attr]
-                assert service.stats()["disk_restored_pages"] == 8
+                await until(lambda: tier.ready, 5.0, "the rebuild")
+                assert service.store_stats()["disk_restored_pages"] == 8
                 assert (await w1.index(*hashes)).host_pages == 8
                 lease = await w1.ask(HostLookup("warm", hashes, reads_loading=reads_loading))
                 assert isinstance(lease, HostLease) and lease.disk_pages == 8
@@ -498,7 +505,7 @@ def test_a_kvstore_restarted_on_its_disk_tier_serves_those_pages_from_disk(
                 assert await reader.wait_async(handle) == "done"
                 assert torch.equal(device, buffer)
                 await w1.send(HostRelease(lease.lease_id))
-                stats = service.stats()
+                stats = service.store_stats()
                 assert stats["disk_hit_pages_total"] == 8 and stats["disk_corrupt_pages_total"] == 0
         finally:
             reader.close()

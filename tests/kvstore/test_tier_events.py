@@ -33,7 +33,7 @@ from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.settings import KVStoreSettings
 from radixserve.services.kvstore.tier_events import TierEvents
 from tests.kvstore.page_chain import NAMESPACE
-from tests.kvstore.test_disk_pool import flip_byte, index, settings, spill
+from tests.kvstore.test_disk_pool import flip_byte, promote, settings, spill
 from tests.kvstore.test_host_pool import PAGE_SIZE, H, attach, until, worker
 
 Event = tuple[str, str, list[int]]  # (kind, medium, page names of `H`)
@@ -141,7 +141,7 @@ def test_pages_entering_and_leaving_the_tiers_are_published(tmp_path: Path) -> N
         events = TierEvents(pub)
         s = settings(root, host_pages=4, disk_slots=8)
         disk = DiskPool("kvstore-test", s, events)
-        host = HostPool("kvstore-test", s, disk.stage, events)
+        host = HostPool("kvstore-test", s, [disk], events)
         w = worker()
         try:
             attach(host, w)
@@ -154,12 +154,12 @@ def test_pages_entering_and_leaving_the_tiers_are_published(tmp_path: Path) -> N
             await spill(host, disk, w, [11, 12, 13, 14], [4, 5, 6, 7])  # 1..4 to disk
             feed.step([*cpu_removed(1, 2, 3, 4), ("stored", "CPU", [11, 12, 13, 14])],
                       [("stored", "DISK", [1, 2, 3, 4])])  # fmt: skip
-            assert H.names(await disk.promote(H(1, 2), index(host), 0.0)) == {1, 2}
+            assert H.names(await promote(host, disk, H(1, 2), 0.0)) == {1, 2}
             await until(lambda: disk.idle, 30, "the disk writes")  # 11, 12 to disk
             feed.step([*cpu_removed(11, 12), ("stored", "CPU", [1, 2])],
                       [("stored", "DISK", [11, 12])])  # fmt: skip
             flip_byte(disk, 3)  # its read fails: dropped; 13 made room for it
-            assert H.names(await disk.promote(H(1, 2, 3), index(host), 0.0)) == set()
+            assert H.names(await promote(host, disk, H(1, 2, 3), 0.0)) == set()
             await until(lambda: disk.idle, 30, "the disk writes")
             # the reader drops 3 while the writer stores 13: two threads, either first
             feed.step(cpu_removed(13), [("removed", "DISK", [3]), ("stored", "DISK", [13])],
@@ -186,7 +186,7 @@ def test_pages_entering_and_leaving_the_tiers_are_published(tmp_path: Path) -> N
         feed = Feed(pub)
         s = settings(root, host_pages=4, disk_slots=8)
         disk = DiskPool("kvstore-test", s, TierEvents(pub))
-        host = HostPool("kvstore-test", s, disk.stage, TierEvents(pub))
+        host = HostPool("kvstore-test", s, [disk], TierEvents(pub))
         other = worker(head_dim=16)
         try:
             disk.prepare()

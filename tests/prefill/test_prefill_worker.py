@@ -19,6 +19,7 @@ import zmq.asyncio
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_spec
 from radixserve.protocol import Abort, KVReady, PrefillRequest, RequestFailed, TransferDone
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.services.prefill.settings import PrefillSettings
 from radixserve.services.prefill.worker import PrefillWorker
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
@@ -68,7 +69,7 @@ def test_pages_are_lent_under_a_lease_until_transfer_done(num_cached_tokens: int
             skip = num_cached_tokens // PAGE_SIZE
             assert ready.request_id == "r1" and ready.first_token_ids == (7,)
             assert ready.src_page_ids == tuple(leased[skip:])
-            assert (ready.cached_tokens, engine.stats().leases) == (0, 1)
+            assert (ready.cached, engine.stats().leases) == (CachedTokens(), 1)
             # how long the pages stay lent from now: the worker's lease_s, less its work
             assert (
                 ready.lease_ms is not None and 0 < ready.lease_ms <= worker.settings.lease_s * 1000

@@ -30,6 +30,7 @@ from radixserve.protocol.messages import (
     SamplingSpec,
     TokenChunk,
 )
+from radixserve.protocol.stats_messages import EngineSection, ServiceStats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL = "tcp://127.0.0.1:*"
@@ -101,7 +102,7 @@ def test_dealer_router_between_threads_survives_a_garbage_frame(
 
 
 def test_push_pull_between_threads_and_timeouts(ctx: zmq.Context) -> None:
-    sent = [Heartbeat("prefill-0", 1, stats={"running": 3, "load": 0.5}), Abort("r")]
+    sent = [Heartbeat("prefill-0", 1, stats=ServiceStats(tasks=3, uptime_s=0.5)), Abort("r")]
     with Channel.open(ctx, zmq.PULL, LOCAL, bind=True) as pull:
         start = time.monotonic()
         assert pull.recv(50) is None
@@ -230,7 +231,10 @@ async def _async_exchange() -> list[Message | tuple[bytes, Message] | None]:
             ) as dealer,
         ):
             got: list[Message | tuple[bytes, Message] | None] = [await router.recv_from(20)]
-            await dealer.send(Heartbeat("w1", 0, stats={"pages_free": 10}), timeout_ms=WAIT_MS)
+            await dealer.send(
+                Heartbeat("w1", 0, stats=ServiceStats(engine=EngineSection(pages_free=10))),
+                timeout_ms=WAIT_MS,
+            )
             got.append(await router.recv_from(WAIT_MS))
             await dealer.socket.send_multipart([b"\x93"])  # a truncated array
             with pytest.raises(ProtocolError, match="not valid msgpack") as bad:
@@ -249,7 +253,7 @@ def test_asyncio_dealer_router() -> None:
     got = asyncio.run(asyncio.wait_for(_async_exchange(), timeout=15))
     assert got == [
         None,
-        (b"w1", Heartbeat("w1", 0, stats={"pages_free": 10})),
+        (b"w1", Heartbeat("w1", 0, stats=ServiceStats(engine=EngineSection(pages_free=10)))),
         Abort("r"),
         None,
     ]

@@ -27,6 +27,7 @@ from radixserve.protocol.messages import (
     SpillOffer,
     SpillRun,
 )
+from radixserve.protocol.stats_messages import HistogramStats  # noqa: E402
 from radixserve.protocol.wire import (
     BoolSpec,
     BytesSpec,
@@ -78,6 +79,8 @@ def sample(cls: type[WireStruct]) -> Any:
     if cls is SpillOffer:  # a run per stretch of its pages; their tokens may be left out
         fields.update(page_hashes=(1, 2**127 + 5), buffer_page_ids=(3, 4), token_ids=(),
                       runs=(SpillRun(2, b"\x01" * 32, ()),))  # fmt: skip
+    if cls is HistogramStats:  # a count per bound and one for +Inf
+        fields.update(bounds=(0.5, 1.5), counts=(1, 2, 3))
     return cls(**fields)
 
 

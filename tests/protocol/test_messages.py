@@ -14,6 +14,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import share_fields, to_chunk, to_output, to_params, to_share, to_spec
 from radixserve.errors import InvalidRequestError
 from radixserve.protocol import codec
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.protocol.messages import (
     ALL_MESSAGES,
     MESSAGE_TYPES,
@@ -57,6 +58,13 @@ from radixserve.protocol.messages import (
     WatchMembers,
     WorkerLoad,
 )
+from radixserve.protocol.stats_messages import (
+    EngineSection,
+    HistogramStats,
+    KVStoreSection,
+    PrefillSection,
+    ServiceStats,
+)
 
 # Strategies state what a valid message is, independently of the specs in messages.py.
 ids = st.text(min_size=1, max_size=40)
@@ -68,6 +76,7 @@ prompt = st.lists(token_id, min_size=1, max_size=40).map(tuple)
 page_ids = st.lists(st.integers(0, 2**31 - 1), max_size=20).map(tuple)
 page_hashes = st.lists(st.integers(0, 2**128 - 1), max_size=20).map(tuple)
 count = st.integers(0, 2**63 - 1)
+cached_tokens = st.builds(CachedTokens, device=count, host=count, disk=count)
 millis = st.floats(0.0, 1e9, allow_nan=False)
 roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
 
@@ -109,11 +118,9 @@ def token_chunks(draw: st.DrawFn) -> TokenChunk:
         finished=finished,
         finish_reason=reason,
         prompt_tokens=draw(count),
-        cached_tokens=draw(count),
+        cached=draw(cached_tokens),
         completion_tokens=draw(count),
         ttft_ms=draw(st.none() | millis),
-        host_cached_tokens=draw(count),
-        disk_cached_tokens=draw(count),
         route=draw(st.sampled_from(["", "local", "host", "remote"])),
         prefill_worker=draw(st.text(max_size=30)),
     )
@@ -141,6 +148,33 @@ load_stats = st.dictionaries(
     st.text(min_size=1, max_size=20),
     st.integers(-(2**63) + 1, 2**63 - 1) | st.floats(-1e12, 1e12, allow_nan=False),
     max_size=8,
+)
+
+histograms = st.integers(0, 8).flatmap(
+    lambda n: st.builds(
+        HistogramStats,
+        bounds=st.lists(st.floats(0, 1e6), min_size=n, max_size=n).map(lambda b: tuple(sorted(b))),
+        counts=st.lists(count, min_size=n + 1, max_size=n + 1).map(lambda c: tuple(sorted(c))),
+        sum=st.floats(0, 1e9),
+    )
+)
+service_stats = st.builds(
+    ServiceStats,
+    tasks=count,
+    uptime_s=st.floats(0, 1e9),
+    heartbeats_total=count,
+    engine=st.none()
+    | st.builds(
+        EngineSection,
+        pages_total=count,
+        pages_cached=st.none() | count,
+        engine_busy_seconds_total=st.floats(0, 1e9),
+    ),  # fmt: skip
+    prefill=st.none()
+    | st.builds(
+        PrefillSection, prefill_requests_total=count, prefill_wait_seconds=histograms
+    ),  # fmt: skip
+    kvstore=st.none() | st.builds(KVStoreSection, members=count),
 )
 
 members = st.builds(
@@ -174,7 +208,7 @@ live_requests = st.builds(
     phase=st.sampled_from(["queued", "host_load", "awaiting_kv", "prefill", "decode", "leased"]),
     prompt_tokens=count,
     computed_tokens=count,
-    cached_tokens=count,
+    cached=cached_tokens,
     output_tokens=count,
 )
 
@@ -201,7 +235,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         load=st.builds(
             WorkerLoad, queued_tokens=count, running=count, waiting=count, draining=st.booleans()
         ),
-        stats=load_stats,
+        stats=service_stats,
     ),
     GenerateRequest: st.builds(
         GenerateRequest,
@@ -217,9 +251,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         request_id=ids,
         first_token_ids=prompt,
         src_page_ids=page_ids,
-        cached_tokens=count,
-        host_cached_tokens=count,
-        disk_cached_tokens=count,
+        cached=cached_tokens,
     ),
     TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans()),
     TokenChunk: token_chunks(),
@@ -334,9 +366,12 @@ def test_lists_become_tuples_and_maps_become_read_only() -> None:
     assert msg.prompt_token_ids == (1, 2)
     assert msg.sampling.stop == ("x",)
     assert isinstance(msg.sampling.temperature, float)
-    beat = Heartbeat("w", stats={"running": 3})
-    assert isinstance(beat.stats, MappingProxyType)
-    assert beat.stats == {"running": 3}
+    reply = IndexReply("q", device_pages={"running": 3})
+    assert isinstance(reply.device_pages, MappingProxyType)
+    assert reply.device_pages == {"running": 3}
+    assert codec.decode(codec.encode(reply)) == reply
+    beat = Heartbeat("w", stats=ServiceStats(uptime_s=2, engine=EngineSection(pages_total=4)))
+    assert isinstance(beat.stats.uptime_s, float)  # an int given for a float is one
     assert codec.decode(codec.encode(beat)) == beat
     listing = MemberList(1, 2, [MemberInfo("d", "decode", "tcp://h:1")])  # type: ignore[arg-type]
     assert listing.members == (MemberInfo("d", "decode", "tcp://h:1"),)
@@ -389,11 +424,11 @@ def test_token_chunk_carries_a_request_output_both_ways() -> None:
     from radixserve.engine.outputs import RequestOutput
     from radixserve.protocol.codec import decode, encode
 
-    out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 8, 3, 41.5)
+    out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 3, 41.5, CachedTokens(4, 2, 2))
     chunk = to_chunk(out)
     assert decode(encode(chunk)) == chunk
     assert to_output(chunk) == out
-    running = RequestOutput("r", [5], "h", False, None, 12, 8, 1, 41.5)
+    running = RequestOutput("r", [5], "h", False, None, 12, 1, 41.5)
     assert to_output(to_chunk(running)) == running
 
 

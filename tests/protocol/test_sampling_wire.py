@@ -57,7 +57,7 @@ def test_the_thinking_budget_round_trips():
 
 def test_logprobs_travel_in_token_chunks_and_kv_ready():
     lp = TokenLogprob(5, -0.25, (5, 9), (-0.25, -1.5))
-    out = RequestOutput("r", [5], "a", False, "stop", 3, 0, 1, 1.0, index=2, logprobs=[lp],
+    out = RequestOutput("r", [5], "a", False, "stop", 3, 1, 1.0, index=2, logprobs=[lp],
                         prompt_logprobs=[lp, lp])  # fmt: skip
     chunk = decode(encode(to_chunk(out)))
     assert isinstance(chunk, TokenChunk)

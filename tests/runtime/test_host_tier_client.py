@@ -140,7 +140,7 @@ class Tier:
         return self.links.links[0]
 
     def count(self, key: str) -> int:
-        return int(self.client.stats().get(key, 0))
+        return int(getattr(self.client.stats(), key))
 
 
 @contextlib.asynccontextmanager
@@ -236,7 +236,7 @@ def test_the_link_going_down_ends_a_waiting_lookup_at_once(engine):
 
     async def scenario() -> None:
         async with linked_tier(engine, host_lookup_timeout_s=10.0) as tier:
-            assert tier.client.stats()["host_attach_settled"] == 1  # attached
+            assert tier.client.stats().host_attach_settled == 1  # attached
             planning = asyncio.ensure_future(tier.client.plan("r", PROMPT, tier.hashes))
             assert await tier.kvstore.next() == HostLookup(
                 "r", tuple(tier.hashes), reads_loading=True
@@ -247,10 +247,10 @@ def test_the_link_going_down_ends_a_waiting_lookup_at_once(engine):
             assert await asyncio.wait_for(planning, 5.0) is None
             assert time.monotonic() - started < 1.0
             assert not tier.client.attached
-            assert tier.client.stats()["host_attach_settled"] == 0  # the gateway waits
+            assert tier.client.stats().host_attach_settled == 0  # the gateway waits
             assert await tier.client.plan("after", PROMPT, tier.hashes) is None
             assert tier.count("host_lookups_total") == 1
-            assert tier.client.stats()["host_attached"] == 0
+            assert tier.client.stats().host_attached == 0
 
     asyncio.run(scenario())
 
@@ -315,16 +315,16 @@ def test_spilled_buffer_pages_come_back_on_spill_done_or_after_the_quarantine(en
     async def scenario() -> None:
         async with linked_tier(engine, host_write_through_uses=1) as tier:
             client, kv = tier.client, tier.kvstore
-            total = client.stats()["host_spill_buffer_pages"]
+            total = client.stats().host_spill_buffer_pages
             first = list(range(1, 14))
             await compute(engine, first)
             offer = await kv.next()
             assert isinstance(offer, SpillOffer)
             assert offer.page_hashes == tuple(page_hashes(first, PAGE, engine.info.hash_namespace))
             assert (offer.spill_id, offer.buffer_page_ids) == (1, (0, 1, 2))
-            assert client.stats()["host_spill_buffer_free"] == total - 3
+            assert client.stats().host_spill_buffer_free == total - 3
             await kv.send(SpillDone(1, 3))
-            await until(lambda: client.stats()["host_spill_buffer_free"] == total, 5.0,
+            await until(lambda: client.stats().host_spill_buffer_free == total, 5.0,
                         "the buffer pages to come back")  # fmt: skip
             assert tier.count("host_spill_stored_pages_total") == 3
 
@@ -334,11 +334,11 @@ def test_spilled_buffer_pages_come_back_on_spill_done_or_after_the_quarantine(en
             kv.answer_hellos = False
             tier.links.mark_down(tier.link, "the test took it down")
             client.on_message(tier.link, SpillDone(second.spill_id, 3))  # too late
-            assert client.stats()["host_spill_buffer_free"] == total - 3
+            assert client.stats().host_spill_buffer_free == total - 3
             assert tier.count("host_spill_stored_pages_total") == 3
-            await until(lambda: client.stats()["host_spill_buffer_free"] >= total, 5.0,
+            await until(lambda: client.stats().host_spill_buffer_free >= total, 5.0,
                         "the quarantine to end")  # fmt: skip
-            assert client.stats()["host_spill_buffer_free"] == total
+            assert client.stats().host_spill_buffer_free == total
 
     asyncio.run(scenario())
 

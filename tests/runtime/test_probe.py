@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.metrics import service_metrics
+from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.stats_messages import EngineSection, ServiceStats
 from radixserve.runtime.probe import ProbeServer, probe
+from radixserve.worker_metrics import service_metrics
 
 RADIXSERVE = str(Path(sys.executable).with_name("radixserve"))
 
@@ -38,7 +40,8 @@ class Serving:
         return self.ok, {"draining": not self.ok}
 
     def _metrics(self) -> bytes:
-        return service_metrics("prefill-7000", "prefill", {"pages_used": 3, "kv_events_total": 9})
+        stats = ServiceStats(engine=EngineSection(pages_used=3, kv_events_dropped_total=9))
+        return service_metrics("prefill-7000", "prefill", WorkerLoad(), stats)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
@@ -80,7 +83,7 @@ def test_endpoints_answer_as_probes_expect(serving: Serving) -> None:
         for s in family.samples
     }
     assert samples[("radixserve_worker_pages_used", "prefill-7000", "prefill")] == 3
-    assert samples[("radixserve_worker_kv_events_total", "prefill-7000", "prefill")] == 9
+    assert samples[("radixserve_worker_kv_events_dropped_total", "prefill-7000", "prefill")] == 9
     assert samples[("radixserve_worker_up", "prefill-7000", "prefill")] == 1
     assert raw(serving.server.port, b"GET /nope HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
     assert raw(serving.server.port, b"POST /health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405")

@@ -8,14 +8,11 @@ their load and counters (/debug/cache, /metrics). Workers are the static
 ``decode_workers`` / ``prefill_workers`` plus the kvstore's members
 (`radixserve.runtime.membership`).
 
-Failure contract: no decode worker up -> `UnavailableError` (503) at once; a worker
-that refuses because it is draining -> another one; `RequestFailed` ->
-`InvalidRequestError` / `CapacityError` (400) for the request's own faults, else
-`UnavailableError`; a worker that goes down, or drains past its grace -> each of its
-streams **migrates** to another decode worker with the tokens already streamed
-(``resume_token_ids``, waiting up to ``migration_wait_s``), at most ``max_migrations``
-times, so the caller sees one uninterrupted stream (docs/architecture.md §13); a caller
-that closes the stream early -> `Abort` to the decode worker.
+Failure contract: no decode worker up -> `UnavailableError` (503) at once;
+`RequestFailed` -> `InvalidRequestError` / `CapacityError` (400) for the request's own
+faults, else `UnavailableError`; a worker that drains or goes down -> the request
+continues on another (`radixserve.runtime.routing.migration`); a caller that closes
+the stream early -> `Abort` to the decode worker.
 
 A stream's queue is filled by its link's reader, which never waits (one socket serves
 every request on the worker): it is drained as fast as it fills by the gateway's pump
@@ -28,12 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import zmq.asyncio
@@ -43,8 +39,7 @@ from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import share_fields, to_output, to_spec
-from radixserve.errors import CapacityError, InvalidRequestError, UnavailableError
-from radixserve.metrics import POOL_GAUGES
+from radixserve.errors import UnavailableError
 from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
@@ -56,14 +51,10 @@ from radixserve.protocol import (
     TokenChunk,
 )
 from radixserve.protocol.messages import (
-    CacheAuditClear,
-    CacheAuditCleared,
-    CacheTreeQuery,
     CacheTreeReply,
-    HelloAck,
 )
 from radixserve.protocol.security import keys_from
-from radixserve.runtime.calls import Replies, Tasks, send_quietly
+from radixserve.runtime.calls import Tasks, send_quietly
 from radixserve.runtime.engine_client import EngineClient
 from radixserve.runtime.links import (
     LearnedGeometry,
@@ -71,36 +62,29 @@ from radixserve.runtime.links import (
     LinkIdentity,
     LinkSet,
     PageGeometry,
-    peer_identity,
 )
 from radixserve.runtime.membership import MemberView
+from radixserve.runtime.routing.migration import (
+    Route,
+    Stream,
+    WorkerLost,
+    failure,
+    migrating,
+    wait_for_worker,
+)
 from radixserve.runtime.routing.router import DecodeRouter
+from radixserve.runtime.routing.worker_views import (
+    WorkerQuestions,
+    kvstore_waiting,
+    pool_totals,
+    worker_view,
+)
 from radixserve.tracing import NO_SPAN, Span
+from radixserve.worker_metrics import WorkerView
 
 logger = logging.getLogger(__name__)
 
 _MAX_VIEW_PAGES = 1 << 18  # per decode worker, in the gateway's routing view
-_TREE_TIMEOUT_S = 2.0  # a worker's answer to the explorer (one engine call between steps)
-
-
-@dataclass
-class _Stream:
-    link: Link
-    out: asyncio.Queue  # TokenChunk | BaseException
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-
-
-class _Draining(UnavailableError):
-    """The decode worker refused the request because it is draining (or drained past its
-    grace while serving it): continue elsewhere."""
-
-
-class _WorkerLost(UnavailableError):
-    """The decode worker serving the request went down: continue elsewhere."""
-
-
-_MAX_DRAINING_RETRIES = 8
 
 
 class ClusterSettings(Protocol):
@@ -115,38 +99,6 @@ class ClusterSettings(Protocol):
     decode_load_weight: float
     max_migrations: int
     migration_wait_s: float
-
-
-@dataclass(frozen=True)
-class _Route:
-    """What routes a request besides its prompt: its cache scope (the namespace its
-    pages are hashed in, `cache_scope`), its affinity key (`DecodeRouter.pick`) and its
-    place in the workers' schedules (`radixserve.engine.fair_share`)."""
-
-    scope: str = ""
-    key: str = ""
-    share: TenantShare = DEFAULT_SHARE
-
-
-def _identity_of(ack: HelloAck | None, refused: str) -> dict[str, Any] | None:
-    """A worker's model identity for /debug/cache, with why it was refused, if it was."""
-    if ack is None and not refused:
-        return None
-    identity = None
-    with contextlib.suppress(ValueError):
-        identity = peer_identity(ack) if ack is not None else None
-    entry: dict[str, Any] = {**identity.to_dict(), "short": identity.short} if identity else {}
-    return {**entry, "refused": refused} if refused else entry or None
-
-
-def _failure(msg: RequestFailed) -> Exception:
-    if msg.error_type == "draining":
-        return _Draining(msg.message)
-    if msg.error_type == "invalid_request":
-        return InvalidRequestError(msg.message)
-    if msg.error_type == "capacity":
-        return CapacityError(msg.message)
-    return UnavailableError(f"{msg.error_type}: {msg.message}")
 
 
 class ClusterClient(EngineClient):
@@ -187,15 +139,14 @@ class ClusterClient(EngineClient):
         self.router = DecodeRouter(
             page_size, hash_namespace or b"", settings.decode_load_weight, _MAX_VIEW_PAGES
         )
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._context: zmq.asyncio.Context | None = None
         self.decodes: LinkSet | None = None
         self.prefills: LinkSet | None = None
         self.kvstore: LinkSet | None = None
         self.view: MemberView | None = None
         self.migrations = 0  # requests moved off a lost or drained decode worker
-        self._trees: Replies[CacheTreeReply] = Replies()  # the explorer's questions
-        self._audit_clears: Replies[CacheAuditCleared] = Replies()
+        self.questions = WorkerQuestions()  # the explorer's and the audit's
         self._background = Tasks(self.name)
 
     # -- lifetime --------------------------------------------------------------------
@@ -235,17 +186,9 @@ class ClusterClient(EngineClient):
     def health(self) -> tuple[bool, dict[str, Any]]:
         up = self.decodes.ready() if self.decodes else []
         workers = {link.label: link.up for ls in self._link_sets() for link in ls.links}
-        # a kvstore that is up but still adopting its disk tier's files (or not heard
-        # from yet), or a worker it has not answered the host-tier attach of: a request
-        # now would compute what the kvstore's tiers hold
-        stores = [link for link in (self.kvstore.links if self.kvstore else ()) if link.up]
-        waiting = [link.label for link in stores
-                   if not link.stats or link.stats.get("disk_tier_ready") == 0]  # fmt: skip
-        if stores:
-            waiting += [link.label for ls in (self.decodes, self.prefills) if ls is not None
-                        for link in ls.links
-                        if link.up and (not link.stats  # no heartbeat yet
-                                        or link.stats.get("host_attach_settled") == 0)]  # fmt: skip
+        waiting = kvstore_waiting(self.kvstore.links if self.kvstore else (),
+                                  [link for ls in (self.decodes, self.prefills) if ls is not None
+                                   for link in ls.links])  # fmt: skip
         detail: dict[str, Any] = {"workers": workers}
         if waiting:
             detail["waiting_for_the_kvstore"] = waiting
@@ -321,56 +264,21 @@ class ClusterClient(EngineClient):
         hashes = (
             self.router.hashes(prompt_ids, cache_scope) if self.root_namespace is not None else []
         )
-        route = _Route(cache_scope, routing_key, share)
-        sent: list[int] = []  # tokens the caller has been given
-        first: RequestOutput | None = None  # its first output: usage and TTFT stay its
-        tried: set[str] = set()
-        refusals = losses = 0
-        while True:
-            attempt = request_id if not refusals + losses else f"{request_id}~{refusals + losses}"
-            resumed = params if not sent else dataclasses.replace(params, prompt_logprobs=None)
-            outputs = self._generate_on(prompt_ids, hashes, resumed, attempt, tried,
-                                        tuple(sent), wait=bool(losses), span=span,
-                                        route=route)  # fmt: skip
-            streamed_before = len(sent)
-            try:
-                async with contextlib.aclosing(outputs):  # closing us aborts the request now
-                    async for output in outputs:
-                        first = first or output
-                        sent.extend(output.new_token_ids)
-                        yield self._as_first(output, request_id, first)
-                return
-            except (_Draining, _WorkerLost) as exc:
-                # lost: the worker went away, or drained past its grace after streaming in
-                # this attempt; a refusal before any token of it is no loss
-                lost = isinstance(exc, _WorkerLost) or len(sent) > streamed_before
-                losses, refusals = losses + lost, refusals + (not lost)
-                if (
-                    (sent and params.n > 1)
-                    or losses > self.settings.max_migrations
-                    or (refusals > _MAX_DRAINING_RETRIES)
-                ):
-                    raise UnavailableError(str(exc)) from None
-                if lost:
-                    tried.clear()  # any worker that is up, the lost one's restart included
-                    self.migrations += 1
-                logger.warning("%s: %s; continuing on another decode worker after %d tokens",
-                               request_id, exc, len(sent))  # fmt: skip
+        route = Route(cache_scope, routing_key, share)
 
-    @staticmethod
-    def _as_first(output: RequestOutput, request_id: str, first: RequestOutput) -> RequestOutput:
-        """An output of a moved (or refused and resent) request as the caller knows it: its
-        id, and the first attempt's prompt accounting and TTFT."""
-        if output is first:
-            return dataclasses.replace(output, request_id=request_id)
-        return dataclasses.replace(
-            output,
-            request_id=request_id,
-            cached_tokens=first.cached_tokens,
-            host_cached_tokens=first.host_cached_tokens,
-            disk_cached_tokens=first.disk_cached_tokens,
-            ttft_ms=first.ttft_ms,
-        )
+        def attempt(
+            rid: str, p: SamplingParams, tried: set[str], resume: tuple[int, ...], wait: bool
+        ) -> AsyncGenerator[RequestOutput, None]:
+            return self._generate_on(prompt_ids, hashes, p, rid, tried, resume, wait, span, route)
+
+        outputs = migrating(attempt, params, request_id, self.settings.max_migrations,
+                            self._moved)  # fmt: skip
+        async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+            async for output in outputs:
+                yield output
+
+    def _moved(self) -> None:
+        self.migrations += 1
 
     async def _generate_on(
         self,
@@ -382,7 +290,7 @@ class ClusterClient(EngineClient):
         resume: tuple[int, ...] = (),
         wait: bool = False,
         span: Span = NO_SPAN,
-        route: _Route | None = None,
+        route: Route | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Serve the request on the best decode worker not in ``tried`` (added to it),
         after the ``resume`` tokens already streamed; with ``wait``, wait up to
@@ -391,15 +299,15 @@ class ClusterClient(EngineClient):
         later attempt) until the request is sent, and which keeps the spans the decode
         worker carries back on the last chunk. ``route``: the request's cache scope and
         affinity key."""
-        route = route or _Route()
+        route = route or Route()
         retry = bool(resume or tried or wait)
         queued = span.child("gateway.queue", start_ns=None if retry else span.start_ns)
-        link = await self._wait_for_decode(hashes, tried, route.key) if wait else None
-        link = link or self._pick_decode(hashes, tried, route.key)
+        pick = functools.partial(self._pick_decode, hashes, tried, route.key)
+        link = await wait_for_worker(pick, self.settings.migration_wait_s) if wait else pick()
         tried.add(link.name)
         # counted before any await, so requests arriving together see each other's load
         self.router.started(link.name, hashes)
-        stream = _Stream(link, asyncio.Queue(), list(prompt_ids))
+        stream = Stream(link, asyncio.Queue(), list(prompt_ids))
         self._streams[request_id] = stream
         done = False
         try:
@@ -418,7 +326,7 @@ class ClusterClient(EngineClient):
                 )
             except TimeoutError:
                 queued.end("the decode worker did not take the request", decode_worker=link.label)
-                raise _WorkerLost(f"decode worker {link.label} does not take requests") from None
+                raise WorkerLost(f"decode worker {link.label} does not take requests") from None
             queued.end(decode_worker=link.label, prompt_tokens=len(prompt_ids),
                        resumed_tokens=len(resume))  # fmt: skip
             while True:
@@ -450,37 +358,15 @@ class ClusterClient(EngineClient):
         }
         if self.decodes is None or self.prefills is None:
             return totals
-        for link in self.decodes.up() + self.prefills.up():
-            for key in POOL_GAUGES:
-                if key in link.stats:
-                    totals[key] = totals.get(key, 0) + int(link.stats[key])
-        return totals
+        return {**totals, **pool_totals(self.decodes.up() + self.prefills.up())}
 
-    def worker_stats(self) -> dict[str, dict[str, Any]]:
-        workers: dict[str, dict[str, Any]] = {}
-        roles = {
-            id(self.decodes): "decode",
-            id(self.prefills): "prefill",
-            id(self.kvstore): "kvstore",
-        }
-        for links in self._link_sets():
-            for link in links.links:
-                entry: dict[str, Any] = {
-                    "role": link.role or roles[id(links)],
-                    "address": link.address,
-                    "up": link.up,
-                    "generation": link.generation,
-                    "discovered": link.discovered,
-                    "tp_size": link.ack.tp_size if link.ack is not None else 0,
-                    "model_identity": _identity_of(link.ack, link.refused),
-                }
-                if link.up:
-                    entry.update(link.stats)
-                    entry.update(dataclasses.asdict(link.load))
-                if links is self.decodes:
-                    entry["gateway_in_flight"] = self.router.in_flight.get(link.name, 0)
-                    entry["routing_view_pages"] = self.router.known_pages(link.name)
-                workers[link.label] = entry
+    def worker_stats(self) -> dict[str, WorkerView]:
+        workers: dict[str, WorkerView] = {}
+        for links, role in ((self.decodes, "decode"), (self.prefills, "prefill"),
+                            (self.kvstore, "kvstore")):  # fmt: skip
+            for link in links.links if links is not None else ():
+                router = self.router if links is self.decodes else None
+                workers[link.label] = worker_view(link, role, router)
         return workers
 
     async def cache_tree(
@@ -489,38 +375,13 @@ class ClusterClient(EngineClient):
         link = next((link for link in self._workers_up() if link.label == worker), None)
         if link is None:
             return None
-        query_id = uuid.uuid4().hex
-        query = CacheTreeQuery(query_id, max_nodes, text_tokens)
-        return await self._trees.ask(link, query, query_id, _TREE_TIMEOUT_S)
+        return await self.questions.cache_tree(link, max_nodes, text_tokens)
 
     async def clear_cache_audit(self) -> dict[str, bool | None]:
         """`CacheAuditClear` to every worker up, answered in parallel."""
-        links = self._workers_up()
-
-        async def clear(link: Link) -> bool | None:
-            query_id = uuid.uuid4().hex
-            reply = await self._audit_clears.ask(
-                link, CacheAuditClear(query_id), query_id, _TREE_TIMEOUT_S
-            )
-            return None if reply is None else reply.was_failed
-
-        answers = await asyncio.gather(*(clear(link) for link in links))
-        return {link.label: answer for link, answer in zip(links, answers, strict=True)}
+        return await self.questions.clear_cache_audit(self._workers_up())
 
     # -- routing ---------------------------------------------------------------------
-
-    async def _wait_for_decode(
-        self, hashes: list[int], exclude: set[str], affinity: str = ""
-    ) -> Link | None:
-        """The best ready decode worker not in ``exclude``, waiting up to
-        ``migration_wait_s`` for one; None if none came."""
-        deadline = time.monotonic() + self.settings.migration_wait_s
-        while True:
-            with contextlib.suppress(UnavailableError):
-                return self._pick_decode(hashes, exclude, affinity)
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(0.05)
 
     def _pick_decode(self, hashes: list[int], exclude: set[str], affinity: str = "") -> Link:
         ready = [link for link in self.decodes.ready()] if self.decodes else []
@@ -548,23 +409,12 @@ class ClusterClient(EngineClient):
         pools = (self.decodes, self.prefills)
         return [link for pool in pools if pool is not None for link in pool.up()]
 
-    def _answered(self, msg: Message) -> bool:
-        """Whether ``msg`` answers one of the gateway's questions to any worker (the
-        explorer's cache tree, the audit's clear); it is then handed over."""
-        if isinstance(msg, CacheTreeReply):
-            self._trees.answer(msg.query_id, msg)
-        elif isinstance(msg, CacheAuditCleared):
-            self._audit_clears.answer(msg.query_id, msg)
-        else:
-            return False
-        return True
-
     def _from_prefill(self, link: Link, msg: Message) -> None:
-        if not self._answered(msg):
+        if not self.questions.answered(msg):
             self._unexpected(link, msg)
 
     def _from_decode(self, link: Link, msg: Message) -> None:
-        if self._answered(msg):
+        if self.questions.answered(msg):
             return
         rid = getattr(msg, "request_id", "")
         stream = self._streams.get(rid)
@@ -575,7 +425,7 @@ class ClusterClient(EngineClient):
         if isinstance(msg, TokenChunk):
             stream.out.put_nowait(msg)
         elif isinstance(msg, RequestFailed):
-            stream.out.put_nowait(_failure(msg))
+            stream.out.put_nowait(failure(msg))
         else:
             self._unexpected(link, msg)
 
@@ -596,7 +446,7 @@ class ClusterClient(EngineClient):
         self._forget_geometry()
         for stream in self._streams.values():
             if stream.link is link:
-                stream.out.put_nowait(_WorkerLost(f"decode worker {link.label} {why}"))
+                stream.out.put_nowait(WorkerLost(f"decode worker {link.label} {why}"))
         if self.view is not None:
             self.view.link_down("decode", link)
 

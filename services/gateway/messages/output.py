@@ -50,7 +50,7 @@ def message_usage(last: RequestOutput, page_size: int) -> dict[str, int]:
     """The usage of a generation whose latest output is `last` (``page_size``: tokens a
     cached page holds; 0 where nothing is cached)."""
     prompt = last.prompt_tokens
-    read = min(last.cached_tokens, prompt)
+    read = min(last.cached.total, prompt)
     kept = prompt // page_size * page_size if page_size > 0 else 0
     created = max(0, kept - read)
     return {

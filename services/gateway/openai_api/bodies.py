@@ -22,7 +22,7 @@ def usage(lasts: Sequence[RequestOutput]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached.total for o in lasts)},
     }
 
 

@@ -36,22 +36,18 @@ import httpx
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 
-from radixserve.protocol.messages import MAX_TREE_NODES, CacheTreeReply
+from radixserve.protocol.messages import MAX_TREE_NODES, CacheTreeReply, ServiceStats
+from radixserve.protocol.stats_messages import EngineSection, fill
 from radixserve.runtime.engine_client import LOCAL_WORKER
 from radixserve.services.gateway.gateway import Gateway, caller, gateway_of
 from radixserve.services.gateway.server.errors import OpenAIError
 from radixserve.services.gateway.server.query import int_param
+from radixserve.worker_metrics import WorkerView
 
 TEXT_TOKENS = 12  # a node's first tokens shown as text (with explorer_prompt_text)
 DEFAULT_NODES = 48
 MAX_LISTED_REQUESTS = 1000
 AUTOSCALER_TIMEOUT_S = 1.0
-#: what each worker's heartbeat stats may say, grouped for the page
-DEVICE_KEYS = ("pages_total", "pages_used", "pages_free", "pages_cached", "pages_locked",
-               "pages_evictable", "page_bytes", "live_requests")  # fmt: skip
-LOAD_KEYS = ("running", "waiting", "queued_tokens", "gateway_in_flight")
-AUDIT_KEYS = ("audit_checked", "audit_mismatches", "audit_fail_closed")
-TIERS = ("host", "disk")  # the kvstore's tiers: <tier>_pages_{total,used,stored,leased}
 
 
 @cache
@@ -64,25 +60,58 @@ def page_html() -> str:
     return html.replace("/*EXPLORER_CSS*/", css).replace("/*EXPLORER_JS*/", js)
 
 
-def _state(stats: dict[str, Any]) -> str:
-    if not stats.get("up"):
+def _present(**values: int | None) -> dict[str, int]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _state(view: WorkerView) -> str:
+    if not view.up:
         return "down"
-    return "draining" if stats.get("draining") else "up"
+    return "draining" if view.load is not None and view.load.draining else "up"
 
 
-def _tiers(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _tiers(stats: ServiceStats | None) -> dict[str, dict[str, int]]:
     """The pages of each tier the worker reports: its own device pool, and (the kvstore)
     its host-memory and disk tiers."""
-    tiers: dict[str, dict[str, Any]] = {}
-    if "pages_total" in stats:
-        tiers["device"] = {k: stats[k] for k in DEVICE_KEYS if k in stats}
-    for tier in TIERS:
-        prefix = f"{tier}_pages_"
-        found = {k[len(prefix) :]: v for k, v in stats.items()
-                 if k.startswith(prefix) and ":" not in k}  # fmt: skip
-        if found:
-            tiers[tier] = found
+    tiers: dict[str, dict[str, int]] = {}
+    e = stats.engine if stats is not None else None
+    if e is not None:
+        tiers["device"] = _present(
+            pages_total=e.pages_total, pages_used=e.pages_used, pages_free=e.pages_free,
+            pages_cached=e.pages_cached, pages_locked=e.pages_locked,
+            pages_evictable=e.pages_evictable, page_bytes=e.page_bytes,
+            live_requests=e.live_requests,
+        )  # fmt: skip
+    kv = stats.kvstore if stats is not None else None
+    host, disk = (kv.host, kv.disk) if kv is not None else (None, None)
+    if host is not None and host.host_pages_total is not None:
+        tiers["host"] = _present(
+            total=host.host_pages_total, used=host.host_pages_used, free=host.host_pages_free,
+            stored=host.host_pages_stored, leased=host.host_pages_leased,
+        )  # fmt: skip
+    if disk is not None:
+        tiers["disk"] = _present(
+            total=disk.disk_pages_total, used=disk.disk_pages_used, free=disk.disk_pages_free,
+            stored=disk.disk_pages_stored, leased=disk.disk_pages_leased,
+        )  # fmt: skip
     return tiers
+
+
+def _load(view: WorkerView) -> dict[str, int]:
+    load = view.load
+    if load is None:
+        return _present(gateway_in_flight=view.gateway_in_flight)
+    return _present(running=load.running, waiting=load.waiting,
+                    queued_tokens=load.queued_tokens,
+                    gateway_in_flight=view.gateway_in_flight)  # fmt: skip
+
+
+def _audit(stats: ServiceStats | None) -> dict[str, int]:
+    e = stats.engine if stats is not None else None
+    if e is None:
+        return {}
+    return _present(audit_checked=e.audit_checked, audit_mismatches=e.audit_mismatches,
+                    audit_fail_closed=e.audit_fail_closed)  # fmt: skip
 
 
 def _live(reply: CacheTreeReply | None) -> dict[str, Any] | None:
@@ -111,28 +140,29 @@ async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(page_html(), headers=headers)
 
 
-def _workers(gw: Gateway) -> dict[str, dict[str, Any]]:
+def _workers(gw: Gateway) -> dict[str, WorkerView]:
     workers = gw.client.worker_stats()
     if workers:
         return workers
-    return {LOCAL_WORKER: {"role": "engine", "up": True, **gw.client.stats()}}
+    engine = fill(EngineSection, gw.client.stats())  # the in-process engine's pool
+    return {LOCAL_WORKER: WorkerView("engine", True, stats=ServiceStats(engine=engine))}
 
 
 async def workers(request: Request) -> dict[str, Any]:
     gw = gateway_of(request, "admin")
     found = _workers(gw)
     rates = gw.requests.hit_rates()
-    names = [n for n, w in found.items() if w.get("up") and w.get("role") != "kvstore"]
+    names = [n for n, w in found.items() if w.up and w.role != "kvstore"]
     replies = await asyncio.gather(*(gw.client.cache_tree(n, 0, 0) for n in names))
     live = dict(zip(names, replies))
     listed = []
-    for name, stats in sorted(found.items(), key=lambda kv: (str(kv[1].get("role")), kv[0])):
+    for name, view in sorted(found.items(), key=lambda kv: (kv[1].role, kv[0])):
         listed.append({
-            "name": name, "role": stats.get("role", ""), "state": _state(stats),
-            "address": stats.get("address", ""), "tp_size": stats.get("tp_size", 1),
-            "tiers": _tiers(stats), "load": {k: stats[k] for k in LOAD_KEYS if k in stats},
+            "name": name, "role": view.role, "state": _state(view), "address": view.address,
+            "tp_size": 1 if view.tp_size is None else view.tp_size,
+            "tiers": _tiers(view.stats), "load": _load(view),
             "hit_rate": rates.get(name), "live": _live(live.get(name)),
-            "audit": {k: stats[k] for k in AUDIT_KEYS if k in stats},
+            "audit": _audit(view.stats),
         })  # fmt: skip
     return {"workers": listed, "hit_rate": rates.get(""), "gateway_in_flight": gw.in_flight,
             "prompt_text": _text_tokens(gw) > 0}  # fmt: skip

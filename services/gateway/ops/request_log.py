@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from radixserve.engine.outputs import RequestOutput
+from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.services.gateway.tenancy.tenants import Principal
 
 HIT_RATE_WINDOW_S = 300.0  # the explorer's hit rates: requests finished this recently
@@ -45,10 +46,7 @@ class RequestRecord:
     tenant: str = ""  # whose request it is (listed to its tenant's keys and admins)
     status: str = "running"  # then "done", "failed" (an error) or "aborted" (client left)
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # all tiers, as the API's usage reports them
-    device_cached_tokens: int = 0
-    host_cached_tokens: int = 0  # from host memory (the disk's share not included)
-    disk_cached_tokens: int = 0
+    cached: CachedTokens = field(default_factory=CachedTokens)  # its prompts', by tier
     completion_tokens: int = 0
     ttft_ms: float | None = None
     itl_ms: float | None = None
@@ -62,7 +60,8 @@ class RequestRecord:
     _first: float | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        fields = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        return {**fields, "cached": self.cached.as_dict()}
 
 
 class RequestLog:
@@ -101,12 +100,8 @@ class RequestLog:
         record.status = "failed" if failed else "done" if done else "aborted"
         record.completion_tokens = tokens
         for out in outs:
-            device, host, disk = out.cached_by_tier()
             record.prompt_tokens += out.prompt_tokens
-            record.cached_tokens += out.cached_tokens
-            record.device_cached_tokens += device
-            record.host_cached_tokens += host
-            record.disk_cached_tokens += disk
+            record.cached += out.cached
             record.finish_reason = out.finish_reason or record.finish_reason
             record.route = out.route or record.route
             record.prefill_worker = out.prefill_worker or record.prefill_worker
@@ -123,23 +118,18 @@ class RequestLog:
 
     def hit_rates(self, window_s: float = HIT_RATE_WINDOW_S) -> dict[str, dict[str, Any]]:
         """Per worker (and "" for all), over the requests finished in the last
-        ``window_s`` through this gateway: prompt tokens, cached tokens by tier, and
-        the share cached."""
+        ``window_s`` through this gateway: prompt tokens, cached tokens (``cached``, as
+        `CachedTokens.as_dict`), and the share cached."""
         since = time.time() - window_s
-        rates: dict[str, dict[str, Any]] = {}
+        sums: dict[str, tuple[int, CachedTokens]] = {}
         for r in self._ring:
             if r.finished_s is None or r.finished_s < since or r.status == "failed":
                 continue
             for name in {"", r.decode_worker, r.prefill_worker}:  # "": every worker
-                rate = rates.setdefault(name, dict.fromkeys(_TIER_KEYS, 0))
-                for key in _TIER_KEYS:
-                    rate[key] += getattr(r, key)
-        for rate in rates.values():
-            prompt = rate["prompt_tokens"]
-            rate["hit_rate"] = round(rate["cached_tokens"] / prompt, 4) if prompt else None
-            rate["window_s"] = window_s
-        return rates
-
-
-_TIER_KEYS = ("prompt_tokens", "cached_tokens", "device_cached_tokens", "host_cached_tokens",
-              "disk_cached_tokens")  # fmt: skip
+                prompt, cached = sums.get(name, (0, CachedTokens()))
+                sums[name] = (prompt + r.prompt_tokens, cached + r.cached)
+        return {
+            name: {"prompt_tokens": prompt, "cached": cached.as_dict(), "window_s": window_s,
+                   "hit_rate": round(cached.total / prompt, 4) if prompt else None}
+            for name, (prompt, cached) in sums.items()
+        }  # fmt: skip

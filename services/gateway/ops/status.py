@@ -42,7 +42,7 @@ async def debug_cache(request: Request) -> dict[str, Any]:
     }
     workers = gw.client.worker_stats()
     if workers:
-        body["workers"] = workers
+        body["workers"] = {name: view.as_dict() for name, view in workers.items()}
     return body
 
 

@@ -45,7 +45,7 @@ def response_usage(last: RequestOutput) -> dict[str, Any]:
     cache in ``input_tokens_details.cached_tokens``)."""
     return {
         "input_tokens": last.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": last.cached_tokens},
+        "input_tokens_details": {"cached_tokens": last.cached.total},
         "output_tokens": last.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": last.prompt_tokens + last.completion_tokens,

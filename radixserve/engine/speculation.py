@@ -1,0 +1,364 @@
+"""Speculative decoding without a draft model: drafts from the request's own tokens
+(prompt lookup) and from the token sequences this engine has cached (the draft index),
+verified in the step that decodes them.
+
+Drafting. Before a step, each decoding request that may speculate (`Speculator.propose`)
+gets up to k draft tokens (`Request.draft`):
+
+* ``prompt``: the latest earlier place in its own tokens (prompt and output) where its
+  last n tokens occur (n from `MAX_NGRAM` down to `MIN_NGRAM`, the longest match
+  first), and the tokens that followed it there;
+* ``radix``: the same lookup in the `DraftIndex` — the token sequences the engine's
+  cache was given (every request's tokens, prompt and output, when it ends), kept per
+  cache namespace, so a draft never crosses a tenant's (or a model's) isolation
+  boundary; the most recent sequence holding the n-gram wins;
+* ``both``: prompt lookup first, the index where it finds nothing.
+
+k adapts per request and per step (`Speculator`): a draft token is worth the chance it
+is kept (the request's own record) and costs a row of the step (the engine's step times
+against their rows, `StepCost`); a request drafts as far as its tokens are worth more
+than they cost, so speculation backs off by itself in big batches (a row's share of the
+step nears 1) and for requests whose drafts miss. It stands down altogether for a step
+with more than ``max_batch`` decoding requests, and for requests whose tokens a grammar
+guides (its masks are made for one position a step).
+
+Verification (`Engine.step`) is exact. The request's next chunk is its pending token
+followed by its draft; the model returns the logits of every position of it. Position i
+is then sampled exactly as a plain decode step would sample it — the same sampler, the
+same penalties, stop checks, log-probabilities and thinking budget, the same seeded
+generator (a function of the tokens sampled so far: `sampler.step_generator`), given the
+same tokens before it — and draft token i + 1 is kept only if it is the token sampled
+there. The first mismatch ends the step: the sampled token is appended, like the
+correction of ordinary speculative decoding. So the tokens appended are exactly those
+decoding one by one would give: greedy, seeded or not (an unseeded draw is a fresh draw
+from the same distribution). The kernels are batch-invariant, so a position's logits
+have the same bits in a verification chunk as in a decode step.
+
+KV of rejected draft tokens: their slots lie past the request's computed tokens and are
+written again by the tokens that come later; the pages stay the request's (they are its
+next pages) and return with it. Only accepted positions count as computed, so the cache
+is given no rejected token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from radixserve.engine.outputs import TokenLogprob
+from radixserve.engine.request import Request, RequestStatus
+
+SpeculativeMethod = Literal["off", "prompt", "radix", "both"]
+METHODS: tuple[SpeculativeMethod, ...] = ("off", "prompt", "radix", "both")
+#: the n-gram lengths matched, the longest first
+MAX_NGRAM, MIN_NGRAM = 4, 2
+
+
+class NgramPlaces:
+    """Where each n-gram (`MIN_NGRAM`..`MAX_NGRAM` tokens) of a growing token list last
+    occurred with a token after it: n-gram -> the index of that token. `extend` indexes
+    what was appended since it last ran."""
+
+    def __init__(self) -> None:
+        self.places: dict[tuple[int, ...], int] = {}
+        self.upto = 0  # positions indexed: every n-gram ending before it
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for end in range(max(self.upto, MIN_NGRAM), len(tokens)):
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                self.places[tuple(tokens[end - n : end])] = end
+        self.upto = max(self.upto, len(tokens))
+
+    def find(self, tokens: Sequence[int]) -> int | None:
+        """Where the tokens that followed ``tokens``' last n tokens start (the longest n
+        indexed), or None."""
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+            end = self.places.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None:
+                return end
+        return None
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, places: NgramPlaces | None = None) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of ``tokens``' last
+    n tokens in ``tokens`` (the longest n that occurs); [] if none does. ``places``: the
+    request's index, brought up to date here (a fresh one if None)."""
+    places = places if places is not None else NgramPlaces()
+    places.extend(tokens)
+    end = places.find(tokens)
+    return [] if end is None else list(tokens[end : end + k])
+
+
+@dataclass
+class _Sequences:
+    """One namespace's sequences and, per n-gram, where it last occurred."""
+
+    sequences: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
+    places: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+    tokens: int = 0
+
+
+class DraftIndex:
+    """Token sequences the cache was given, per namespace, indexed by their n-grams
+    (`MIN_NGRAM`..`MAX_NGRAM`); at most ``max_tokens`` tokens in all, the least
+    recently added sequences dropped first. Text only: it holds no page and no KV."""
+
+    def __init__(self, max_tokens: int = 1 << 20) -> None:
+        self.max_tokens = max_tokens
+        self._spaces: dict[bytes | None, _Sequences] = {}
+        self._next_id = 0
+        self._tokens = 0
+
+    def add(self, namespace: bytes | None, tokens: Sequence[int]) -> None:
+        if len(tokens) <= MIN_NGRAM:
+            return
+        space = self._spaces.setdefault(namespace, _Sequences())
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        seq = list(tokens[-self.max_tokens :])
+        space.sequences[seq_id] = seq
+        space.tokens += len(seq)
+        self._tokens += len(seq)
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            for end in range(n, len(seq)):  # an n-gram with a token after it
+                space.places[tuple(seq[end - n : end])] = (seq_id, end)
+        while self._tokens > self.max_tokens:
+            self._drop_oldest()
+
+    def lookup(self, namespace: bytes | None, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed ``tokens``' last n tokens (the longest n
+        found) where they last occurred in this namespace's sequences; [] if nowhere."""
+        space = self._spaces.get(namespace)
+        if space is None:
+            return []
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+            place = space.places.get(tuple(tokens[len(tokens) - n :]))
+            if place is not None:
+                seq = space.sequences.get(place[0])
+                if seq is not None:
+                    return seq[place[1] : place[1] + k]
+        return []
+
+    def _drop_oldest(self) -> None:
+        oldest = min(
+            (s for s in self._spaces.values() if s.sequences),
+            key=lambda s: next(iter(s.sequences)),
+        )
+        seq_id, seq = oldest.sequences.popitem(last=False)
+        oldest.tokens -= len(seq)
+        self._tokens -= len(seq)
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            for end in range(n, len(seq)):
+                key = tuple(seq[end - n : end])
+                if oldest.places.get(key, (None,))[0] == seq_id:
+                    del oldest.places[key]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+
+@dataclass
+class MethodStats:
+    """Counters of one drafting method (the metrics' source: acceptance is accepted /
+    drafted, tokens per verification emitted / steps)."""
+
+    steps: int = 0  # verification chunks run
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them kept
+    emitted: int = 0  # tokens appended by those chunks (accepted + the sampled one)
+
+
+class StepCost:
+    """A step's seconds as ``a + b`` x its rows (new tokens), fitted by least squares
+    over recent steps (each weighs `DECAY` times the next); until the rows vary enough
+    to fit a slope, half of a step's time is taken to be per row."""
+
+    DECAY = 0.97
+
+    def __init__(self) -> None:
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self._n, self._x, self._y = d * self._n + 1, d * self._x + rows, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+
+    def per_row_share(self, rows: int) -> float:
+        """b x rows / (a + b x rows): the share of a step of ``rows`` rows that its rows
+        cost (1 if nothing is known: no speculation before a step was timed)."""
+        if self._n < 1:
+            return 1.0
+        mx, my = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mx * mx
+        b = (self._xy / self._n - mx * my) / var if var > 0.25 else 0.5 * my / max(mx, 1.0)
+        b = min(max(b, 0.0), my / max(mx, 1.0))  # a slope past the mean cost per row is noise
+        a = max(my - b * mx, 0.0)
+        return b * rows / (a + b * rows) if a + b * rows > 0 else 1.0
+
+
+class Speculator:
+    """Proposes drafts before a step and learns from their verification (module notes).
+
+    How many tokens to draft: a request's draft token j is kept with probability p^j
+    (p: the share of its draft tokens kept so far, per position tried, with a prior of
+    `PRIOR_KEPT` of `PRIOR_TRIED`), so its j-th token is worth p^j tokens, and it costs a
+    row: at the current batch's rate, b tokens' worth of a step's time per row over the
+    batch's B rows (`StepCost.per_row_share`). A request drafts the k whose every token
+    is worth more than it costs: p^k > share; none when even p is not (a big batch, a
+    request whose drafts miss)."""
+
+    PRIOR_KEPT, PRIOR_TRIED = 1.6, 2.0  # p = 0.8 until its drafts say otherwise
+    DECAY = 0.8  # of a request's kept/tried counts per verification
+
+    def __init__(
+        self, method: SpeculativeMethod, max_draft_tokens: int, max_batch: int,
+        index_tokens: int = 1 << 20,
+    ) -> None:  # fmt: skip
+        self.method = method
+        self.max_draft_tokens = max_draft_tokens
+        self.max_batch = max_batch
+        self.index = DraftIndex(index_tokens)
+        self.cost = StepCost()
+        self.stats = {m: MethodStats() for m in ("prompt", "radix")}
+        self._kept: dict[str, tuple[float, float]] = {}  # request id -> (kept, tried)
+        self._places: dict[str, NgramPlaces] = {}  # request id -> its own tokens' n-grams
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off" and self.max_draft_tokens > 0
+
+    def draft_length(self, request_id: str, share: float) -> int:
+        """The k for a request at a step where a row costs ``share`` (class notes)."""
+        kept, tried = self._kept.get(request_id, (self.PRIOR_KEPT, self.PRIOR_TRIED))
+        p = kept / tried
+        if p <= share or p <= 0.0:
+            return 0
+        if p >= 1.0 or share <= 0.0:
+            return self.max_draft_tokens
+        return min(self.max_draft_tokens, int(math.log(share) / math.log(p)))
+
+    def propose(self, running: Sequence[Request], max_model_len: int) -> None:
+        """Set `Request.draft` of the decoding requests that speculate this step."""
+        decoding = [r for r in running if r.num_pending == 1]
+        for req in running:
+            req.draft = []
+        if not self.enabled or len(decoding) > self.max_batch:
+            return
+        share = self.cost.per_row_share(len(decoding))
+        for req in decoding:
+            if req.guide is not None:
+                continue
+            room = min(
+                req.params.max_tokens - len(req.output_ids) - 1,  # the sampled one is extra
+                max_model_len - req.num_tokens - 1,
+            )
+            k = min(self.draft_length(req.request_id, share), room)
+            if k <= 0:
+                continue
+            tokens = req.token_ids
+            draft, method = [], ""
+            if self.method in ("prompt", "both"):
+                places = self._places.setdefault(req.request_id, NgramPlaces())
+                draft, method = prompt_lookup(tokens, k, places), "prompt"
+            if not draft and self.method in ("radix", "both"):
+                draft, method = self.index.lookup(req.namespace, tokens, k), "radix"
+            req.draft, req.draft_method = draft, method
+
+    def verified(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
+        """``req``'s chunk kept ``accepted`` of its ``drafted`` draft tokens."""
+        stats = self.stats[req.draft_method]
+        stats.steps += 1
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.emitted += emitted
+        kept, tried = self._kept.get(req.request_id, (self.PRIOR_KEPT, self.PRIOR_TRIED))
+        positions = accepted + (accepted < drafted)  # the first miss was tried too
+        self._kept[req.request_id] = (self.DECAY * kept + accepted,
+                                      self.DECAY * tried + positions)  # fmt: skip
+
+    def counters(self) -> dict[str, int]:
+        """The methods' counters, named as the worker's stats carry them."""
+        return {f"speculative_{m}_{what}_total": getattr(st, what)
+                for m, st in self.stats.items()
+                for what in ("steps", "drafted", "accepted", "emitted")}  # fmt: skip
+
+    def forget(self, req: Request) -> None:
+        """``req`` was aborted: drop what was kept for it."""
+        self._kept.pop(req.request_id, None)
+        self._places.pop(req.request_id, None)
+
+    def finished(self, req: Request) -> None:
+        """``req`` ended: its tokens go into the draft index (when drafting from it)."""
+        self.forget(req)
+        if self.method in ("radix", "both"):
+            self.index.add(req.namespace, req.token_ids)
+
+
+#: (request, its new token, its log-probabilities if asked for), as `ChoiceSampler` draws
+Draw = tuple[Request, int, TokenLogprob | None]
+
+
+@dataclass
+class Verified:
+    """What one request's verification chunk appended."""
+
+    req: Request
+    tokens: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    drafted: int
+    accepted: int
+
+
+def verify_drafts(
+    first: Sequence[Draw],
+    draft_logits: dict[str, torch.Tensor],
+    last_rows: dict[str, torch.Tensor],
+    sample: Callable[[torch.Tensor, list[Request]], list[Draw]],
+    add: Callable[[Request, int, TokenLogprob | None], str],
+) -> list[Verified]:
+    """Verify the drafts of the requests drawn in ``first`` (their first position's
+    token, sampled from their first draft row); ``draft_logits``: each one's rows for its
+    chunk's first k positions, ``last_rows``: its last position's row. ``sample(rows,
+    reqs)`` samples as a plain step would, ``add(req, token, logprob)`` appends a token
+    (stop checks, finishing) and gives its text. Position i + 1 is sampled only if
+    position i's token is the draft's (module notes); each accepted draft token's KV is
+    counted as computed."""
+    state = {
+        req.request_id: Verified(
+            req, [tok], add(req, tok, lp), None if lp is None else [lp], len(req.draft), 0
+        )  # fmt: skip
+        for req, tok, lp in first
+    }
+    step = 0
+    while True:
+        going = [
+            v.req
+            for v in state.values()
+            if v.req.status is RequestStatus.RUNNING
+            and v.accepted == step  # every draft token so far kept
+            and step < v.drafted
+            and v.tokens[-1] == v.req.draft[step]
+        ]
+        if not going:
+            break
+        for req in going:
+            state[req.request_id].accepted += 1
+            req.num_computed += 1  # the draft token's KV is the right one: it is computed
+        step += 1
+        rows = torch.stack([
+            draft_logits[r.request_id][step] if step < len(r.draft) else last_rows[r.request_id]
+            for r in going
+        ])  # fmt: skip
+        for req, tok, lp in sample(rows, going):
+            v = state[req.request_id]
+            v.tokens.append(tok)
+            v.text += add(req, tok, lp)
+            if v.logprobs is not None and lp is not None:
+                v.logprobs.append(lp)
+    return list(state.values())

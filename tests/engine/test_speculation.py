@@ -1,0 +1,248 @@
+"""Speculative decoding (`radixserve.engine.speculation`): drafts from the request's own
+tokens and from the draft index, verified exactly. With speculation on, every request
+gets the tokens (and log-probabilities) decoding one by one gives: greedy, seeded
+sampling, penalties, stop strings, ``n`` choices, a thinking budget; drafts are really
+verified (the counters move); no draft crosses a cache namespace; no page leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.engine.sampling_params import SamplingParams
+from radixserve.engine.speculation import DraftIndex, NgramPlaces, prompt_lookup
+from tests.engine.engine_helpers import TINY, make_engine
+
+CODE = """def add(a, b):
+    return a + b
+
+
+def subtract(a, b):
+    return a - b
+
+
+def multiply(a, b):
+    return a * b
+"""
+
+
+def test_prompt_lookup_takes_the_latest_earlier_occurrence_of_the_longest_ngram():
+    assert prompt_lookup([1, 2, 3, 4, 5, 6, 1, 2, 3], 3) == [4, 5, 6]
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest
+    assert prompt_lookup([5, 1, 2, 8, 7, 1, 2, 9, 4, 7, 1, 2], 1) == [9]  # 3 tokens beat 2
+    assert prompt_lookup([1, 2, 3, 4], 4) == []  # nothing repeats
+    places = NgramPlaces()  # kept up to date as the tokens grow
+    assert prompt_lookup([1, 2, 3, 1], 2, places) == []
+    assert prompt_lookup([1, 2, 3, 1, 2], 2, places) == [3, 1]
+
+
+def test_the_draft_index_keeps_namespaces_apart_and_its_bound():
+    index = DraftIndex(max_tokens=12)
+    index.add(b"a", [5, 6, 7, 8, 9, 10])
+    assert index.lookup(b"a", [1, 6, 7], 3) == [8, 9, 10]
+    assert index.lookup(b"b", [1, 6, 7], 3) == []  # another tenant's text: never
+    index.add(b"b", [6, 7, 1, 2, 3, 4, 5, 6])  # 14 tokens > 12: a's sequence goes
+    assert index.lookup(b"a", [6, 7], 3) == []
+    assert index.lookup(b"b", [6, 7], 3) == [1, 2, 3]
+    assert index.num_tokens == 8
+
+
+def test_how_far_a_request_drafts_follows_its_acceptance_and_the_step_cost():
+    from radixserve.engine.speculation import Speculator, StepCost
+
+    cost = StepCost()
+    assert cost.per_row_share(1) == 1.0  # nothing timed: no speculation
+    for rows, ms in [(1, 10), (3, 20), (5, 30), (9, 50), (1, 10), (16, 85)]:
+        cost.observe(rows, ms / 1000)  # 5 ms a step + 5 ms a row
+    assert cost.per_row_share(1) == pytest.approx(0.5, abs=0.01)
+    assert cost.per_row_share(16) == pytest.approx(80 / 85, abs=0.01)
+    spec = Speculator("prompt", max_draft_tokens=8, max_batch=64)
+    assert spec.draft_length("new", 0.5) == 3  # the prior p = 0.8: 0.8^3 > 0.5 > 0.8^4
+    assert spec.draft_length("new", 0.9) == 0  # a big batch: a row costs more than 0.8
+    assert spec.draft_length("new", 0.01) == 8  # bounded by the maximum
+    req = type("R", (), {"request_id": "r", "draft_method": "prompt"})()
+    for _ in range(10):
+        spec.verified(req, drafted=4, accepted=0, emitted=1)  # every draft missed
+    assert spec.draft_length("r", 0.3) == 0
+    for _ in range(10):
+        spec.verified(req, drafted=4, accepted=4, emitted=5)  # every draft kept
+    assert spec.draft_length("r", 0.3) >= 6
+
+
+def _pin_cost(engine, share: float = 0.1):
+    """A row's share of a step fixed (the measured one moves with the machine's load):
+    how many tokens are drafted is then the same every run; what is kept never depends
+    on it."""
+    engine.speculator.cost.per_row_share = lambda rows: share
+    return engine
+
+
+def _engines(model: str, method: str, **kw):
+    off = make_engine(model, kv_cache_memory_gib=0.1, **kw)
+    on = make_engine(model, kv_cache_memory_gib=0.1, speculative_method=method,
+                     speculative_max_draft_tokens=6, **kw)  # fmt: skip
+    return off, _pin_cost(on)
+
+
+def _check_no_leak(engine) -> None:
+    engine.check_integrity()
+    assert not engine.has_unfinished()
+    stats = engine.kv.stats()  # at rest every page is free or the cache's, unlocked
+    assert stats["page_refs_outside_cache"] == 0, stats
+    assert stats["pages_reserved"] == 0 and stats.get("cache_locks", 0) == 0, stats
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return _engines("default", "both")
+
+
+def _copy_prompts(engine) -> list[list[int]]:
+    ask = [
+        f"Repeat this code exactly:\n\n{CODE}",
+        f"Rename add to plus and return the whole file:\n\n{CODE}",
+        "Write the numbers from one to twenty in words, separated by commas.",
+    ]
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": a}]) for a in ask]
+
+
+def test_greedy_tokens_are_the_same_with_drafts_verified(smol):
+    off, on = smol
+    prompts = _copy_prompts(off)
+    params = SamplingParams(max_tokens=96, temperature=0.0)
+    expected = off.generate(prompts, params)
+    for round_ in range(2):  # the second round also drafts from the first's text
+        got = on.generate(prompts, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected], round_
+    stats = on.speculator.stats
+    accepted = sum(s.accepted for s in stats.values())
+    assert stats["prompt"].steps > 0 and accepted > 0, stats
+    assert stats["radix"].drafted > 0, stats  # the second round found the first's text
+    assert sum(s.emitted for s in stats.values()) > sum(s.steps for s in stats.values())
+    _check_no_leak(on)
+
+
+def test_every_request_alone_and_in_a_batch_gets_its_tokens(smol):
+    off, on = smol
+    prompts = _copy_prompts(off)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    alone = [on.generate([p], params)[0].token_ids for p in prompts]
+    together = [r.token_ids for r in on.generate(prompts, params)]
+    assert alone == together == [r.token_ids for r in off.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=64, temperature=0.8, seed=7),
+        SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, top_k=40, seed=3, n=2),
+        SamplingParams(
+            max_tokens=64,
+            temperature=0.0,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            repetition_penalty=1.1,
+        ),  # fmt: skip
+        SamplingParams(max_tokens=64, temperature=0.0, logprobs=3),
+        SamplingParams(max_tokens=64, temperature=0.0, stop=["multiply"]),
+        SamplingParams(max_tokens=64, temperature=0.0, min_tokens=20),
+    ],
+    ids=["seeded", "seeded-n2-topk-topp", "penalties", "logprobs", "stop", "min-tokens"],
+)
+def test_sampling_options_give_the_same_tokens(smol, params):
+    off, on = smol
+    prompts = _copy_prompts(off)[:2]
+    expected = off.generate(prompts, params)
+    before = sum(s.steps for s in on.speculator.stats.values())
+    got = on.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert [r.text for r in got] == [r.text for r in expected]
+    if params.logprobs is not None:
+        assert [r.logprobs for r in got] == [r.logprobs for r in expected]
+    assert sum(s.steps for s in on.speculator.stats.values()) > before  # it did speculate
+    _check_no_leak(on)
+
+
+def test_no_draft_crosses_a_cache_scope():
+    """Bob's request ends with text only Alice's answer holds: the draft index, which
+    holds Alice's tokens under her scope, drafts nothing for Bob, and drafts for Alice."""
+    engine = _pin_cost(make_engine(TINY, kv_cache_memory_gib=0.1, speculative_method="radix"))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompt = engine.tokenizer.encode("The harbour master kept a log of every ship.")
+    rid = engine.add_request(prompt, params, cache_scope="alice")
+    while engine.has_unfinished():
+        engine.step()
+    assert rid not in engine.intake.requests
+    spaces = engine.speculator.index._spaces
+    assert len(spaces) == 1 and None not in spaces  # Alice's scope only
+    (alice,) = spaces
+    tokens = next(iter(spaces[alice].sequences.values()))  # her prompt and answer
+    assert len(tokens) == len(prompt) + 24
+    for scope, expect_draft in (("bob", False), ("alice", True)):
+        # her prompt and the start of her answer: greedy, the same next token as hers
+        rid = engine.add_request(tokens[: len(prompt) + 4], params, cache_scope=scope)
+        engine.step()  # its prompt and first token
+        engine.speculator.propose(engine.scheduler.running, engine.max_model_len)
+        req = engine.intake.requests[rid]
+        assert bool(req.draft) is expect_draft, scope
+        engine.abort(rid)
+    _check_no_leak(engine)
+
+
+def test_off_by_default_and_its_settings_are_checked():
+    from pydantic import ValidationError
+
+    from radixserve.settings import EngineSettings
+
+    assert EngineSettings().speculative_method == "off"
+    with pytest.raises(ValidationError, match="speculative_method"):
+        EngineSettings(speculative_method="eagle")
+    with pytest.raises(ValidationError, match="speculative_max_draft_tokens"):
+        EngineSettings(speculative_max_draft_tokens=-1)
+
+
+def _chi_square_critical(dof: int, z: float = 2.326) -> float:
+    """The chi-square quantile at the normal quantile ``z`` (2.326: 0.99), by Wilson and
+    Hilferty's approximation."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_unseeded_sampling_keeps_its_distribution():
+    """Unseeded draws at temperature 0.8, off and with radix drafts planted to be wrong
+    (after the prompt and any of its 20 likeliest first tokens, the index holds "the
+    capital city of France is"): the fourth token of 200 answers each, as categories (those seen
+    under 10 times on both sides together pooled), passes a chi-square test of
+    homogeneity at 0.99, and the drafts were verified. Accepting a draft without
+    checking it samples the fourth token after "the capital" (" city" then comes up), and fails. The global
+    RNG is seeded for each side: the verdict is the same every run."""
+    import collections
+
+    import torch
+
+    off = make_engine("default", kv_cache_memory_gib=0.1)
+    on = _pin_cost(make_engine("default", kv_cache_memory_gib=0.1, speculative_method="radix"))
+    prompt = _copy_prompts(off)[2]
+    top = off.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]
+    planted = off.tokenizer.encode(" the capital city of France is")
+    for candidate in top.top_ids:
+        on.speculator.index.add(None, [prompt[-2], prompt[-1], candidate, *planted])
+    params = SamplingParams(max_tokens=8, temperature=0.8)
+    counts = []
+    for engine in (off, on):
+        torch.manual_seed(1234)
+        seen: collections.Counter[int] = collections.Counter()
+        for _ in range(50):  # batches of 4 (speculation stands down in big batches)
+            for r in engine.generate([prompt] * 4, params):
+                seen[r.token_ids[3] if len(r.token_ids) > 3 else -1] += 1
+        counts.append(seen)
+    radix = on.speculator.stats["radix"]
+    assert radix.drafted >= 100, radix  # most answers had the planted draft verified
+    common = [k for k in counts[0].keys() | counts[1].keys() if counts[0][k] + counts[1][k] >= 10]
+    rows = [[c[k] for k in common] + [sum(c.values()) - sum(c[k] for k in common)] for c in counts]
+    cols = [a + b for a, b in zip(*rows)]
+    if cols[-1] == 0:
+        rows, cols = [r[:-1] for r in rows], cols[:-1]
+    total = sum(cols)
+    stat = sum((rows[i][j] - sum(rows[i]) * cols[j] / total) ** 2 / (sum(rows[i]) * cols[j] / total)
+               for i in range(2) for j in range(len(cols)))  # fmt: skip
+    assert len(cols) >= 3, cols  # a distribution with some spread, or the test says little
+    assert stat < _chi_square_critical(len(cols) - 1), (stat, counts)
