@@ -25,8 +25,11 @@ SHARED = {
 }
 #: clusters of the tiny model (the `tiny_model` fixture's path is their argument)
 SHARED_TINY = {
-    # the defaults, pages over ZMQ (the "remote" clusters move them over NIXL)
-    "default-tiny": lambda model: TestCluster(transport="zmq", model=model),
+    # the defaults, pages over ZMQ (the "remote" clusters move them over NIXL), and
+    # speculative decoding on (its modules' answers are compared with one engine's)
+    "default-tiny": lambda model: TestCluster(
+        transport="zmq", model=model, env={"RADIXSERVE_SPECULATIVE_METHOD": "both"}
+    ),
     # "remote" on the tiny model: faults and load, where the subject is the machinery;
     # every process exports its spans to this process's OTLP receiver
     "remote-tiny": lambda model: TestCluster(
