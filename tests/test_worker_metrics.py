@@ -37,6 +37,8 @@ def cluster_views() -> dict[str, WorkerView]:
         pages_evictable=26, page_bytes=4096, live_requests=2, audit_checked=10,
         audit_mismatches=1, audit_skipped=2, audit_pending=0, audit_fail_closed=0,
         engine_prefill_tokens_total=900, engine_busy_seconds_total=1.5,
+        speculative_prompt_steps_total=10, speculative_prompt_drafted_total=40,
+        speculative_prompt_accepted_total=30, speculative_prompt_emitted_total=40,
     )  # fmt: skip
     decode = ServiceStats(
         uptime_s=60.0, heartbeats_total=12, engine=engine,

@@ -219,18 +219,22 @@ def test_a_clusters_workers_in_the_explorer_debug_cache_and_metrics(
                              "page_bytes": 4096, "live_requests": 2}},
         "load": {"running": 2, "waiting": 1, "queued_tokens": 5, "gateway_in_flight": 1},
         "audit": {"audit_checked": 10, "audit_mismatches": 1, "audit_fail_closed": 0},
+        "speculation": {"prompt": {"steps": 10, "drafted": 40, "accepted": 30,
+                                   "acceptance": 0.75, "tokens_per_step": 4.0}},
     }  # fmt: skip
     assert shown["kvstore"] == {
         "role": "kvstore", "state": "up", "address": "tcp://k:1", "tp_size": 0,
         "tiers": {"host": {"total": 64, "used": 8, "free": 56, "stored": 8, "leased": 1},
                   "disk": {"total": 1000, "used": 10, "free": 990, "stored": 10, "leased": 0}},
         "load": {"running": 0, "waiting": 0, "queued_tokens": 0}, "audit": {},
+        "speculation": {},
     }  # fmt: skip
     assert shown["prefill-0"]["tiers"]["device"] == {
         "pages_total": 50, "pages_used": 0, "pages_free": 0, "live_requests": 0,
     }  # fmt: skip
     assert shown["prefill-1"] == {"role": "prefill", "state": "down", "address": "tcp://p:2",
-                                  "tp_size": 1, "tiers": {}, "load": {}, "audit": {}}  # fmt: skip
+                                  "tp_size": 1, "tiers": {}, "load": {}, "audit": {},
+                                  "speculation": {}}  # fmt: skip
     assert debug == {name: view.as_dict() for name, view in cluster_views().items()}
     assert debug["decode-0"]["pages_used"] == 40 and debug["kvstore"]["members"] == 3
     assert 'radixserve_worker_pages_used{role="decode",worker="decode-0"} 40.0' in metrics

@@ -6,8 +6,9 @@ step) polls four endpoints and draws what they return:
 * ``/debug/explorer/workers``: every worker's role, state, TP size and pages (device;
   the kvstore's host and disk tiers), its hit rate over the requests this gateway
   finished in the last minutes (`RequestLog.hit_rates`), its live requests and their
-  phase (each worker's answer to a `CacheTreeQuery` asking for no nodes), and the cache
-  audit's counters where a worker reports them;
+  phase (each worker's answer to a `CacheTreeQuery` asking for no nodes), the cache
+  audit's counters where a worker reports them, and per drafting method its speculative
+  decoding (tokens drafted and kept, tokens a verification appends);
 * ``/debug/explorer/tree?worker=NAME&nodes=N``: that worker's N largest radix nodes
   (token and page counts, hits, locks, last hit, the requests that used each);
 * ``/debug/explorer/requests?limit=N``: the gateway's ring of recent requests
@@ -114,6 +115,23 @@ def _audit(stats: ServiceStats | None) -> dict[str, int]:
                     audit_fail_closed=e.audit_fail_closed)  # fmt: skip
 
 
+def _speculation(stats: ServiceStats | None) -> dict[str, dict[str, float]]:
+    """Per drafting method that verified drafts: its counters, the share of draft tokens
+    kept and the tokens a verification appended on average."""
+    e = stats.engine if stats is not None else None
+    out: dict[str, dict[str, float]] = {}
+    for method in ("prompt", "radix") if e is not None else ():
+        steps = getattr(e, f"speculative_{method}_steps_total")
+        if not steps:
+            continue
+        drafted = getattr(e, f"speculative_{method}_drafted_total")
+        accepted = getattr(e, f"speculative_{method}_accepted_total")
+        out[method] = {"steps": steps, "drafted": drafted, "accepted": accepted,
+                       "acceptance": accepted / drafted if drafted else 0.0,
+                       "tokens_per_step": getattr(e, f"speculative_{method}_emitted_total") / steps}  # fmt: skip
+    return out
+
+
 def _live(reply: CacheTreeReply | None) -> dict[str, Any] | None:
     if reply is None:
         return None
@@ -162,7 +180,7 @@ async def workers(request: Request) -> dict[str, Any]:
             "tp_size": 1 if view.tp_size is None else view.tp_size,
             "tiers": _tiers(view.stats), "load": _load(view),
             "hit_rate": rates.get(name), "live": _live(live.get(name)),
-            "audit": _audit(view.stats),
+            "audit": _audit(view.stats), "speculation": _speculation(view.stats),
         })  # fmt: skip
     return {"workers": listed, "hit_rate": rates.get(""), "gateway_in_flight": gw.in_flight,
             "prompt_text": _text_tokens(gw) > 0}  # fmt: skip

@@ -86,6 +86,9 @@
     if (w.hit_rate) rows.push(["hit rate (5 min)", `${pct(w.hit_rate.hit_rate)} of ${w.hit_rate.prompt_tokens} prompt tokens`]);
     for (const [k, v] of Object.entries(w.load)) rows.push([k.replace(/_/g, " "), v]);
     for (const [k, v] of Object.entries(w.audit)) rows.push([k.replace(/_/g, " "), v]);
+    for (const [m, s] of Object.entries(w.speculation || {})) {
+      rows.push([`speculation (${m})`, `${pct(s.acceptance)} of ${s.drafted} draft tokens kept, ${s.tokens_per_step.toFixed(1)} tokens a step`]);
+    }
     const dl = el("dl", { class: "kv" });
     for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, fmt(v)));
     if (w.tiers.device) card.append(pagesBar(w.tiers.device));
