@@ -41,6 +41,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag in ("trace", "trace_shape", "ttft_per_1k_tokens_s"):
         if getattr(args, flag) is not None and args.scenario != "autoscale":
             raise UsageError(f"--{flag.replace('_', '-')} applies to --scenario autoscale only")
+    if args.through_cluster is not None and args.scenario != "speculative":
+        raise UsageError("--through-cluster applies to --scenario speculative only")
     if args.preset == "pool" and args.scenario != "tiers":
         raise UsageError("--preset pool applies to --scenario tiers only")
     if args.scenario == "engine":
@@ -82,13 +84,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_perplexity(args)
     if args.scenario == "decode":
         return _run_decode(args)
+    if args.scenario == "speculative":
+        return _run_speculative(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
 
 SUITE_SCENARIOS = ("multi-turn", "rag", "all")
 # scenarios that run their own engine settings: --quantization is refused by name
-_OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer", "decode")
+_OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer", "decode",
+                        "speculative")  # fmt: skip
 
 
 def _run_autoscale(args: argparse.Namespace) -> int:
@@ -296,6 +301,32 @@ def _sizes(text: str | None, flag: str, low: int, high: int) -> tuple[int, ...]:
     return values
 
 
+# Flags `--scenario speculative` does not take (flag, its default): it builds one engine
+# per drafting method itself, on the CPU, with the defaults (--model applies).
+_NOT_FOR_SPECULATIVE = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
+                        ("page_size", None), ("prefix_cache", None), ("tp", None),
+                        ("audit_sample_rate", None), ("audit_fail_closed", None),
+                        ("speculative_method", None), ("speculative_max_draft_tokens", None),
+                        ("concurrency", None), ("conversations", None), ("rounds", None),
+                        ("users", None), ("url", None), ("prefill", None), ("decode", None),
+                        ("transport", "nixl"), ("preset", "seed"))  # fmt: skip
+
+
+def _run_speculative(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from radixserve.bench.speculative import run_speculative_bench
+    from radixserve.bench.speculative_options import QUICK, SpeculativeOptions
+
+    _refuse_flags(args, _NOT_FOR_SPECULATIVE, "--scenario speculative builds one engine per "
+                  "drafting method itself, with the defaults (--model, --seed apply)")  # fmt: skip
+    options = QUICK if args.quick else SpeculativeOptions()
+    out = Path(args.out or "bench/results/speculative" + ("-quick" if args.quick else "") + ".json")
+    return run_speculative_bench(replace(options, seed=args.seed, model=args.model or "default",
+                                         out_path=out, through_cluster=bool(args.through_cluster)))  # fmt: skip
+
+
 def _peer_env(args: argparse.Namespace) -> dict[str, str]:
     """``--peer-env KEY=VALUE`` items as a map (``--peer-threads`` checked too)."""
     peer_env = {}
@@ -370,6 +401,7 @@ def add_command(sub: Any) -> None:
             "chaos",
             "perplexity",
             "decode",
+            "speculative",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; "
@@ -390,7 +422,9 @@ def add_command(sub: Any) -> None:
         "every answer checked; perplexity: the engine's perplexity on a fixed text per "
         "configuration (quantization), beside llama.cpp's llama-perplexity; decode: ITL of B "
         "concurrent streams at a context of C tokens vs llama-server, beside the memory "
-        "floor (bench/README.md)",
+        "floor (bench/README.md); speculative: decode tokens/s, ITL and acceptance of "
+        "speculative decoding's drafting methods (off, prompt, radix, both) on workloads that "
+        "repeat text, batch 1 and 16, answers checked equal to off's",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip
@@ -454,6 +488,11 @@ def add_command(sub: Any) -> None:
     dec.add_argument("--prefill-budget-tokens", type=int,
                      help="skip a cell whose B x (C - decode tokens) prompt tokens exceed "
                      "this (default 200000)")  # fmt: skip
+    spec = bench.add_argument_group("speculative (--scenario speculative; --model, --seed, "
+                                    "--quick apply too)")  # fmt: skip
+    spec.add_argument("--through-cluster", action="store_true", default=None,
+                      help="also run batch-1 code-edit and RAG through radixserve up, off vs "
+                      "both (ITL from the stream, acceptance from /metrics)")  # fmt: skip
     chaos = bench.add_argument_group("chaos (--scenario chaos; --seed, --prefill, --decode, "
                                      "--transport, --model, --device, --dtype apply too)")  # fmt: skip
     chaos.add_argument("--seconds", type=float, help="seconds of load (default 300)")
