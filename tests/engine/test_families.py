@@ -79,6 +79,28 @@ def family(request, tmp_path_factory):
     return request.param, hf_dir, gguf, build_tiny_model(**kwargs)
 
 
+def test_speculative_verification_gives_the_same_tokens(family):
+    """With the draft index holding each prompt's answer (decoded without speculation)
+    with its 11th token changed, every family's engine verifies long drafts of it, its
+    sliding windows, experts and soft caps included, rejects the changed token, and
+    answers the same tokens."""
+    _, hf_dir, _, _ = family
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
+    off = make_engine(str(hf_dir), page_size=4)
+    prompts = _prompts(off.config.vocab_size)
+    want = [r.token_ids for r in off.generate(prompts, params)]
+    on = make_engine(str(hf_dir), page_size=4, speculative_method="radix")
+    on.speculator.cost.per_row_share = lambda rows: 0.1  # how far it drafts: fixed
+    for prompt, answer in zip(prompts, want):
+        wrong = [*answer[:10], (answer[10] + 1) % off.config.vocab_size, *answer[11:]]
+        on.speculator.index.add(None, [*prompt, *wrong])
+    assert [r.token_ids for r in on.generate(prompts, params)] == want
+    stats = on.speculator.stats["radix"]
+    assert stats.accepted >= NEW_TOKENS, stats  # long drafts verified and kept ...
+    assert stats.drafted > stats.accepted, stats  # ... and the changed tokens rejected
+    on.check_integrity()
+
+
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])
 def test_greedy_tokens_equal_transformers(family, source):
     _, hf_dir, gguf, hf = family
