@@ -171,7 +171,16 @@ def build_report(
         "held_at_end": held_now,
         "left_held": leftover,
         "gateway_in_flight_at_end": int(final.get("gateway_in_flight", 0)),
+        "speculation_at_end": speculation(final.get("workers", {})),
     }
+
+
+def speculation(workers: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Draft tokens verified and kept, summed over the workers up at the end (each
+    worker's counters since its last start): nonzero when the cluster speculated."""
+    return {what: sum(int(w.get(f"speculative_{m}_{what}_total", 0))
+                      for w in workers.values() if w.get("up") for m in ("prompt", "radix"))
+            for what in ("drafted", "accepted")}  # fmt: skip
 
 
 def _by_id(records: list[RequestRecord]) -> dict[int, RequestRecord]:
@@ -229,4 +238,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"{q['client_drops']} dropped by the client",
         f"held at the end: {left}",
     ]
+    spec = report.get("speculation_at_end") or {}
+    if spec.get("drafted"):
+        lines.append(f"speculative decoding: {spec['drafted']} draft tokens verified, "
+                     f"{spec['accepted']} kept (workers up at the end, since their start)")  # fmt: skip
     return "\n".join(lines)

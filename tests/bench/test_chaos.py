@@ -234,3 +234,16 @@ def test_answers_are_checked_and_failures_attributed() -> None:
     assert report["left_held"] == {"decode-1": {"cache_locks": 1}}  # decode-0 is down
     assert kill.first_ok_s is None  # every correct answer started before the kill
     assert "| kill-decode | 1 (0) | 1 |" in format_table(report)
+
+
+def test_the_report_sums_the_speculation_counters_of_the_workers_up():
+    from radixserve.bench.chaos_report import speculation
+
+    workers = {
+        "decode-0": {"up": True, "speculative_prompt_drafted_total": 10,
+                     "speculative_prompt_accepted_total": 6, "speculative_radix_drafted_total": 4,
+                     "speculative_radix_accepted_total": 1},
+        "decode-1": {"up": False, "speculative_prompt_drafted_total": 99},
+        "kvstore": {"up": True},
+    }  # fmt: skip
+    assert speculation(workers) == {"drafted": 14, "accepted": 7}
