@@ -8,10 +8,10 @@ gets up to k draft tokens (`Request.draft`):
 * ``prompt``: the latest earlier place in its own tokens (prompt and output) where its
   last n tokens occur (n from `MAX_NGRAM` down to `MIN_NGRAM`, the longest match
   first), and the tokens that followed it there;
-* ``radix``: the same lookup in the `DraftIndex` — the token sequences the engine's
-  cache was given (every request's tokens, prompt and output, when it ends), kept per
-  cache namespace, so a draft never crosses a tenant's (or a model's) isolation
-  boundary; the most recent sequence holding the n-gram wins;
+* ``radix``: the `DraftIndex` — the token sequences the engine's cache was given
+  (every request's tokens, prompt and output, when it ends), kept per cache namespace,
+  so a draft never crosses a tenant's (or a model's) isolation boundary; a draft is the
+  most frequent continuation, token by token, of the longest n-gram seen;
 * ``both``: prompt lookup first, the index where it finds nothing.
 
 k adapts per request and per step (`Speculator`): a draft token is worth the chance it
@@ -96,17 +96,49 @@ def prompt_lookup(tokens: Sequence[int], k: int, places: NgramPlaces | None = No
 
 @dataclass
 class _Sequences:
-    """One namespace's sequences and, per n-gram, where it last occurred."""
+    """One namespace's sequences and, per n-gram, how often each token followed it."""
 
     sequences: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
-    places: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+    #: n-gram -> {next token: times seen}, the token seen last at the end
+    nexts: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
     tokens: int = 0
+
+    def count(self, seq: list[int], step: int) -> None:
+        """Add (``step`` 1) or take back (-1) ``seq``'s n-grams and their next tokens."""
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            for end in range(n, len(seq)):  # an n-gram with a token after it
+                key = tuple(seq[end - n : end])
+                seen = self.nexts.setdefault(key, {})
+                times = seen.pop(seq[end], 0) + step  # re-inserted: the last seen at the end
+                if times > 0:
+                    seen[seq[end]] = times
+                elif not seen:
+                    del self.nexts[key]
+
+    def follow(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens, each the one that most often followed the longest n-gram
+        (of the tokens so far, the draft included) seen (ties: the one seen last)."""
+        context, draft = list(tokens[-MAX_NGRAM:]), list[int]()
+        while len(draft) < k:
+            for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
+                seen = self.nexts.get(tuple(context[len(context) - n :]))
+                if seen:
+                    best = max(seen.values())
+                    token = [t for t, c in seen.items() if c == best][-1]
+                    break
+            else:
+                return draft
+            draft.append(token)
+            context = [*context[1:], token] if len(context) == MAX_NGRAM else [*context, token]
+        return draft
 
 
 class DraftIndex:
     """Token sequences the cache was given, per namespace, indexed by their n-grams
-    (`MIN_NGRAM`..`MAX_NGRAM`); at most ``max_tokens`` tokens in all, the least
-    recently added sequences dropped first. Text only: it holds no page and no KV."""
+    (`MIN_NGRAM`..`MAX_NGRAM`) with the tokens that followed each and how often; at most
+    ``max_tokens`` tokens in all, the least recently added sequences dropped first. A
+    draft is the most frequent continuation (the consensus of the requests that wrote
+    the text). Text only: it holds no page and no KV."""
 
     def __init__(self, max_tokens: int = 1 << 20) -> None:
         self.max_tokens = max_tokens
@@ -123,39 +155,25 @@ class DraftIndex:
         space.sequences[seq_id] = seq
         space.tokens += len(seq)
         self._tokens += len(seq)
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            for end in range(n, len(seq)):  # an n-gram with a token after it
-                space.places[tuple(seq[end - n : end])] = (seq_id, end)
+        space.count(seq, 1)
         while self._tokens > self.max_tokens:
             self._drop_oldest()
 
     def lookup(self, namespace: bytes | None, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed ``tokens``' last n tokens (the longest n
-        found) where they last occurred in this namespace's sequences; [] if nowhere."""
+        """Up to ``k`` tokens continuing ``tokens`` as this namespace's sequences most
+        often did (`_Sequences.follow`); [] if its last tokens were never seen."""
         space = self._spaces.get(namespace)
-        if space is None:
-            return []
-        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
-            place = space.places.get(tuple(tokens[len(tokens) - n :]))
-            if place is not None:
-                seq = space.sequences.get(place[0])
-                if seq is not None:
-                    return seq[place[1] : place[1] + k]
-        return []
+        return [] if space is None else space.follow(tokens, k)
 
     def _drop_oldest(self) -> None:
         oldest = min(
             (s for s in self._spaces.values() if s.sequences),
             key=lambda s: next(iter(s.sequences)),
         )
-        seq_id, seq = oldest.sequences.popitem(last=False)
+        _, seq = oldest.sequences.popitem(last=False)
         oldest.tokens -= len(seq)
         self._tokens -= len(seq)
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            for end in range(n, len(seq)):
-                key = tuple(seq[end - n : end])
-                if oldest.places.get(key, (None,))[0] == seq_id:
-                    del oldest.places[key]
+        oldest.count(seq, -1)
 
     @property
     def num_tokens(self) -> int:
@@ -205,8 +223,8 @@ class Speculator:
     """Proposes drafts before a step and learns from their verification (module notes).
 
     How many tokens to draft: a request's draft token j is kept with probability p^j
-    (p: the share of its draft tokens kept so far, per position tried, with a prior of
-    `PRIOR_KEPT` of `PRIOR_TRIED`), so its j-th token is worth p^j tokens, and it costs a
+    (p: the share of its draft tokens kept so far, per position tried; a new request
+    starts from its drafting method's record), so its j-th token is worth p^j tokens, and it costs a
     row: at the current batch's rate, b tokens' worth of a step's time per row over the
     batch's B rows (`StepCost.per_row_share`). A request drafts the k whose every token
     is worth more than it costs: p^k > share; none when even p is not (a big batch, a
@@ -232,10 +250,16 @@ class Speculator:
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
 
-    def draft_length(self, request_id: str, share: float) -> int:
-        """The k for a request at a step where a row costs ``share`` (class notes)."""
-        kept, tried = self._kept.get(request_id, (self.PRIOR_KEPT, self.PRIOR_TRIED))
-        p = kept / tried
+    def draft_length(self, request_id: str, method: str, share: float) -> int:
+        """The k for a request whose draft comes from ``method``, at a step where a row
+        costs ``share`` (class notes). A request with no record yet starts from the
+        method's: its share of draft tokens kept so far, over `PRIOR_TRIED` positions."""
+        record = self._kept.get(request_id)
+        if record is None:
+            st = self.stats[method]
+            record = (self.PRIOR_TRIED * (st.accepted + self.PRIOR_KEPT)
+                      / (st.drafted + self.PRIOR_TRIED), self.PRIOR_TRIED)  # fmt: skip
+        p = record[0] / record[1]
         if p <= share or p <= 0.0:
             return 0
         if p >= 1.0 or share <= 0.0:
@@ -257,7 +281,7 @@ class Speculator:
                 req.params.max_tokens - len(req.output_ids) - 1,  # the sampled one is extra
                 max_model_len - req.num_tokens - 1,
             )
-            k = min(self.draft_length(req.request_id, share), room)
+            k = min(self.max_draft_tokens, room)
             if k <= 0:
                 continue
             tokens = req.token_ids
@@ -267,7 +291,9 @@ class Speculator:
                 draft, method = prompt_lookup(tokens, k, places), "prompt"
             if not draft and self.method in ("radix", "both"):
                 draft, method = self.index.lookup(req.namespace, tokens, k), "radix"
-            req.draft, req.draft_method = draft, method
+            if draft:
+                req.draft = draft[: self.draft_length(req.request_id, method, share)]
+                req.draft_method = method
 
     def verified(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
         """``req``'s chunk kept ``accepted`` of its ``drafted`` draft tokens."""

@@ -46,6 +46,16 @@ def test_the_draft_index_keeps_namespaces_apart_and_its_bound():
     assert index.num_tokens == 8
 
 
+def test_a_radix_draft_is_the_most_frequent_continuation():
+    index = DraftIndex()
+    for seq in ([1, 2, 3, 4, 5, 7], [9, 2, 3, 4, 6, 7], [8, 2, 3, 4, 6, 7], [5, 3, 4, 5, 0]):
+        index.add(b"a", seq)
+    # after (2, 3, 4): 6 twice, 5 once; after (3, 4, 6): 7; then (4, 6, 7) ends the text
+    assert index.lookup(b"a", [0, 2, 3, 4], 5) == [6, 7]
+    # after (3, 4) alone: 5 twice and 6 twice; the tie goes to the one seen last (5)
+    assert index.lookup(b"a", [0, 3, 4], 1) == [5]
+
+
 def test_how_far_a_request_drafts_follows_its_acceptance_and_the_step_cost():
     from radixserve.engine.speculation import Speculator, StepCost
 
@@ -55,17 +65,19 @@ def test_how_far_a_request_drafts_follows_its_acceptance_and_the_step_cost():
         cost.observe(rows, ms / 1000)  # 5 ms a step + 5 ms a row
     assert cost.per_row_share(1) == pytest.approx(0.5, abs=0.01)
     assert cost.per_row_share(16) == pytest.approx(80 / 85, abs=0.01)
-    spec = Speculator("prompt", max_draft_tokens=8, max_batch=64)
-    assert spec.draft_length("new", 0.5) == 3  # the prior p = 0.8: 0.8^3 > 0.5 > 0.8^4
-    assert spec.draft_length("new", 0.9) == 0  # a big batch: a row costs more than 0.8
-    assert spec.draft_length("new", 0.01) == 8  # bounded by the maximum
-    req = type("R", (), {"request_id": "r", "draft_method": "prompt"})()
+    spec = Speculator("both", max_draft_tokens=8, max_batch=64)
+    assert spec.draft_length("new", "prompt", 0.5) == 3  # the prior p = 0.8: 0.8^3 > 0.5 > 0.8^4
+    assert spec.draft_length("new", "prompt", 0.9) == 0  # a big batch: a row costs more than 0.8
+    assert spec.draft_length("new", "prompt", 0.01) == 8  # bounded by the maximum
+    req = type("R", (), {"request_id": "r", "draft_method": "radix"})()
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=0, emitted=1)  # every draft missed
-    assert spec.draft_length("r", 0.3) == 0
+    assert spec.draft_length("r", "radix", 0.3) == 0
+    assert spec.draft_length("new", "radix", 0.3) == 0  # a new request: radix's record
+    assert spec.draft_length("new", "prompt", 0.3) == 5  # prompt's: the prior still
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=4, emitted=5)  # every draft kept
-    assert spec.draft_length("r", 0.3) >= 6
+    assert spec.draft_length("r", "radix", 0.3) >= 6
 
 
 def _pin_cost(engine, share: float = 0.1):
@@ -219,7 +231,9 @@ def test_unseeded_sampling_keeps_its_distribution():
     import torch
 
     off = make_engine("default", kv_cache_memory_gib=0.1)
-    on = _pin_cost(make_engine("default", kv_cache_memory_gib=0.1, speculative_method="radix"))
+    on = make_engine("default", kv_cache_memory_gib=0.1, speculative_method="radix")
+    # every draft verified whole, however many were missed (the policy would stop)
+    on.speculator.draft_length = lambda request_id, method, share: 8
     prompt = _copy_prompts(off)[2]
     top = off.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]
     planted = off.tokenizer.encode(" the capital city of France is")
