@@ -19,7 +19,7 @@ from radixserve.logging import setup_logging
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from radixserve.bench.cli import add_command as add_bench
+    from radixserve.bench.cli_flags import add_command as add_bench
 
     parser = argparse.ArgumentParser(prog="radixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
