@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -57,9 +57,6 @@ from radixserve.model.tp import TPShard
 from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.settings import EngineSettings
 from radixserve.transfer.compat import dtype_name
-
-if TYPE_CHECKING:
-    pass
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

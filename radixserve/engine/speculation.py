@@ -50,6 +50,7 @@ from typing import Literal
 
 import torch
 
+from radixserve.engine.choice_sampler import Draw
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.request import Request, RequestStatus
 
@@ -101,7 +102,6 @@ class _Sequences:
     sequences: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
     #: n-gram -> {next token: times seen}, the token seen last at the end
     nexts: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
-    tokens: int = 0
 
     def count(self, seq: list[int], step: int) -> None:
         """Add (``step`` 1) or take back (-1) ``seq``'s n-grams and their next tokens."""
@@ -153,7 +153,6 @@ class DraftIndex:
         seq_id, self._next_id = self._next_id, self._next_id + 1
         seq = list(tokens[-self.max_tokens :])
         space.sequences[seq_id] = seq
-        space.tokens += len(seq)
         self._tokens += len(seq)
         space.count(seq, 1)
         while self._tokens > self.max_tokens:
@@ -171,7 +170,6 @@ class DraftIndex:
             key=lambda s: next(iter(s.sequences)),
         )
         _, seq = oldest.sequences.popitem(last=False)
-        oldest.tokens -= len(seq)
         self._tokens -= len(seq)
         oldest.count(seq, -1)
 
@@ -323,10 +321,6 @@ class Speculator:
         self.forget(req)
         if self.method in ("radix", "both"):
             self.index.add(req.namespace, req.token_ids)
-
-
-#: (request, its new token, its log-probabilities if asked for), as `ChoiceSampler` draws
-Draw = tuple[Request, int, TokenLogprob | None]
 
 
 @dataclass
