@@ -40,19 +40,23 @@ chat: $(STAMP)
 
 # Two pytest-xdist workers: most of the suite's time is spent waiting on the processes
 # and sockets it starts, so two run in ~0.6x the time of one on 2 cores. A test module
-# runs whole on one worker, and so do the modules sharing a cluster (tests/conftest.py).
+# runs whole on one worker (--dist loadfile), so its module-scoped set-up is made once;
+# modules sharing a cluster (tests/cluster/conftest.py) start it on each worker that
+# runs one of them. (Not --dist loadgroup: pytest-xdist 3.8 names a group by rewriting
+# a test's `_nodeid`, which pytest 9 no longer reads, so every test went its own way.)
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -p xdist.plugin -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -p xdist.plugin -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The images, the compose file (with Prometheus) and the Kubernetes commands run for real
 # in Docker (tests/deploy/test_docker.py; needs a running Docker engine and, where Docker
 # Hub is out of reach, root for debootstrap). .ci/run starts one when it can. The compose
-# file's services as local processes (tests/deploy/test_compose_run.py) run first.
+# file's services as local processes (tests/deploy/test_compose_run.py) run first; the
+# LoRA override is merged by docker-compose itself (tests/deploy/test_lora_files.py).
 test-docker: $(STAMP)
 	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_compose_run.py \
-		tests/deploy/test_docker.py $(PYTEST_ARGS)
+		tests/deploy/test_docker.py tests/deploy/test_lora_files.py $(PYTEST_ARGS)
 
 # The gateway's /explorer page in headless Chromium (Debian's chromium; .ci/browser-up
 # installs it as root) on a real cluster (tests marked browser). RADIXSERVE_BROWSER_ARTIFACTS

@@ -77,15 +77,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.engine.engine_helpers import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-smollm2"))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Over several pytest-xdist workers (``-n 2 --dist loadgroup``), a test module runs
-    whole on one worker, and so do the modules that share a cluster (`SHARED_CLUSTER`):
-    their module- and session-scoped set-up is made once."""
-    if getattr(config.option, "dist", "no") != "loadgroup":
-        return
-    for item in items:
-        module = getattr(item, "module", None)
-        group = getattr(module, "SHARED_CLUSTER", None) or item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))

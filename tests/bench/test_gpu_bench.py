@@ -10,7 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_dry_run_covers_every_section(tmp_path):
     out = tmp_path / "bench.json"
     # the script switches the interpreter on itself: none inherited from this directory's tests

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from radixserve.cache.kv_pool import KVPool
@@ -20,6 +21,7 @@ from radixserve.cli import main
 from tests.engine.engine_helpers import tiny_checkpoint
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_host_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
     out = tmp_path / "host-tier.json"
     argv = ["bench", "--scenario", "host-tier", "--quick", "--model", tiny_model]

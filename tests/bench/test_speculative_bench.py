@@ -33,6 +33,7 @@ def test_the_workloads_are_seeded_and_repeat_text():
         assert len(build_workload(name, 0, 5).conversations) == 5
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_quick_grid_writes_the_document_and_answers_match_off(tmp_path, capsys):
     out = tmp_path / "speculative.json"
     # 13 RAG questions of 12: the last asks the first's again, so the tiny model's answer

@@ -209,6 +209,7 @@ def tiny_run(tmp_path_factory, tiny_model: str):
     return out, doc, printed.getvalue()
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_suite_json_shape(tiny_run):
     out, doc, _ = tiny_run
     assert json.loads(out.read_text()) == doc
@@ -232,6 +233,7 @@ def test_suite_json_shape(tiny_run):
     assert [r["round"] for r in rag["rounds"]] == [1]
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_suite_numbers_are_consistent(tiny_run):
     _, doc, _ = tiny_run
     for result in doc["scenarios"]:
@@ -257,6 +259,7 @@ def test_suite_numbers_are_consistent(tiny_run):
     assert mt_rounds[1]["on"]["prompt_tokens"] > mt_rounds[0]["on"]["prompt_tokens"]
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_suite_writes_plots_and_prints_table(tiny_run):
     out, doc, printed = tiny_run
     for name in SCENARIOS:

@@ -19,6 +19,7 @@ import pytest
 from radixserve.cli import main
 
 
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
 def test_tiers_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
     out = tmp_path / "tiers.json"
     argv = ["bench", "--scenario", "tiers", "--quick", "--model", tiny_model]

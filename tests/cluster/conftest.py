@@ -2,9 +2,10 @@
 and the clusters test modules share.
 
 A module that sets ``SHARED_CLUSTER = "<name>"`` gets that cluster from the ``cluster``
-fixture: started once for every module naming it (they run one after another: see
-`pytest_collection_modifyitems`) and stopped before any other module runs, so at most one
-shared cluster is up at a time and none idles beside a test that starts its own."""
+fixture: started once for every module naming it that a worker runs (they run one after
+another there: see `pytest_collection_modifyitems`) and stopped before any other module
+runs, so at most one shared cluster is up at a time in a worker and none idles beside a
+test that starts its own."""
 
 from __future__ import annotations
 

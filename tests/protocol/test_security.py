@@ -46,7 +46,11 @@ def test_only_holders_of_the_secret_get_frames_through(client):
     try:
         dealer = Channel.open(context, zmq.DEALER, server.endpoint, bind=False,
                               keys=client_keys[client])  # fmt: skip
-        dealer.send(Abort("r"), timeout_ms=1000)
+        try:
+            dealer.send(Abort("r"), timeout_ms=1000)
+        except TimeoutError:  # a refused handshake can leave the dealer no pipe to queue
+            if client == "secret":  # on: for the others, what follows still must hold
+                raise
         # (generous waits: they end at the frame or the event, and the cores are shared)
         got = server.recv_from(timeout_ms=5000 if client == "secret" else 1500)
         if client == "secret":
