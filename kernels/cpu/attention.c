@@ -22,8 +22,9 @@
    polynomial below (Cephes' expf), identical in every path; denormals are flushed (DAZ
    and FTZ) for the call. Keys off [start, p] in a block are never read (zeros stand in).
 
-   Work is split by the caller over items (a run of rows of one sequence, and one kv head
-   or all of them): each (row, head) is computed by one thread, whole. An item of all
+   Work is split by the caller over items (a run of rows of one sequence, and one kv head,
+   all of them, or a contiguous part of the q heads where there are fewer runs than
+   threads): each (row, head) is computed by one thread, whole. An item of all
    the kv heads reads each block of the sequence's keys once, whole (its heads lie side
    by side in the pool), where an item per kv head reads a third of each line run per
    pass; the keys two blocks ahead are prefetched. Neither changes a bit. */
@@ -343,10 +344,11 @@ static void update_256(const float *q, const float *kb, const float *vb, int64_t
 #define UPDATE update_plain
 #endif
 
-/* rows [r0, r1) of one sequence (positions increasing), kv heads [g0, g1) */
-static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g0, int64_t g1) {
+/* rows [r0, r1) of one sequence (positions increasing), q heads [qa, qb) */
+static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t qa, int64_t qb) {
     const int64_t d = c->dim, group = c->heads / c->kv_heads, rows = r1 - r0;
-    const int64_t seq = c->row_seq[r0], per = (g1 - g0) * group; /* q heads of the item */
+    const int64_t seq = c->row_seq[r0], per = qb - qa; /* q heads of the item */
+    if (per <= 0) return;
     int64_t lo = INT64_MAX, hi = -1;
     for (int64_t r = r0; r < r1; r++) {
         int64_t p = c->row_pos[r];
@@ -364,17 +366,19 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g0, int64
             s->m = -INFINITY;
             s->l = 0.0f;
             memset(s->acc, 0, d * sizeof(float));
-            int64_t at = (r0 + r) * c->q_row + (g0 * group + i) * c->q_head;
+            int64_t at = (r0 + r) * c->q_row + (qa + i) * c->q_head;
             for (int64_t e = 0; e < d; e++) q[(r * per + i) * d + e] = load_at(c->q, at + e, c->bf16);
         }
     for (int64_t blk = hi < 0 ? 0 : lo / KEYS; hi >= 0 && blk <= hi / KEYS; blk++)
-        for (int64_t g = g0; g < g1; g++) {
+        for (int64_t g = qa / group; g <= (qb - 1) / group; g++) {
             load_block(c, seq, g, blk, lo, hi, kb, vb);
             for (int64_t r = 0; r < rows; r++) {
                 int64_t p = c->row_pos[r0 + r];
                 int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
                 if (p < 0 || blk < start / KEYS || blk > p / KEYS) continue;
-                for (int64_t i = (g - g0) * group; i < (g - g0 + 1) * group; i++)
+                const int64_t h0 = g * group > qa ? g * group : qa;
+                const int64_t h1 = (g + 1) * group < qb ? (g + 1) * group : qb;
+                for (int64_t i = h0 - qa; i < h1 - qa; i++)
                     UPDATE(q + (r * per + i) * d, kb, vb, d, c->scale, start, p, blk * KEYS,
                            st + r * per + i);
             }
@@ -382,7 +386,7 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g0, int64
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < per; i++) {
             const State *s = st + r * per + i;
-            int64_t at = ((r0 + r) * c->heads + g0 * group + i) * d;
+            int64_t at = ((r0 + r) * c->heads + qa + i) * d;
             int valid = c->row_pos[r0 + r] >= 0;
             for (int64_t e = 0; e < d; e++) {
                 float v = valid ? s->acc[e] / s->l : 0.0f;
@@ -406,17 +410,21 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t g0, int64
 const char *attention_path(void) { return ATTENTION_PATH; }
 
 /* kv heads per item for `chunks` runs of rows on `threads` threads: all of them where
-   the chunks alone keep every thread busy, else one (more, smaller items to share) */
+   the chunks alone keep every thread busy; else -threads: each chunk's q heads in
+   `threads` contiguous parts, one per thread (a kv head's keys are read by at most two
+   threads, and the threads' shares differ by one q head at most) */
 int64_t attention_item_heads(int64_t chunks, int64_t kv_heads, int64_t threads) {
-    return threads <= 1 || chunks >= 2 * threads ? kv_heads : 1;
+    return threads <= 1 || chunks >= 2 * threads ? kv_heads : -threads;
 }
 
 /* Items item_begin, item_begin + item_step, ... below item_end of chunks x head groups
-   (the caller's threads take interleaved strides: later rows cost more), a group being
-   item_heads kv heads (1 or kv_heads; per = kv_heads / item_heads groups a chunk): item
-   i is rows [chunks[i / per], chunks[i / per + 1]) (one sequence's), kv heads
-   [(i % per) item_heads, (i % per + 1) item_heads). out (T, H, D) in the dtype of q and
-   the caches (bfloat16 or float32). */
+   (the caller's threads take interleaved strides: later rows cost more). With item_heads
+   > 0 (1 or kv_heads) a group is item_heads kv heads (per = kv_heads / item_heads groups
+   a chunk): item i is rows [chunks[i / per], chunks[i / per + 1]) (one sequence's), kv
+   heads [(i % per) item_heads, (i % per + 1) item_heads). With item_heads = -n a chunk's
+   heads are n groups of contiguous q heads (per = n): group j is q heads
+   [heads j / n, heads (j + 1) / n). out (T, H, D) in the dtype of q and the caches
+   (bfloat16 or float32). */
 void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
                      const void *v_cache, void *out, const int64_t *row_seq,
                      const int64_t *row_pos, const int64_t *page_table, int64_t table_stride,
@@ -427,9 +435,16 @@ void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
     Call c = {q, q_row, q_head, k_cache, v_cache, out, row_seq, row_pos, page_table,
               table_stride, page_size, heads, kv_heads, dim, window, (float)scale, (int)bf16};
     FLUSH_BEGIN
-    const int64_t per = kv_heads / item_heads;
-    for (int64_t i = item_begin; i < item_end; i += item_step)
-        attend_item(&c, chunks[i / per], chunks[i / per + 1], i % per * item_heads,
-                    (i % per + 1) * item_heads);
+    const int64_t per = item_heads > 0 ? kv_heads / item_heads : -item_heads;
+    const int64_t group = heads / kv_heads;
+    for (int64_t i = item_begin; i < item_end; i += item_step) {
+        const int64_t j = i % per;
+        if (item_heads > 0)
+            attend_item(&c, chunks[i / per], chunks[i / per + 1], j * item_heads * group,
+                        (j + 1) * item_heads * group);
+        else
+            attend_item(&c, chunks[i / per], chunks[i / per + 1], heads * j / per,
+                        heads * (j + 1) / per);
+    }
     FLUSH_END
 }

@@ -78,7 +78,8 @@ class PagedAttention:
         threads = torch.get_num_threads() if split else 1
         item_heads = self.item_heads if self.item_heads is not None else (
             self._lib.attention_item_heads(len(chunks) - 1, kv_heads, threads))  # fmt: skip
-        items = (len(chunks) - 1) * (kv_heads // item_heads)
+        # item_heads -n: each chunk's q heads in n contiguous parts (attention.c)
+        items = (len(chunks) - 1) * (kv_heads // item_heads if item_heads > 0 else -item_heads)
         run_strided(lambda first, step: self._lib.paged_attention(*args, item_heads, first,
                                                                   items, step),
                     items, split)  # fmt: skip

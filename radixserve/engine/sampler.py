@@ -118,6 +118,8 @@ class Sampler:
                 f"batch of {batch} logits rows needs as many params, generators and "
                 f"num_generated (got {len(params)}, {len(generators)}, {len(num_generated)})"
             )
+        if _plain_greedy(params, num_generated, allowed, forced):  # nothing to mask: argmax
+            return logits.float().argmax(dim=-1)
         x = logits.to(torch.float32, copy=True)  # (B, V)
         if allowed is not None and len(allowed[0]):
             rows = torch.tensor(list(allowed[0]), dtype=torch.int64, device=x.device)  # (G,)
@@ -144,6 +146,20 @@ class Sampler:
             gens = [generators[i] for i in sampled]
             out[rows] = sample_rows(x[rows], picked, gens)
         return out
+
+
+def _plain_greedy(
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    allowed: tuple[Sequence[int], torch.Tensor] | None,
+    forced: tuple[Sequence[int], Sequence[int]] | None,
+) -> bool:
+    """Whether every row is greedy with nothing that changes its logits first (no grammar,
+    forced token, early-stop ban, bias or penalty): the token is the logits' argmax."""
+    if (allowed is not None and len(allowed[0])) or (forced is not None and len(forced[0])):
+        return False
+    return all(p.greedy and not p.logit_bias and not p.penalized and n >= p.min_tokens
+               for p, n in zip(params, num_generated))  # fmt: skip
 
 
 def _suppress_early_stops(

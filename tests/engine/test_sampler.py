@@ -264,3 +264,20 @@ def test_seeded_rows_keep_the_filtered_distribution() -> None:
     )
     assert counts[3:].sum() == 0
     assert _chi_square(counts[:3].float(), torch.softmax(logits[:3], dim=0)) < CHI2_DF5_P001
+
+
+def test_a_greedy_batch_with_nothing_to_mask_is_the_argmax_and_a_ban_still_applies():
+    """All rows greedy, nothing masking: the argmax of the logits (ties to the lowest id,
+    bfloat16 logits read as float32); one row still under its min_tokens bans EOS."""
+    logits = torch.randn(4, 50).bfloat16()
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the lowest id wins
+    logits[2, EOS] = logits[2].max() + 1  # EOS leads row 2
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    expected = logits.float().argmax(dim=-1)
+    assert expected[1] == 7 and expected[2] == EOS
+    assert torch.equal(_sample(logits, greedy), expected)
+    banned = [SamplingParams(temperature=0.0, min_tokens=2 if i == 2 else 0) for i in range(4)]
+    out = _sample(logits, banned, num_generated=[0, 0, 1, 0])
+    assert out[2] != EOS and torch.equal(out[[0, 1, 3]], expected[[0, 1, 3]])
+    biased = [SamplingParams(temperature=0.0, logit_bias={5: 100.0})] * 4
+    assert (_sample(logits, biased) == 5).all()

@@ -94,8 +94,9 @@ def test_a_row_is_the_same_bits_however_it_is_computed(dtype, window, threads, m
     """Every row of a 70-token sequence, from the full prefill, from extends over cached
     prefixes of 1, 15, 16, 17 and 69 tokens (among another sequence's rows), from decode
     steps (alone and beside other sequences), with the pages laid out another way, on 1,
-    2 and 3 threads split down to single items, each item one kv head or all of them: the
-    same bits."""
+    2 and 3 threads split down to single items, each item one kv head, all of them, or a
+    part of the q heads (-n: n contiguous parts; at -3 heads 2 and 3, of two kv heads,
+    are one part): the same bits."""
     monkeypatch.setattr(cpu_attention, "_SPLIT_WORK", 0)
     kernel = native_attention()
     assert kernel is not None
@@ -106,7 +107,7 @@ def test_a_row_is_the_same_bits_however_it_is_computed(dtype, window, threads, m
     torch.set_num_threads(1)
     full, _ = _extend(pool, q, [0], [n], window=window)
     expected = _bits(full)
-    for num_threads, item_heads in [(t, h) for t in (1, 2, 3) for h in (1, kv_heads)]:
+    for num_threads, item_heads in [(t, h) for t in (1, 2, 3) for h in (1, kv_heads, -3, -4)]:
         torch.set_num_threads(num_threads)
         monkeypatch.setattr(kernel, "item_heads", item_heads)
         for split in (1, 15, 16, 17, n - 1):  # this sequence's rows beside another's
