@@ -80,6 +80,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_decode(args)
     if args.scenario == "speculative":
         return _run_speculative(args)
+    if args.scenario == "lora":
+        return _run_lora(args)
     print(f"error: unknown scenario {args.scenario!r}", file=sys.stderr)
     return 2
 
@@ -87,7 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 SUITE_SCENARIOS = ("multi-turn", "rag", "all")
 # scenarios that run their own engine settings: --quantization is refused by name
 _OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer", "decode",
-                        "speculative")  # fmt: skip
+                        "speculative", "lora")  # fmt: skip
 
 
 def _run_autoscale(args: argparse.Namespace) -> int:
@@ -319,6 +321,26 @@ def _run_speculative(args: argparse.Namespace) -> int:
     out = Path(args.out or "bench/results/speculative" + ("-quick" if args.quick else "") + ".json")
     return run_speculative_bench(replace(options, seed=args.seed, model=args.model or "default",
                                          out_path=out, through_cluster=bool(args.through_cluster)))  # fmt: skip
+
+
+# Flags `--scenario lora` does not take: those speculative refuses (it builds its engine
+# itself, on the CPU, with the defaults but max_loras; --model applies).
+_NOT_FOR_LORA = _NOT_FOR_SPECULATIVE
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from radixserve.bench.lora import run_lora_bench
+    from radixserve.bench.lora_engine import QUICK, LoraOptions
+
+    _refuse_flags(args, _NOT_FOR_LORA, "--scenario lora builds its engine itself, with the "
+                  "defaults, and writes its own adapters (--model, --seed apply)")  # fmt: skip
+    options = QUICK if args.quick else LoraOptions()
+    out = Path(args.out) if args.out else options.out_path
+    return run_lora_bench(replace(options, seed=args.seed, model=args.model or "default",
+                                  out_path=out))  # fmt: skip
 
 
 def _peer_env(args: argparse.Namespace) -> dict[str, str]:

@@ -29,6 +29,7 @@ def add_command(sub: Any) -> None:
             "perplexity",
             "decode",
             "speculative",
+            "lora",
         ],
         help="engine: TTFT cache on/off in-process; gateway: a multi-turn chat through the "
         "local cluster, cache on/off, vs the engine, plus NIXL vs memcpy; "
@@ -51,7 +52,9 @@ def add_command(sub: Any) -> None:
         "concurrent streams at a context of C tokens vs llama-server, beside the memory "
         "floor (bench/README.md); speculative: decode tokens/s, ITL and acceptance of "
         "speculative decoding's drafting methods (off, prompt, radix, both) on workloads that "
-        "repeat text, batch 1 and 16, answers checked equal to off's",
+        "repeat text, batch 1 and 16, answers checked equal to off's; lora: decode tokens/s of "
+        "a batch over 0, 1, 4 and 16 LoRA adapters, adapter swap-in times, cached chat turns "
+        "per adapter (in-process; --model, --seed, --quick apply)",
     )
     bench.add_argument("--out", help="write results as JSON to this file (the suite also "
                        "writes PNG plots beside it; default bench/results/suite-*.json)")  # fmt: skip

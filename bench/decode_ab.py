@@ -72,7 +72,7 @@ def step_ms(engine: Engine, batch: int, threads: int | None, tag: str) -> tuple[
 def _native(engine: Engine, threads: int) -> FusedDecode:
     """The engine's native step on `threads` threads (each built once)."""
     fused = fused_decode_for(engine.model, engine.kv_pool.layers, max(BATCHES), threads,
-                             two_threads_from=1)  # every batch on `threads`  # fmt: skip
+                             adaptive=False)  # every batch on `threads`  # fmt: skip
     assert fused is not None
     return fused
 

@@ -35,6 +35,7 @@ class KernelOps:
     rope: Callable[..., None]
     silu_and_mul: Callable[..., Any]
     fused_moe: Callable[..., Any]  # a mixture-of-experts MLP over routed tokens
+    lora_apply: Callable[..., None]  # each row's adapter update, in place (multi-LoRA)
 
 
 def load_ops(name: str) -> KernelOps:

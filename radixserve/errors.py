@@ -21,6 +21,11 @@ class InvalidRequestError(RequestError):
         self.param = param
 
 
+class UnknownAdapterError(InvalidRequestError, ValueError):
+    """The request names a LoRA adapter the engine does not serve (`param` "model"); the
+    API answers it as an unknown model (HTTP 404)."""
+
+
 class CapacityError(RequestError):
     """The request can never fit in the KV pool as configured."""
 

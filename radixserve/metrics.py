@@ -153,6 +153,23 @@ class ServingMetrics:
         self.requests = Counter(
             "radixserve_requests", "Finished requests.", ["finish_reason"], registry=r
         )
+        # per LoRA adapter (requests naming one; the base model's are in the totals only)
+        self.adapter_requests = Counter(
+            "radixserve_lora_requests", "Finished requests, by LoRA adapter.", ["adapter"],
+            registry=r,
+        )  # fmt: skip
+        self.adapter_prompt_tokens = Counter(
+            "radixserve_lora_prompt_tokens", "Prompt tokens of finished requests, by LoRA "
+            "adapter.", ["adapter"], registry=r,
+        )  # fmt: skip
+        self.adapter_cached_tokens = Counter(
+            "radixserve_lora_cached_tokens", "Prompt tokens served from the prefix cache (every "
+            "tier), by LoRA adapter: only its own pages.", ["adapter"], registry=r,
+        )  # fmt: skip
+        self.adapter_generation_tokens = Counter(
+            "radixserve_lora_generation_tokens", "Generated tokens, by LoRA adapter.",
+            ["adapter"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "radixserve_queue_depth", "Generation requests in flight at the front end.", registry=r
         )
@@ -204,14 +221,21 @@ class ServingMetrics:
         cached: CachedTokens,
         completion_tokens: int,
         reason: str,
+        adapter: str = "",
     ) -> None:
-        """Count one finished (or aborted) request, its prompt's ``cached`` tokens by tier."""
+        """Count one finished (or aborted) request, its prompt's ``cached`` tokens by tier
+        (and by LoRA ``adapter``, "" for the base model)."""
         self.prompt_tokens.inc(prompt_tokens)
         for tier, tokens in cached.by_tier().items():
             self.cached_tokens.labels(tier=tier).inc(tokens)
         self.prefill_computed_tokens.inc(max(prompt_tokens - cached.total, 0))
         self.generation_tokens.inc(completion_tokens)
         self.requests.labels(finish_reason=reason).inc()
+        if adapter:
+            self.adapter_requests.labels(adapter=adapter).inc()
+            self.adapter_prompt_tokens.labels(adapter=adapter).inc(prompt_tokens)
+            self.adapter_cached_tokens.labels(adapter=adapter).inc(cached.total)
+            self.adapter_generation_tokens.labels(adapter=adapter).inc(completion_tokens)
 
     def render(
         self, stats: Mapping[str, int], workers: Mapping[str, WorkerView] | None = None
@@ -222,9 +246,19 @@ class ServingMetrics:
             if key in stats:
                 gauge.set(stats[key])
         self._workers.snapshot = dict(workers or {})
+        self.vllm.lora.max_lora = lora_slots(stats, workers or {})
         self._front.snapshot = {k: v for k, v in stats.items() if k in _FRONT_COUNTERS}
         self._audit.snapshot = {k: v for k, v in stats.items() if k.startswith("audit_")}
         return generate_latest(self.registry)
+
+
+def lora_slots(stats: Mapping[str, int], workers: Mapping[str, WorkerView]) -> int:
+    """The LoRA adapter slots of an engine: the most any worker up reports (its
+    ``lora_max``; the pools share the setting), else the in-process engine's; 0 if none
+    says."""
+    slots = [view.stats.engine.lora_max for view in workers.values()
+             if view.up and view.stats is not None and view.stats.engine is not None]  # fmt: skip
+    return max(slots, default=stats.get("lora_max", 0))
 
 
 #: counters the cluster client keeps (`ClusterClient.stats`): metric name and help
@@ -280,8 +314,10 @@ class RequestTimer:
     Call `tokens(n)` whenever n new tokens arrive and `finish(...)` once at the end.
     """
 
-    def __init__(self, metrics: ServingMetrics, start: float | None = None) -> None:
-        self._metrics = metrics
+    def __init__(
+        self, metrics: ServingMetrics, start: float | None = None, adapter: str = ""
+    ) -> None:
+        self._metrics, self._adapter = metrics, adapter
         self._start = time.perf_counter() if start is None else start
         self._last: float | None = None
 
@@ -303,4 +339,5 @@ class RequestTimer:
     def finish(self, last: RequestOutput, reason: str) -> None:
         """The request ended (``reason``); ``last`` is its latest output (the counts)."""
         self._metrics.e2e.observe(time.perf_counter() - self._start)
-        self._metrics.record_finish(last.prompt_tokens, last.cached, last.completion_tokens, reason)
+        self._metrics.record_finish(last.prompt_tokens, last.cached, last.completion_tokens, reason,
+                                    self._adapter)  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from radixserve.kernels.ops import BACKEND_NAMES
@@ -169,6 +169,51 @@ class EngineSettings(BaseSettings):
         "rank processes, each holding a slice of every layer and of the KV pool (on CUDA, "
         "device i for rank i); kv_cache_memory_gib is per rank.",
     )
+    lora_modules: tuple[str, ...] = Field(
+        (),
+        max_length=256,
+        description="PEFT LoRA adapters served beside the base model, each NAME=PATH (a "
+        "directory with adapter_config.json and adapter_model.safetensors); a request names "
+        "one to run with it. Its KV pages are its own (never the base model's or another "
+        "adapter's). Not with tp > 1.",
+    )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="LoRA adapters resident on the device at once (each a slot of max_lora_rank "
+        "in every adapted projection); requests of more adapters wait, and adapters no "
+        "running request uses are evicted (least recently used first) to their host copies.",
+    )
+    max_lora_rank: int = Field(
+        64,
+        ge=1,
+        le=1024,
+        description="The largest LoRA rank (r) served: an adapter over it is refused at load; "
+        "the device slots are this wide.",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_path_pairs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = [item.partition("=")[0] for item in value]
+        for item, name in zip(value, names):
+            if not name or not item.partition("=")[2]:
+                raise ValueError(f"lora_modules entry {item!r} is not NAME=PATH")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {sorted(names)}")
+        return value
+
+    @model_validator(mode="after")
+    def _lora_without_tp(self) -> EngineSettings:
+        if self.lora_modules and self.tp > 1:
+            raise ValueError("lora_modules is not supported with tp > 1 (adapters are not "
+                             "split over tensor-parallel ranks yet)")  # fmt: skip
+        return self
+
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name → path."""
+        return dict(item.split("=", 1) for item in self.lora_modules)  # type: ignore[misc]
 
     @field_validator("attention_backend")
     @classmethod

@@ -17,7 +17,7 @@ vllm:prefix_cache_hits_total             each worker  radixserve_worker_prefix_c
   (counter, tokens)                                   hit_tokens_total
 vllm:time_to_first_token_seconds (hist)  gateway      radixserve_ttft_seconds
 vllm:inter_token_latency_seconds (hist)  gateway      radixserve_itl_seconds
-vllm:lora_requests_info (gauge)          gateway      (none: no LoRA adapters yet)
+vllm:lora_requests_info (gauge)          gateway      (the gateway's requests in flight)
 =======================================  ===========  =====================================
 
 Labels: ``model_name`` (the served model id) and, on the per-engine families, ``engine``:
@@ -33,12 +33,16 @@ prompt tokens looked up and found in the worker's own device cache at admission 
 loaded from the kvstore's tiers are vLLM's "external" hits and are not counted here).
 The latency histograms observe what ``radixserve_ttft_seconds`` / ``radixserve_itl_seconds``
 observe (so their counts agree), in vLLM's buckets. ``vllm:lora_requests_info`` is set to
-the scrape time with empty adapter lists and ``max_lora="0"``.
+the scrape time, its lists the LoRA adapters of this gateway's requests in flight
+(``waiting_lora_adapters``: before their first token, ``running_lora_adapters``: after
+it; `LoraRequests`), and ``max_lora`` the engines' adapter slots (``max_loras``, as the
+workers report it in ``radixserve_worker_lora_max``; "0" before any has).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -124,8 +128,30 @@ class _EngineSnapshot(Collector):
         return engine_families(*self._args)
 
 
-class _LoraInfo(Collector):
-    """``vllm:lora_requests_info``: no adapters are served, so both lists are empty."""
+class LoraRequests(Collector):
+    """``vllm:lora_requests_info``: the LoRA adapters of the requests in flight, those
+    waiting for their first token and those past it (the gateway counts them: `waiting`
+    when a request starts, `running` at its first token, `finished` at its end), and
+    ``max_lora``, an engine's adapter slots (set before each scrape from the workers'
+    ``lora_max``, `radixserve.metrics.lora_slots`)."""
+
+    def __init__(self) -> None:
+        self._waiting: Counter[str] = Counter()
+        self._running: Counter[str] = Counter()
+        self.max_lora = 0  # an engine's adapter slots, as its workers last said (0: unknown)
+
+    def waiting(self, adapter: str) -> None:
+        if adapter:
+            self._waiting[adapter] += 1
+
+    def running(self, adapter: str) -> None:
+        if adapter:
+            self._waiting[adapter] -= 1
+            self._running[adapter] += 1
+
+    def finished(self, adapter: str, running: bool) -> None:
+        if adapter:
+            (self._running if running else self._waiting)[adapter] -= 1
 
     def describe(self) -> list[Any]:
         return []
@@ -135,7 +161,9 @@ class _LoraInfo(Collector):
             "vllm:lora_requests_info", "Running stats on lora requests.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )  # fmt: skip
-        gauge.add_metric(["0", "", ""], time.time())
+        waiting = ",".join(sorted(name for name, n in self._waiting.items() if n > 0))
+        running = ",".join(sorted(name for name, n in self._running.items() if n > 0))
+        gauge.add_metric([str(self.max_lora), waiting, running], time.time())
         yield gauge
 
 
@@ -153,4 +181,5 @@ class FrontMetrics:
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             ["model_name"], buckets=ITL_BUCKETS, registry=registry,
         ).labels(model_name=model_name)  # fmt: skip
-        registry.register(_LoraInfo())
+        self.lora = LoraRequests()
+        registry.register(self.lora)

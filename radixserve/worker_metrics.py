@@ -86,6 +86,8 @@ class WorkerView:
             value = row.value(self)
             if row.path[0] in ("stats", "load") and value is not None:
                 out.update(_flat(row.path[-1], value))
+        if self.stats is not None and self.stats.loras:  # its LoRA adapters' contents
+            out["loras"] = {info.name: info.fingerprint for info in self.stats.loras}
         for key in ("gateway_in_flight", "routing_view_pages"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -189,11 +191,20 @@ def worker_families(snapshot: Mapping[str, WorkerView]) -> Iterator[Any]:
         "radixserve_kv_transfer_seconds", "KV page transfers into the worker.", labels=_LABELS
     )
     audit = CounterMetricFamily("radixserve_cache_audit", AUDIT_DOC, labels=[*_LABELS, "result"])
+    lora_loads = CounterMetricFamily(
+        "radixserve_worker_lora_adapter_loads", "Copies of a LoRA adapter into a device slot, "
+        "by adapter.", labels=[*_LABELS, "adapter"])  # fmt: skip
+    lora_evictions = CounterMetricFamily(
+        "radixserve_worker_lora_adapter_evictions", "Evictions of a LoRA adapter from its "
+        "device slot (its host copy kept), by adapter.", labels=[*_LABELS, "adapter"])  # fmt: skip
     families: dict[str, Any] = {}
     for name, view in sorted(snapshot.items()):
         ids = [name, view.role]
         up.add_metric(ids, 1.0 if view.up else 0.0)
         stats = view.stats
+        for info in stats.loras if stats is not None else ():
+            lora_loads.add_metric([*ids, info.name], info.loads)
+            lora_evictions.add_metric([*ids, info.name], info.evictions)
         decode = stats.decode if stats is not None else None
         if decode is not None:
             transfer.add_metric(ids, decode.kv_transfers_total, decode.kv_transfer_seconds_total)
@@ -215,6 +226,9 @@ def worker_families(snapshot: Mapping[str, WorkerView]) -> Iterator[Any]:
     yield transfer
     if audit.samples:
         yield audit
+    if lora_loads.samples:
+        yield lora_loads
+        yield lora_evictions
     yield from families.values()
 
 

@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
@@ -46,6 +47,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.cached_tokens import CachedTokens
+from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.service import Service
 from radixserve.transfer import KVShard, PoolCompat
 
@@ -106,6 +108,7 @@ class FakeEngine:
         answer_prefills: bool = True,
     ) -> None:
         kv = torch.zeros(1, 2, num_pages, PAGE_SIZE, 1, 2)  # (L, 2, P, page_size, H, D)
+        self.loras = SimpleNamespace(adapters={})  # `Engine.loras`: no LoRA adapter
         self.info = EngineInfo(
             model_name=MODEL,
             served_name=MODEL,
@@ -161,6 +164,7 @@ class FakeEngine:
         resume: Sequence[int] = (),
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> tuple[Admission, asyncio.Queue]:
         ids, resumed = list(prompt_ids), list(resume)
         local = lease_s is not None or bool(resumed)
@@ -175,6 +179,7 @@ class FakeEngine:
             route=route,
             cache_scope=cache_scope,
             share=share,
+            adapter=adapter,
         )
         req = _Request(len(ids), params.max_tokens, asyncio.Queue())
         self._requests[request_id] = req
@@ -187,6 +192,10 @@ class FakeEngine:
         else:
             req.task = asyncio.create_task(self._generate(request_id, req, len(resumed)))
         return Admission(request_id, "local", 0), req.out
+
+    async def call(self, fn: Callable[[Any], Any], watch: str | None = None) -> tuple[Any, None]:
+        """`AsyncEngine.call`: ``fn`` on this engine (its LoRA adapters: none)."""
+        return fn(self), None
 
     def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
         self._record("finish_host_admission", request_id, ok=ok)
@@ -426,9 +435,11 @@ class FakePeer:
         ack: HelloAck,
         on_message: OnMessage | None = None,
         load: WorkerLoad | None = None,
+        stats: ServiceStats | None = None,
     ) -> None:
         self.ack = ack
         self.load = load or WorkerLoad()
+        self.stats = stats or ServiceStats()  # in its heartbeats (its LoRA adapters...)
         self.on_message = on_message
         self.received: list[Message] = []
         self.channel = AsyncChannel.open(context, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True)
@@ -450,7 +461,7 @@ class FakePeer:
             if isinstance(msg, Hello):
                 await self.send_to(identity, self.ack)
             elif isinstance(msg, Heartbeat):
-                beat = Heartbeat(self.ack.name, self.ack.generation, self.load)
+                beat = Heartbeat(self.ack.name, self.ack.generation, self.load, self.stats)
                 await self.send_to(identity, beat)
             else:
                 self.received.append(msg)

@@ -7,7 +7,9 @@ back, by the same rows, what the gateway rendered."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.metrics import PREFILL_WAIT_BUCKETS, ServingMetrics, StatsHistogram
@@ -189,5 +191,57 @@ def test_every_number_an_engine_keeps_has_its_field() -> None:
     engine = make_engine(TINY, kv_cache_memory_gib=0.02, audit_sample_rate=1.0)
     stats = EngineStats.of(engine)
     fields = {f.name for f in dataclasses.fields(EngineSection)}
-    assert "audit_checked" in stats.cache
-    assert set(stats.cache) | set(stats.steps) <= fields
+    assert "audit_checked" in stats.cache and "lora_loads_total" in stats.lora
+    assert set(stats.cache) | set(stats.steps) | set(stats.lora) <= fields
+
+
+def test_a_workers_lora_slot_counters_move_and_are_exported(tmp_path: Path) -> None:
+    """One adapter slot (max_loras 1) and requests of two adapters queued together: while
+    the first adapter's run, the other's request waits for the slot (counted); then it is
+    copied in and the first evicted: two loads, one eviction, one adapter resident of one
+    slot, in the engine's stats and in a decode worker's own /metrics as
+    ``radixserve_worker_lora_*``."""
+    pytest.importorskip("peft")
+    from radixserve.engine.async_engine import AsyncEngine
+    from radixserve.engine.engine import Engine
+    from radixserve.engine.info import EngineStats
+    from radixserve.engine.sampling_params import SamplingParams
+    from radixserve.runtime.adapters import adapter_infos
+    from radixserve.services.decode.settings import DecodeSettings
+    from radixserve.services.decode.worker import DecodeWorker
+    from radixserve.settings import EngineSettings
+    from tests.engine.engine_helpers import write_tiny_model
+    from tests.gateway.lora_helpers import write_adapters
+
+    model = write_tiny_model(tmp_path / "model")
+    dirs = write_adapters(model, tmp_path / "adapters", ("qv", "all"))
+    engine = Engine(EngineSettings(
+        model=str(model), device="cpu", load_progress=False, kv_cache_memory_gib=0.02,
+        prefix_cache=False, max_loras=1, lora_modules=tuple(f"{n}={p}" for n, p in dirs.items()),
+    ))  # fmt: skip
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    for i, adapter in enumerate(("qv", "qv", "all")):
+        engine.add_request([40 + i] * 9, params, adapter=adapter)
+    engine.step()
+    slots = {"lora_resident": 1, "lora_max": 1, "lora_loads_total": 1, "lora_evictions_total": 0}
+    assert EngineStats.of(engine).lora == {**slots, "lora_waiting_requests": 1}
+    while engine.has_unfinished():
+        engine.step()
+    slots.update(lora_loads_total=2, lora_evictions_total=1)
+    assert EngineStats.of(engine).lora == {**slots, "lora_waiting_requests": 0}
+    served = AsyncEngine(engine)
+    try:
+        worker = DecodeWorker(DecodeSettings(name="decode-0", transfer_backend="zmq"), served)
+        worker.loras = {info.name: info for info in adapter_infos(engine)}  # as at its start
+        got = samples(worker.metrics_text().decode())
+    finally:
+        served.close()
+    d0 = at("decode-0", "decode")
+    assert {name: got[(f"radixserve_worker_{name}", d0)] for name in slots} == slots
+    assert got[("radixserve_worker_lora_waiting_requests", d0)] == 0
+    # and by adapter: "qv" copied in and evicted once, "all" copied in once
+    per_adapter = {(a, what): got[(f"radixserve_worker_lora_adapter_{what}_total",
+                                   at("decode-0", "decode", adapter=a))]
+                   for a in ("qv", "all") for what in ("loads", "evictions")}  # fmt: skip
+    assert per_adapter == {("qv", "loads"): 1, ("qv", "evictions"): 1,
+                           ("all", "loads"): 1, ("all", "evictions"): 0}  # fmt: skip

@@ -19,6 +19,12 @@
      a    = bf16(silu[gate] * up)                      (silu: torch's own bf16 → bf16 table)
      x    = qgemm_down(a)                              (the next layer's x)
 
+   LoRA (multi-LoRA serving): with row_slot, after each of the four GEMMs (before RoPE,
+   the norm or silu · up read its output) the rows' adapter updates are added in place
+   by lora.c's own functions, each adapted projection (q, k, v, o, gate, up, down) on its
+   columns of the fused output: the bits of `lora_apply` on the torch path's projection
+   output (radixserve/model/lora_manager.py `LoraBatch.add`), rows of slot -1 untouched.
+
    No multiply-add is contracted into an FMA here (fp-contract off): torch's elementwise
    ops round each product. Denormals are not flushed here (torch does not flush them);
    qgemm and attention flush inside their own calls, as they do when torch calls them.
@@ -35,7 +41,11 @@
    items and the attention's (chunk, kv head) items, and meet at a barrier between
    dependent phases (6 per layer). Norms are computed by every thread into its own buffer
    (only thread 0 writes the residual), so no barrier waits for them. Which thread
-   computes an output never changes its bits. */
+   computes an output never changes its bits. A LoRA update's expand takes the same
+   columns as the GEMM; its shrink (t = a @ x, ~2% of the GEMM's multiply-adds at rank
+   16 on the default model) is computed by each thread for every adapter row, so it
+   needs no barrier of its own (one more barrier per GEMM to split it measured no faster
+   on 2 cores). */
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -72,6 +82,13 @@ void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
                      int64_t item_heads, int64_t item_begin, int64_t item_end,
                      int64_t item_step);
 int64_t attention_item_heads(int64_t chunks, int64_t kv_heads, int64_t threads);
+void lora_shrink_rows(const void *x, int64_t ldx, const void *a, const int64_t *row_slot,
+                      float *t, int64_t k, int64_t r, int64_t bf16, int64_t row_begin,
+                      int64_t row_end, float *xf);
+void lora_expand_cols(const float *t, const void *b, int64_t ls, int64_t lm, int64_t lr,
+                      const float *scaling, const int64_t *row_slot, void *y, int64_t ldy,
+                      int64_t n, int64_t r, int64_t num_slots, int64_t bf16, int64_t col_begin,
+                      int64_t col_end, void *scratch, int64_t *made);
 
 static inline float bf(uint16_t b) {
     uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f;
@@ -94,6 +111,18 @@ typedef struct {
     Proj qkv, o, gate_up, down;
     void *k_cache, *v_cache;                 /* (P, page_size, kv_heads, head_dim) bfloat16 */
 } Layer;
+
+/* One adapted projection's LoRA stack (lora.c's layouts), its update added to the
+   columns [start, start + width) of a fused output (q, k, v of qkv; gate, up of gate_up) */
+typedef struct {
+    const void *a, *b;        /* a (L, R, K) contiguous; b (L, width, R) by b_ls, b_lm, b_lr */
+    const float *scaling;     /* (L,) */
+    const uint8_t *holds;     /* (L,): slot s holds an adapter that adapts this projection */
+    int64_t b_ls, b_lm, b_lr, start, width;
+} LoraProj;
+
+/* a layer's LoraProj entries: q, k, v, o, gate, up, down (a NULL: not adapted) */
+#define LORA_PROJS 7
 
 typedef struct {
     atomic_int arrived, generation;
@@ -119,6 +148,15 @@ typedef struct {
     int64_t xs_stride;
     Barrier *barrier;
     int64_t num_chunks;                      /* C: runs of rows [chunks[i], chunks[i + 1]) */
+    /* LoRA: row_slot NULL when no row has an adapter */
+    const int64_t *row_slot;                 /* (B,) each row's slot, -1: the base model */
+    const LoraProj *lora;                    /* (num_layers, LORA_PROJS) */
+    int64_t lora_rank, lora_slots;           /* R and L of every stack */
+    float *lora_t;                           /* (threads, B, R up to 16) */
+    float *lora_xf;                          /* (threads, 4, K up to 16) */
+    void *lora_bt;                           /* (threads, L, R up to 16, 16) float32, aligned */
+    int64_t *lora_made;                      /* (threads, L) */
+    int64_t lora_t_stride, lora_xf_stride, lora_bt_stride;  /* per thread, in elements */
 } Step;
 
 static void barrier_wait(Barrier *b, int64_t threads) {
@@ -256,9 +294,52 @@ static void rope_and_store(const Step *c, const Layer *ly, int64_t b, int64_t g)
     memcpy((uint16_t *)ly->v_cache + (slot * c->kv_heads + g) * d, v, d * 2);
 }
 
+/* Whether the step adds p's updates: as the torch path (LoraBatch.add), a projection that
+   none of the step's adapters adapts is skipped, and one that any adapts gets every
+   adapter row's update (an adapter that does not adapt it has zeros in its slot). */
+static int lora_takes(const Step *c, const LoraProj *p) {
+    if (!p->a) return 0;
+    for (int64_t i = 0; i < c->batch; i++)
+        if (c->row_slot[i] >= 0 && p->holds[c->row_slot[i]]) return 1;
+    return 0;
+}
+
+/* y += each adapter row's update of the projections [first, first + count) of the LoRA
+   table (a layer's LORA_PROJS entries, then the next layer's), segments of one fused
+   output y (B, ldy) of input x (B, k), on this thread's output columns: the ranges
+   [cols[2 q], cols[2 q + 1]) for q < num_ranges. lora.c's arithmetic, the same bits as
+   lora_apply on the torch path's projection output. Each thread computes the shrink
+   t = a @ x of every adapter row itself (no barrier), for a projection it has columns of. */
+static void lora_add(const Step *c, int64_t first, int64_t count, const uint16_t *x,
+                     int64_t k, uint16_t *y, int64_t ldy, const int64_t *cols,
+                     int64_t num_ranges, int64_t t) {
+    if (!c->row_slot || !c->lora) return;
+    const LoraProj *p = c->lora + first;
+    float *tb = c->lora_t + t * c->lora_t_stride, *xf = c->lora_xf + t * c->lora_xf_stride;
+    void *bt = (float *)c->lora_bt + t * c->lora_bt_stride;
+    int64_t *made = c->lora_made + t * c->lora_slots;
+    for (int64_t e = 0; e < count; e++, p++) {
+        int64_t lo[2], hi[2], mine = 0;  /* this thread's columns of p, from p's start */
+        for (int64_t q = 0; q < num_ranges; q++) {
+            lo[q] = (cols[2 * q] > p->start ? cols[2 * q] : p->start) - p->start;
+            hi[q] = (cols[2 * q + 1] < p->start + p->width ? cols[2 * q + 1]
+                                                           : p->start + p->width) - p->start;
+            mine |= lo[q] < hi[q];
+        }
+        if (!mine || !lora_takes(c, p)) continue;
+        lora_shrink_rows(x, k, p->a, c->row_slot, tb, k, c->lora_rank, 1, 0, c->batch, xf);
+        for (int64_t q = 0; q < num_ranges; q++)
+            if (lo[q] < hi[q])
+                lora_expand_cols(tb, p->b, p->b_ls, p->b_lm, p->b_lr, p->scaling, c->row_slot,
+                                 y + p->start, ldy, c->batch, c->lora_rank, c->lora_slots, 1,
+                                 lo[q], hi[q], bt, made);
+    }
+}
+
 static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int64_t threads) {
     const int64_t B = c->batch, n = c->hidden, d = c->head_dim, inter = c->inter;
-    const int64_t qkv_n = ly->qkv.n;
+    const int64_t qkv_n = ly->qkv.n, q_size = c->heads * d;
+    const int64_t lp = index * LORA_PROJS;  /* the layer's LoRA entries */
     uint16_t *h = c->h + t * B * n;
     float *xs = c->xs + t * B * c->xs_stride;
     /* the residual stream lives in residual[0] between layers and in residual[1] between
@@ -270,6 +351,7 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     sums(c, &ly->qkv, h, xs);
     share(qkv_n / 16, t, threads, &lo, &hi);
     gemm(c, &ly->qkv, h, xs, c->qkv, qkv_n, lo, hi);
+    lora_add(c, lp, 3, h, n, c->qkv, qkv_n, (int64_t[]){16 * lo, 16 * hi}, 1, t);  /* q, k, v */
     barrier_wait(c->barrier, threads);
     /* rope and store: items (row, kv head), strided over the threads; then, once every
        row's K/V is in the pool, attention: items (chunk, kv heads), strided likewise */
@@ -280,11 +362,13 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     paged_attention(c->qkv, qkv_n, d, ly->k_cache, ly->v_cache, c->attn, c->row_seq, c->row_pos,
                     c->page_table, c->table_stride, c->page_size, c->heads, c->kv_heads, d, 0,
                     c->scale, 1, c->chunks, item_heads,
-                    t, c->num_chunks * (c->kv_heads / item_heads), threads);
+                    t, c->num_chunks * (item_heads > 0 ? c->kv_heads / item_heads : -item_heads),
+                    threads);
     barrier_wait(c->barrier, threads);
     sums(c, &ly->o, c->attn, xs);
     share(n / 16, t, threads, &lo, &hi);
     gemm(c, &ly->o, c->attn, xs, c->proj, n, lo, hi);
+    lora_add(c, lp + 3, 1, c->attn, q_size, c->proj, n, (int64_t[]){16 * lo, 16 * hi}, 1, t);
     barrier_wait(c->barrier, threads);
     /* post norm: attn (+ res_b) → h; the residual → res_a (thread 0; nobody reads res_a
        any more this layer) */
@@ -294,6 +378,8 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     share(inter / 16, t, threads, &lo, &hi);
     gemm(c, &ly->gate_up, h, xs, c->gate_up, 2 * inter, lo, hi);
     gemm(c, &ly->gate_up, h, xs, c->gate_up, 2 * inter, inter / 16 + lo, inter / 16 + hi);
+    lora_add(c, lp + 4, 2, h, n, c->gate_up, 2 * inter,  /* gate, up */
+             (int64_t[]){16 * lo, 16 * hi, inter + 16 * lo, inter + 16 * hi}, 2, t);
     for (int64_t b = 0; b < B; b++) {
         const uint16_t *gate = c->gate_up + b * 2 * inter, *up = gate + inter;
         uint16_t *a = c->act + b * inter;
@@ -303,6 +389,7 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     sums(c, &ly->down, c->act, xs);
     share(n / 16, t, threads, &lo, &hi);
     gemm(c, &ly->down, c->act, xs, c->x, n, lo, hi);
+    lora_add(c, lp + 6, 1, c->act, inter, c->x, n, (int64_t[]){16 * lo, 16 * hi}, 1, t);
     barrier_wait(c->barrier, threads);
 }
 

@@ -13,6 +13,10 @@ A row is one new token: its position, its KV slot and its sequence's page-table 
 Several rows may be one sequence's consecutive positions (a cached turn's delta): each
 layer stores every row's K/V before any row attends, so a row sees the rows before it.
 
+With LoRA stacks (`use_loras`) and each row's slot, every projection's output gets the
+rows' adapter updates inside the call (`lora.c`'s functions, the bits of `lora_apply`
+after the torch layers' projection), over scratch made with the stacks, not per step.
+
 With n threads the call is handed to the native kernels' pool once per step; the
 threads split each GEMM's column blocks and the attention's (row, KV head) items and
 meet at barriers inside the call (`threads.py`: a split never changes a bit).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +39,7 @@ from radixserve.kernels.cpu.threads import run_strided
 _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 MAX_HIDDEN = 16384  # decode.c's row buffers
 GROUP_MIN = 16  # the int4 group sums' buffer assumes groups of at least this many inputs
+LANES = 16  # lora.c's partial sums per dot product: its rows of t are padded to them
 
 
 class _Proj(ctypes.Structure):
@@ -44,6 +50,11 @@ class _Proj(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Proj), ("o", _Proj),
                 ("gate_up", _Proj), ("down", _Proj), ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+
+
+class _LoraProj(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("scaling", _P), ("holds", _P), ("b_ls", _I),
+                ("b_lm", _I), ("b_lr", _I), ("start", _I), ("width", _I)]  # fmt: skip
 
 
 class _Barrier(ctypes.Structure):
@@ -58,7 +69,10 @@ class _Step(ctypes.Structure):
         ("silu", _P), ("positions", _P), ("slots", _P), ("page_table", _P), ("row_seq", _P),
         ("row_pos", _P), ("chunks", _P), ("x", _P), ("residual", _P * 2), ("qkv", _P),
         ("attn", _P), ("proj", _P), ("gate_up", _P), ("act", _P), ("h", _P), ("xs", _P),
-        ("xs_stride", _I), ("barrier", _P), ("num_chunks", _I),
+        ("xs_stride", _I), ("barrier", _P), ("num_chunks", _I), ("row_slot", _P), ("lora", _P),
+        ("lora_rank", _I), ("lora_slots", _I), ("lora_t", _P), ("lora_xf", _P), ("lora_bt", _P),
+        ("lora_made", _P), ("lora_t_stride", _I), ("lora_xf_stride", _I),
+        ("lora_bt_stride", _I),
     ]  # fmt: skip
 
 
@@ -100,6 +114,26 @@ class LayerWeights:
     down: ProjWeights  # (hidden, inter)
     k_cache: torch.Tensor  # (P, page_size, kv_heads, head_dim) bfloat16, contiguous
     v_cache: torch.Tensor
+
+
+#: a layer's adapted projections, in the order of `DecodeStep.use_loras`' entries
+LORA_PROJS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One adapted projection's LoRA stack as the native step reads it (`lora.c`'s
+    layouts, `lora_apply`'s arguments). Its update goes to the columns [start, start +
+    width) of the fused output (qkv's q, k, v; gate_up's gate, up) as
+    `radixserve.model.lora_manager.LoraBatch.add` adds it: not at all in a step where no
+    row's slot ``holds`` an adapter of it, else to every adapter row (a slot whose adapter
+    does not adapt it holds zeros)."""
+
+    a: torch.Tensor  # (L, R, K) contiguous
+    b: torch.Tensor  # (L, width, R), a unit stride in width (fast) or in R
+    scaling: torch.Tensor  # (L,) float32 contiguous
+    holds: torch.Tensor  # (L,) uint8: slot s's adapter adapts this projection
+    start: int  # its first column of the fused output
 
 
 @dataclass(frozen=True)
@@ -179,6 +213,7 @@ class DecodeStep:
         assert lib.decode_step_size() == ctypes.sizeof(_Step), "decode.c and decode.py differ"
         self._lib, self.shape, self.max_rows, self.threads = lib, shape, max_rows, threads
         s, b = shape, max_rows
+        self._lora_keep: list[object] = []  # the LoRA table and scratch (`use_loras`)
         self._keep = [cos.contiguous(), sin.contiguous(), silu_table()]
         self._layers = (_Layer * len(layers))(*[self._layer(w) for w in layers])
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -212,6 +247,40 @@ class DecodeStep:
         step.residual[0] = self.residual[0].data_ptr()
         step.residual[1] = self.residual[1].data_ptr()
         self._step = step
+        self._max_k = max_k
+
+    def use_loras(self, layers: Sequence[Sequence[LoraWeights | None]]) -> None:
+        """The LoRA stacks later calls with ``lora_slots`` add: per layer, the entries of
+        `LORA_PROJS` (None: not adapted), every stack of one depth L and rank R. Makes
+        the scratch of the updates for them (call again when a stack is made, moved or
+        its slots change; not per step)."""
+        assert len(layers) == self._step.num_layers
+        assert all(len(layer) == len(LORA_PROJS) for layer in layers)
+        stacks = [w for layer in layers for w in layer if w is not None]
+        num_slots, rank = stacks[0].a.shape[:2] if stacks else (1, 1)
+        assert all(w.a.shape[:2] == (num_slots, rank) for w in stacks), "one L and R"
+        assert all(w.a.dtype == w.b.dtype == torch.bfloat16 and w.a.is_contiguous()
+                   and 1 in w.b.stride()[1:] and w.holds.shape == (num_slots,)
+                   and w.holds.dtype == torch.uint8 for w in stacks)  # fmt: skip
+        rp, b, n = -(-rank // LANES) * LANES, self.max_rows, self.threads
+        table = (_LoraProj * (len(layers) * len(LORA_PROJS)))()
+        for i, w in enumerate(e for layer in layers for e in layer):
+            if w is not None:
+                table[i] = _LoraProj(w.a.data_ptr(), w.b.data_ptr(), w.scaling.data_ptr(),
+                                     w.holds.data_ptr(), *w.b.stride(), w.start,
+                                     w.b.shape[1])  # fmt: skip
+        t = torch.zeros(n, b, rp)  # (threads, B, R up to 16): each row's a @ x
+        xf = torch.zeros(n, 4, -(-self._max_k // LANES) * LANES)  # (threads, 4, K up to 16)
+        bt = torch.zeros(n * num_slots * rp * LANES + LANES)  # (threads, L, R up to 16, 16)
+        skip = (-bt.data_ptr() % 64) // 4  # 64-byte aligned: lora.c's vectors
+        made = torch.zeros(n, num_slots, dtype=torch.int64)  # (threads, L)
+        st = self._step
+        st.lora, st.lora_rank, st.lora_slots = ctypes.addressof(table), rank, num_slots
+        st.lora_t, st.lora_xf, st.lora_made = t.data_ptr(), xf.data_ptr(), made.data_ptr()
+        st.lora_bt = bt.data_ptr() + 4 * skip
+        st.lora_t_stride, st.lora_xf_stride = b * rp, xf[0].numel()
+        st.lora_bt_stride = num_slots * rp * LANES
+        self._lora_keep = [table, t, xf, bt, made, layers]
 
     @staticmethod
     def _layer(w: LayerWeights) -> _Layer:
@@ -231,11 +300,14 @@ class DecodeStep:
         page_table: torch.Tensor,  # (S, W) int64 contiguous: each sequence's pages
         threads: int | None = None,  # at most the threads it was built for (default)
         rows: RowRuns | None = None,  # None: row b is sequence b (S = B), one token each
+        lora_slots: torch.Tensor | None = None,  # (B,) int64: each row's LoRA slot (-1: none)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it), both (B, hidden);
         x is the first (written in place), the second a view of a buffer the next call
         overwrites. A row attends to its sequence's keys up to its own position (the
-        rows before it in this step included). The same bits on any number of threads."""
+        rows before it in this step included). With ``lora_slots``, each projection's
+        output gets each row's update from the stacks of `use_loras`, as the torch
+        layers' ``lora_apply`` adds it. The same bits on any number of threads."""
         batch = x.shape[0]
         assert 0 < batch <= self.max_rows and x.dtype == torch.bfloat16 and x.is_contiguous()
         assert page_table.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
@@ -251,6 +323,12 @@ class DecodeStep:
         st.row_seq, st.chunks = runs.row_seq.data_ptr(), runs.chunks.data_ptr()
         st.num_chunks = batch if rows is None else rows.chunks.shape[0] - 1
         st.table_stride = page_table.shape[1]
+        st.row_slot = None
+        if lora_slots is not None:
+            assert self._lora_keep, "use_loras first"
+            assert lora_slots.shape == (batch,) and lora_slots.dtype == torch.int64
+            assert lora_slots.is_contiguous() and int(lora_slots.max()) < st.lora_slots
+            st.row_slot = lora_slots.data_ptr()
         self._barrier.arrived = self._barrier.generation = 0
         ptr = ctypes.addressof(st)
         threads = min(threads or self.threads, self.threads, torch.get_num_threads())

@@ -1,6 +1,6 @@
 """The CPU kernel set's C kernels: prebuilt, or built on first use.
 
-Two kernels share one library, both batch-invariant (each output row is computed by a
+The kernels share one library, each batch-invariant (each output row is computed by a
 fixed sequence of operations whatever the other rows, the chunking or the threads; the
 arithmetic is written out at the top of each source):
 
@@ -11,6 +11,8 @@ arithmetic is written out at the top of each source):
   decode rows alike;
 - `decode.c`: a whole decode step of the model's layers in one call over preallocated
   buffers (`radixserve.kernels.cpu.decode`), built from the two above.
+- `lora.c`: the batched LoRA matmul of multi-LoRA serving
+  (`radixserve.kernels.cpu.lora`), equal bit for bit to its reference.
 
 They link no OpenMP runtime of their own (a second one beside torch's in the same
 process is asking for trouble): work runs on a small thread pool (ctypes releases the
@@ -62,7 +64,7 @@ logger = logging.getLogger(__name__)
 # the kernels themselves, shipped beside this module (package data)
 _SOURCES = {
     name: (Path(__file__).parent / name).read_text()
-    for name in ("qgemm.c", "attention.c", "decode.c")
+    for name in ("qgemm.c", "attention.c", "decode.c", "lora.c")
 }
 _SOURCE = "".join(_SOURCES.values())  # what the file names' hash covers
 _COMMON_FLAGS = ("-O3", "-shared", "-fPIC")

@@ -4,6 +4,7 @@ from radixserve.kernels.ops import KernelOps
 from radixserve.kernels.reference.decode_attention import decode_attention
 from radixserve.kernels.reference.extend_attention import extend_attention
 from radixserve.kernels.reference.fused_moe import fused_moe
+from radixserve.kernels.reference.lora import lora_apply
 from radixserve.kernels.reference.pack_pages import pack_pages, unpack_pages
 from radixserve.kernels.reference.rmsnorm import rmsnorm
 from radixserve.kernels.reference.rope import rope
@@ -21,6 +22,7 @@ OPS = KernelOps(
     rope=rope,
     silu_and_mul=silu_and_mul,
     fused_moe=fused_moe,
+    lora_apply=lora_apply,
 )
 
 __all__ = ["OPS"]

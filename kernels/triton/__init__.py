@@ -10,6 +10,7 @@ from radixserve.kernels.triton.checks import INTERPRETED
 from radixserve.kernels.triton.decode_attention import decode_attention
 from radixserve.kernels.triton.extend_attention import extend_attention
 from radixserve.kernels.triton.fused_moe import fused_moe
+from radixserve.kernels.triton.lora import lora_apply
 from radixserve.kernels.triton.pack_pages import pack_pages, unpack_pages
 from radixserve.kernels.triton.rmsnorm import rmsnorm
 from radixserve.kernels.triton.rope import rope
@@ -27,6 +28,7 @@ OPS = KernelOps(
     rope=rope,
     silu_and_mul=silu_and_mul,
     fused_moe=fused_moe,
+    lora_apply=lora_apply,
 )
 
 __all__ = ["INTERPRETED", "OPS"]

@@ -19,6 +19,8 @@ _ENGINE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_memory_g
                   "page_size", "prefix_cache", "tp", "audit_sample_rate",
                   "audit_fail_closed", "speculative_method",
                   "speculative_max_draft_tokens")  # fmt: skip
+# the LoRA flags' fields (`radixserve serve`; `radixserve up` gives them to every worker)
+_LORA_FIELDS = ("lora_modules", "max_loras", "max_lora_rank")
 
 
 def engine_args(p: argparse.ArgumentParser, quantization: bool = True, tp: bool = True) -> None:
@@ -123,6 +125,15 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-buffer", type=int,
                    help="traces of the last requests the gateway keeps in memory for "
                    "/debug/traces and /explorer (default 512; 0 = none)")  # fmt: skip
+    p.add_argument("--allow-runtime-lora", action="store_true", default=None,
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
+                   "unload LoRA adapters at run time (admin keys; needs --lora-dir)")  # fmt: skip
+    p.add_argument("--lora-dir", type=Path,
+                   help="the directory run-time adapter loads may read from (paths outside "
+                   "it, symbolic links included, are refused)")  # fmt: skip
+    p.add_argument("--lora-load-on-demand", action="store_true", default=None,
+                   help="a request whose model names an adapter directory in --lora-dir "
+                   "loads it first (any caller; needs --allow-runtime-lora)")  # fmt: skip
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:
@@ -153,7 +164,8 @@ def engine_env(
 def build_settings(args: argparse.Namespace):
     from radixserve.settings import EngineSettings
 
-    given = {k: getattr(args, k) for k in _ENGINE_FIELDS if getattr(args, k, None) is not None}
+    fields = (*_ENGINE_FIELDS, *_LORA_FIELDS)
+    given = {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
     return EngineSettings(**given)
 
 
@@ -301,7 +313,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = ("host", "port", "max_queued_requests", "api_keys", "tool_parser",
             "reasoning_parser", "response_store_size", "response_store_ttl_s",
             "explorer_prompt_text", "trace_buffer", "api_key_file",
-            "allow_unauthenticated")  # fmt: skip
+            "allow_unauthenticated", "allow_runtime_lora", "lora_dir",
+            "lora_load_on_demand")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if args.served_model_name:
         overrides["served_model_name"] = ",".join(args.served_model_name)
@@ -346,4 +359,29 @@ def add_commands(sub: Any) -> None:
     srv.add_argument("--max-queued-requests", type=int, help="in-flight bound; more get 429")
     gateway_args(srv)
     engine_args(srv)
+    lora_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def lora_env(args: argparse.Namespace) -> dict[str, str]:
+    """The LoRA flags given, as the ``RADIXSERVE_*`` environment of every worker."""
+    env = engine_env(args, ("max_loras", "max_lora_rank"))
+    if getattr(args, "lora_modules", None):
+        env["RADIXSERVE_LORA_MODULES"] = json.dumps(list(args.lora_modules))
+    return env
+
+
+def lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA adapters an engine serves (`radixserve serve`)."""
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="PEFT LoRA adapter directories served beside the base model, each "
+                   "under a name requests give")  # fmt: skip
+    g.add_argument("--max-loras", type=int, metavar="N",
+                   help="adapters resident on the device at once (default 4)")  # fmt: skip
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        metavar="R",
+        help="the largest adapter rank served; higher ones are refused (default 64)",
+    )

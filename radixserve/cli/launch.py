@@ -14,6 +14,8 @@ from radixserve.cli.engine import (
     engine_args,
     engine_env,
     gateway_args,
+    lora_args,
+    lora_env,
 )
 from radixserve.errors import UsageError
 from radixserve.transfer import BACKENDS
@@ -28,7 +30,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     from radixserve.services.gateway.settings import GatewaySettings
 
-    env = engine_env(args)
+    env = {**engine_env(args), **lora_env(args)}
     decode_env = {}
     if args.local_prefill_max_tokens is not None:
         decode_env["RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS"] = str(
@@ -44,9 +46,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.explorer_prompt_text:
         gateway_env["RADIXSERVE_GATEWAY_EXPLORER_PROMPT_TEXT"] = "true"
     store = {key: getattr(args, key)
-             for key in ("response_store_size", "response_store_ttl_s", "trace_buffer")
+             for key in ("response_store_size", "response_store_ttl_s", "trace_buffer",
+                         "allow_runtime_lora", "lora_dir", "lora_load_on_demand")
              if getattr(args, key) is not None}  # fmt: skip
-    gateway_env.update({f"RADIXSERVE_GATEWAY_{k.upper()}": str(v) for k, v in store.items()})
+    if args.lora_dir is not None:  # the gateway starts elsewhere: its absolute path
+        store["lora_dir"] = args.lora_dir.resolve()
+    gateway_env.update({f"RADIXSERVE_GATEWAY_{k.upper()}": str(v).lower() if isinstance(v, bool)
+                        else str(v) for k, v in store.items()})  # fmt: skip
     auth = _gateway_auth(args)
     # a bad bound, a bad key or an unauthenticated non-loopback host is refused by name
     # before any process starts (the gateway reads RADIXSERVE_GATEWAY_API_KEYS itself)
@@ -303,6 +309,7 @@ def add_commands(sub: Any) -> None:
                     help="a removed worker is killed if still running this long after "
                     "SIGTERM (default 60)")  # fmt: skip
     engine_args(up, tp=False)
+    lora_args(up)
     up.set_defaults(func=cmd_up)
 
     probe = sub.add_parser("probe", help="check a service's health URL: exit 0 on 200 "

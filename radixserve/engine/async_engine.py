@@ -121,13 +121,14 @@ class AsyncEngine:
         resume: Sequence[int] = (),
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> tuple[Admission, OutputQueue]:
         """`Engine.admit` between two steps; the admission and the queue of the request's
         outputs from now on."""
         admission, out = await self.call(
             lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
                               host=host, lease_s=lease_s, resume=resume,
-                              cache_scope=cache_scope, share=share),
+                              cache_scope=cache_scope, share=share, adapter=adapter),
             watch=request_id,
         )  # fmt: skip
         assert out is not None
@@ -238,15 +239,17 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per step until the request finishes. Raises RequestError
         (e.g. InvalidRequestError) before the first output for input it can't serve.
         `request_id` must be unique among live requests; one is made up if not given.
-        The request shares cached KV only within its ``cache_scope``, and is scheduled
-        among other tenants' by its ``share`` (`Engine.add_request`)."""
+        The request shares cached KV only within its ``cache_scope``, runs with LoRA
+        ``adapter`` ("" for the base model), and is scheduled among other tenants' by its
+        ``share`` (`Engine.add_request`)."""
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
         _, out = await self.call(
-            lambda e: e.add_request(prompt, params, rid, cache_scope, share), watch=rid
+            lambda e: e.add_request(prompt, params, rid, cache_scope, share, adapter), watch=rid
         )
         assert out is not None
         async for item in self.outputs(rid, out):

@@ -158,8 +158,9 @@ class CacheAudit:
         of sampled cache hits at their first token, with the ids and hashes of the pages
         their cached prefix read (``namespace``: the engine's, for the default scope)."""
         for i, req in enumerate(sampling):
-            if req.output_ids or req.index or req.cached.total <= 0:
-                continue  # not a first token of a cache hit (or a fork of one)
+            if req.output_ids or req.index or req.cached.total <= 0 or req.adapter:
+                continue  # not a first token of a cache hit (or a fork of one; the
+                # shadow recomputes with the base model, so no adapter's either)
             self._credit += self.sample_rate
             if self._credit < 1.0:
                 continue

@@ -16,6 +16,7 @@ are kept for it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -49,10 +50,12 @@ from radixserve.engine.step_stats import StepStats
 from radixserve.engine.structured import GuideCompiler
 from radixserve.engine.tp_calls import StartAgent
 from radixserve.engine.tp_group import TPGroup, threads_per_rank
-from radixserve.errors import InvalidRequestError
+from radixserve.errors import InvalidRequestError, ModelLoadError
 from radixserve.kernels.cpu.decode_attention import block_pages
 from radixserve.model.checkpoint import Checkpoint, load_checkpoint
-from radixserve.model.identity import checkpoint_identity
+from radixserve.model.identity import ModelIdentity, checkpoint_identity
+from radixserve.model.lora import LoraAdapter
+from radixserve.model.lora_manager import LoraManager
 from radixserve.model.tp import TPShard
 from radixserve.protocol.cached_tokens import CachedTokens
 from radixserve.settings import EngineSettings
@@ -115,10 +118,15 @@ class Engine(OperatorHooks):
         self.scheduler = Scheduler(
             self.kv, settings.max_num_batched_tokens, settings.max_num_seqs,
             settings.prefill_chunk_tokens, settings.fair_quantum_tokens,
-            fair_step_rows(settings.fair_step_rows, self.device.type),
+            fair_step_rows(settings.fair_step_rows, self.device.type), settings.max_loras,
         )  # fmt: skip
+        # the LoRA adapters requests may name (`lora_modules`, `load_lora`)
+        self.loras = LoraManager(self.config, settings.max_loras, settings.max_lora_rank,
+                                 self.dtype, self.device)  # fmt: skip
+        for name, path in settings.lora_paths().items():
+            self.loras.load(name, path)
         self.runner = ModelRunner.build(
-            settings, shard, self.device, self.max_model_len, self.tp_group
+            settings, shard, self.device, self.max_model_len, self.tp_group, self.loras
         )
         self.sampler = Sampler()
         eos = self.config.eos_token_ids
@@ -133,8 +141,13 @@ class Engine(OperatorHooks):
         # None when off (or without a cache): the step pays nothing
         self.audit = make_audit(settings, self.dtype, self.tokenizer) if self.kv.cache else None
         capacity = num_pages * self.page_size
+        # (a function of the identity and the adapters, not a method: no cycle holds the engine)
+        # adapter name → the root namespace of its pages (`UnknownAdapterError` if none)
+        self.adapter_namespace = functools.partial(adapter_namespace, self.identity,
+                                                   settings.cache_salt, self.loras)  # fmt: skip
         self.intake = RequestIntake(self.tokenizer, self.config.vocab_size, self.max_model_len,
-                                    capacity, self.namespace, self.guides)  # fmt: skip
+                                    capacity, self.namespace, self.guides,
+                                    self.adapter_namespace)  # fmt: skip
         logger.info(
             "engine ready: %s on %s/%s%s, weights %s (%.1f MiB%s), %s kernels, %d KV pages of "
             "%d tokens (%.2f GiB%s), prefix cache %s",
@@ -155,13 +168,35 @@ class Engine(OperatorHooks):
         request_id: str | None = None,
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> str:
         """Queue a request; raises RequestError subclasses for input it can never serve.
-        It shares cached KV only with requests of the same ``cache_scope``; ``share``:
-        its tenant, priority and weight (`radixserve.engine.fair_share`)."""
-        req = self.intake.new(prompt, params, request_id, cache_scope, share)
+        It shares cached KV only with requests of the same ``cache_scope`` and
+        ``adapter`` (a loaded LoRA adapter's name, "" for the base model; an unknown one
+        raises `UnknownAdapterError`); ``share``: its tenant, priority and weight
+        (`radixserve.engine.fair_share`)."""
+        req = self.intake.new(prompt, params, request_id, cache_scope, share, adapter)
         self._queue(req)
         return req.request_id
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Serve the PEFT adapter at ``path`` as ``name`` (`radixserve.model.lora`:
+        ModelLoadError naming what it refuses)."""
+        if self.tp_group is not None:
+            raise ModelLoadError("LoRA adapters are not served with tensor parallelism (tp > 1)")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; refused (InvalidRequestError) while a request
+        that names it is live, and `UnknownAdapterError` if it is not loaded."""
+        self.loras.adapter(name)
+        users = [r.group_id for r in self.intake.requests.values() if r.adapter == name]
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {len(users)} "
+                                      f"request(s), e.g. {users[0]!r}; unload it when they end")  # fmt: skip
+        self.loras.unload(name)
 
     # -- admission: local, remote (decode side of disaggregation), host tier ----------
 
@@ -177,6 +212,7 @@ class Engine(OperatorHooks):
         resume: Sequence[int] = (),
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> Admission:
         """Take a request in and decide how its prompt gets its KV, in one operation
         (`radixserve.engine.admission`): queued to compute here (``local``), pages
@@ -189,11 +225,12 @@ class Engine(OperatorHooks):
         after those already-generated tokens (`RequestIntake.resume`); it never prefills remotely.
         Its KV is shared only with requests of the same ``cache_scope``: the caller's
         ``host`` plan and a prefill worker must use the same scope. ``share``: its tenant,
-        priority and weight, for the scheduler's fair share (`radixserve.engine.fair_share`)."""
+        priority and weight, for the scheduler's fair share (`radixserve.engine.fair_share`);
+        ``adapter``: its LoRA adapter (`add_request`)."""
         if lease_s is not None:
             params = params or SamplingParams()
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        req = self.intake.new(prompt, params, request_id, cache_scope, share)
+        req = self.intake.new(prompt, params, request_id, cache_scope, share, adapter)
         req.lease_s = lease_s
         if resume:
             self.intake.resume(req, resume)
@@ -445,3 +482,10 @@ class Engine(OperatorHooks):
     def _run_shadow(self, batch: ScheduledBatch) -> torch.Tensor:
         self._take_cores()
         return self.runner.run(batch)[0]
+
+
+def adapter_namespace(identity: ModelIdentity, salt: str, loras: LoraManager, name: str) -> bytes:
+    """The root namespace of LoRA adapter ``name``'s pages: the model identity with the
+    adapter's fingerprint (`UnknownAdapterError` if it is not loaded), under ``salt``."""
+    adapted = dataclasses.replace(identity, adapter=loras.adapter(name).fingerprint)
+    return hash_namespace(adapted.key, salt)

@@ -72,7 +72,9 @@ class EngineInfo:
 class EngineStats:
     """An engine's counters at one moment: pool pages (`Engine.cache_stats`), step
     counters (`StepStats`), the running and waiting requests, the prompt tokens queued
-    and not computed, and the page leases held."""
+    and not computed, the page leases held, and the LoRA adapter slots (``lora``: the
+    adapters resident and the slots, copies into a slot and evictions from one, the
+    waiting requests whose adapter finds no slot)."""
 
     cache: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     steps: Mapping[str, int | float] = field(default_factory=lambda: MappingProxyType({}))
@@ -80,6 +82,10 @@ class EngineStats:
     waiting: int = 0
     queued_prompt_tokens: int = 0
     leases: int = 0
+    # the LoRA adapter slots, named as the heartbeat's fields (`EngineSection.lora_*`)
+    lora: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # each loaded adapter's (slot loads, evictions), by name (`LoraManager.counts`)
+    lora_counts: Mapping[str, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
@@ -93,6 +99,16 @@ class EngineStats:
             waiting=len(engine.scheduler.waiting),
             queued_prompt_tokens=engine.step_stats.queued_prompt_tokens,
             leases=cache["leases"],
+            lora=MappingProxyType(
+                {
+                    "lora_resident": len(engine.loras.resident),
+                    "lora_max": engine.loras.max_loras,
+                    "lora_loads_total": engine.loras.num_loads,
+                    "lora_evictions_total": engine.loras.num_evictions,
+                    "lora_waiting_requests": engine.scheduler.num_waiting_for_adapter(),
+                }
+            ),
+            lora_counts=MappingProxyType(engine.loras.counts()),
         )
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixserve.cache.block_hash import scoped_namespace
 from radixserve.engine.detokenizer import IncrementalDetokenizer
@@ -14,7 +14,7 @@ from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.request import Request
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.structured import GuideCompiler, advance
-from radixserve.errors import CapacityError, InvalidRequestError
+from radixserve.errors import CapacityError, InvalidRequestError, UnknownAdapterError
 from radixserve.model.tokenizer import Tokenizer
 
 
@@ -24,9 +24,13 @@ class RequestIntake:
     and registers one, computing nothing and holding no page."""
 
     def __init__(self, tokenizer: Tokenizer, vocab: int, max_model_len: int, capacity: int,
-                 namespace: bytes, guides: GuideCompiler) -> None:  # fmt: skip
+                 namespace: bytes, guides: GuideCompiler,
+                 adapter_namespace: Callable[[str], bytes] | None = None) -> None:  # fmt: skip
+        """``adapter_namespace``: the root namespace of a LoRA adapter's pages, by its name
+        (`UnknownAdapterError` for a name not loaded); None: no adapters are served."""
         self._tokenizer, self._vocab, self._max_model_len = tokenizer, vocab, max_model_len
         self._capacity, self._namespace, self._guides = capacity, namespace, guides
+        self._adapter_namespace = adapter_namespace
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -52,11 +56,19 @@ class RequestIntake:
         request_id: str | None,
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> Request:
         """Validate and register a request; its KV is shared only with requests of the
-        same ``cache_scope`` (`radixserve.cache.block_hash.cache_scope`); ``share``
-        places it among other tenants' (`radixserve.engine.fair_share`)."""
+        same ``cache_scope`` (`radixserve.cache.block_hash.cache_scope`) and ``adapter``
+        (a LoRA adapter's name, "" for the base model); ``share`` places it among other
+        tenants' (`radixserve.engine.fair_share`)."""
         params = params or SamplingParams()
+        root = self._namespace
+        if adapter:  # an unknown name is refused before anything else
+            if self._adapter_namespace is None:
+                raise UnknownAdapterError(f"no LoRA adapter {adapter!r} is loaded (loaded: "
+                                          "none)", param="model")  # fmt: skip
+            root = self._adapter_namespace(adapter)
         prompt_ids = self._validate(prompt, params, share)
         guides = self._guides
         guide = guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
@@ -64,10 +76,11 @@ class RequestIntake:
         if request_id in self.groups or request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, params.kept_special_ids)
-        namespace = scoped_namespace(self._namespace, cache_scope) if cache_scope else None
+        scoped = cache_scope or adapter
+        namespace = scoped_namespace(root, cache_scope) if scoped else None
         req = Request(request_id, prompt_ids, params, detokenizer, cache_scope=cache_scope,
-                      namespace=namespace, tenant=share.tenant, priority=share.priority,
-                      weight=share.weight)  # fmt: skip
+                      namespace=namespace, adapter=adapter, tenant=share.tenant,
+                      priority=share.priority, weight=share.weight)  # fmt: skip
         req.guide = guide
         req.forked = params.n == 1
         self.requests[request_id] = req

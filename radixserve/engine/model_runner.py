@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixserve.cache.kv_pool import KVPool
@@ -18,6 +20,7 @@ from radixserve.model.fused_decode import (
     fused_decode_for,
 )
 from radixserve.model.llama import LlamaModel
+from radixserve.model.lora_manager import LoraManager
 from radixserve.settings import EngineSettings
 
 
@@ -30,6 +33,7 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         tp_group: TPGroup | None = None,
         fused: FusedDecode | None = None,
+        loras: LoraManager | None = None,
     ) -> None:
         self.model = model
         self.tp_group = tp_group  # sent each step before this rank computes it
@@ -38,6 +42,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # decode-only steps replay a captured graph when one fits
         self.fused = fused  # decode-only steps run the layers in one native call (CPU)
+        self.loras = loras  # the adapters requests may name (steps with them run eagerly)
 
     @classmethod
     def build(
@@ -47,6 +52,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         tp_group: TPGroup | None,
+        loras: LoraManager | None = None,
     ) -> ModelRunner:
         """Rank 0's runner of ``shard``, with the decode paths ``settings`` and the device
         allow: captured graphs (not with ranks: a graph would replay without them) and
@@ -58,7 +64,7 @@ class ModelRunner:
         if settings.fused_decode and tp_group is None and device.type == "cpu":
             batch = min(settings.max_num_seqs, FUSED_MAX_BATCH)
             fused = fused_decode_for(model, kv_pool.layers, batch, FUSED_THREADS)
-        return cls(model, kv_pool, device, graphs, tp_group, fused)
+        return cls(model, kv_pool, device, graphs, tp_group, fused, loras)
 
     @torch.inference_mode()
     def run(
@@ -98,18 +104,23 @@ class ModelRunner:
                 sampling.append(req)
             if k:
                 scored.append((req, lo, k))
-        logits = self.graphs.run(chunks) if self.graphs is not None else None
+        lora = None
+        if self.loras is not None and self.loras.adapters:  # each chunk's rows' adapter
+            lora = self.loras.batch([(batch.requests[i].adapter, len(c.token_ids))
+                                     for i, c in zip(order, chunks)])  # fmt: skip
+        logits = self.graphs.run(chunks) if self.graphs is not None and lora is None else None
         if logits is None:
             packed = pack_step(chunks, self.page_size)
             if self.tp_group is not None:
                 self.tp_group.forward(packed)
             fb = forward_batch_of(packed, self.device)
+            if lora is not None:
+                fb = dataclasses.replace(fb, lora_slots=lora.row_slot)
             if self.fused is not None and self.fused.applies(fb):
-                logits = self.fused.forward(fb)
+                logits = self.fused.forward(fb, lora)
             else:
-                logits = self.model(
-                    fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn, fb.logits_indices
-                )
+                logits = self.model(fb.input_ids, fb.positions, self.kv_pool.layers, fb.attn,
+                                    fb.logits_indices, lora)  # fmt: skip
         # rows: the sampling requests' in order, then each scored chunk's rows
         prompt_logits, draft_logits, at = [], {}, len(sampling)
         for req, lo, k in scored:

@@ -18,7 +18,9 @@ members that share the prompt's pages (`Scheduler.fork`), each with its own outp
 
 A request's pages are cached in its ``namespace``: the engine's own for the default
 scope (""), else the one its ``cache_scope`` names (`radixserve.cache.block_hash`), so it
-matches only pages computed under the same scope (`radixserve.cache.radix_tree`).
+matches only pages computed under the same scope (`radixserve.cache.radix_tree`). A
+request with a LoRA ``adapter`` has a namespace of that adapter's (its fingerprint in the
+model identity): it never shares pages with the base model or another adapter.
 
 Its ``tenant``, ``priority`` and ``weight`` (`radixserve.engine.fair_share.TenantShare`)
 decide, with other tenants' requests, when it is admitted and how many prefill tokens it
@@ -59,6 +61,7 @@ class Request:
     group_id: str = ""  # the request id clients know; "" = request_id
     cache_scope: str = ""  # whose KV it may share (`cache_scope`); "" = the default scope
     namespace: bytes | None = None  # its pages' hash namespace; None = the engine's own
+    adapter: str = ""  # the LoRA adapter it runs with, by name; "" = the base model
     tenant: str = ""  # whose it is, for the fair share (an opaque id); "" = the default tenant
     priority: int = 0  # lower = sooner (every waiting request of a lower value goes first)
     weight: float = 1.0  # its tenant's weight: its share of slots and prefill tokens
@@ -108,6 +111,7 @@ class Request:
             group_id=self.group_id,
             cache_scope=self.cache_scope,
             namespace=self.namespace,
+            adapter=self.adapter,
             tenant=self.tenant,
             priority=self.priority,
             weight=self.weight,

@@ -32,6 +32,11 @@ Pages come from the cache manager (`KVCacheManager.grow`: evict if short, then a
 in runs the CPU decode attention reads in place); when even evicting is not enough the
 newest running request of the worst priority (the highest value) is preempted (its KV
 goes into the cache, its pages are released, it re-queues first) and `grow` is retried.
+
+Requests with LoRA adapters: the running set holds at most ``max_adapters`` distinct
+adapters (the device's adapter slots, `radixserve.model.lora_manager`), so any step's
+adapters fit in them; a waiting request of another adapter keeps its place until a
+running one's adapter leaves.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Scheduler:
         prefill_chunk_tokens: int | None = None,
         fair_quantum_tokens: int = 256,
         fair_step_rows: int = 0,
+        max_adapters: int = 0,
     ) -> None:
         self.kv = kv  # every page a request holds comes from it and goes back to it
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,6 +90,7 @@ class Scheduler:
         self._decoded_at: dict[str, int] = {}  # request id → the step it last decoded in
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.awaiting_kv: dict[str, Request] = {}  # prompt pages reserved for a KV transfer
+        self.max_adapters = max_adapters  # distinct LoRA adapters running at once
 
     @property
     def has_work(self) -> bool:
@@ -211,6 +218,8 @@ class Scheduler:
                 return
             if grants is not None and grants.get(req.tenant, 0) <= 0:
                 continue
+            if req.adapter and not self._adapter_room(req.adapter):
+                continue  # every adapter slot is another running adapter's
             victim = None
             if len(self.running) >= self.max_num_seqs:
                 victim = self._slot_victim(req)
@@ -240,6 +249,20 @@ class Scheduler:
             budget[0] -= n
             if grants is not None:
                 grants[req.tenant] -= n
+
+    def num_waiting_for_adapter(self) -> int:
+        """Waiting requests held back only by the adapter slots: each names a LoRA adapter
+        that is not running while every one of the ``max_adapters`` slots is another
+        running adapter's (none while a slot is free: O(1) then, else O(waiting))."""
+        running = {r.adapter for r in self.running if r.adapter}
+        if len(running) < self.max_adapters:
+            return 0
+        return sum(1 for r in self.waiting if r.adapter and r.adapter not in running)
+
+    def _adapter_room(self, adapter: str) -> bool:
+        """Whether a request of LoRA ``adapter`` may run beside the running ones."""
+        running = {r.adapter for r in self.running if r.adapter}
+        return adapter in running or len(running) < self.max_adapters
 
     def _slot_victim(self, req: Request) -> Request | None:
         """The running request ``req`` may take the slot of, all being taken (module

@@ -44,6 +44,9 @@ class ForwardBatch:
     # that wants them, in chunk order, then each chunk's scored rows, in chunk order
     logits_indices: torch.Tensor
     attn: AttentionMetadata
+    # (T,) int64: each row's LoRA adapter slot, -1 for the base model; None when no row
+    # has an adapter (`radixserve.model.lora_manager.LoraBatch`, set by the model runner)
+    lora_slots: torch.Tensor | None = None
 
 
 def buffer_len(tokens: int, logits: int, seqs: int, width: int) -> int:

@@ -13,6 +13,11 @@ the same way whatever the other rows (the native GEMM never mixes rows, the atte
 is batch-invariant, the norms, RoPE and silu are row-wise), so the bits are the same
 (`tests/model/test_fused_extend.py`).
 
+A step with LoRA adapter rows runs there too: each projection's output gets its rows'
+updates inside the native call (lora.c's kernel, the bits of the layers'
+``ops.lora_apply``; `tests/model/test_lora_fused.py`), from the `LoraManager`'s stacks,
+which the step is handed again only when they change (their ``generation``).
+
 `fused_decode_for` decides once, at start-up, whether a model can take it; `why_not`
 says why not (logged): it needs bfloat16, every layer's matrices int4 or int8 through
 the native GEMM, the native attention, and the plain Llama layer (no biases, q/k norms,
@@ -24,21 +29,27 @@ torch.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
 
 from radixserve.kernels.cpu.attention import native_attention
 from radixserve.kernels.cpu.decode import (
+    LORA_PROJS,
     DecodeShape,
     DecodeStep,
     LayerWeights,
+    LoraWeights,
     ProjWeights,
     RowRuns,
     supports,
 )
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaModel
+from radixserve.model.lora_manager import LoraBatch
 from radixserve.model.qlinear import Int4Linear, Int8Linear, Linear
 
 logger = logging.getLogger(__name__)
@@ -48,12 +59,15 @@ logger = logging.getLogger(__name__)
 #: GEMMs split over the cores (bench/decode_ab.py: even at 16 on one thread)
 FUSED_MAX_BATCH = 16
 #: threads of the native step: up to two, as torch's thread count allows. Two split every
-#: GEMM and the attention with five barriers a layer (the same bits): at batch 16 that is
-#: 0.75x the time of one thread, but at batches under `TWO_THREADS_FROM` one thread, in
-#: the caller with no hand-off at all, is faster on a 2-core machine (a preempted partner
-#: stalls every barrier; bench/decode_ab.py)
+#: GEMM and the attention with six barriers a layer (the same bits): on a quiet 2-core
+#: machine that beats one thread from batch 1 (the attention splits a sequence's q heads
+#: between them), but a partner preempted by another process stalls every barrier, and
+#: then one thread, in the caller with no hand-off at all, is twice as fast. Which one a
+#: step takes is learnt from the steps' own times (`ThreadChoice`), for steps of fewer
+#: than `CHOSEN_BELOW` rows; larger ones, where two threads win even on a busy machine
+#: and trying one would cost most, take two.
 FUSED_THREADS = 2
-TWO_THREADS_FROM = 8
+CHOSEN_BELOW = 8
 #: the most new tokens of a step with extends that the native step takes: a whole prefill
 #: chunk (`prefill_chunk_tokens`' default). Its buffers are made for them at start-up
 #: (9.6 MB on the default model, two threads); it beat the torch layers at every size
@@ -126,13 +140,14 @@ class FusedDecode:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,
         threads: int,
-        two_threads_from: int = TWO_THREADS_FROM,
+        adaptive: bool = True,
         max_rows: int = FUSED_MAX_ROWS,
     ) -> None:
         self.model = model
         self.max_batch = max_batch  # decode-only steps
         self.max_rows = max_rows  # steps with extends: their new tokens
-        self.two_threads_from = two_threads_from  # fewer rows run on one thread
+        # None: every step on the threads it was built for
+        self.choice = ThreadChoice() if adaptive and threads > 1 else None
         layers = []
         for layer, (k, v) in zip(model.decoder_layers, kv_caches):
             projs = [_proj(p) for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -140,24 +155,93 @@ class FusedDecode:
             layers.append(LayerWeights(layer.input_norm, layer.post_norm, *projs, k, v))  # type: ignore[arg-type]
         self.step = DecodeStep(_shape(model, kv_caches), layers, model.rope.cos, model.rope.sin,
                                max(max_batch, max_rows), threads)  # fmt: skip
+        self._lora_generation: tuple[int, int] | None = None  # the stacks `step` reads
 
     def applies(self, fb: ForwardBatch) -> bool:
         """Whether the native step computes this step: a decode-only step of up to
-        `max_batch` sequences, or a step with extends of up to `max_rows` new tokens."""
+        `max_batch` sequences, or a step with extends of up to `max_rows` new tokens
+        (adapter rows or not)."""
         rows = fb.input_ids.shape[0]
         if fb.attn.num_extend_tokens == 0:
             return 0 < rows <= self.max_batch
         return rows <= self.max_rows
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """The model's logits for `fb` (as `LlamaModel.forward`), (N, vocab) float32."""
+    def forward(self, fb: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The model's logits for `fb` (as `LlamaModel.forward`), (N, vocab) float32; with
+        ``lora`` (the step's adapters, `fb.lora_slots` its rows'), each projection's
+        output gets its rows' adapter updates, as the torch layers add them."""
+        assert (lora is None) == (fb.lora_slots is None)
+        if lora is not None:
+            self._use_loras(lora)
         x = self.model._embed(fb.input_ids).contiguous()  # (B, hidden)
         meta = fb.attn
-        threads = 1 if x.shape[0] < self.two_threads_from else None  # None: as built
         rows = _row_runs(meta.cu_seqlens_q.tolist()) if meta.num_extend_tokens else None
+        kind = (x.shape[0], rows is not None, lora is not None)
+        threads = min(self.step.threads, torch.get_num_threads())  # as built, at most
+        choice = self.choice if threads > 1 and x.shape[0] < CHOSEN_BELOW else None
+        if choice is not None:
+            threads = choice.pick(kind)
+        began = time.perf_counter()
         x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous(),
-                                threads, rows)  # fmt: skip
+                                threads, rows, fb.lora_slots)  # fmt: skip
+        if choice is not None:
+            choice.record(kind, threads, time.perf_counter() - began)
         return self.model.logits(x, residual, fb.logits_indices)
+
+    def _use_loras(self, lora: LoraBatch) -> None:
+        """Hand the step the adapter stacks, when they changed since it was last given
+        them (the manager's generation): per step only their slot per row moves."""
+        key = (id(lora.stacks), lora.generation)
+        if key == self._lora_generation:
+            return
+        layers = []
+        for i in range(len(self.model.decoder_layers)):
+            entries: list[LoraWeights | None] = [None] * len(LORA_PROJS)
+            for weight, first in (("qkv", 0), ("o_proj", 3), ("gate_up", 4), ("down", 6)):
+                for j, stack in enumerate(lora.stacks.get((i, weight), ())):
+                    holds = torch.zeros(stack.a.shape[0], dtype=torch.uint8)  # (L,)
+                    holds[sorted(stack.used)] = 1
+                    entries[first + j] = LoraWeights(stack.a, stack.b, stack.scaling, holds,
+                                                     stack.segment.start)  # fmt: skip
+            layers.append(entries)
+        self.step.use_loras(layers)
+        self._lora_generation = key
+
+
+class ThreadChoice:
+    """One thread or two for a native step, chosen from the steps' own times.
+
+    Per kind of step (its row count, rounded down to a power of two, whether it has
+    extends and whether it has adapter rows) it keeps the seconds of the latest `window`
+    steps on each, takes the one with the smaller median, and every `explore`-th step of
+    that kind the other, so a change of load (another process taking a core, or leaving
+    it) is seen within a few dozen steps, and one step stalled by a preempted partner
+    does not turn the choice. Both give the same bits: the choice moves only the time."""
+
+    def __init__(self, explore: int = 32, window: int = 8) -> None:
+        self.explore, self.window = explore, window
+        self._seconds: dict[tuple[int, bool, bool, int], deque[float]] = {}
+        self._steps: dict[tuple[int, bool, bool], int] = {}
+
+    @staticmethod
+    def _key(kind: tuple[int, bool, bool]) -> tuple[int, bool, bool]:
+        rows, extends, adapters = kind
+        return 1 << (max(rows, 1).bit_length() - 1), extends, adapters
+
+    def pick(self, kind: tuple[int, bool, bool]) -> int:
+        """The threads (1 or 2) for the next step of this kind."""
+        key = self._key(kind)
+        n = self._steps[key] = self._steps.get(key, 0) + 1
+        one, two = self._seconds.get((*key, 1)), self._seconds.get((*key, 2))
+        if not one or not two:
+            return 1 if not one else 2
+        best, other = (1, 2) if statistics.median(one) <= statistics.median(two) else (2, 1)
+        return other if n % self.explore == 0 else best
+
+    def record(self, kind: tuple[int, bool, bool], threads: int, seconds: float) -> None:
+        """A step of this kind on `threads` took `seconds`."""
+        at = (*self._key(kind), threads)
+        self._seconds.setdefault(at, deque(maxlen=self.window)).append(seconds)
 
 
 def _row_runs(cu_seqlens: list[int]) -> RowRuns:
@@ -178,7 +262,7 @@ def fused_decode_for(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     max_batch: int,
     threads: int,
-    two_threads_from: int = TWO_THREADS_FROM,
+    adaptive: bool = True,
     max_rows: int = FUSED_MAX_ROWS,
 ) -> FusedDecode | None:
     """The native decode step for `model`, or None (logged) where it does not apply."""
@@ -186,7 +270,7 @@ def fused_decode_for(
     if reason is not None:
         logger.info("decode runs the layers in torch ops: %s", reason)
         return None
-    fused = FusedDecode(model, kv_caches, max_batch, threads, two_threads_from, max_rows)
+    fused = FusedDecode(model, kv_caches, max_batch, threads, adaptive, max_rows)
     logger.info("decode runs the layers in one native call (batches up to %d, steps with "
                 "extends up to %d tokens; buffers %.1f MB)", max_batch, max_rows,
                 fused.step.buffer_bytes / 1e6)  # fmt: skip

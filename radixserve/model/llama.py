@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from functools import partial
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ from radixserve.model.qlinear import DenseLinear, Linear, make_linear
 from radixserve.model.quant import QuantizedRows, quantize
 from radixserve.model.rope import RotaryEmbedding
 from radixserve.model.tp import Take, TPComm, TPShard, take
+
+if TYPE_CHECKING:
+    from radixserve.model.lora_manager import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class DecoderLayer(nn.Module):
         self.window = c.sliding_window if index in c.sliding_layers else 0
         self.scale = c.attention_scale
         self.gelu = c.hidden_act == "gelu_tanh"
+        self.index = index  # its adapters' stacks are found by it (`LoraBatch.add`)
         self.comm = comm  # sums the row-parallel o and down outputs over the ranks
         param = partial(_param, dtype=dtype, device=device)
 
@@ -113,11 +117,15 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
         caches: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it); the next norm adds them."""
+        """(this layer's MLP output, the residual stream before it); the next norm adds them.
+        With ``lora``, each projection's output gets its rows' adapter updates."""
         t = x.shape[0]
         h, residual = ops.rmsnorm(x, self.input_norm, self.eps, residual)
         qkv = self.qkv(h, self.qkv_bias)  # (T, q_size + 2 kv_size)
+        if lora is not None:
+            lora.add(ops, self.index, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, H_kv, D)
@@ -129,7 +137,10 @@ class DecoderLayer(nn.Module):
         o = attn.forward(
             q, k, v, caches[0], caches[1], meta, window=self.window, scale=self.scale
         )  # (T, H, D)
-        attn_out = self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)  # (T, q_size)
+        attn_out = self.o_proj(o)
+        if lora is not None:
+            lora.add(ops, self.index, "o_proj", o, attn_out)
         if self.comm is not None:
             self.comm.all_reduce(attn_out)
         if self.attn_out_norm is not None:
@@ -138,12 +149,23 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             out = self.moe(h, ops)
         else:
-            out = self.down(self._act(self.gate_up(h), ops))  # via (T, I)
+            out = self._mlp(h, ops, lora)
         if self.comm is not None:
             self.comm.all_reduce(out)
         if self.mlp_out_norm is not None:
             out = ops.rmsnorm(out, self.mlp_out_norm, self.eps)[0]
         return out, residual
+
+    def _mlp(self, h: torch.Tensor, ops: KernelOps, lora: LoraBatch | None) -> torch.Tensor:
+        """The dense MLP of h (T, hidden), via (T, I), with the rows' adapter updates."""
+        if lora is None:
+            return self.down(self._act(self.gate_up(h), ops))
+        gate_up = self.gate_up(h)  # (T, 2 I)
+        lora.add(ops, self.index, "gate_up", h, gate_up)
+        act = self._act(gate_up, ops)  # (T, I)
+        out = self.down(act)
+        lora.add(ops, self.index, "down", act, out)
+        return out
 
     def _act(self, gate_up: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """act(gate) * up of a (T, 2 I) gate/up output."""
@@ -211,13 +233,14 @@ class LlamaModel(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer: K, V pages
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # (N,) rows of T whose next-token logits are wanted
+        lora: LoraBatch | None = None,  # the rows' LoRA adapters (None: the base model)
     ) -> torch.Tensor:
         x = self._embed(input_ids)  # (T, hidden)
         residual = None
         for i, layer in enumerate(self.decoder_layers):
             rope = self.rope_local if layer.window and self.rope_local else self.rope
             x, residual = layer(
-                x, residual, positions, self.ops, rope, self.attention, kv_caches[i], meta
+                x, residual, positions, self.ops, rope, self.attention, kv_caches[i], meta, lora
             )
         assert residual is not None
         return self.logits(x, residual, logits_indices)

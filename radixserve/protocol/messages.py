@@ -31,7 +31,14 @@ lent (``lease_ms``, which the reader checks before it reads); a reasoning budget
 reason as long as it will. 6.0: a prompt's cache hits are one `CachedTokens` by tier
 (``cached``) on `KVReady`, `TokenChunk` and `LiveRequestView`, replacing
 ``cached_tokens`` / ``host_cached_tokens`` / ``disk_cached_tokens``; a `Heartbeat`'s ``stats`` are typed
-(`ServiceStats`, `radixserve.protocol.stats_messages`), no longer a map of names. Every message's frame is checked against golden bytes
+(`ServiceStats`, `radixserve.protocol.stats_messages`), no longer a map of names. 6.1: LoRA
+adapters (`radixserve.protocol.lora_messages`): a request's ``adapter`` and its
+``adapter_fingerprint`` on `GenerateRequest` and `PrefillRequest`, the fingerprint its pages
+were computed with on `KVReady` (the reader refuses pages of another), a worker's adapters in
+its heartbeat (`ServiceStats.loras`) with its adapter slots (`EngineSection`'s ``lora_*``),
+and `LoraLoad` / `LoraUnload` / `LoraReply`; a 6.0
+peer ignores them and serves the base model, whose `KVReady` (no fingerprint) a 6.1 reader
+of an adapter's request refuses. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -112,6 +119,14 @@ from radixserve.protocol.index_messages import (  # noqa: F401 - re-exported
     Register,
     WatchMembers,
 )
+from radixserve.protocol.lora_messages import (  # noqa: F401 - re-exported
+    FINGERPRINT,
+    LORA_NAME,
+    LoraAdapterInfo,
+    LoraLoad,
+    LoraReply,
+    LoraUnload,
+)
 from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LOGPROB_ENTRIES,
     LogprobEntry,
@@ -157,7 +172,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (6, 0)
+PROTOCOL_VERSION: tuple[int, int] = (6, 1)
 
 # --- handshake and liveness -----------------------------------------------------------
 
@@ -251,6 +266,7 @@ MIN_TENANT_WEIGHT = 0.01
 MAX_TENANT_WEIGHT = 1000.0
 TENANT_WEIGHT = FloatSpec(MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
 SPAN_STATUSES: frozenset[str] = frozenset({"unset", "ok", "error"})
+ADAPTER_NAME = StrSpec(LORA_NAME.max_chars)  # a request's LoRA adapter; "" = the base model
 
 
 @dataclass(frozen=True)
@@ -314,6 +330,11 @@ class GenerateRequest(Message):
     tenant: str = field(default="", metadata=_spec(TENANT_ID))
     priority: int = field(default=0, metadata=_spec(PRIORITY))
     tenant_weight: float = field(default=1.0, metadata=_spec(TENANT_WEIGHT))
+    # the LoRA adapter it runs with ("" = the base model) and that adapter's fingerprint as
+    # the gateway routed it (``page_hashes`` are in its namespace; a worker whose adapter of
+    # that name has another fingerprint hashes the prompt itself)
+    adapter: str = field(default="", metadata=_spec(ADAPTER_NAME))
+    adapter_fingerprint: str = field(default="", metadata=_spec(FINGERPRINT))
 
 
 @dataclass(frozen=True)
@@ -344,6 +365,10 @@ class PrefillRequest(Message):
     # the chained hashes of the prompt's full pages in its scope's namespace (the
     # gateway's, as the decode worker got them): its host-tier lookup hashes nothing again
     page_hashes: tuple[int, ...] = field(default=(), metadata=_spec(PAGE_HASHES))
+    # the request's LoRA adapter ("" = the base model) and the fingerprint the decode
+    # worker's adapter of that name has: a prefill worker whose adapter differs refuses it
+    adapter: str = field(default="", metadata=_spec(ADAPTER_NAME))
+    adapter_fingerprint: str = field(default="", metadata=_spec(FINGERPRINT))
 
     def invariant_error(self) -> str | None:
         if len(self.page_hashes) > len(self.token_ids):
@@ -380,6 +405,9 @@ class KVReady(Message):
     prompt_logprobs: tuple[LogprobEntry, ...] = field(default=(), metadata=_spec(LOGPROB_ENTRIES))
     spans: tuple[SpanRecord, ...] = field(default=(), metadata=_spec(SPAN_RECORDS))  # traced
     lease_ms: float | None = field(default=None, metadata=_spec(OptionalSpec(DURATION_MS)))
+    # the fingerprint of the LoRA adapter the pages were computed with ("" = the base
+    # model): the reader reads them only if it equals its own request's
+    adapter_fingerprint: str = field(default="", metadata=_spec(FINGERPRINT))
 
 
 @dataclass(frozen=True)

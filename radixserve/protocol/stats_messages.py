@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from radixserve.protocol.fields import COUNT
+from radixserve.protocol.lora_messages import LORA_INFOS, LoraAdapterInfo
 from radixserve.protocol.wire import (
     FloatSpec,
     ListSpec,
@@ -105,7 +106,8 @@ def mismatches() -> Any:
 @dataclass(frozen=True)
 class EngineSection(WireStruct):
     """A worker's engine: its pool's pages (`KVCacheManager.stats`), live requests, cache
-    audit (None: off), step counters (`radixserve.engine.step_stats`) and its cache's use."""
+    audit (None: off), step counters (`radixserve.engine.step_stats`), its cache's use
+    and its LoRA adapter slots (`radixserve.model.lora_manager`)."""
 
     pages_total: int = gauge("Pages of the KV pool.")
     pages_used: int = gauge("Pages held by requests or the cache.")
@@ -171,6 +173,14 @@ class EngineSection(WireStruct):
     prompt_hashes_total: int = counter("Prompts whose pages the worker hashed.")
     prefix_cache_queried_tokens_total: int = counter("Prompt tokens looked up at admission.")
     prefix_cache_hit_tokens_total: int = counter("Prompt tokens found in the device cache.")
+    lora_resident: int = gauge("LoRA adapters in a device slot.")
+    lora_max: int = gauge("LoRA adapter slots on the device (max_loras).")
+    lora_loads_total: int = counter("Copies of a LoRA adapter into a device slot.")
+    lora_evictions_total: int = counter("LoRA adapters evicted from their slot for another.")
+    lora_waiting_requests: int = gauge(
+        "Waiting requests whose LoRA adapter finds no free slot (every slot another running "
+        "adapter's)."
+    )
 
 
 @dataclass(frozen=True)
@@ -324,6 +334,10 @@ class ServiceStats(WireStruct):
     decode: DecodeSection | None = section(DecodeSection)
     prefill: PrefillSection | None = section(PrefillSection)
     kvstore: KVStoreSection | None = section(KVStoreSection)
+    # a worker's loaded LoRA adapters (`radixserve.protocol.lora_messages`), by name
+    loras: tuple[LoraAdapterInfo, ...] = dataclasses.field(
+        default=(), metadata={"wire": LORA_INFOS}
+    )
 
 
 _S = TypeVar("_S", bound=WireStruct)

@@ -9,16 +9,20 @@ always gets token ids.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
+from radixserve.errors import InvalidRequestError
 from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.protocol.lora_messages import LoraAdapterInfo
 from radixserve.protocol.messages import CacheTreeReply
+from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
 from radixserve.tracing import NO_SPAN, Span
 
 if TYPE_CHECKING:  # only the in-process client has one; the cluster gateway has no torch
@@ -44,6 +48,7 @@ class EngineClient(abc.ABC):
         cache_scope: str = "",
         routing_key: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per engine step until one has `finished` set.
         ``span``: the request's span at the gateway (`radixserve.tracing`), under which
@@ -52,7 +57,8 @@ class EngineClient(abc.ABC):
         (`radixserve.cache.block_hash.cache_scope`; "" = the default scope);
         ``routing_key``: requests with the same key go to the same engine while it is
         not overloaded (a hint, where there is a choice of engines); ``share``: its
-        tenant, priority and weight in the engine's schedule (`radixserve.engine.fair_share`).
+        tenant, priority and weight in the engine's schedule (`radixserve.engine.fair_share`);
+        ``adapter``: the LoRA adapter it runs with, one of `adapters` ("" = the base model).
 
         Contract: raises `RequestError` (e.g. InvalidRequestError for a prompt over the
         context) before the first output for a request that can never be served.
@@ -95,7 +101,8 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Pool and request counters: pages_total/used/free, live_requests and, with a
-        prefix cache, pages_cached/locked/evictable. Cheap; safe from any thread."""
+        prefix cache, pages_cached/locked/evictable; an in-process engine's LoRA adapter
+        slots (`EngineSection`'s ``lora_*``). Cheap; safe from any thread."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -130,6 +137,22 @@ class EngineClient(abc.ABC):
         whether it had failed closed; None: it did not answer in time)."""
         return {}
 
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def adapters(self) -> Mapping[str, LoraAdapterInfo]:
+        """The LoRA adapters requests may name now, by name (none by default)."""
+        return {}
+
+    async def load_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Serve the PEFT adapter at ``path`` (already confined by the caller) as ``name``
+        on every engine; `RequestError` naming what was refused."""
+        raise InvalidRequestError("this server cannot load LoRA adapters", param="lora_name")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` on every engine (`UnknownAdapterError` if none
+        serves it; refused while a request uses it)."""
+        raise InvalidRequestError("this server cannot unload LoRA adapters", param="lora_name")
+
 
 class LocalEngineClient(EngineClient):
     """An `AsyncEngine` in this process. Owns it: `close()` stops its thread."""
@@ -137,6 +160,21 @@ class LocalEngineClient(EngineClient):
     def __init__(self, engine: AsyncEngine) -> None:
         self._async = engine
         self._closed = False
+        # the engine's adapters as of its start or the last load or unload (its LoraManager
+        # owns them; they change only through this client): asked once here, between steps
+        loaded: concurrent.futures.Future[tuple[LoraAdapterInfo, ...]] = concurrent.futures.Future()
+
+        def ask(e: Any) -> None:
+            try:
+                loaded.set_result(adapter_infos(e))
+            except Exception as exc:
+                loaded.set_exception(exc)
+
+        engine.submit(ask)
+        self._adapters = {info.name: info for info in loaded.result(timeout=60)}
+
+    def _adopt(self, called: tuple[tuple[LoraAdapterInfo, ...], object]) -> None:
+        self._adapters = {info.name: info for info in called[0]}
 
     async def generate(  # type: ignore[override]
         self,
@@ -148,9 +186,10 @@ class LocalEngineClient(EngineClient):
         cache_scope: str = "",
         routing_key: str = "",  # one engine: nothing to choose
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> AsyncIterator[RequestOutput]:
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids))
-        stream = self._async.stream(prompt_ids, params, request_id, cache_scope, share)
+        stream = self._async.stream(prompt_ids, params, request_id, cache_scope, share, adapter)
         try:
             async for output in stream:
                 yield output
@@ -183,7 +222,8 @@ class LocalEngineClient(EngineClient):
         return info.page_size if info.prefix_cache else 0
 
     def stats(self) -> dict[str, int]:
-        return dict(self._async.stats().cache)
+        stats = self._async.stats()
+        return {**stats.cache, **stats.lora}
 
     async def cache_tree(
         self, worker: str, max_nodes: int, text_tokens: int
@@ -196,6 +236,16 @@ class LocalEngineClient(EngineClient):
     async def clear_cache_audit(self) -> dict[str, bool | None]:
         was_failed, _ = await self._async.call(lambda e: e.clear_audit())
         return {LOCAL_WORKER: was_failed}
+
+    def adapters(self) -> Mapping[str, LoraAdapterInfo]:
+        return self._adapters
+
+    async def load_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        self._adopt(await self._async.call(lambda e: load_adapter(e, name, path)))
+        return self._adapters[name]
+
+    async def unload_adapter(self, name: str) -> None:
+        self._adopt(await self._async.call(lambda e: unload_adapter(e, name)))
 
     def close(self) -> None:
         if not self._closed:

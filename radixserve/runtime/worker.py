@@ -30,6 +30,7 @@ from radixserve.engine.async_engine import AsyncEngine, OutputQueue
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.tp_calls import StartAgent
+from radixserve.errors import ModelLoadError, RequestError, UnknownAdapterError
 from radixserve.protocol import (
     Deregister,
     HelloAck,
@@ -41,8 +42,10 @@ from radixserve.protocol import (
     Register,
     WorkerLoad,
 )
+from radixserve.protocol.lora_messages import LoraAdapterInfo, LoraLoad, LoraReply, LoraUnload
 from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
+from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.kv_events import KVEventPublisher
@@ -60,8 +63,9 @@ from radixserve.worker_metrics import service_metrics
 logger = logging.getLogger(__name__)
 
 
-#: what a worker's peers send it beside its role's requests: an operator's cache queries
-WorkerInbound = CacheTreeQuery | CacheAuditClear
+#: what a worker's peers send it beside its role's requests: an operator's cache queries,
+#: the gateway's run-time LoRA loads and unloads
+WorkerInbound = CacheTreeQuery | CacheAuditClear | LoraLoad | LoraUnload
 #: what the kvstore sends a worker beside the host tier's answers (`HostTierClient`)
 WorkerFromKVStore = KVResync | MemberList
 
@@ -87,10 +91,14 @@ class Worker(Service):
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
         self.tracer = Tracer(self.role, otlp_exporter(self.role))
+        # the engine's LoRA adapters by name, as of the start or the last load or unload
+        # (its LoraManager owns them; they change only through `_load_lora`/`_unload_lora`)
+        self.loras: dict[str, LoraAdapterInfo] = {}
 
     async def start(self) -> None:
         s = self.settings
         info = self.engine.info
+        self._adopt_loras((await self.engine.call(adapter_infos))[0])
         network = transfer_network(s)
         local = create_agent(s.transfer_backend, self.name, info.kv, info.geometry,
                              nixl_progress_thread=s.nixl_progress_thread, network=network,
@@ -271,7 +279,60 @@ class Worker(Service):
             self.engine.resync_cache(self._emit)
 
     def handlers(self) -> Handlers:
-        return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit}
+        return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit,
+                LoraLoad: self._load_lora, LoraUnload: self._unload_lora}  # fmt: skip
+
+    # -- LoRA adapters ----------------------------------------------------------------
+
+    def _adopt_loras(self, infos: Sequence[LoraAdapterInfo]) -> None:
+        self.loras = {info.name: info for info in infos}
+
+    async def _load_lora(self, peer: Peer, msg: LoraLoad) -> None:
+        """The gateway's run-time load: `Engine.load_lora` between two steps; answered
+        with a `LoraReply` (the engine's refusal as ``invalid_request``, its sentence)."""
+        try:
+            infos, _ = await self.engine.call(lambda e: load_adapter(e, msg.name, msg.path))
+        except (ModelLoadError, RequestError) as exc:
+            await self._lora_reply(peer, msg.query_id, msg.name, "invalid_request", str(exc))
+            return
+        except Exception as exc:
+            logger.exception("%s: loading LoRA adapter %s failed", self.name, msg.name)
+            await self._lora_reply(peer, msg.query_id, msg.name, "internal", repr(exc))
+            return
+        self._adopt_loras(infos)
+        await self._lora_reply(peer, msg.query_id, msg.name)
+
+    async def _unload_lora(self, peer: Peer, msg: LoraUnload) -> None:
+        """The gateway's run-time unload (`Engine.unload_lora`: refused while a request
+        uses the adapter, ``invalid_request``; ``not_found`` when it is not loaded)."""
+        try:
+            infos, _ = await self.engine.call(lambda e: unload_adapter(e, msg.name))
+        except UnknownAdapterError as exc:
+            await self._lora_reply(peer, msg.query_id, msg.name, "not_found", str(exc))
+            return
+        except RequestError as exc:
+            await self._lora_reply(peer, msg.query_id, msg.name, "invalid_request", str(exc))
+            return
+        except Exception as exc:
+            logger.exception("%s: unloading LoRA adapter %s failed", self.name, msg.name)
+            await self._lora_reply(peer, msg.query_id, msg.name, "internal", repr(exc))
+            return
+        self._adopt_loras(infos)
+        await self._lora_reply(peer, msg.query_id, msg.name)
+
+    async def _lora_reply(self, peer: Peer, query_id: str, name: str, error_type: str = "",
+                          message: str = "") -> None:  # fmt: skip
+        """Answer a load or unload with what this worker now serves as ``name``; the next
+        heartbeat goes at once, so every peer (a decode worker routing prefills) sees it."""
+        reply = LoraReply(query_id, error_type, message[:4096], self.loras.get(name))
+        self.beat_now()
+        await self.send_to(peer, reply)
+
+    def adapter_fingerprint(self, adapter: str) -> str:
+        """The fingerprint of the adapter served as ``adapter`` ("" for the base model or
+        an adapter not loaded here)."""
+        info = self.loras.get(adapter) if adapter else None
+        return info.fingerprint if info is not None else ""
 
     async def _describe_cache(self, peer: Peer, query: CacheTreeQuery) -> None:
         """Answer the gateway's `CacheTreeQuery` for its explorer: one engine call,
@@ -287,18 +348,30 @@ class Worker(Service):
         await self.send_to(peer, CacheAuditCleared(msg.query_id, was_failed))
 
     def page_hashes(
-        self, token_ids: list[int], carried: Sequence[int] = (), cache_scope: str = ""
+        self,
+        token_ids: list[int],
+        carried: Sequence[int] = (),
+        cache_scope: str = "",
+        adapter: str = "",
     ) -> list[int]:
         """The chained hashes of ``token_ids``' full pages in the namespace of
-        ``cache_scope``: ``carried`` (the gateway's, of the prompt, in that same scope)
-        extended over what follows them (a resumed stream's tokens), or hashed here when
-        nothing was carried (counted: a request is hashed once)."""
+        ``cache_scope`` under LoRA ``adapter`` ("" = the base model): ``carried`` (the
+        gateway's, of the prompt, in that same namespace) extended over what follows them
+        (a resumed stream's tokens), or hashed here when nothing was carried (counted: a
+        request is hashed once). An adapter not loaded here: nothing (its admission
+        fails)."""
         size = self.page_size
         done = min(len(carried), len(token_ids) // size)
         if not done and len(token_ids) >= size:
             self.counters["prompt_hashes_total"] += 1
         parent = carried[done - 1] if done else None
-        namespace = scoped_namespace(self.engine.info.hash_namespace, cache_scope)
+        root = self.engine.info.hash_namespace
+        if adapter:
+            info = self.loras.get(adapter)
+            if info is None:
+                return []
+            root = info.hash_namespace
+        namespace = scoped_namespace(root, cache_scope)
         rest = page_hashes(token_ids[done * size :], size, namespace, parent)
         return [*carried[:done], *rest]
 
@@ -314,6 +387,7 @@ class Worker(Service):
         resume: list[int] | None = None,
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
         under: Span = NO_SPAN,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: the host-tier lease past the device hit (a kvstore
@@ -324,13 +398,15 @@ class Worker(Service):
         ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
         ``resume``: a migrated stream's tokens so far (`Engine.admit`); ``cache_scope``:
         whose KV it may share (`Engine.admit`; ``hashes`` are in its namespace); ``share``:
-        its tenant, priority and weight (`Engine.admit`). ``under``: the
+        its tenant, priority and weight (`Engine.admit`); ``adapter``: its LoRA adapter
+        (``hashes`` are in its namespace). ``under``: the
         span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
         resume = resume or []
         planned = None
         if self.host is not None:
             known = prompt_ids + resume
-            hashes = self.page_hashes(known, (), cache_scope) if hashes is None else hashes
+            if hashes is None:
+                hashes = self.page_hashes(known, (), cache_scope, adapter)
             looked_up_ns = time.time_ns()
             planned = await self.host.plan(request_id, known, hashes)
         plan, lease = planned if planned is not None else (None, None)
@@ -343,6 +419,7 @@ class Worker(Service):
             admission, out = await self.engine.admit(
                 request_id, prompt_ids, params, remote_over=remote_over, host=plan,
                 lease_s=lease_s, resume=resume, cache_scope=cache_scope, share=share,
+                adapter=adapter,
             )  # fmt: skip
             self.counters[QUERIED_TOKENS] += len(prompt_ids) + len(resume)
             self.counters[HIT_TOKENS] += admission.cached_tokens
@@ -376,16 +453,20 @@ class Worker(Service):
 
     def stats(self) -> ServiceStats:
         """The service's numbers, its engine's (pool pages, live requests, audit, step
-        counters, the prefix cache's use) and its host tier's."""
+        counters, the prefix cache's use, the LoRA adapter slots) and its host tier's."""
         engine = self.engine.stats()
         section = fill(
-            EngineSection, {**engine.cache, **engine.steps, **self.counters},
+            EngineSection, {**engine.cache, **engine.steps, **engine.lora, **self.counters},
             page_bytes=self.engine.info.geometry.page_bytes,
             # peers' reads of pages not lent to them (ZMQ)
             kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
         )  # fmt: skip
         host = self.host.stats() if self.host is not None else None
-        return dataclasses.replace(super().stats(), engine=section, host_tier=host)
+        counts = engine.lora_counts
+        loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],
+                                          evictions=counts[info.name][1])
+                      if info.name in counts else info for info in self.loras.values())  # fmt: skip
+        return dataclasses.replace(super().stats(), engine=section, host_tier=host, loras=loras)
 
     def metrics_text(self) -> bytes:
         """The service's own families, then vLLM's per-engine ones (`radixserve.vllm_metrics`;

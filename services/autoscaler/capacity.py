@@ -37,6 +37,8 @@ class WorkerSample:
     decode_only_s: float = 0.0
     queued_tokens: int = 0
     running: int = 0
+    lora_waiting: int = 0  # requests waiting for a LoRA adapter slot, now
+    lora_max: int = 0  # its LoRA adapter slots (max_loras)
 
     @property
     def utilization(self) -> float:

@@ -7,9 +7,10 @@ Both build the same `Observation` (`policy`), from the same series:
 * requests/s: ``radixserve_requests_total``;
 * per worker (``radixserve_worker_*{worker, role}``, the workers' heartbeats as the
   gateway exports them, named by the one table `radixserve.worker_metrics.WORKER_METRICS`):
-  ``up``, ``draining``, ``uptime_s``, ``queued_tokens``, ``running`` and the engine's
+  ``up``, ``draining``, ``uptime_s``, ``queued_tokens``, ``running``, the engine's
   step counters (`radixserve.engine.step_stats`) — the `WorkerSample`s capacity is
-  learned from (`SAMPLE_FIELDS`, read the same way from either source);
+  learned from (`SAMPLE_FIELDS`, read the same way from either source) — and its LoRA
+  adapter slots (``lora_waiting_requests``: requests waiting for a slot; ``lora_max``);
 * demand: prompt tokens the workers computed per second plus the growth of the prefill
   queue (what arrived, even when the pool could not keep up), and tokens generated per
   second;
@@ -58,6 +59,8 @@ SAMPLE_FIELDS: dict[str, WorkerMetric] = {
     "decode_only_s": worker_metric("engine_decode_only_seconds_total"),
     "queued_tokens": worker_metric("queued_tokens"),
     "running": worker_metric("running"),
+    "lora_waiting": worker_metric("lora_waiting_requests"),
+    "lora_max": worker_metric("lora_max"),
 }
 DRAINING, UPTIME = worker_metric("draining").sample, worker_metric("uptime_s").sample
 QUEUED = worker_metric("queued_tokens").sample

@@ -8,7 +8,10 @@ alike — and returns one `Decision` per pool, with its inputs and a reason. Per
    target_utilization))``; demand (uncached prompt tokens/s for prefill, output tokens/s
    for decode) is smoothed, following rises at once and falls slowly; capacity is one
    replica's (`capacity`); the correction grows while the pool's SLO is broken in a way
-   replicas can fix and decays back to 1 once latency is well under.
+   replicas can fix and decays back to 1 once latency is well under. Capacity is
+   measured from the workers' own step counters, so whatever makes steps slower —
+   LoRA adapters' updates in a batch among them — lowers it by itself, with no model of
+   its own.
 2. **Only what replicas can fix** (`feasibility`): a request whose own work exceeds its
    target (a prompt longer than a replica computes within the TTFT target, a decode step
    of one sequence over the ITL target) is infeasible: counted, reported, never scaled
@@ -23,7 +26,17 @@ alike — and returns one `Decision` per pool, with its inputs and a reason. Per
 5. **Scale down** one replica at a time, only while no SLO is broken, after
    ``scale_down_cooldown_s`` since the pool last changed, and only if N-1 replicas would
    run below ``scale_down_utilization`` (no 2<->1 flapping).
-6. Scale-ups are ``scale_up_cooldown_s`` apart; everything stays within the bounds.
+6. **LoRA adapter slots**: a replica runs at most ``max_loras`` distinct adapters at
+   once, and a request of another adapter waits for a slot however idle the replica
+   is (`radixserve.engine.scheduler`). While any of a pool's requests wait so (its
+   workers' ``lora_waiting_requests``, summed), the pool gets one replica more than
+   provisioned whatever the token rate, unless one is still starting, and never one
+   fewer: one step per scale-up cooldown until none waits. Not ``ceil(distinct
+   adapters in demand / max_loras)``: the adapters in demand are not observable from
+   the workers' series (each reports its own slots; an adapter waiting on two workers
+   would count twice), and a new replica takes its share of the adapters only as the
+   gateway's routing spreads requests to it.
+7. Scale-ups are ``scale_up_cooldown_s`` apart; everything stays within the bounds.
 
 (docs/architecture.md §11.)
 """
@@ -102,7 +115,7 @@ class Decision:
     reason: str  # for people: what decided it, with numbers
     inputs: dict[str, float | int | None] = field(default_factory=dict)
     kind: str = "steady"  # for metrics: throughput_model, slo_<queue_wait|queue|ttft|itl>,
-    # diminishing_returns, ceiling, utilisation, bounds, cooldown, held, steady
+    # lora_slots, diminishing_returns, ceiling, utilisation, bounds, cooldown, held, steady
     infeasible: float = 0.0  # requests of the interval no number of replicas serves in time
     advice: str = ""  # while a sizeable share is infeasible: what to do instead of scaling
 
@@ -120,6 +133,8 @@ class _Signals:
     gain_s: Callable[[float, int], float] | None
     gain_floor_s: float  # ... below which it is not worth its cost
     inputs: dict[str, float | int | None]
+    lora_waiting: int = 0  # requests waiting for a LoRA adapter slot, over the pool
+    lora_max: int = 0  # a replica's adapter slots (0: not reported)
 
 
 @dataclass
@@ -230,7 +245,8 @@ class ScalingPolicy:
             backlog_s = obs.prefill_queue_tokens / capacity
             gain = partial(_prefill_gain, moments, demand / capacity, backlog_s, delay)
         floor = s.scale_up_min_gain * s.ttft_p90_target_s
-        return _Signals(demand, capacity, need, breach, good, gain, floor, inputs)
+        return _Signals(demand, capacity, need, breach, good, gain, floor, inputs,
+                        *_lora_slots(obs, "prefill", inputs))  # fmt: skip
 
     def _prefill_latency(
         self, obs: Observation, split: PrefillSplit | None
@@ -273,7 +289,8 @@ class ScalingPolicy:
         need = None if not capacity else partial(_throughput_need, capacity * s.target_utilization)
         gain = None if fit is None else partial(_decode_gain, fit[1] * running)
         signals = _Signals(demand, capacity, need, breach, good, gain,
-                           s.scale_up_min_gain * s.itl_p90_target_s, inputs)  # fmt: skip
+                           s.scale_up_min_gain * s.itl_p90_target_s, inputs,
+                           *_lora_slots(obs, "decode", inputs))  # fmt: skip
         decision = self._decide("decode", obs, pool, signals, room)
         infeasible = 0.0 if feasible else requests  # every request that finished
         window = self._sizeable("decode", obs, infeasible, requests)
@@ -346,9 +363,14 @@ class ScalingPolicy:
             desired, reason, kind = current + 1, f"{sig.breach} over target", f"slo_{sig.breach}"
         why = (reason, kind)
         desired, reason, kind = self._worth_it(desired, current, base, sig, mem.correction, why)
+        # requests wait for an adapter slot: a floor past the cost check (module notes, 6)
+        if sig.lora_waiting and pool.starting == 0 and desired <= current:
+            desired, kind = current + 1, "lora_slots"
+            reason = (f"{sig.lora_waiting} requests wait for a LoRA adapter slot "
+                      f"({sig.lora_max or '?'} per replica)")  # fmt: skip
         if desired > current and now - mem.last_up_s < s.scale_up_cooldown_s:
             desired, reason, kind = current, f"{reason}, but in the scale-up cooldown", "cooldown"
-        elif desired <= current and not sig.breach and current > lo:
+        elif desired <= current and not sig.breach and not sig.lora_waiting and current > lo:
             desired, reason, kind = self._maybe_down(obs, pool, sig, model, role)
         clamped = max(lo, min(hi, desired))
         if clamped != desired or clamped != current and current < lo:
@@ -403,6 +425,19 @@ class ScalingPolicy:
         if after >= s.scale_down_utilization or (model is not None and model >= current):
             return current, f"held: N-1 would run at {after:.2f}", "held"
         return current - 1, f"utilisation {util:.2f} (N-1: {after:.2f})", "utilisation"
+
+
+def _lora_slots(
+    obs: Observation, role: str, inputs: dict[str, float | int | None]
+) -> tuple[int, int]:
+    """(requests waiting for a LoRA adapter slot over the ``role`` pool, a replica's
+    slots), noted in ``inputs`` while any wait."""
+    mine = [w for w in obs.workers if w.role == role]
+    waiting = sum(w.lora_waiting for w in mine)
+    slots = max((w.lora_max for w in mine), default=0)
+    if waiting:
+        inputs["lora_waiting_requests"] = waiting
+    return waiting, slots
 
 
 def _throughput_need(per_replica: float, demand: float) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from radixserve.runtime.adapters import holds
 from radixserve.runtime.links import Link
 from radixserve.services.decode.settings import DecodeSettings
 
@@ -83,9 +84,16 @@ class PrefillRouter:
         return min(candidates or ready, key=cost)
 
     @staticmethod
-    def ready(links: Sequence[Link], exclude: frozenset[str] = frozenset()) -> list[Link]:
-        """The links that take prompts now: up, not draining, not excluded."""
-        return [link for link in links if link.ready and link.name not in exclude]
+    def ready(
+        links: Sequence[Link],
+        exclude: frozenset[str] = frozenset(),
+        adapter: str = "",
+        fingerprint: str = "",
+    ) -> list[Link]:
+        """The links that take prompts now: up, not draining, not excluded, and serving
+        LoRA ``adapter`` with ``fingerprint`` (as their latest heartbeat says) when given."""
+        return [link for link in links if link.ready and link.name not in exclude
+                and holds(link.stats, adapter, fingerprint)]  # fmt: skip
 
     def assign(self, name: str, tokens: int) -> None:
         """``tokens`` prompt tokens were sent to ``name``."""

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine
@@ -67,6 +68,14 @@ class PrefillFailed(Exception):
     def __init__(self, kind: ErrorType, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class _Adapter(NamedTuple):
+    """A request's LoRA adapter here: its name ("" = the base model) and the fingerprint of
+    the adapter this worker serves under that name."""
+
+    name: str = ""
+    fingerprint: str = ""
 
 
 @dataclass
@@ -169,18 +178,21 @@ class DecodeWorker(Worker):
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
             scope = msg.cache_scope  # whose KV it may share; the hashes are in its namespace
             share = to_share(msg)  # its place among other tenants' requests
-            hashes = self.page_hashes(ids + resume, msg.page_hashes, scope)
+            adapter = _Adapter(msg.adapter, self.adapter_fingerprint(msg.adapter))
+            # the gateway's hashes are in its adapter's namespace: ours if the same content
+            carried = msg.page_hashes if msg.adapter_fingerprint == adapter.fingerprint else ()
+            hashes = self.page_hashes(ids + resume, carried, scope, adapter.name)
             if resume:  # a migrated stream: computed here, after what it already streamed
                 self.counters["resumed_requests_total"] += 1
                 admitting = request.child("decode.admission", prompt_tokens=len(ids),
                                           resumed_tokens=len(resume))  # fmt: skip
                 admission, out = await self.admit(rid, ids, params, hashes=hashes, resume=resume,
                                                   cache_scope=scope, share=share,
-                                                  under=admitting)  # fmt: skip
+                                                  adapter=adapter.name, under=admitting)  # fmt: skip
                 admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
                 self._routes[rid] = (admission.route, "")
             else:
-                out = await self._begin(rid, ids, params, hashes, request, scope, share)
+                out = await self._begin(rid, ids, params, hashes, request, scope, share, adapter)
             streaming = request.child("decode.stream")
             async for output in self.engine.outputs(rid, out):
                 chunk = to_chunk(output)
@@ -206,36 +218,39 @@ class DecodeWorker(Worker):
 
     async def _begin(
         self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span,
-        scope: str = "", share: TenantShare = DEFAULT_SHARE,
+        scope: str = "", share: TenantShare = DEFAULT_SHARE, adapter: _Adapter | None = None,
     ) -> asyncio.Queue:  # fmt: skip
         """Admit the request once (`Worker.admit`: local, host tier, or remote when a
         prefill worker is ready and more than ``local_prefill_max_tokens`` would stay
         uncached), then, on the remote route, pick the prefill worker; its output queue.
         Spans under ``request``: ``decode.admission`` (a host-tier load under it), then
         ``decode.remote_prefill`` on the remote route. ``scope``: the request's cache scope,
-        and ``share`` its tenant, priority and weight, here and on the prefill worker."""
+        and ``share`` its tenant, priority and weight, here and on the prefill worker;
+        ``adapter``: its LoRA adapter, which only prefill workers serving the same content
+        compute (none: it is prefilled here)."""
+        adapter = adapter or _Adapter()
         tried: frozenset[str] = frozenset()
         while True:
-            ready = self.router.ready(self.prefills.links, tried) if self.prefills else []
+            ready = self._prefills_ready(tried, adapter)
             remote_over = self.settings.local_prefill_max_tokens if ready else None
             admitting = request.child("decode.admission", prompt_tokens=len(ids))
             admission, out = await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
                                               share=share, remote_over=remote_over,
-                                              under=admitting)  # fmt: skip
+                                              adapter=adapter.name, under=admitting)  # fmt: skip
             admitting.end(route=admission.route, cached_tokens=admission.cached_tokens)
             if admission.route != "remote":
                 self.counters["local_prefills_total"] += 1
                 self._routes[rid] = (admission.route, "")
                 return out
-            link = await self._pick_prefill(hashes, tried)
+            link = await self._pick_prefill(hashes, tried, adapter)
             if link is None:  # none is ready any more: compute here
                 await self.engine.abort_now(rid)
                 self.counters["local_prefills_total"] += 1
                 return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
-                                         share=share))[1]  # fmt: skip
+                                         share=share, adapter=adapter.name))[1]  # fmt: skip
             try:
                 return await self._remote(link, rid, ids, params, admission, out, hashes, request,
-                                          scope, share)  # fmt: skip
+                                          scope, share, adapter)  # fmt: skip
             except PrefillFailed as exc:
                 if exc.kind != "draining":
                     raise
@@ -243,10 +258,19 @@ class DecodeWorker(Worker):
 
     # -- remote prefill --------------------------------------------------------------
 
-    async def _pick_prefill(self, hashes: Sequence[int], exclude: frozenset[str]) -> Link | None:
-        """The prefill worker of least cost (`PrefillRouter`); the kvstore's index of their
-        caches is asked only when there is a choice."""
-        ready = self.router.ready(self.prefills.links, exclude) if self.prefills else []
+    def _prefills_ready(self, exclude: frozenset[str], adapter: _Adapter) -> list[Link]:
+        """The prefill workers that may take the request: ready, not ``exclude``d, and
+        serving its ``adapter`` with the same content as here."""
+        if self.prefills is None:
+            return []
+        return self.router.ready(self.prefills.links, exclude, *adapter)
+
+    async def _pick_prefill(
+        self, hashes: Sequence[int], exclude: frozenset[str], adapter: _Adapter
+    ) -> Link | None:
+        """The prefill worker of least cost (`PrefillRouter`) among `_prefills_ready`; the
+        kvstore's index of their caches is asked only when there is a choice."""
+        ready = self._prefills_ready(exclude, adapter)
         cached, host = await self._index_lookup(hashes) if len(ready) > 1 else ({}, 0)
         return self.router.pick(ready, len(hashes), cached, host, exclude)
 
@@ -287,11 +311,15 @@ class DecodeWorker(Worker):
         request: Span = NO_SPAN,
         scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: _Adapter | None = None,
     ) -> asyncio.Queue:
         """Prefill on ``link``, pull the pages, activate (no wait: the first outputs go to
         ``out``); on failure recompute here or raise. Its span, ``decode.remote_prefill``
         under ``request``, is the parent of the prefill worker's spans (carried back on
-        `KVReady`) and of ``prefill.transfer``, timed here where the pages are read."""
+        `KVReady`) and of ``prefill.transfer``, timed here where the pages are read. Pages
+        computed with another LoRA adapter than the request's ``adapter`` (`KVReady`'s
+        fingerprint) are not read: the prompt is recomputed here."""
+        adapter = adapter or _Adapter()
         dst = list(admission.page_ids)
         pending = _Pending(link, asyncio.get_running_loop().create_future())
         self._pending[rid] = pending
@@ -311,11 +339,19 @@ class DecodeWorker(Worker):
                     cache_scope=scope,
                     **share_fields(share),
                     page_hashes=tuple(hashes[: len(ids) // self.page_size]),
+                    adapter=adapter.name,
+                    adapter_fingerprint=adapter.fingerprint,
                 )
             )
             kv: KVReady = await asyncio.wait_for(pending.ready, self.settings.prefill_timeout_s)
             self.router.answered(link.name, len(ids))
             answered = True
+            if kv.adapter_fingerprint != adapter.fingerprint:  # never read another's pages
+                raise TransferError(
+                    f"{link.label} computed the pages with LoRA adapter fingerprint "
+                    f"{kv.adapter_fingerprint or '(the base model)'!r}, the request's is "
+                    f"{adapter.fingerprint or '(the base model)'!r}"
+                )
             remote.adopt(kv.spans)
             transfer = remote.child("prefill.transfer", pages=len(dst),
                                     bytes=len(dst) * self.engine.info.geometry.page_bytes)  # fmt: skip
@@ -347,7 +383,7 @@ class DecodeWorker(Worker):
                            self.name, rid, link.label, exc)  # fmt: skip
             self.counters["local_prefills_total"] += 1
             return (await self.admit(rid, ids, params, hashes=hashes, cache_scope=scope,
-                                     share=share))[1]  # fmt: skip
+                                     share=share, adapter=adapter.name))[1]  # fmt: skip
         finally:
             self._pending.pop(rid, None)
             if not answered:

@@ -32,6 +32,7 @@ from radixserve.runtime.engine_client import EngineClient
 from radixserve.runtime.routing.router import affinity_key
 from radixserve.services.gateway.openai_api.choices import Generation
 from radixserve.services.gateway.openai_api.logprobs import LogprobFormatter
+from radixserve.services.gateway.openai_api.lora_resolver import LoraResolver
 from radixserve.services.gateway.openai_api.plan import Plan
 from radixserve.services.gateway.openai_api.preparer import Preparer
 from radixserve.services.gateway.ops.request_log import RequestLog, trace_id_of
@@ -86,6 +87,8 @@ class Gateway:
         self.admission = settings.admission(self.keys)  # what is in flight, per tenant
         self.limits = settings.prepare_limits()  # checked before anything is prepared
         self.preparer = Preparer(settings.prepare_workers, settings.prepare_timeout_s)
+        on_demand = settings.lora_dir if settings.lora_load_on_demand else None
+        self.lora_resolver = LoraResolver(client, on_demand) if on_demand is not None else None
 
     # -- admission, auth, body -------------------------------------------------------
 
@@ -174,25 +177,39 @@ class Gateway:
             raise OpenAIError(400, "request body must be a JSON object")
         return body
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (*self.model_names, "default"):
-            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+    async def check_model(self, model: str | None) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model: one of its names,
+        "default" or none), loaded first if it names an adapter directory in lora_dir
+        (``lora_load_on_demand``: `LoraResolver`); 404 naming it if it is neither."""
+        if model is None or model in (*self.model_names, "default"):
+            return ""
+        if model in self.client.adapters():
+            return model
+        if self.lora_resolver is not None and await self.lora_resolver.load(model):
+            return model
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+
+    def served_as(self, adapter: str) -> str:
+        """The model id a response names: the adapter's, else the base model's."""
+        return adapter or self.model_name
 
     def deadline(self, request: Request, timeout: float | None, arrived: float) -> Deadline | None:
         return request_deadline(request, timeout, self.settings.max_request_timeout_s, arrived)
 
     async def start(
-        self, request: Request, plan: Plan, rid: str, deadline: Deadline | None
+        self, request: Request, plan: Plan, rid: str, deadline: Deadline | None, adapter: str = ""
     ) -> tuple[Generation, Callable[[], Awaitable[None]]] | None:
         """Admit the plan's jobs and wait for their first outputs: the generation and
         the idempotent `close` that ends it and releases the admission (the caller hands
         it to whatever ends the response); None (all closed) if the client left first. A
-        `RequestError` is raised here (a 400), a `Refused` before anything starts."""
+        `RequestError` is raised here (a 400), a `Refused` before anything starts. The jobs
+        run with LoRA ``adapter`` ("" = the base model; `check_model`)."""
         jobs = plan.jobs
         principal = caller(request)
         tenant = principal.tenant
         share = principal.share(plan.priority)  # 403 before anything is charged
         ticket = self.acquire(tenant, plan)
+        loras = self.metrics.vllm.lora  # vllm:lora_requests_info
         try:  # until `close` owns the ticket, a failure here returns it
             record = self.requests.begin(rid, plan.kind, trace_id_of(request), len(jobs), tenant)
             span = request_span(request)
@@ -208,14 +225,17 @@ class Gateway:
                     cache_scope=scope,
                     routing_key=key,
                     share=share,
+                    adapter=adapter,
                 )  # fmt: skip
                 for i, job in enumerate(jobs)
             ]
-            gen = Generation(streams, self.metrics, deadline, self.settings.stream_buffer_outputs)
+            gen = Generation(streams, self.metrics, deadline, self.settings.stream_buffer_outputs,
+                             adapter)  # fmt: skip
         except BaseException:
             self.release(ticket)
             raise
-        released = failed = False
+        released = failed = running = False
+        loras.waiting(adapter)
 
         async def close() -> None:
             nonlocal released
@@ -224,6 +244,7 @@ class Gateway:
             finally:
                 if not released:
                     released = True
+                    loras.finished(adapter, running)
                     self.release(ticket)
                     self.requests.finish(record, gen.lasts, sum(gen.tokens), failed)
                     reason = gen.ended_by if failed else gen.abort_reason
@@ -241,4 +262,6 @@ class Gateway:
             await close()
             return None
         self.requests.first_token(record)
+        running = True
+        loras.running(adapter)
         return gen, close

@@ -20,7 +20,7 @@ from radixserve.runtime.engine_client import EngineClient
 from radixserve.services.gateway.gateway import Gateway
 from radixserve.services.gateway.messages import request as message_bodies
 from radixserve.services.gateway.messages import routes as messages
-from radixserve.services.gateway.openai_api import bodies, schemas
+from radixserve.services.gateway.openai_api import adapters, bodies, schemas
 from radixserve.services.gateway.openai_api import routes as openai
 from radixserve.services.gateway.ops import explorer, status
 from radixserve.services.gateway.responses_api import output
@@ -69,6 +69,10 @@ ROUTES = (
     Route("/v1/messages/count_tokens", "POST", messages.count_tokens, messages.TokenCount,
           message_bodies.CountTokensRequest, messages.MESSAGES_ERRORS),
     Route("/v1/models", "GET", openai.models, bodies.ModelList, None, errors.AUTH_ERROR),
+    Route("/v1/load_lora_adapter", "POST", adapters.load_lora_adapter, None,
+          adapters.LoadLoraAdapterRequest, errors.ERRORS),
+    Route("/v1/unload_lora_adapter", "POST", adapters.unload_lora_adapter, None,
+          adapters.UnloadLoraAdapterRequest, errors.ERRORS),
     Route("/tokenize", "POST", openai.tokenize, bodies.TokenizeResponse, schemas.TokenizeRequest,
           errors.ERRORS),
     Route("/detokenize", "POST", openai.detokenize, bodies.DetokenizeResponse,

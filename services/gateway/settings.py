@@ -333,6 +333,42 @@ class GatewaySettings(PeerSettings):
         "0 = none kept, and with no OTEL_EXPORTER_OTLP_ENDPOINT either, tracing is off.",
     )
 
+    allow_runtime_lora: bool = Field(
+        False,
+        description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and "
+        "unload LoRA adapters on every engine at run time (admin keys only where keys are "
+        "configured); off, both answer 403. Needs lora_dir. With lora_load_on_demand, a "
+        "request naming an adapter directory in lora_dir loads it too.",
+    )
+    lora_dir: Path | None = Field(
+        None,
+        description="The directory run-time adapter loads may read from: a lora_path is "
+        "resolved (relative paths against it, symbolic links followed) and refused unless it "
+        "lies inside; with lora_load_on_demand, <lora_dir>/<model> is what a request's model "
+        "names. The engines must see it at the same path.",
+    )
+    lora_load_on_demand: bool = Field(
+        False,
+        description="A request whose model names no served adapter but a directory "
+        "<lora_dir>/<model> holding adapter_config.json loads it first on every engine, as "
+        "/v1/load_lora_adapter does (same confinement and checks; concurrent requests for "
+        "the same name share one load), then is served; off, such a request is a 404. Any "
+        "caller may trigger a load, and an adapter unloaded while its directory stays is "
+        "loaded again by the next request naming it. Needs allow_runtime_lora.",
+    )
+
+    @model_validator(mode="after")
+    def _runtime_lora_has_a_dir(self) -> GatewaySettings:
+        if self.allow_runtime_lora and self.lora_dir is None:
+            raise ValueError("allow_runtime_lora needs lora_dir (RADIXSERVE_GATEWAY_LORA_DIR): "
+                             "the directory adapters may be loaded from")  # fmt: skip
+        if self.lora_load_on_demand and not self.allow_runtime_lora:
+            raise ValueError("lora_load_on_demand needs allow_runtime_lora "
+                             "(RADIXSERVE_GATEWAY_ALLOW_RUNTIME_LORA=true) and lora_dir")  # fmt: skip
+        if self.lora_dir is not None and not self.lora_dir.is_dir():
+            raise ValueError(f"lora_dir {str(self.lora_dir)!r} is not a directory")
+        return self
+
     @field_validator("api_key_file")
     @classmethod
     def _key_file_reads(cls, path: Path | None) -> Path | None:

@@ -37,6 +37,7 @@ import time
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.wire import to_entries, to_params, to_share
+from radixserve.errors import UnknownAdapterError
 from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS, StatsHistogram
 from radixserve.protocol import Abort, KVReady, PrefillRequest, TransferDone
 from radixserve.protocol.stats_messages import PrefillSection, ServiceStats, fill
@@ -56,6 +57,12 @@ def _first_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if output.new_token_ids and output.index not in firsts:
             firsts[output.index] = output
     return [firsts[i] for i in sorted(firsts)]
+
+
+class AdapterMismatch(Exception):
+    """The request's LoRA adapter is not served here with the decode side's content: the
+    decode worker computes it itself (answered as an ``internal`` failure, which it
+    recomputes, never as the request's own fault)."""
 
 
 #: what the prefill worker's peers send it: decode workers' requests, an operator's queries
@@ -166,10 +173,22 @@ class PrefillWorker(Worker):
         computing = NO_SPAN
         try:
             params = to_params(msg.sampling)
-            _, out = await self.admit(rid, ids, params, hashes=msg.page_hashes or None,
-                                      lease_s=self.settings.lease_s,
-                                      cache_scope=msg.cache_scope, share=to_share(msg),
-                                      under=queued)  # fmt: skip
+            fingerprint = self.adapter_fingerprint(msg.adapter)
+            if fingerprint != msg.adapter_fingerprint:  # not the decode side's adapter
+                raise AdapterMismatch(
+                    f"{self.name} serves LoRA adapter {msg.adapter!r} as "
+                    f"{fingerprint or 'nothing'!r}, the request's is {msg.adapter_fingerprint!r}"
+                )
+            try:
+                _, out = await self.admit(rid, ids, params, hashes=msg.page_hashes or None,
+                                          lease_s=self.settings.lease_s,
+                                          cache_scope=msg.cache_scope, share=to_share(msg),
+                                          adapter=msg.adapter, under=queued)  # fmt: skip
+            except UnknownAdapterError as exc:  # unloaded since the check above
+                raise AdapterMismatch(f"{self.name}: {exc}") from exc
+            # what it runs with, now that it holds the adapter (no unload until it ends):
+            # `KVReady` says so, and the decode side reads the pages only if it is its own
+            fingerprint = self.adapter_fingerprint(msg.adapter)
             queued.end()
             # the engine's lease starts when the prompt is done, after this: a grant that
             # ends lease_s from now ends first
@@ -214,6 +233,7 @@ class PrefillWorker(Worker):
                     prompt_logprobs=to_entries(firsts[0].prompt_logprobs),
                     spans=request.records(),
                     lease_ms=max(0.0, grant_until - asyncio.get_running_loop().time()) * 1000,
+                    adapter_fingerprint=fingerprint,
                 ),
             )
         except asyncio.CancelledError:

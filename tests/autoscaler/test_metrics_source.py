@@ -28,6 +28,8 @@ from radixserve.services.autoscaler.metrics_source import (
     observation_between,
     parse_exposition,
 )
+from radixserve.services.autoscaler.policy import ScalingPolicy
+from radixserve.services.autoscaler.settings import AutoscalerSettings
 from radixserve.worker_metrics import WorkerView
 
 
@@ -114,6 +116,33 @@ def test_two_scrapes_become_one_observation():
     assert d.running == 16 and d.age_s == 110
 
 
+def test_requests_waiting_for_a_lora_slot_are_read_per_worker_and_scale_the_pool():
+    """The workers' ``lora_waiting_requests`` and ``lora_max`` gauges, as the gateway
+    renders them, reach each worker's sample (a gauge: its value now, not a change), and
+    the policy given that observation adds a decode replica for them."""
+    m = ServingMetrics()
+
+    def slots(waiting: int) -> dict[str, WorkerView]:
+        views = {}
+        for name, wait in (("decode-0", waiting), ("decode-1", 0)):
+            engine = EngineSection(lora_max=2, lora_resident=2, lora_waiting_requests=wait)
+            stats = ServiceStats(uptime_s=100, engine=engine)
+            views[name] = WorkerView("decode", True, load=WorkerLoad(), stats=stats)
+        return views
+
+    before = parse_exposition(m.render({}, slots(9)).decode())
+    after = parse_exposition(m.render({}, slots(3)).decode())
+    obs = observation_between(before, after, 10.0, 10.0, {"prefill": None, "decode": None})
+    got = {s.name: (s.lora_waiting, s.lora_max) for s in obs.workers}
+    assert got == {"decode-0": (3, 2), "decode-1": (0, 2)}
+    settings = AutoscalerSettings(min_prefill=0, min_decode=1, max_decode=4)
+    decode = ScalingPolicy(settings).decide(obs)[1]
+    assert (decode.current, decode.desired, decode.kind) == (2, 3, "lora_slots")
+    after = parse_exposition(m.render({}, slots(0)).decode())
+    obs = observation_between(before, after, 10.0, 10.0, {"prefill": None, "decode": None})
+    assert ScalingPolicy(settings).decide(obs)[1].kind != "lora_slots"
+
+
 def test_histogram_quantile_interpolates_like_prometheus():
     inf = float("inf")
     assert histogram_quantile({0.1: 0, 0.5: 0, inf: 0}, 0.9) is None
@@ -139,6 +168,8 @@ class _FakePrometheus(BaseHTTPRequestHandler):
             result = [{"metric": {}, "value": [0, "NaN"]}]  # no ITL samples in the window
         elif query == "radixserve_worker_up":
             result = [{"metric": {"worker": "prefill-0", "role": "prefill"}, "value": [0, "1"]}]
+        elif query == "radixserve_worker_lora_waiting_requests":
+            result = [{"metric": {"worker": "prefill-0", "role": "prefill"}, "value": [0, "2"]}]
         elif query == "radixserve_worker_uptime_s":
             result = [{"metric": {"worker": "prefill-0", "role": "prefill"}, "value": [0, "99"]}]
         elif "engine_prefill_tokens" in query:
@@ -179,6 +210,7 @@ def test_prometheus_source_reads_the_query_api():
     assert obs.pools["prefill"].ready == 1
     [sample] = obs.workers
     assert sample.name == "prefill-0" and sample.prefill_tokens == 120000 and sample.age_s == 99
+    assert sample.lora_waiting == 2  # a gauge, queried as its value
     assert obs.prefill_tokens_per_s == pytest.approx(2000.0)  # 120k over the 60 s window
     assert any("increase(radixserve_worker_engine_prefill_tokens_total[60s])" in q
                for q in _FakePrometheus.queries)  # fmt: skip

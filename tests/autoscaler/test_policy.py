@@ -4,6 +4,8 @@ hold, and a fresh worker's slow warm-up is not taken for lost capacity."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from radixserve.services.autoscaler.capacity import DecodeCapacity, PrefillCapacity, WorkerSample
 from radixserve.services.autoscaler.histogram import Histogram
 from radixserve.services.autoscaler.policy import Observation, PoolState, ScalingPolicy
@@ -219,3 +221,38 @@ def test_queued_prompts_without_a_first_token_are_not_idle():
     d = by_role(policy.decide(observe(10, pools, prefill_tps=100, ttft=None, queue=0,
                                       workers=[prefill_sample(100)])))  # fmt: skip
     assert d["prefill"].direction == "down", d["prefill"]
+
+
+def test_requests_waiting_for_a_lora_slot_add_a_replica_whatever_the_token_rate():
+    """A light load the pools carry easily, but 3 decode requests wait for a LoRA adapter
+    slot (2 per replica): decode gets one replica more (kind ``lora_slots``), the cost
+    check notwithstanding; not while one is starting (nor one fewer), not within the
+    scale-up cooldown, again past it while they still wait, the prefill pool likewise
+    for its own workers' waits; with none waiting the same load holds."""
+    idle = [prefill_sample(300), decode_sample(4)]
+    short = [idle[0], dataclasses.replace(idle[1], lora_waiting=3, lora_max=2)]
+    pools = {"prefill": 1, "decode": 2}
+
+    def decide(policy, t, workers, **kw):
+        return by_role(policy.decide(observe(t, pools, prefill_tps=300, out_tps=100, ttft=0.1,
+                                             itl=0.015, workers=workers, **kw)))  # fmt: skip
+
+    quiet = ScalingPolicy(settings(scale_down_cooldown_s=1000.0))
+    assert [d.direction for d in decide(quiet, 0, idle).values()] == ["hold", "hold"]
+    policy = ScalingPolicy(settings(scale_up_cooldown_s=30.0, scale_down_cooldown_s=0.0))
+    d = decide(policy, 0, short)
+    assert (d["decode"].direction, d["decode"].desired, d["decode"].kind) == ("up", 3, "lora_slots")
+    assert "3 requests wait for a LoRA adapter slot (2 per replica)" in d["decode"].reason
+    assert d["decode"].inputs["lora_waiting_requests"] == 3
+    assert d["prefill"].kind != "lora_slots" and "lora_waiting_requests" not in d["prefill"].inputs
+    d = decide(policy, 10, short, starting={"decode": 1})  # the new one starts: no other
+    assert (d["decode"].direction, d["decode"].desired) == ("hold", 3)
+    pools["decode"] = 3
+    d = decide(policy, 20, short)  # up, still waiting: the cooldown holds it, never down
+    assert (d["decode"].direction, d["decode"].kind) == ("hold", "cooldown")
+    d = decide(policy, 40, short)
+    assert (d["decode"].direction, d["decode"].desired, d["decode"].kind) == ("up", 4, "lora_slots")
+    waiting_prefill = [dataclasses.replace(idle[0], lora_waiting=1, lora_max=4), idle[1]]
+    d = decide(ScalingPolicy(settings()), 0, waiting_prefill)
+    assert (d["prefill"].desired, d["prefill"].kind) == (2, "lora_slots")
+    assert "(4 per replica)" in d["prefill"].reason and d["decode"].kind != "lora_slots"

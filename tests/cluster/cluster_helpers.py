@@ -130,6 +130,7 @@ class TestCluster(LocalCluster):
         float32: bool = False,  # FLOAT32 (float32 weights and compute): tensor parallelism
         model: str | None = None,  # a path (the `tiny_model` fixture's); None: the default
         env: dict[str, str] | None = None,  # more variables for every process (OTEL_*...)
+        prefill_engine: dict[str, str] | None = None,  # RADIXSERVE_* of the prefill workers'
     ) -> None:
         config = ClusterConfig(
             num_prefill=num_prefill,
@@ -158,7 +159,10 @@ class TestCluster(LocalCluster):
                 ),
                 **(env or {}),
             },
-            prefill_env=_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
+            prefill_env={
+                **_env("PREFILL", {**FAST_LIVENESS, **(prefill or {})}),
+                **(prefill_engine or {}),
+            },  # fmt: skip
             decode_env=_env("DECODE", {**FAST_LIVENESS, **(decode or {})}),
             gateway_env=_env("GATEWAY", {**FAST_LIVENESS, **(gateway or {})}),
         )
@@ -214,16 +218,20 @@ def holds_nothing(debug_cache: dict[str, Any]) -> bool:
     )
 
 
-def index_query(cluster: TestCluster, prompt_ids: list[int], page: int = 16) -> IndexReply | None:
+def index_query(
+    cluster: TestCluster, prompt_ids: list[int], page: int = 16, adapter: str = ""
+) -> IndexReply | None:
     """Ask the kvstore which workers hold how many leading pages of ``prompt_ids`` on
-    device, and how many its host tier holds (None if it does not answer within 2 s)."""
+    device, and how many its host tier holds (None if it does not answer within 2 s);
+    the pages of the LoRA adapter whose fingerprint is ``adapter``, if one is given."""
     address = cluster.workers()["kvstore"]["address"]
     view = cluster.debug_cache()
     # the workers' `ModelIdentity`: the gateway's own view forgets it while no decode
     # worker is up (e.g. the only one was just killed); any worker that reports it names it
     cards = [view["model_identity"]] + [w.get("model_identity") for w in view["workers"].values()]
     card = next(c for c in cards if c and "weights" in c)
-    identity = ModelIdentity(card["weights"], card["quantization"], card["dtype"], card["adapter"])
+    identity = ModelIdentity(card["weights"], card["quantization"], card["dtype"],
+                             adapter or card["adapter"])  # fmt: skip
     hashes = page_hashes(prompt_ids, page, hash_namespace(identity.key))
     context = zmq.Context()
     try:

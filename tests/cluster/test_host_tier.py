@@ -26,10 +26,12 @@ tier over both transports (NIXL, ZMQ).
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from radixserve.cache.kv_pool import KVPool
@@ -37,6 +39,7 @@ from radixserve.engine.device import resolve_dtype
 from tests.cluster.cluster_helpers import TestCluster, index_query, metric_value
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 from tests.engine.engine_helpers import tiny_checkpoint
+from tests.gateway.lora_helpers import write_adapters
 
 #: answers long enough to tell every conversation's apart: the random model's first tokens
 #: hardly depend on the prompt (at 8 tokens, three of the capacity test's six conversations
@@ -92,12 +95,19 @@ def host_hits(cluster: TestCluster) -> float:
     return metric_value(cluster.metrics(), "radixserve_cached_tokens_total", tier="host")
 
 
-def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_reference_chat):
+def test_an_evicted_conversation_comes_back_from_the_host_tier(
+    tiny_model, tiny_reference_chat, tmp_path
+):
+    """... and only to its own weights: the same conversation with a LoRA adapter that
+    both workers serve finds none of the base model's host-tier pages."""
+    pytest.importorskip("peft")
+    [adapter] = write_adapters(Path(tiny_model), tmp_path, ("qv",)).values()
     cluster = TestCluster(
         transport="nixl",
         model=tiny_model,
         decode={"LOCAL_PREFILL_MAX_TOKENS": "0"},  # the prefill worker computes every prompt
         kv_cache_memory_gib=gib(DEVICE_PAGES),
+        env={"RADIXSERVE_LORA_MODULES": json.dumps([f"qv={adapter}"])},  # every worker
     )
     try:
         assert_pools(cluster, DEVICE_PAGES)
@@ -116,6 +126,14 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_
 
         cluster.wait(spilled, 10, "the first conversation to be only in the host tier")
         before = host_hits(cluster)
+        body = {"model": "qv", "messages": chat(QUESTIONS[0], branch_system(0)),
+                "max_tokens": MAX_TOKENS, "temperature": 0}  # fmt: skip
+        other = cluster.http.post("/v1/chat/completions", json=body)
+        assert other.status_code == 200, other.text
+        assert cached(other.json()) == 0 and host_hits(cluster) == before  # not its pages
+        assert other.json()["choices"][0]["message"]["content"] != first["choices"][0][
+            "message"]["content"]  # fmt: skip
+        cluster.wait(spilled, 10, "the base model's pages to be in the host tier still")
 
         again = cluster.ask(chat(QUESTIONS[0], branch_system(0)), MAX_TOKENS)
         assert cached(again) == full_pages * PAGE  # all of it from the host tier
@@ -130,6 +148,23 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier(tiny_model, tiny_
             "prefill-0 to report the pages it loaded",
         )
         assert cluster.workers()["prefill-0"].get("host_load_failures_total", 0) == 0
+        # the adapter's own pages spill and come back too, under its own names, and give
+        # the answer it computed without them
+        for i in range(4, 7):
+            cluster.ask(chat(QUESTIONS[i], branch_system(i)), MAX_TOKENS)
+        fingerprint = cluster.workers()["decode-0"]["loras"]["qv"]
+
+        def adapter_spilled() -> bool:
+            reply = index_query(cluster, ids[: full_pages * PAGE], adapter=fingerprint)
+            return reply is not None and reply.host_pages == full_pages and not reply.device_pages
+
+        cluster.wait(adapter_spilled, 10, "the adapter's conversation to be only in the host tier")
+        before = host_hits(cluster)
+        back = cluster.http.post("/v1/chat/completions", json=body)
+        assert back.status_code == 200, back.text
+        assert cached(back.json()) == full_pages * PAGE
+        assert host_hits(cluster) - before == full_pages * PAGE
+        assert back.json()["choices"][0]["message"] == other.json()["choices"][0]["message"]
         cluster.wait_clean()
     finally:
         cluster.stop()

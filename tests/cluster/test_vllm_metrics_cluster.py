@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.settings import EngineSettings
 from radixserve.vllm_metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tests.cluster.cluster_helpers import TestCluster, metric_value
 
@@ -144,7 +145,10 @@ def test_vllm_names_move_with_requests_and_match_radixserve_figures(cluster: Tes
     bounds = {s.labels["le"] for s in itl.samples if s.name.endswith("_bucket")}  # type: ignore[attr-defined]
     assert len(bounds) == len(ITL_BUCKETS) + 1
     [lora] = families(gateway)["vllm:lora_requests_info"].samples  # type: ignore[attr-defined]
-    assert lora.labels == {"max_lora": "0", "waiting_lora_adapters": "",
+    # max_lora: the workers' adapter slots (max_loras, its default here)
+    slots = metric_value(gateway, "radixserve_worker_lora_max", worker="decode-0")
+    assert slots == EngineSettings.model_fields["max_loras"].default
+    assert lora.labels == {"max_lora": str(int(slots)), "waiting_lora_adapters": "",
                            "running_lora_adapters": ""}  # fmt: skip
     # one source per series: the per-engine families come from the workers only
     assert "vllm:num_requests_running" not in families(gateway)

@@ -30,8 +30,10 @@ from radixserve.protocol import (
     TokenChunk,
     TransferDone,
 )
+from radixserve.protocol.lora_messages import LoraAdapterInfo
+from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.services.decode.settings import DecodeSettings
-from radixserve.services.decode.worker import DecodeWorker
+from radixserve.services.decode.worker import DecodeWorker, _Adapter
 from radixserve.services.prefill.settings import PrefillSettings
 from radixserve.services.prefill.worker import PrefillWorker
 from tests.fake_engine import (
@@ -404,3 +406,46 @@ def test_a_prefill_request_carries_the_hashes_and_a_run_out_lease_is_not_read(
     assert seen["ops"] == ["admit", "abort_now", "admit"]
     assert (seen["failures"], seen["read"]) == (1, 0)
     assert "(the prefill worker's lease on the pages ran out)" in caplog.text  # no read began
+
+
+def test_pages_computed_with_another_lora_adapter_are_not_read(caplog) -> None:
+    """A request of LoRA adapter "a" goes only to a prefill worker whose heartbeat states
+    "a" with this worker's content; one that answers `KVReady` with pages of another
+    content (a peer that ignored the adapter) is told to abort, its pages are not read,
+    and the prompt is recomputed here (for that reason: the peer has no transfer agent, so
+    a read would fail too)."""
+    mine, other = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    adapter = LoraAdapterInfo("a", mine, scoped_namespace(NAMESPACE, "adapter a"))
+
+    async def answer_other(peer: FakePeer, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):
+            assert (msg.adapter, msg.adapter_fingerprint) == ("a", mine)
+            await peer.send_to(identity, KVReady(msg.request_id, (7,), (0, 1, 2),
+                                                 adapter_fingerprint=other))  # fmt: skip
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        engine = FakeEngine(base_token=100)
+        p0 = prefill_peer(context, "p0", answer_other)
+        p0.stats = ServiceStats(loras=(adapter,))
+        try:
+            async with decode_worker(context, engine, [p0.address]) as (worker, gateway):
+                worker.loras = {"a": adapter}
+                await until(lambda: worker.prefills is not None and worker._prefills_ready(
+                    frozenset(), _Adapter("a", mine)) != [], "p0 to state the adapter")  # fmt: skip
+                await gateway.send(GenerateRequest("r1", LONG, SAMPLING, adapter="a",
+                                                   adapter_fingerprint=mine))  # fmt: skip
+                tokens, failed = await gateway.stream("r1")
+                assert (tokens, failed) == (LOCAL_TOKENS, None)
+                assert engine.ops("r1") == ["admit", "abort_now", "admit"]
+                assert all(a["adapter"] == "a" for a in engine.args("admit", "r1"))
+                await until(lambda: len(p0.received) == 2, "p0 to be told to abort")
+                assert [type(m) for m in p0.received] == [PrefillRequest, Abort]
+                assert worker.counters["kv_transfer_pages_total"] == 0
+                assert counters(worker)["remote_prefill_failures_total"] == 1
+                await until(lambda: engine.pages_in_use() == 0, "the reservation freed")
+        finally:
+            await p0.close()
+
+    run_scenario(scenario)
+    [why] = [r.getMessage() for r in caplog.records if "recomputing locally" in r.getMessage()]
+    assert f"LoRA adapter fingerprint '{other}', the request's is '{mine}'" in why

@@ -103,7 +103,9 @@ def compose_errors(doc: dict[str, Any]) -> list[str]:
     return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-@pytest.mark.parametrize("name", [COMPOSE_FILE.name, "docker-compose.cuda.yml"])
+@pytest.mark.parametrize(
+    "name", [COMPOSE_FILE.name, "docker-compose.cuda.yml", "docker-compose.lora.yml"]
+)
 def test_compose_files_validate(name: str) -> None:
     doc = yaml.safe_load((COMPOSE / name).read_text())
     assert compose_errors(doc) == []

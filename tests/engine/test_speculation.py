@@ -239,7 +239,7 @@ def test_unseeded_sampling_keeps_its_distribution():
     planted = off.tokenizer.encode(" the capital city of France is")
     for candidate in top.top_ids:
         on.speculator.index.add(None, [prompt[-2], prompt[-1], candidate, *planted])
-    params = SamplingParams(max_tokens=8, temperature=0.8)
+    params = SamplingParams(max_tokens=4, temperature=0.8)  # the fourth token is the subject
     counts = []
     for engine in (off, on):
         torch.manual_seed(1234)

@@ -122,11 +122,28 @@ def test_no_compiler_and_nothing_prebuilt_leaves_torch(fresh, caplog):
     assert "PyTorch's kernels" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def native_outputs(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """`_outputs` of the library built for this CPU (-march=native) into an empty user
+    cache, once for the module's variants."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.delenv("RADIXSERVE_NATIVE_DIR", raising=False)
+        patch.delenv("RADIXSERVE_NATIVE_KERNELS", raising=False)
+        native_library.cache_clear()
+        try:
+            return _outputs()
+        finally:
+            native_library.cache_clear()
+
+
 @pytest.mark.parametrize("variant", variants(), ids=lambda v: v.name)
-def test_each_prebuilt_variant_computes_the_same_bits(fresh, prebuilt, tmp_path, variant):
+def test_each_prebuilt_variant_computes_the_same_bits(
+    fresh, prebuilt, native_outputs, tmp_path, variant
+):
     """A directory holding only this variant: loaded (no compiler) where this CPU runs it,
     and then bitwise the kernel built for this CPU; refused where it does not."""
-    native = _outputs()  # built for this CPU (-march=native)
+    native = native_outputs
     folder = tmp_path / "only"
     folder.mkdir()
     shutil.copy2(prebuilt / variant.file_name, folder / variant.file_name)

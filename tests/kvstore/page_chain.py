@@ -19,10 +19,10 @@ NAMESPACE = hash_namespace("kvstore-test")
 class Chain:
     """Page ``n``'s hash is ``chain[n]``; ``chain(1, 2)`` is a list of them."""
 
-    def __init__(self, page_size: int, num_pages: int = 512) -> None:
-        self.page_size = page_size
+    def __init__(self, page_size: int, num_pages: int = 512, namespace: bytes = NAMESPACE) -> None:
+        self.page_size, self.namespace = page_size, namespace
         self.tokens = [(7 * i + 3) % 49_999 for i in range(page_size * num_pages)]
-        self.hashes = page_hashes(self.tokens, page_size, NAMESPACE)
+        self.hashes = page_hashes(self.tokens, page_size, namespace)
         self._names = {h: n for n, h in enumerate(self.hashes)}
 
     def __getitem__(self, name: int) -> int:
@@ -42,7 +42,7 @@ class Chain:
         parent = self.hashes[name - 1] if name else None
         size = self.page_size
         return PageProof(
-            NAMESPACE, parent, pack_tokens(self.tokens[name * size : (name + 1) * size])
+            self.namespace, parent, pack_tokens(self.tokens[name * size : (name + 1) * size])
         )
 
     def offer(self, spill_id: int, names: list[int], buffer_pages: list[int]) -> SpillOffer:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
 import signal
@@ -27,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from radixserve.cache.block_hash import hash_namespace
 from radixserve.cache.host_index import HostPageIndex
 from radixserve.cache.page_proof import PageProof, pack_tokens
+from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import HostLease, HostLookup
 from radixserve.services.kvstore.disk_files import (
     HEADER_BYTES,
@@ -649,5 +652,31 @@ def test_files_are_adopted_at_start_and_let_go_for_a_worker_of_another_identity(
             assert stats["disk_foreign_pages"] == 0 and stats["disk_restored_pages"] == 4
             assert theirs and not theirs & set(tmp_path.glob("slab-*.kv"))
             assert set(before) <= set(tmp_path.glob("slab-*.kv"))
+
+    asyncio.run(scenario())
+
+
+def test_one_adapters_pages_on_disk_serve_no_other_adapter(tmp_path: Path):
+    """Pages a LoRA adapter's requests spilled (their namespace: the model's identity with
+    the adapter's fingerprint), evicted from the host tier to disk: the same tokens under
+    another adapter's namespace, or the base model's, find nothing in either tier and
+    promote nothing; under their own they come back."""
+    identity = ModelIdentity("weights-digest", "int4", "bfloat16")
+    a, b = (Chain(4, 64, hash_namespace(dataclasses.replace(identity, adapter=f).key))
+            for f in ("fingerprint-a", "fingerprint-b"))  # fmt: skip
+    base = Chain(4, 64, hash_namespace(identity.key))
+
+    async def scenario() -> None:
+        async with tiers(tmp_path) as (host, disk, w):
+            for spill_id, names in ((1, [1, 2, 3, 4]), (2, [5, 6, 7, 8])):  # 1..4 to disk
+                buffer_pages = [name - 1 for name in names]
+                assert await host.spill(w.name, a.offer(spill_id, names, buffer_pages)) == 4
+                await until(lambda: disk.idle, 5, "the disk writes")
+            assert on_disk(host, disk, a(1, 2, 3)) == [True, True, True]
+            for other in (b, base):
+                assert on_disk(host, disk, other(1, 2, 3)) == []
+                assert on_disk(host, disk, other(5, 6)) == []  # nor in the host tier
+                assert await promote(host, disk, other(1, 2, 3), 0.0) == set()
+            assert a.names(await promote(host, disk, a(1, 2, 3), 0.0)) == {1, 2, 3}
 
     asyncio.run(scenario())

@@ -21,7 +21,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.kernels.cpu.decode import silu_table, sum_lanes
 from radixserve.kernels.cpu.native import native_library
 from radixserve.model.forward_batch import SequenceChunk, build_forward_batch
-from radixserve.model.fused_decode import FusedDecode, fused_decode_for, why_not
+from radixserve.model.fused_decode import FusedDecode, ThreadChoice, fused_decode_for, why_not
 from tests.engine.engine_helpers import TINY, make_engine
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason="no native kernels here")
@@ -97,8 +97,8 @@ def tiny() -> Engine:
 def test_tiny_model_logits_equal_the_torch_path(
     tiny: Engine, lens: list[int], threads: int
 ) -> None:
-    # every batch on `threads` (the engine's own takes two only from TWO_THREADS_FROM rows)
-    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads, two_threads_from=1)
+    # every batch on `threads` (the engine's own picks one or two by the steps' times)
+    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads, adaptive=False)
     assert fused is not None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -143,3 +143,32 @@ def test_models_it_cannot_take_run_the_torch_layers() -> None:
     assert "int4/int8" in (why_not(dense.model, dense.kv_pool.layers) or "")
     f32 = make_engine(TINY, quantization="int4", dtype="float32", kv_cache_memory_gib=0.05)
     assert f32.runner.fused is None
+
+
+def test_the_thread_choice_takes_the_faster_and_sees_the_load_change():
+    choice = ThreadChoice(explore=4, window=5)
+    kind = (1, False, False)
+    seconds = {1: 0.010, 2: 0.006}  # quiet: two threads win
+    picks = []
+    for i in range(40):
+        threads = choice.pick(kind)
+        picks.append(threads)
+        stalled = threads == 2 and i in (10, 11)  # two steps whose partner was preempted
+        choice.record(kind, threads, 0.050 if stalled else seconds[threads])
+    assert picks[:2] == [1, 2]  # each tried once first
+    # the other every 4th step, and the two stalled steps do not turn the choice
+    assert picks[8:].count(2) == 24 and picks[8:].count(1) == 8
+    seconds = {1: 0.010, 2: 0.030}  # another process takes a core: two threads stall
+    for _ in range(40):
+        threads = choice.pick(kind)
+        picks.append(threads)
+        choice.record(kind, threads, seconds[threads])
+    assert picks[-20:].count(1) == 15  # back to one, exploring two every 4th step
+    # kinds are apart: a step with extends, of 16 rows, or with adapter rows, has been
+    # tried on neither
+    assert choice.pick((1, True, False)) == 1 and choice.pick((16, False, False)) == 1
+    assert choice.pick((1, False, True)) == 1
+    fresh = ThreadChoice()
+    assert [fresh.pick((5, True, False)), fresh.pick((5, True, False))] == [1, 1]
+    fresh.record((4, True, False), 1, 0.01)  # 4 and 5 rows are one kind (rounded down to 4)
+    assert fresh.pick((5, True, False)) == 2

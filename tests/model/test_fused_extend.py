@@ -21,6 +21,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.kernels.cpu.native import native_library
 from radixserve.model.forward_batch import ForwardBatch, SequenceChunk, build_forward_batch
 from radixserve.model.fused_decode import FUSED_MAX_ROWS, FusedDecode, fused_decode_for
+from radixserve.model.lora_manager import LoraBatch
 from radixserve.settings import EngineSettings
 from tests.engine.engine_helpers import TINY, make_engine, tiny_checkpoint
 
@@ -108,8 +109,8 @@ def test_tiny_model_extend_steps_equal_the_torch_path(
     tiny: Engine, step: str, threads: int
 ) -> None:
     prefixes, deltas = STEPS[step]
-    # every step on `threads` (the engine's own takes two only from TWO_THREADS_FROM rows)
-    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads, two_threads_from=1)
+    # every step on `threads` (the engine's own picks one or two by the steps' times)
+    fused = fused_decode_for(tiny.model, tiny.kv_pool.layers, 16, threads, adaptive=False)
     assert fused is not None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -148,11 +149,11 @@ def _count_native_steps(engine: Engine) -> dict[str, int]:
     assert fused is not None
     forward = fused.forward
 
-    def counted(fb: ForwardBatch) -> torch.Tensor:
+    def counted(fb: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:
         if fb.attn.num_extend_tokens:
             counts["extend"] += 1
             counts["mixed"] += fb.attn.num_extend_tokens < fb.input_ids.shape[0]
-        return forward(fb)
+        return forward(fb, lora)
 
     fused.forward = counted  # type: ignore[method-assign]
     return counts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import to_spec
 from radixserve.protocol import Abort, KVReady, PrefillRequest, RequestFailed, TransferDone
 from radixserve.protocol.cached_tokens import CachedTokens
+from radixserve.protocol.lora_messages import LoraAdapterInfo
 from radixserve.services.prefill.settings import PrefillSettings
 from radixserve.services.prefill.worker import PrefillWorker
 from radixserve.transfer import KVTransferAgent, PoolCompat, create_agent
@@ -187,5 +189,34 @@ def test_a_lease_that_runs_out_takes_its_grant_with_it() -> None:
             await until(lambda: not grants.num_pages(), "the grant to end")
             assert not grants.allows("decode-test", pages)
             assert engine.ops("r1") == ["admit"]  # the engine's lease, its own to end
+
+    run_scenario(scenario)
+
+
+def test_a_prompt_of_a_lora_adapter_it_serves_otherwise_is_refused_uncomputed() -> None:
+    """A prefill worker computes a LoRA adapter's prompt only with the content the decode
+    side names (``adapter_fingerprint``): an adapter it does not serve, or serves with
+    other content, is answered RequestFailed "internal" (the decode worker recomputes it;
+    never the request's own fault) and nothing is admitted; its own content's is computed
+    and `KVReady` states the fingerprint."""
+    mine, other = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        engine = FakeEngine()
+        async with prefill_worker(context, engine) as (worker, _, decode):
+            worker.loras = {"a": LoraAdapterInfo("a", mine, b"n" * 32)}
+            for rid, name, fingerprint in (("r1", "a", other), ("r2", "b", other)):
+                request = dataclasses.replace(prefill_request(rid), adapter=name,
+                                              adapter_fingerprint=fingerprint)  # fmt: skip
+                await decode.send(request)
+                failed = await decode.recv(RequestFailed)
+                assert (failed.request_id, failed.error_type) == (rid, "internal")
+                assert repr(other) in failed.message and engine.ops(rid) == []
+            ok = dataclasses.replace(prefill_request("r3"), adapter="a", adapter_fingerprint=mine)
+            await decode.send(ok)
+            ready = await decode.recv(KVReady)
+            assert (ready.request_id, ready.adapter_fingerprint) == ("r3", mine)
+            assert engine.args("admit", "r3")[0]["adapter"] == "a"
+            await decode.send(TransferDone("r3"))
 
     run_scenario(scenario)

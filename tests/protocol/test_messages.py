@@ -43,6 +43,10 @@ from radixserve.protocol.messages import (
     KVReady,
     KVResync,
     LiveRequestView,
+    LoraAdapterInfo,
+    LoraLoad,
+    LoraReply,
+    LoraUnload,
     MemberInfo,
     MemberList,
     Message,
@@ -211,6 +215,13 @@ live_requests = st.builds(
     cached=cached_tokens,
     output_tokens=count,
 )
+fingerprints = st.just("") | st.text("0123456789abcdef", min_size=64, max_size=64).map(
+    lambda h: "sha256:" + h
+)
+lora_ids = st.text(min_size=1, max_size=32)
+lora_names = st.text(min_size=1, max_size=32)
+lora_infos = st.builds(LoraAdapterInfo, name=lora_names, fingerprint=fingerprints,
+                       hash_namespace=st.binary(max_size=32), path=st.text(max_size=40))  # fmt: skip
 
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: st.builds(Hello, name=names, role=roles, generation=count),
@@ -244,6 +255,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         sampling=sampling,
         page_hashes=st.lists(st.integers(0, 2**128 - 1), max_size=20).map(tuple),
         resume_token_ids=st.lists(token_id, max_size=8).map(tuple),
+        adapter=st.text(max_size=20),
+        adapter_fingerprint=fingerprints,
     ),
     PrefillRequest: prefill_requests(),
     KVReady: st.builds(
@@ -252,6 +265,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         first_token_ids=prompt,
         src_page_ids=page_ids,
         cached=cached_tokens,
+        adapter_fingerprint=fingerprints,
     ),
     TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans()),
     TokenChunk: token_chunks(),
@@ -327,6 +341,17 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         num_live=count,
     ),
     CacheAuditClear: st.builds(CacheAuditClear, query_id=ids),
+    LoraLoad: st.builds(
+        LoraLoad, query_id=lora_ids, name=lora_names, path=st.text(min_size=1, max_size=60)
+    ),  # fmt: skip
+    LoraUnload: st.builds(LoraUnload, query_id=lora_ids, name=lora_names),
+    LoraReply: st.builds(
+        LoraReply,
+        query_id=lora_ids,
+        error_type=st.sampled_from(["", "invalid_request", "not_found"]),
+        message=text,
+        adapter=st.none() | lora_infos,
+    ),  # fmt: skip
     CacheAuditCleared: st.builds(CacheAuditCleared, query_id=ids, was_failed=st.booleans()),
 }
 

@@ -39,7 +39,7 @@ from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.outputs import RequestOutput
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import share_fields, to_output, to_spec
-from radixserve.errors import UnavailableError
+from radixserve.errors import UnavailableError, UnknownAdapterError
 from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol import (
@@ -50,6 +50,7 @@ from radixserve.protocol import (
     RequestFailed,
     TokenChunk,
 )
+from radixserve.protocol.lora_messages import LoraAdapterInfo
 from radixserve.protocol.messages import (
     CacheTreeReply,
 )
@@ -64,6 +65,7 @@ from radixserve.runtime.links import (
     PageGeometry,
 )
 from radixserve.runtime.membership import MemberView
+from radixserve.runtime.routing.adapter_views import AdapterViews
 from radixserve.runtime.routing.migration import (
     Route,
     Stream,
@@ -147,6 +149,7 @@ class ClusterClient(EngineClient):
         self.view: MemberView | None = None
         self.migrations = 0  # requests moved off a lost or drained decode worker
         self.questions = WorkerQuestions()  # the explorer's and the audit's
+        self.loras = AdapterViews()  # the workers' LoRA adapters; run-time loads
         self._background = Tasks(self.name)
 
     # -- lifetime --------------------------------------------------------------------
@@ -160,7 +163,8 @@ class ClusterClient(EngineClient):
                                on_up=self._decode_up, on_down=self._decode_down,
                                pages=self.pages)  # fmt: skip
         self.prefills = LinkSet(context, list(s.prefill_workers), me, on_message=self._from_prefill,
-                                on_down=self._prefill_down, pages=self.pages)  # fmt: skip
+                                on_up=self._worker_up, on_down=self._prefill_down,
+                                pages=self.pages)  # fmt: skip
         self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
         self.kvstore = LinkSet(context, [s.kvstore] if s.kvstore else [], me,
                                on_message=self._from_kvstore, on_up=self._kvstore_up)  # fmt: skip
@@ -254,17 +258,29 @@ class ClusterClient(EngineClient):
         cache_scope: str = "",
         routing_key: str = "",
         share: TenantShare = DEFAULT_SHARE,
+        adapter: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Serve the request, moving it to another decode worker if its worker is lost
         or drains (module notes); the caller sees one stream under ``request_id``.
         ``cache_scope``: whose KV it shares (its pages are hashed in that scope's
         namespace, here and on the workers); ``routing_key``: `DecodeRouter` affinity;
-        ``share``: its tenant, priority and weight, for the workers' schedulers."""
+        ``share``: its tenant, priority and weight, for the workers' schedulers;
+        ``adapter``: its LoRA adapter, served only by the decode workers that hold it
+        (`AdapterViews`; `UnknownAdapterError` if none does)."""
+        route = Route(cache_scope, routing_key, share)
+        if adapter:
+            info = self.loras.holders(self.decodes.ready() if self.decodes else [], adapter)
+            if info is None:
+                raise UnknownAdapterError(f"no decode worker serves LoRA adapter {adapter!r}",
+                                          param="model")  # fmt: skip
+            route = Route(cache_scope, routing_key, share, adapter, info.fingerprint,
+                          info.hash_namespace)  # fmt: skip
         # the request's one hashing, carried on (none before the namespace is known)
         hashes = (
-            self.router.hashes(prompt_ids, cache_scope) if self.root_namespace is not None else []
+            self.router.hashes(prompt_ids, cache_scope, route.namespace)
+            if self.root_namespace is not None
+            else []
         )
-        route = Route(cache_scope, routing_key, share)
 
         def attempt(
             rid: str, p: SamplingParams, tried: set[str], resume: tuple[int, ...], wait: bool
@@ -302,7 +318,7 @@ class ClusterClient(EngineClient):
         route = route or Route()
         retry = bool(resume or tried or wait)
         queued = span.child("gateway.queue", start_ns=None if retry else span.start_ns)
-        pick = functools.partial(self._pick_decode, hashes, tried, route.key)
+        pick = functools.partial(self._pick_decode, hashes, tried, route.key, route)
         link = await wait_for_worker(pick, self.settings.migration_wait_s) if wait else pick()
         tried.add(link.name)
         # counted before any await, so requests arriving together see each other's load
@@ -322,6 +338,8 @@ class ClusterClient(EngineClient):
                         traceparent=span.traceparent(),
                         cache_scope=route.scope,
                         **share_fields(route.share),
+                        adapter=route.adapter,
+                        adapter_fingerprint=route.fingerprint,
                     )
                 )
             except TimeoutError:
@@ -347,7 +365,7 @@ class ClusterClient(EngineClient):
             self._streams.pop(request_id, None)
             finished_ok = done and bool(stream.output_ids) and self.root_namespace is not None
             self.router.finished(link.name, hashes, stream.prompt_ids + stream.output_ids
-                                 if finished_ok else None, route.scope)  # fmt: skip
+                                 if finished_ok else None, route.scope, route.namespace)  # fmt: skip
             if not done and link.up:
                 self._background.spawn(self._abort(link, request_id))
 
@@ -381,11 +399,40 @@ class ClusterClient(EngineClient):
         """`CacheAuditClear` to every worker up, answered in parallel."""
         return await self.questions.clear_cache_audit(self._workers_up())
 
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, LoraAdapterInfo]:
+        return self.loras.servable(self.decodes.ready() if self.decodes else [])
+
+    async def load_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """`AdapterViews.load` on every worker up (a decode worker among them)."""
+        return await self.loras.load(self._lora_targets(), name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """`AdapterViews.unload` on every worker up (a decode worker among them)."""
+        await self.loras.unload(self._lora_targets(), name)
+
+    def _lora_targets(self) -> list[Link]:
+        if not (self.decodes and self.decodes.up()):
+            raise UnavailableError("no decode worker is up; try again shortly")
+        return self._workers_up()
+
     # -- routing ---------------------------------------------------------------------
 
-    def _pick_decode(self, hashes: list[int], exclude: set[str], affinity: str = "") -> Link:
+    def _pick_decode(
+        self, hashes: list[int], exclude: set[str], affinity: str = "", route: Route | None = None
+    ) -> Link:
+        """The decode worker for a request (`DecodeRouter.pick`) among those ready, not in
+        ``exclude`` and serving the ``route``'s adapter as it was routed."""
+        route = route or Route()
         ready = [link for link in self.decodes.ready()] if self.decodes else []
         ready = [link for link in ready if link.name not in exclude]
+        if route.adapter:
+            ready = [link for link in ready
+                     if self.loras.holds(link, route.adapter, route.fingerprint)]  # fmt: skip
+            if not ready:
+                raise UnavailableError(f"no decode worker serving LoRA adapter "
+                                       f"{route.adapter!r} is up; try again shortly")  # fmt: skip
         if not ready:
             raise UnavailableError("no decode worker is up; try again shortly")
         name = self.router.pick([link.name for link in ready], hashes, affinity)
@@ -410,11 +457,11 @@ class ClusterClient(EngineClient):
         return [link for pool in pools if pool is not None for link in pool.up()]
 
     def _from_prefill(self, link: Link, msg: Message) -> None:
-        if not self.questions.answered(msg):
+        if not self.questions.answered(msg) and not self.loras.answered(msg):
             self._unexpected(link, msg)
 
     def _from_decode(self, link: Link, msg: Message) -> None:
-        if self.questions.answered(msg):
+        if self.questions.answered(msg) or self.loras.answered(msg):
             return
         rid = getattr(msg, "request_id", "")
         stream = self._streams.get(rid)
@@ -433,6 +480,7 @@ class ClusterClient(EngineClient):
         ack = link.ack
         if ack is None:
             return
+        self._worker_up(link)
         if isinstance(self.pages, LearnedGeometry):  # its restart may have unset it
             self.pages.learn(ack)
         if ack.model_name != self._model_name:
@@ -443,6 +491,7 @@ class ClusterClient(EngineClient):
 
     def _decode_down(self, link: Link, why: str) -> None:
         self.router.forget(link.name)
+        self.loras.forget(link)
         self._forget_geometry()
         for stream in self._streams.values():
             if stream.link is link:
@@ -450,7 +499,14 @@ class ClusterClient(EngineClient):
         if self.view is not None:
             self.view.link_down("decode", link)
 
+    def _worker_up(self, link: Link) -> None:
+        """A worker (prefill or decode) came up: the adapters this gateway loaded at run
+        time are loaded on it too (`AdapterViews.catch_up`)."""
+        if self.loras.loaded:
+            self._background.spawn(self.loras.catch_up(link))
+
     def _prefill_down(self, link: Link, why: str) -> None:
+        self.loras.forget(link)
         if self.view is not None:
             self.view.link_down("prefill", link)
 

@@ -53,11 +53,16 @@ class WorkerLost(UnavailableError):
 class Route:
     """What routes a request besides its prompt: its cache scope (the namespace its
     pages are hashed in, `cache_scope`), its affinity key (`DecodeRouter.pick`) and its
-    place in the workers' schedules (`radixserve.engine.fair_share`)."""
+    place in the workers' schedules (`radixserve.engine.fair_share`), its LoRA adapter."""
 
     scope: str = ""
     key: str = ""
     share: TenantShare = DEFAULT_SHARE
+    # its LoRA adapter ("" = the base model), the content it is routed as (only workers
+    # serving that fingerprint take it) and that content's page-hash namespace
+    adapter: str = ""
+    fingerprint: str = ""
+    namespace: bytes | None = None
 
 
 def failure(msg: RequestFailed) -> Exception:

@@ -100,13 +100,17 @@ class DecodeRouter:
         self._affinity: OrderedDict[str, str] = OrderedDict()  # key -> its latest worker
         self._max_keys = max_affinity_keys
 
-    def hashes(self, token_ids: Sequence[int], scope: str = "") -> list[int]:
-        """The chained hashes of a prompt's full pages in cache scope ``scope`` (none
-        while the namespace is not known)."""
+    def hashes(
+        self, token_ids: Sequence[int], scope: str = "", root: bytes | None = None
+    ) -> list[int]:
+        """The chained hashes of a prompt's full pages in cache scope ``scope`` of the
+        workers' namespace, or of ``root`` (a LoRA adapter's; none while the workers'
+        namespace is not known)."""
         if not self.namespace:
             return []
         self.num_hashed += 1
-        return page_hashes(token_ids, self.page_size, scoped_namespace(self.namespace, scope))
+        namespace = scoped_namespace(root or self.namespace, scope)
+        return page_hashes(token_ids, self.page_size, namespace)
 
     def pick(self, workers: Sequence[str], hashes: Sequence[int], affinity: str = "") -> str:
         """The worker to serve a prompt of page ``hashes`` (``workers`` must not be
@@ -146,16 +150,18 @@ class DecodeRouter:
         hashes: Sequence[int],
         token_ids: Sequence[int] | None,
         scope: str = "",
+        root: bytes | None = None,
     ) -> None:
-        """A request of cache scope ``scope`` whose prompt's pages hash to ``hashes``
-        ended; ``token_ids`` (prompt + output) are cached there now, if given: only the
-        pages past ``hashes`` are hashed (nothing while the namespace is not known)."""
+        """A request of cache scope ``scope`` (under ``root``, a LoRA adapter's namespace,
+        if given) whose prompt's pages hash to ``hashes`` ended; ``token_ids`` (prompt +
+        output) are cached there now, if given: only the pages past ``hashes`` are hashed
+        (nothing while the namespace is not known)."""
         self.in_flight[worker] = max(self.in_flight.get(worker, 0) - 1, 0)
         if token_ids and self.namespace:
             done = len(hashes)
             parent = hashes[-1] if hashes else None
             tail = token_ids[done * self.page_size :]
-            namespace = scoped_namespace(self.namespace, scope)
+            namespace = scoped_namespace(root or self.namespace, scope)
             self._view(worker).add(page_hashes(tail, self.page_size, namespace, parent))
 
     def forget(self, worker: str) -> None:

@@ -46,7 +46,12 @@ from radixserve.services.gateway.messages.request import (
 )
 from radixserve.services.gateway.openai_api.choices import ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.responses_api.output import new_id
-from radixserve.services.gateway.server.errors import OpenAIError, retry_after, validation_message
+from radixserve.services.gateway.server.errors import (
+    OpenAIError,
+    request_status,
+    retry_after,
+    validation_message,
+)
 from radixserve.services.gateway.server.openapi import DocModel
 from radixserve.services.gateway.server.streaming import (
     CLIENT_CLOSED,
@@ -85,7 +90,12 @@ def _failure(exc: Exception) -> tuple[int, str, dict[str, str] | None]:
                              and exc.reason not in _RATE_REASONS):  # fmt: skip
             status, headers = OVERLOADED, headers or retry_after()
     elif isinstance(exc, RequestError):
-        status, message, param, headers = 400, str(exc), getattr(exc, "param", None), None
+        status, message, param, headers = (
+            request_status(exc),
+            str(exc),
+            getattr(exc, "param", None),
+            None,
+        )
     elif isinstance(exc, UnavailableError):
         status, message, param, headers = OVERLOADED, str(exc), None, retry_after()
     elif isinstance(exc, ValidationError):
@@ -119,7 +129,7 @@ def anthropic_errors(
 async def count_tokens(request: Request) -> Response:
     gw = gateway_of(request)
     req = CountTokensRequest.checked(await gw.read_json(request))
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     count = await count_prompt(req, gw.client, gw.tool_format, gw.reasoning_format, gw.limits,
                                gw.preparer.begin())  # fmt: skip
     return JSONResponse({"input_tokens": count})
@@ -156,18 +166,18 @@ async def create_message(request: Request) -> Response:
     arrived = time.monotonic()
     gw = gateway_of(request)
     req = MessagesRequest.checked(await gw.read_json(request))
-    gw.check_model(req.model)
+    adapter = await gw.check_model(req.model)
     deadline = gw.deadline(request, None, arrived)  # X-Request-Timeout
     plan = await messages_plan(req, gw.client, gw.tool_format, gw.reasoning_format, gw.limits,
                                gw.preparer.begin())  # fmt: skip
     mid = new_id("msg")
-    started = await gw.start(request, plan, mid, deadline)  # admission, tenant, trace, log
+    started = await gw.start(request, plan, mid, deadline, adapter)  # admission, tenant, trace, log
     if started is None:
         return Response(status_code=CLIENT_CLOSED)
     gen, close = started
     omit = req.thinking is not None and req.thinking.display == "omitted"
     builder = MessageBuilder({"id": mid, "type": "message", "role": "assistant",
-                              "model": gw.model_name, "content": [], "stop_reason": None,
+                              "model": gw.served_as(adapter), "content": [], "stop_reason": None,
                               "stop_sequence": None, "usage": {}}, omit)  # fmt: skip
     reply = _Reply(gw, req, gen, ChoiceBook(plan, gw.formatter), builder)
     if plan.stream:

@@ -158,6 +158,8 @@ class ModelCard(DocModel):
     max_model_len: int
     root: str
     identity: ModelIdentityCard | None = None  # None until the workers said hello
+    parent: str | None = None  # a LoRA adapter's: the base model's id
+    fingerprint: str | None = None  # a LoRA adapter's content ("sha256:...")
 
 
 class ModelList(DocModel):

@@ -61,9 +61,10 @@ class Generation:
         metrics: ServingMetrics,
         deadline: Deadline | None = None,
         max_buffered: int = 1024,
+        adapter: str = "",
     ) -> None:
         self.streams = streams
-        self.timers = [RequestTimer(metrics) for _ in streams]
+        self.timers = [RequestTimer(metrics, adapter=adapter) for _ in streams]
         self.lasts: list[RequestOutput | None] = [None] * len(streams)
         self.tokens = [0] * len(streams)  # generated tokens per stream, every choice
         self.deadline = deadline

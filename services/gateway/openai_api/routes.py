@@ -60,36 +60,36 @@ async def completions(request: Request) -> Response:
     arrived = time.monotonic()
     gw = gateway_of(request)
     req = CompletionRequest.model_validate(await gw.read_json(request))
-    gw.check_model(req.model)
+    adapter = await gw.check_model(req.model)
     deadline = gw.deadline(request, req.timeout, arrived)
     plan = await completion_plan(req, gw.client, gw.settings.max_choices_per_request,
                                  gw.limits, gw.preparer.begin())  # fmt: skip
-    return await generate(gw, request, plan, deadline)
+    return await generate(gw, request, plan, deadline, adapter)
 
 
 async def chat_completions(request: Request) -> Response:
     arrived = time.monotonic()
     gw = gateway_of(request)
     req = ChatCompletionRequest.model_validate(await gw.read_json(request))
-    gw.check_model(req.model)
+    adapter = await gw.check_model(req.model)
     deadline = gw.deadline(request, req.timeout, arrived)
     s = gw.settings
     plan = await chat_plan(req, gw.client, s.default_max_tokens,
                            s.max_choices_per_request, gw.tool_format, gw.limits,
                            gw.preparer.begin(), gw.reasoning_format)  # fmt: skip
-    return await generate(gw, request, plan, deadline)
+    return await generate(gw, request, plan, deadline, adapter)
 
 
 async def generate(
-    gw: Gateway, request: Request, plan: Plan, deadline: Deadline | None
+    gw: Gateway, request: Request, plan: Plan, deadline: Deadline | None, adapter: str = ""
 ) -> Response:
     kind: Kind = "completion" if plan.kind == "completion" else "chat"
     rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    started = await gw.start(request, plan, rid, deadline)
+    started = await gw.start(request, plan, rid, deadline, adapter)
     if started is None:
         return Response(status_code=CLIENT_CLOSED)
     gen, close = started
-    meta: Meta = (kind, rid, int(time.time()), gw.model_name)
+    meta: Meta = (kind, rid, int(time.time()), gw.served_as(adapter))
     book = ChoiceBook(plan, gw.formatter)
     if plan.stream:
         return ClosingStreamingResponse(_events(meta, plan, gen, book), close)
@@ -206,6 +206,12 @@ async def models(request: Request) -> dict[str, Any]:
          "identity": identity_card(gw.client.identity)}
         for name in gw.model_names
     ]  # fmt: skip
+    cards += [  # vLLM's shape: an adapter's parent is the base model's id
+        {"id": name, "object": "model", "created": 0, "owned_by": "radixserve",
+         "max_model_len": gw.client.max_model_len, "root": info.path or name,
+         "parent": gw.model_name, "fingerprint": info.fingerprint}
+        for name, info in sorted(gw.client.adapters().items())
+    ]  # fmt: skip
     return {"object": "list", "data": cards}
 
 
@@ -221,7 +227,7 @@ def _chat_ids(req: TokenizeRequest, tools: ToolRequest | None, gw: Gateway) -> l
 async def tokenize(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     req = TokenizeRequest.model_validate(await gw.read_json(request))
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     tokenizer = gw.client.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
@@ -243,7 +249,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     req = DetokenizeRequest.model_validate(await gw.read_json(request))
-    gw.check_model(req.model)
+    await gw.check_model(req.model)
     vocab = gw.client.tokenizer.vocab_size
     bad = [t for t in req.tokens if t >= vocab]
     if bad:

@@ -132,6 +132,13 @@ def _speculation(stats: ServiceStats | None) -> dict[str, dict[str, float]]:
     return out
 
 
+def _loras(stats: ServiceStats | None) -> dict[str, dict[str, str]]:
+    """``{"loras": {name: fingerprint}}`` of the LoRA adapters a worker serves; nothing
+    when none."""
+    loras = {info.name: info.fingerprint for info in stats.loras} if stats is not None else {}
+    return {"loras": loras} if loras else {}
+
+
 def _live(reply: CacheTreeReply | None) -> dict[str, Any] | None:
     if reply is None:
         return None
@@ -163,7 +170,8 @@ def _workers(gw: Gateway) -> dict[str, WorkerView]:
     if workers:
         return workers
     engine = fill(EngineSection, gw.client.stats())  # the in-process engine's pool
-    return {LOCAL_WORKER: WorkerView("engine", True, stats=ServiceStats(engine=engine))}
+    stats = ServiceStats(engine=engine, loras=tuple(gw.client.adapters().values()))
+    return {LOCAL_WORKER: WorkerView("engine", True, stats=stats)}
 
 
 async def workers(request: Request) -> dict[str, Any]:
@@ -181,6 +189,7 @@ async def workers(request: Request) -> dict[str, Any]:
             "tiers": _tiers(view.stats), "load": _load(view),
             "hit_rate": rates.get(name), "live": _live(live.get(name)),
             "audit": _audit(view.stats), "speculation": _speculation(view.stats),
+            **_loras(view.stats),
         })  # fmt: skip
     return {"workers": listed, "hit_rate": rates.get(""), "gateway_in_flight": gw.in_flight,
             "prompt_text": _text_tokens(gw) > 0}  # fmt: skip

@@ -53,7 +53,7 @@ async def create_response(request: Request) -> Response:
     arrived = time.monotonic()
     gw = gateway_of(request)
     req = ResponsesRequest.checked(await gw.read_json(request))
-    gw.check_model(req.model)
+    adapter = await gw.check_model(req.model)
     deadline = gw.deadline(request, req.timeout, arrived)
     parent = None
     if req.previous_response_id is not None:
@@ -64,14 +64,14 @@ async def create_response(request: Request) -> Response:
                                gw.tool_format, gw.limits,
                                gw.preparer.begin(), gw.reasoning_format)  # fmt: skip
     rid = new_id("resp")
-    started = await gw.start(request, plan, rid, deadline)
+    started = await gw.start(request, plan, rid, deadline, adapter)
     if started is None:
         return Response(status_code=CLIENT_CLOSED)
     gen, close = started
     builder = ResponseBuilder({
         "id": rid, "object": "response", "created_at": int(time.time()),
         "status": "in_progress", "background": False, "error": None,
-        "incomplete_details": None, "model": gw.model_name, "output": [],
+        "incomplete_details": None, "model": gw.served_as(adapter), "output": [],
         "truncation": "disabled", "usage": None, **req.echo(),
     })  # fmt: skip
     book = ChoiceBook(plan, gw.formatter)

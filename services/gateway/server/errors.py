@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.errors import RequestError, UnavailableError
+from radixserve.errors import RequestError, UnavailableError, UnknownAdapterError
 from radixserve.services.gateway.server.field_errors import describe
 from radixserve.services.gateway.server.openapi import DocModel
 
@@ -89,8 +89,14 @@ async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.headers)
 
 
+def request_status(exc: RequestError) -> int:
+    """A request's own fault: 404 for a LoRA adapter no engine serves, else 400."""
+    return 404 if isinstance(exc, UnknownAdapterError) else 400
+
+
 async def _request_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(400, str(exc), getattr(exc, "param", None))
+    assert isinstance(exc, RequestError)
+    return error_response(request_status(exc), str(exc), getattr(exc, "param", None))
 
 
 async def _unavailable(_: Request, exc: Exception) -> JSONResponse:

@@ -89,6 +89,7 @@
     for (const [m, s] of Object.entries(w.speculation || {})) {
       rows.push([`speculation (${m})`, `${pct(s.acceptance)} of ${s.drafted} draft tokens kept, ${s.tokens_per_step.toFixed(1)} tokens a step`]);
     }
+    for (const [name, fingerprint] of Object.entries(w.loras || {})) rows.push([`LoRA ${name}`, fingerprint.slice(0, 19)]);
     const dl = el("dl", { class: "kv" });
     for (const [k, v] of rows) dl.append(el("dt", {}, k), el("dd", {}, fmt(v)));
     if (w.tiers.device) card.append(pagesBar(w.tiers.device));
