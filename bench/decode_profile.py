@@ -28,16 +28,24 @@ def profile(batch: int, context: int) -> dict[str, float]:
                                    kv_cache_memory_gib=0.5, prefix_cache=False))  # fmt: skip
     times: dict[str, list[float]] = collections.defaultdict(list)
 
-    def timed(obj: Any, name: str, part: str) -> None:
-        call: Callable[..., Any] = getattr(obj, name)
+    class Timed:
+        """``call`` timed into ``times[part]``; its attributes read through (the native
+        step's ``threads``)."""
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def __init__(self, call: Callable[..., Any], part: str) -> None:
+            self.call, self.part = call, part
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            out = call(*args, **kwargs)
-            times[part].append(time.perf_counter() - start)
+            out = self.call(*args, **kwargs)
+            times[self.part].append(time.perf_counter() - start)
             return out
 
-        setattr(obj, name, wrapper)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.call, name)
+
+    def timed(obj: Any, name: str, part: str) -> None:
+        setattr(obj, name, Timed(getattr(obj, name), part))
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.runner, "run", "forward")
