@@ -288,37 +288,35 @@ class Worker(Service):
         self.loras = {info.name: info for info in infos}
 
     async def _load_lora(self, peer: Peer, msg: LoraLoad) -> None:
-        """The gateway's run-time load: `Engine.load_lora` between two steps; answered
-        with a `LoraReply` (the engine's refusal as ``invalid_request``, its sentence)."""
-        try:
-            infos, _ = await self.engine.call(lambda e: load_adapter(e, msg.name, msg.path))
-        except (ModelLoadError, RequestError) as exc:
-            await self._lora_reply(peer, msg.query_id, msg.name, "invalid_request", str(exc))
-            return
-        except Exception as exc:
-            logger.exception("%s: loading LoRA adapter %s failed", self.name, msg.name)
-            await self._lora_reply(peer, msg.query_id, msg.name, "internal", repr(exc))
-            return
-        self._adopt_loras(infos)
-        await self._lora_reply(peer, msg.query_id, msg.name)
+        """The gateway's run-time load (`Engine.load_lora`)."""
+        await self._change_loras(peer, msg.query_id, msg.name, "loading",
+                                 lambda e: load_adapter(e, msg.name, msg.path))  # fmt: skip
 
     async def _unload_lora(self, peer: Peer, msg: LoraUnload) -> None:
         """The gateway's run-time unload (`Engine.unload_lora`: refused while a request
-        uses the adapter, ``invalid_request``; ``not_found`` when it is not loaded)."""
+        uses the adapter)."""
+        await self._change_loras(peer, msg.query_id, msg.name, "unloading",
+                                 lambda e: unload_adapter(e, msg.name))  # fmt: skip
+
+    async def _change_loras(
+        self, peer: Peer, query_id: str, name: str, doing: str,
+        change: Callable[[Any], tuple[LoraAdapterInfo, ...]],
+    ) -> None:  # fmt: skip
+        """Run ``change`` on the engine between two steps and answer with a `LoraReply`:
+        an adapter not loaded as ``not_found``, the engine's refusal as
+        ``invalid_request`` (its sentence), anything else as ``internal``."""
         try:
-            infos, _ = await self.engine.call(lambda e: unload_adapter(e, msg.name))
+            infos, _ = await self.engine.call(change)
         except UnknownAdapterError as exc:
-            await self._lora_reply(peer, msg.query_id, msg.name, "not_found", str(exc))
-            return
-        except RequestError as exc:
-            await self._lora_reply(peer, msg.query_id, msg.name, "invalid_request", str(exc))
-            return
+            await self._lora_reply(peer, query_id, name, "not_found", str(exc))
+        except (ModelLoadError, RequestError) as exc:
+            await self._lora_reply(peer, query_id, name, "invalid_request", str(exc))
         except Exception as exc:
-            logger.exception("%s: unloading LoRA adapter %s failed", self.name, msg.name)
-            await self._lora_reply(peer, msg.query_id, msg.name, "internal", repr(exc))
-            return
-        self._adopt_loras(infos)
-        await self._lora_reply(peer, msg.query_id, msg.name)
+            logger.exception("%s: %s LoRA adapter %s failed", self.name, doing, name)
+            await self._lora_reply(peer, query_id, name, "internal", repr(exc))
+        else:
+            self._adopt_loras(infos)
+            await self._lora_reply(peer, query_id, name)
 
     async def _lora_reply(self, peer: Peer, query_id: str, name: str, error_type: str = "",
                           message: str = "") -> None:  # fmt: skip
