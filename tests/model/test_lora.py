@@ -17,7 +17,9 @@ import asyncio
 import json
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,18 +79,26 @@ def peft_reference(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]: 
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    """(name, model directory, {adapter: directory}, {"": base, adapter: peft model})."""
-    kwargs = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+def tiny_family(
+    name: str, kwargs: dict[str, Any], adapters: Mapping[str, Any], root: Path
+) -> tuple[str, Path, dict[str, Path], dict[str, Any]]:
+    """(name, model directory, {adapter: directory}, {"": base, adapter: peft model}) of
+    the tiny model ``kwargs`` and ``adapters`` (name → `peft_model`'s spec), written
+    under ``root``."""
     models = {"": build_tiny_model(**kwargs)}
     dirs = {}
-    for seed, name in enumerate(ADAPTERS):
-        models[name] = peft_model(kwargs, ADAPTERS[name], seed)
-        models[name].save_pretrained(root / name)
-        dirs[name] = root / name
-    return request.param, write_tiny_checkpoint(root / "model", **kwargs), dirs, models
+    for seed, (adapter, spec) in enumerate(adapters.items()):
+        models[adapter] = peft_model(kwargs, spec, seed)
+        models[adapter].save_pretrained(root / adapter)
+        dirs[adapter] = root / adapter
+    return name, write_tiny_checkpoint(root / "model", **kwargs), dirs, models
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """`tiny_family` of each family here, with every adapter."""
+    return tiny_family(request.param, FAMILIES[request.param], ADAPTERS,
+                       tmp_path_factory.mktemp(request.param))  # fmt: skip
 
 
 def _engine(model_dir: Path, dirs: dict[str, Path], **overrides) -> Engine:
@@ -97,7 +107,7 @@ def _engine(model_dir: Path, dirs: dict[str, Path], **overrides) -> Engine:
                                  **{**SMALL, **overrides}))  # fmt: skip
 
 
-def _run(engine: Engine, jobs: list[tuple[list[int], str]], n: int = NEW_TOKENS):
+def run_jobs(engine: Engine, jobs: list[tuple[list[int], str]], n: int = NEW_TOKENS):
     """Greedy tokens and cached prompt tokens of (prompt, adapter) jobs, run as one batch."""
     params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
     ids = [engine.add_request(prompt, params, adapter=adapter) for prompt, adapter in jobs]
@@ -119,10 +129,10 @@ def test_adapter_tokens_equal_peft_alone_and_mixed(family):
     engine = _engine(model_dir, dirs, **FLOAT32)
     prompts = _prompts()
     want = {(i, a): peft_reference(m, p) for i, p in enumerate(prompts) for a, m in models.items()}
-    alone, _ = _run(engine, [(prompts[0], "all")])
+    alone, _ = run_jobs(engine, [(prompts[0], "all")])
     assert alone[0] == want[0, "all"]
     jobs = [(i, a) for i in range(len(prompts)) for a in ("", "qv", "all")]
-    got, _ = _run(engine, [(prompts[i], a) for i, a in jobs])
+    got, _ = run_jobs(engine, [(prompts[i], a) for i, a in jobs])
     assert got == [want[job] for job in jobs]
     for i in range(len(prompts)):  # the adapters do change the answer
         assert want[i, "qv"] != want[i, ""] and want[i, "all"] != want[i, ""]
@@ -147,16 +157,16 @@ def test_cache_is_per_adapter_and_on_equals_off(llama):
     model_dir, dirs = llama
     prompt = _prompts(1)[0]
     jobs = [(prompt, a) for a in ("qv", "all", "")]
-    off, _ = _run(_engine(model_dir, dirs, prefix_cache=False), jobs)
+    off, _ = run_jobs(_engine(model_dir, dirs, prefix_cache=False), jobs)
     engine = _engine(model_dir, dirs)
     engine.load_lora("qv-copy", str(dirs["qv"]))
-    first, _ = _run(engine, [(prompt, "qv")])
+    first, _ = run_jobs(engine, [(prompt, "qv")])
     assert first[0] == off[0]
     for adapter, want in (("all", off[1]), ("", off[2])):  # another identity: nothing cached
-        tokens, cached = _run(engine, [(prompt, adapter)])
+        tokens, cached = run_jobs(engine, [(prompt, adapter)])
         assert (tokens[0], cached[0]) == (want, 0), adapter
     for adapter, want in (("qv", off[0]), ("qv-copy", off[0]), ("all", off[1]), ("", off[2])):
-        tokens, cached = _run(engine, [(prompt, adapter)])
+        tokens, cached = run_jobs(engine, [(prompt, adapter)])
         assert tokens[0] == want and cached[0] >= len(prompt) - 4, (adapter, cached)
     assert_no_leaks(engine)
 
@@ -168,9 +178,9 @@ def test_adapters_beyond_the_slots_wait_and_are_swapped_in(llama):
     model_dir, dirs = llama
     prompts = _prompts()
     jobs = [(p, a) for p in prompts for a in ("qv", "all", "")]
-    want = [_run(_engine(model_dir, dirs), [job])[0][0] for job in jobs[:3]]
+    want = [run_jobs(_engine(model_dir, dirs), [job])[0][0] for job in jobs[:3]]
     engine = _engine(model_dir, dirs, max_loras=1, prefix_cache=False)
-    got, _ = _run(engine, jobs)
+    got, _ = run_jobs(engine, jobs)
     assert got[:3] == want
     assert len(engine.loras.resident) == 1 and engine.loras.num_loads >= 2
     assert_no_leaks(engine)
@@ -182,11 +192,11 @@ def test_speculation_verifies_with_the_adapter(llama):
     model_dir, dirs = llama
     prompt = _prompts(1)[0] * 3  # its n-grams repeat: drafts to verify
     jobs = [(prompt, "all"), (prompt, "qv"), (prompt, "")]
-    want, _ = _run(_engine(model_dir, dirs, prefix_cache=False), jobs, 24)
+    want, _ = run_jobs(_engine(model_dir, dirs, prefix_cache=False), jobs, 24)
     engine = _engine(model_dir, dirs, prefix_cache=False, speculative_method="prompt")
     engine.speculator.cost.per_row_share = lambda rows: 0.1  # how far it drafts: fixed
     for job, tokens in zip(jobs, want):
-        assert _run(engine, [job], 24)[0][0] == tokens
+        assert run_jobs(engine, [job], 24)[0][0] == tokens
     assert engine.speculator.stats["prompt"].accepted > 0
 
 
@@ -210,12 +220,12 @@ def test_the_native_decode_step_adds_the_adapters(llama):
         return forward(fb, lora)
 
     native.forward = counted  # type: ignore[method-assign]
-    base = _run(plain, [(prompts[0], "")])[0][0]
+    base = run_jobs(plain, [(prompts[0], "")])[0][0]
     for adapter in ("all", "qv"):  # alone: every decode step has one adapter row
-        tokens = _run(fused, [(prompts[0], adapter)])[0][0]
-        assert tokens == _run(plain, [(prompts[0], adapter)])[0][0] and tokens != base
+        tokens = run_jobs(fused, [(prompts[0], adapter)])[0][0]
+        assert tokens == run_jobs(plain, [(prompts[0], adapter)])[0][0] and tokens != base
     mixed = [(p, a) for p in prompts for a in ("", "qv", "all")]
-    assert _run(fused, mixed)[0] == _run(plain, mixed)[0]
+    assert run_jobs(fused, mixed)[0] == run_jobs(plain, mixed)[0]
     assert sum(adapter_steps) >= 3 * NEW_TOKENS
 
 
@@ -316,7 +326,7 @@ def test_async_engine_streams_with_an_adapter(llama):
     streamed tokens are the engine's with it; an unknown name raises before any output."""
     model_dir, dirs = llama
     prompt = _prompts(1)[0]
-    want = _run(_engine(model_dir, dirs), [(prompt, "all")])[0][0]
+    want = run_jobs(_engine(model_dir, dirs), [(prompt, "all")])[0][0]
     front = AsyncEngine(lambda: _engine(model_dir, dirs))
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
 

@@ -23,12 +23,11 @@ import torch
 from safetensors.torch import save_file
 
 from radixserve.engine.engine import Engine
-from radixserve.engine.sampling_params import SamplingParams
 from radixserve.errors import ModelLoadError
 from radixserve.settings import EngineSettings
 from tests.engine.engine_helpers import FLOAT32, assert_no_leaks
-from tests.model.test_lora import peft_model, peft_reference
-from tests.model.tiny_checkpoints import build_tiny_model, write_tiny_checkpoint, write_tiny_gguf
+from tests.model.test_lora import peft_reference, run_jobs, tiny_family
+from tests.model.tiny_checkpoints import write_tiny_gguf
 
 peft = pytest.importorskip("peft")
 
@@ -64,27 +63,15 @@ def _prompts() -> list[list[int]]:
 
 def _run(engine: Engine, jobs: list[tuple[list[int], str]]) -> list[list[int]]:
     """Greedy tokens of (prompt, adapter) jobs, run as one batch."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0.0)
-    ids = [engine.add_request(prompt, params, adapter=adapter) for prompt, adapter in jobs]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return [tokens[i] for i in ids]
+    return run_jobs(engine, jobs, NEW_TOKENS)[0]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    """(name, model directory, {adapter: directory}, {"": base, adapter: peft model})."""
-    kwargs = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    models = {"": build_tiny_model(**kwargs)}
-    dirs = {}
-    for seed, name in enumerate(FAMILY_ADAPTERS[request.param]):
-        models[name] = peft_model(kwargs, ADAPTERS[name], seed)
-        models[name].save_pretrained(root / name)
-        dirs[name] = root / name
-    return request.param, write_tiny_checkpoint(root / "model", **kwargs), dirs, models
+    """`tiny_family` of each family here, with its adapters."""
+    adapters = {name: ADAPTERS[name] for name in FAMILY_ADAPTERS[request.param]}
+    return tiny_family(request.param, FAMILIES[request.param], adapters,
+                       tmp_path_factory.mktemp(request.param))  # fmt: skip
 
 
 def _engine(model_dir: Path, dirs: dict[str, Path]) -> Engine:
