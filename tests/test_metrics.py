@@ -22,12 +22,12 @@ def test_cached_tokens_are_counted_once_by_the_tier_they_came_from():
     disk tokens cached counts each under its tier (RequestTimer passes the output's own
     counts), and the computed tokens are the prompt's others."""
     metrics = ServingMetrics()
-    assert cached_by_tier(metrics) == {"device": 0.0, "host": 0.0, "disk": 0.0}
+    assert cached_by_tier(metrics) == {"device": 0.0, "peer": 0.0, "host": 0.0, "disk": 0.0}
     out = RequestOutput("r", [1], "x", True, "stop", prompt_tokens=100, completion_tokens=1,
                         ttft_ms=5.0, cached=CachedTokens(device=32, host=16, disk=48))  # fmt: skip
     RequestTimer(metrics).finish(out, "stop")
-    assert cached_by_tier(metrics) == {"device": 32.0, "host": 16.0, "disk": 48.0}
-    metrics.record_finish(10, CachedTokens(host=4, disk=4), 1, "stop")
-    assert cached_by_tier(metrics) == {"device": 32.0, "host": 20.0, "disk": 52.0}
+    assert cached_by_tier(metrics) == {"device": 32.0, "peer": 0.0, "host": 16.0, "disk": 48.0}
+    metrics.record_finish(10, CachedTokens(peer=2, host=4, disk=4), 1, "stop")
+    assert cached_by_tier(metrics) == {"device": 32.0, "peer": 2.0, "host": 20.0, "disk": 52.0}
     text = metrics.render({}).decode()
-    assert "radixserve_prefill_computed_tokens_total 6.0" in text  # (100 - 96) + (10 - 8)
+    assert "radixserve_prefill_computed_tokens_total 4.0" in text  # (100 - 96) + (10 - 10)

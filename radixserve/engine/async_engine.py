@@ -134,9 +134,12 @@ class AsyncEngine:
         assert out is not None
         return admission, out
 
-    def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
-        """The host-tier read of an admitted request ended (`Engine.finish_host_admission`)."""
-        self.submit(lambda e: e.finish_host_admission(request_id, ok, disk_pages))
+    def finish_host_admission(
+        self, request_id: str, ok: bool, disk_pages: int = 0, peer: bool = False
+    ) -> None:
+        """The host-tier or peer read of an admitted request ended
+        (`Engine.finish_host_admission`)."""
+        self.submit(lambda e: e.finish_host_admission(request_id, ok, disk_pages, peer))
 
     def activate_remote(
         self,

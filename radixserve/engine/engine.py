@@ -262,17 +262,40 @@ class Engine(OperatorHooks):
         self.scheduler.add(req)
         self.step_stats.queued_prompt_tokens += len(req.prompt_ids)
 
-    def finish_host_admission(self, request_id: str, ok: bool, disk_pages: int = 0) -> None:
-        """The host-tier read of an admitted request ended: if ``ok`` its pages hold the
-        prefix (``disk_pages`` of them read from the kvstore's disk tier on the way),
-        which goes into the cache; either way the request is queued now (it finds what
-        was cached). Unknown ids (aborted meanwhile) are ignored."""
+    def finish_host_admission(
+        self, request_id: str, ok: bool, disk_pages: int = 0, peer: bool = False
+    ) -> None:
+        """The host-tier read (or, with ``peer``, the read from another worker's cache) of
+        an admitted request ended: if ``ok`` its pages hold the prefix (``disk_pages`` of
+        them read from the kvstore's disk tier on the way), which goes into the cache;
+        either way the request is queued now (it finds what was cached). Unknown ids
+        (aborted meanwhile) are ignored."""
         loaded = self.kv.finish_host_load(request_id, ok)
         req = self.intake.requests.get(request_id)
         if loaded is not None and req is not None:
+            tokens = loaded * self.page_size
             disk = min(disk_pages, loaded) * self.page_size
-            req.cached = CachedTokens(host=loaded * self.page_size - disk, disk=disk)
+            req.cached = (CachedTokens(peer=tokens) if peer
+                          else CachedTokens(host=tokens - disk, disk=disk))  # fmt: skip
             self._queue(req)
+
+    def lend_prefix(
+        self, lease_id: str, token_ids: Sequence[int], first_page: int, num_pages: int,
+        lease_s: float, cache_scope: str = "", adapter: str = "",
+    ) -> list[int]:  # fmt: skip
+        """Lease (`release_lease`, or ``lease_s`` from now) the pages ``first_page`` ..
+        ``first_page + num_pages`` of the cached prefix of ``token_ids`` in the namespace
+        of ``cache_scope`` and ``adapter``, for another worker to read: their page ids,
+        only the leading ones cached (none without a cache, or while it serves nothing)."""
+        cache = self.kv.cache
+        if cache is None or not self.kv.serve_from_cache or num_pages <= 0:
+            return []
+        namespace = self.intake.namespace(cache_scope, adapter)
+        match = cache.match_prefix(token_ids, namespace)
+        pages = list(match.page_ids[first_page : first_page + num_pages])
+        if pages:
+            self.kv.lease(lease_id, pages, time.perf_counter() + lease_s)
+        return pages
 
     def release_lease(self, request_id: str) -> bool:
         return self.kv.release_lease(request_id)

@@ -63,12 +63,7 @@ class RequestIntake:
         (a LoRA adapter's name, "" for the base model); ``share`` places it among other
         tenants' (`radixserve.engine.fair_share`)."""
         params = params or SamplingParams()
-        root = self._namespace
-        if adapter:  # an unknown name is refused before anything else
-            if self._adapter_namespace is None:
-                raise UnknownAdapterError(f"no LoRA adapter {adapter!r} is loaded (loaded: "
-                                          "none)", param="model")  # fmt: skip
-            root = self._adapter_namespace(adapter)
+        namespace = self.namespace(cache_scope, adapter)  # an unknown adapter: refused first
         prompt_ids = self._validate(prompt, params, share)
         guides = self._guides
         guide = guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
@@ -76,8 +71,6 @@ class RequestIntake:
         if request_id in self.groups or request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         detokenizer = IncrementalDetokenizer(self._tokenizer, params.stop, params.kept_special_ids)
-        scoped = cache_scope or adapter
-        namespace = scoped_namespace(root, cache_scope) if scoped else None
         req = Request(request_id, prompt_ids, params, detokenizer, cache_scope=cache_scope,
                       namespace=namespace, adapter=adapter, tenant=share.tenant,
                       priority=share.priority, weight=share.weight)  # fmt: skip
@@ -86,6 +79,17 @@ class RequestIntake:
         self.requests[request_id] = req
         self.groups[request_id] = req.group
         return req
+
+    def namespace(self, cache_scope: str, adapter: str) -> bytes | None:
+        """The page namespace of requests of ``cache_scope`` under LoRA ``adapter`` (None:
+        the cache's own); `UnknownAdapterError` for an adapter not loaded."""
+        root = self._namespace
+        if adapter:
+            if self._adapter_namespace is None:
+                raise UnknownAdapterError(f"no LoRA adapter {adapter!r} is loaded (loaded: "
+                                          "none)", param="model")  # fmt: skip
+            root = self._adapter_namespace(adapter)
+        return scoped_namespace(root, cache_scope) if cache_scope or adapter else None
 
     def forget(self, req: Request) -> None:
         """Unregister a request that was never queued."""

@@ -18,17 +18,19 @@ class CachedTokens(WireStruct):
 
     - ``device``: in the serving engine's own cache (its radix tree) at admission
       (behind a prefill worker: the prefill engine's);
+    - ``peer``: read for it from another worker's device cache (`PeerRead`);
     - ``host``: loaded for it from the kvstore's host memory;
     - ``disk``: loaded for it from the kvstore's disk tier (through host memory, but
       never counted in ``host``).
 
     The tiers are the fields, fastest first (`TIERS`), also their order in the prompt: the
-    device's prefix, then the pages the kvstore loaded past it. A new tier is a new field
-    with default 0. ``total`` is what usage reports (OpenAI ``cached_tokens``, Anthropic
+    device's prefix, then the pages read past it (from a peer or the kvstore). A new tier
+    is a new field with default 0. ``total`` is what usage reports (OpenAI ``cached_tokens``, Anthropic
     ``cache_read_input_tokens``); the prompt's other tokens were computed.
     """
 
     device: int = field(default=0, metadata=_spec(COUNT))
+    peer: int = field(default=0, metadata=_spec(COUNT))
     host: int = field(default=0, metadata=_spec(COUNT))
     disk: int = field(default=0, metadata=_spec(COUNT))
 

@@ -41,6 +41,8 @@ PEER_NAME = StrSpec(MAX_NAME_CHARS, min_chars=1)
 ERROR_TEXT = StrSpec(MAX_ERROR_CHARS)
 DURATION_MS = FloatSpec()
 TOKEN_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE)
+# whose KV a request may share (`radixserve.cache.block_hash.cache_scope`); "" = default
+CACHE_SCOPE = StrSpec(1024)
 PROMPT_IDS = ListSpec(TOKEN_ID, MAX_TOKENS_PER_MESSAGE, min_len=1)
 PAGE_HASHES = HashesSpec(MAX_PAGES_PER_MESSAGE)  # 128-bit hashes, 16 bytes each
 PARENT_HASH = HashesSpec(1)  # a page's parent: none (the first page) or one hash

@@ -40,6 +40,7 @@ MAX_LORAS = 1024  # adapters one worker may state
 LORA_NAME = StrSpec(MAX_ID_CHARS, min_chars=1)
 # "sha256:<64 hex digits>" (`radixserve.model.lora.LoraAdapter.fingerprint`)
 FINGERPRINT = StrSpec(128)
+ADAPTER_NAME = StrSpec(MAX_ID_CHARS)  # a request's LoRA adapter; "" = the base model
 LORA_PATH = StrSpec(MAX_ERROR_CHARS, min_chars=1)
 QUERY_ID = StrSpec(64, min_chars=1)
 LORA_ERRORS = frozenset({"", "invalid_request", "not_found", "internal"})

@@ -38,7 +38,10 @@ were computed with on `KVReady` (the reader refuses pages of another), a worker'
 its heartbeat (`ServiceStats.loras`) with its adapter slots (`EngineSection`'s ``lora_*``),
 and `LoraLoad` / `LoraUnload` / `LoraReply`; a 6.0
 peer ignores them and serves the base model, whose `KVReady` (no fingerprint) a 6.1 reader
-of an adapter's request refuses. Every message's frame is checked against golden bytes
+of an adapter's request refuses. 6.2: a worker reads another's cached pages
+(`radixserve.protocol.peer_messages`: `PeerRead` / `PeerPages`; every worker's `HelloAck`
+carries its transfer metadata) and `CachedTokens` counts them (``peer``); a 6.1 worker
+refuses a `PeerRead`, which its reader computes. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -67,6 +70,7 @@ from typing import ClassVar
 
 from radixserve.protocol.cached_tokens import CACHED, TIERS, CachedTokens  # noqa: F401 - re-exported
 from radixserve.protocol.fields import (  # noqa: F401 - the limits are re-exported
+    CACHE_SCOPE,
     COUNT,
     DURATION_MS,
     ERROR_TEXT,
@@ -120,6 +124,7 @@ from radixserve.protocol.index_messages import (  # noqa: F401 - re-exported
     WatchMembers,
 )
 from radixserve.protocol.lora_messages import (  # noqa: F401 - re-exported
+    ADAPTER_NAME,
     FINGERPRINT,
     LORA_NAME,
     LoraAdapterInfo,
@@ -127,6 +132,7 @@ from radixserve.protocol.lora_messages import (  # noqa: F401 - re-exported
     LoraReply,
     LoraUnload,
 )
+from radixserve.protocol.peer_messages import PeerPages, PeerRead  # noqa: F401 - re-exported
 from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
     LOGPROB_ENTRIES,
     LogprobEntry,
@@ -172,7 +178,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (6, 1)
+PROTOCOL_VERSION: tuple[int, int] = (6, 2)
 
 # --- handshake and liveness -----------------------------------------------------------
 
@@ -255,8 +261,6 @@ MAX_SPANS_PER_MESSAGE = 64
 MAX_SPAN_LABELS = 16
 SPAN_ID = StrSpec(16, min_chars=16)  # 16 lowercase hex digits (W3C trace context)
 TRACEPARENT = StrSpec(55)  # a W3C ``traceparent`` (version 00), "" when not traced
-# whose KV a request may share (`radixserve.cache.block_hash.cache_scope`); "" = default
-CACHE_SCOPE = StrSpec(1024)
 # a request's place among other tenants' (`radixserve.engine.fair_share.TenantShare`): its
 # tenant (an opaque id, "" = the default), priority (lower = sooner) and tenant's weight
 TENANT_ID = StrSpec(64)
@@ -266,7 +270,6 @@ MIN_TENANT_WEIGHT = 0.01
 MAX_TENANT_WEIGHT = 1000.0
 TENANT_WEIGHT = FloatSpec(MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
 SPAN_STATUSES: frozenset[str] = frozenset({"unset", "ok", "error"})
-ADAPTER_NAME = StrSpec(LORA_NAME.max_chars)  # a request's LoRA adapter; "" = the base model
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,23 @@ class HostTierSection(WireStruct):
 
 
 @dataclass(frozen=True)
+class PeerReadSection(WireStruct):
+    """A worker's reads of other workers' cached pages, and its lending of its own
+    (`radixserve.runtime.peer_reads`)."""
+
+    peer_read_asks_total: int = counter("Peers asked to lend a prompt's cached pages.")
+    peer_read_refusals_total: int = counter("Peer reads not lent (refused, none, no answer).")
+    peer_reads_skipped_total: int = counter("Peer reads not asked: computing was quicker.")
+    peer_reads_total: int = counter("Reads of pages from peers' caches.")
+    peer_read_pages_total: int = counter("Pages read from peers' caches.")
+    peer_read_bytes_total: int = counter("Bytes read from peers' caches.")
+    peer_read_failures_total: int = counter("Peer reads that failed (the prompt computed).")
+    peer_read_seconds_total: float = counter("Seconds spent reading peers' pages.", real=True)
+    peer_lends_total: int = counter("Reads of this worker's pages it lent to peers.")
+    peer_lent_pages_total: int = counter("Pages this worker lent to peers.")
+
+
+@dataclass(frozen=True)
 class DecodeSection(WireStruct):
     """A decode worker's: prefill workers, KV transfers and where prompts were computed."""
 
@@ -331,6 +348,7 @@ class ServiceStats(WireStruct):
     auth_refused_total: int = counter("Peers whose handshake failed.")
     engine: EngineSection | None = section(EngineSection)
     host_tier: HostTierSection | None = section(HostTierSection)
+    peer_reads: PeerReadSection | None = section(PeerReadSection)
     decode: DecodeSection | None = section(DecodeSection)
     prefill: PrefillSection | None = section(PrefillSection)
     kvstore: KVStoreSection | None = section(KVStoreSection)

@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 class MemberView:
     """The last member list of the kvstore, applied to one link set per watched role."""
 
-    def __init__(self, link_sets: Mapping[str, LinkSet]) -> None:
+    def __init__(self, link_sets: Mapping[str, LinkSet], own: str = "") -> None:
+        """``own``: this process's member name (it gets no link to itself)."""
         self._sets = dict(link_sets)
+        self._own = own
         self._listed: dict[str, dict[str, MemberInfo]] = {role: {} for role in self._sets}
         self.epoch = -1
         self.version = -1
@@ -43,7 +45,8 @@ class MemberView:
             return  # older than what we have
         self.epoch, self.version = msg.epoch, msg.version
         for role, links in self._sets.items():
-            listed = {m.address: m for m in msg.members if m.role == role}
+            listed = {m.address: m for m in msg.members
+                      if m.role == role and m.name != self._own}  # fmt: skip
             self._listed[role] = listed
             for member in listed.values():
                 self._add(links, member)

@@ -288,6 +288,41 @@ class WorkerSettings(ServiceSettings, TransferSettings, KVEventsSettings):
     host_load_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest read of host-tier pages."
     )
+    kvstore_query_timeout_s: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="Longest wait for the kvstore index per request; past it, prefill is "
+        "routed by load alone and no peer's pages are read.",
+    )
+    peer_reads: bool = Field(
+        True,
+        description="Read a prompt's prefix from another worker's device cache (the "
+        "kvstore's index says who holds it) when more than host_load_min_tokens of it are "
+        "missing here, the holder has more of it than the host tier, and reading it is "
+        "quicker than computing it.",
+    )
+    peer_lease_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long pages lent to another worker's read wait for it.",
+    )
+    peer_read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Longest wait for a peer's pages (its answer and the read); past it, "
+        "the prompt is computed.",
+    )
+    drain_linger_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="On SIGTERM, once its requests are done, how long a draining worker "
+        "still lends its cached pages to other workers (the conversations it served "
+        "continue elsewhere without recomputing them) before it leaves; 0 = leave at once.",
+    )
 
     @field_validator("tp", mode="before")
     @classmethod

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,24 +36,36 @@ from radixserve.errors import ModelLoadError, RequestError, UnknownAdapterError
 from radixserve.protocol import (
     Deregister,
     HelloAck,
+    HostLease,
+    IndexQuery,
+    IndexReply,
     KVEvent,
     KVResync,
     MemberInfo,
     MemberList,
     Message,
     Register,
+    RequestFailed,
+    TransferDone,
     WorkerLoad,
 )
 from radixserve.protocol.lora_messages import LoraAdapterInfo, LoraLoad, LoraReply, LoraUnload
 from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
-from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
+from radixserve.protocol.peer_messages import PeerPages, PeerRead
+from radixserve.protocol.stats_messages import (
+    EngineSection,
+    PeerReadSection,
+    ServiceStats,
+    fill,
+)
 from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
-from radixserve.runtime.calls import send_quietly
+from radixserve.runtime.calls import Replies, send_quietly
 from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.kv_events import KVEventPublisher
-from radixserve.runtime.links import Link, LinkSet
+from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
+from radixserve.runtime.peer_reads import PageLending, PeerLease, PeerReads
 from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
@@ -64,10 +78,14 @@ logger = logging.getLogger(__name__)
 
 
 #: what a worker's peers send it beside its role's requests: an operator's cache queries,
-#: the gateway's run-time LoRA loads and unloads
-WorkerInbound = CacheTreeQuery | CacheAuditClear | LoraLoad | LoraUnload
+#: the gateway's run-time LoRA loads and unloads, other workers' reads of its pages
+WorkerInbound = CacheTreeQuery | CacheAuditClear | LoraLoad | LoraUnload | PeerRead | TransferDone
 #: what the kvstore sends a worker beside the host tier's answers (`HostTierClient`)
-WorkerFromKVStore = KVResync | MemberList
+WorkerFromKVStore = KVResync | MemberList | IndexReply
+#: what other workers answer its reads of their pages
+WorkerFromPeer = PeerPages | RequestFailed
+#: the roles whose pages a worker reads
+PEER_ROLES = ("decode", "prefill")
 
 
 class Worker(Service):
@@ -94,6 +112,14 @@ class Worker(Service):
         # the engine's LoRA adapters by name, as of the start or the last load or unload
         # (its LoraManager owns them; they change only through `_load_lora`/`_unload_lora`)
         self.loras: dict[str, LoraAdapterInfo] = {}
+        self.lending = PageLending(engine)
+        self.peer_reads: PeerReads | None = None
+        # links to the other workers by role (a subclass may put its own in first), kept
+        # by the membership `view`
+        self.peer_links: dict[str, LinkSet] = {}
+        self.view: MemberView | None = None
+        self._made_links: list[LinkSet] = []  # those of `peer_links` made here
+        self._index: Replies[IndexReply] = Replies()
 
     async def start(self) -> None:
         s = self.settings
@@ -104,6 +130,7 @@ class Worker(Service):
                              nixl_progress_thread=s.nixl_progress_thread, network=network,
                              shard=info.kv_shard)  # fmt: skip
         self.agent = GroupAgent(local, info.kv_shard.size)
+        self.lending.agent = self.agent
         if info.kv_shard.size > 1:  # the other ranks' agents, which ours drives
             secret = s.cluster_secret.get_secret_value() if s.cluster_secret else None
             call = StartAgent(s.transfer_backend, self.name, self.agent.endpoint,
@@ -113,8 +140,16 @@ class Worker(Service):
             await asyncio.to_thread(self.agent.wait_ranks)
         if s.kv_events_endpoint is not None:
             self._start_kv_events()
+        # another worker reads only the pages lent to it; the agent is driven while any are
+        self.agent.enforce_grants()
+        lending = self.lending
+        self.run_in_background(self.agent.serve_reads_while(lending.lending_now, lending.lending))
         if not s.kvstore:
             return
+        if s.peer_reads and info.prefix_cache:
+            self._start_peer_reads()
+        if self.peer_links:
+            self.view = MemberView(self.peer_links, own=self.name)
         assert self.context is not None
         self.kvstore = LinkSet(
             self.context,
@@ -151,7 +186,47 @@ class Worker(Service):
         logger.info("%s: KV events on %s (replay: %s)", self.name, self.kv_events.endpoint,
                     self.kv_events.replay_endpoint)  # fmt: skip
 
+    def peer_geometry(self) -> PageGeometry:
+        """What another worker's pages must match for this one to read them."""
+        info = self.engine.info
+        return PageGeometry(info.page_size, info.hash_namespace, info.geometry.digest,
+                            info.kv_shard.size, info.identity)  # fmt: skip
+
+    def _start_peer_reads(self) -> None:
+        """Links to the other workers (kept by the membership) and reads of their pages."""
+        assert self.context is not None and self.agent is not None
+        for role in PEER_ROLES:
+            if role not in self.peer_links:
+                self.peer_links[role] = LinkSet(
+                    self.context, [], self.identity(), on_message=self._from_peer,
+                    on_down=functools.partial(self._peer_down, role),
+                    pages=self.peer_geometry(),
+                )  # fmt: skip
+                self.peer_links[role].start()
+                self._made_links.append(self.peer_links[role])
+        self.peer_reads = PeerReads(
+            self.name, self.settings, self.engine, self.agent, self.index_lookup,
+            lambda: (link for links in self.peer_links.values() for link in links.links),
+        )  # fmt: skip
+
+    def _from_peer(self, link: Link, msg: Message) -> None:
+        if self.peer_reads is None or not isinstance(msg, WorkerFromPeer):
+            logger.warning("%s: unexpected %s from %s", self.name, msg.TYPE_TAG, link.label)
+        elif not self.peer_reads.answer(link, msg):
+            logger.debug("%s: %s from %s answers nothing asked", self.name, msg.TYPE_TAG,
+                         link.label)  # fmt: skip
+
+    def _peer_down(self, role: str, link: Link, _why: str = "") -> None:
+        if self.peer_reads is not None:
+            self.peer_reads.link_down(link)
+        if self.view is not None:
+            self.view.link_down(role, link)
+
     async def stop(self) -> None:
+        for links in self._made_links:
+            await links.close()
+        if self.peer_reads is not None:
+            await self.peer_reads.close()
         if self.kv_events is not None:
             self.engine.listen_blocks(None)
             await asyncio.to_thread(self.kv_events.close)
@@ -172,8 +247,8 @@ class Worker(Service):
         )
 
     def member_view(self) -> MemberView | None:
-        """Hook: the view of the roles this worker routes to (watched through the kvstore)."""
-        return None
+        """The view of the roles this worker links to (watched through the kvstore)."""
+        return self.view
 
     def kvstore_link(self) -> Link | None:
         return self.kvstore.links[0] if self.kvstore else None
@@ -186,11 +261,38 @@ class Worker(Service):
     def on_drain(self) -> None:
         self.spawn_notice(self._to_kvstore(Register(self.member())))
 
+    def busy(self) -> bool:
+        """Requests running, or pages lent that a peer has yet to read."""
+        return bool(self.tasks) or self.lending.lending_now()
+
     async def on_drained(self) -> None:
+        await self._linger()
         await self._to_kvstore(Deregister(self.name, self.generation), timeout_ms=1000)
         # sockets close with linger 0: give the message a moment on the wire (if it is
         # lost anyway, the kvstore drops us when our heartbeats stop)
         await asyncio.sleep(0.1)
+
+    async def _linger(self) -> None:
+        """A drained worker still lends its cached pages for ``drain_linger_s`` (and
+        while a lease is out), so the conversations it served continue on other workers
+        without recomputing them; at once when no other worker is up and not draining
+        (the whole cluster stops) or it lends nothing (no peer reads)."""
+        linger_s = self.settings.drain_linger_s
+        if self.peer_reads is None or linger_s <= 0 or not self._peers_serving():
+            return
+        deadline = time.monotonic() + linger_s
+        lease_end = deadline + self.settings.peer_lease_s
+        logger.warning("%s: lending cached pages to other workers for %g s more", self.name,
+                       linger_s)  # fmt: skip
+        while time.monotonic() < lease_end and self._peers_serving():
+            if time.monotonic() >= deadline and not self.lending.lending_now():
+                break
+            await asyncio.sleep(0.05)
+
+    def _peers_serving(self) -> bool:
+        """Whether another worker is up and not draining (one that could read our pages)."""
+        return any(link.up and not link.load.draining
+                   for links in self.peer_links.values() for link in links.links)  # fmt: skip
 
     def describe(self) -> str:
         events = f", KV events on {self.kv_events.endpoint}" if self.kv_events else ""
@@ -220,7 +322,7 @@ class Worker(Service):
             hash_namespace=info.hash_namespace,
             pool_digest=info.geometry.digest,
             tp_size=info.kv_shard.size,
-            transfer_metadata=self.agent.metadata() if self.role == "prefill" else b"",
+            transfer_metadata=self.agent.metadata(),
             model_identity=info.identity.key if info.identity is not None else "",
         )
 
@@ -256,6 +358,7 @@ class Worker(Service):
             self.host.on_up(link)
 
     def _kvstore_down(self, link: Link, why: str) -> None:
+        self._index.drop_all()
         if self.host is not None:
             self.host.on_down(link, why)
 
@@ -263,7 +366,27 @@ class Worker(Service):
         """Hook: the handler of each type of `WorkerFromKVStore`, and the host tier's (a
         subclass adds its own)."""
         host = self.host.handlers if self.host is not None else {}
-        return {KVResync: self._resync, MemberList: self._members, **host}
+        return {KVResync: self._resync, MemberList: self._members, IndexReply: self._index_reply,
+                **host}  # fmt: skip
+
+    async def index_lookup(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
+        """Leading pages of ``hashes`` each other worker holds on device and the host tier
+        holds, per the kvstore (({}, 0) if it is down or slow)."""
+        link = self.kvstore_link()
+        if link is None or not link.up or not hashes:
+            return {}, 0
+        query_id = uuid.uuid4().hex
+        self.counters["index_queries_total"] += 1
+        answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
+                                       self.settings.kvstore_query_timeout_s)  # fmt: skip
+        if answer is None:
+            self.counters["index_misses_total"] += 1
+            return {}, 0
+        held = {name: int(p) for name, p in answer.device_pages.items() if name != self.name}
+        return held, answer.host_pages
+
+    def _index_reply(self, _link: Link, msg: IndexReply) -> None:
+        self._index.answer(msg.query_id, msg)
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if not dispatch(self._kvstore_handlers, link, msg):
@@ -280,7 +403,46 @@ class Worker(Service):
 
     def handlers(self) -> Handlers:
         return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit,
-                LoraLoad: self._load_lora, LoraUnload: self._unload_lora}  # fmt: skip
+                LoraLoad: self._load_lora, LoraUnload: self._unload_lora,
+                PeerRead: self._lend, TransferDone: self._transfer_done}  # fmt: skip
+
+    # -- lending pages ------------------------------------------------------------------
+
+    async def _lend(self, peer: Peer, msg: PeerRead) -> None:
+        """Lend another worker the cached pages it asks for (`Engine.lend_prefix`): the
+        prompt's tokens find them in this cache, in the request's namespace."""
+        try:
+            if self.adapter_fingerprint(msg.adapter) != msg.adapter_fingerprint:
+                raise RequestError(f"{self.name} serves LoRA adapter {msg.adapter!r} with "
+                                   "other content")  # fmt: skip
+            lease_s = self.settings.peer_lease_s
+            until = asyncio.get_running_loop().time() + lease_s  # ends before the engine's
+            pages, _ = await self.engine.call(
+                lambda e: e.lend_prefix(msg.read_id, msg.token_ids, msg.first_page,
+                                        msg.num_pages, lease_s, msg.cache_scope, msg.adapter)
+            )  # fmt: skip
+            if pages:
+                self.lending.readers[msg.read_id] = peer.identity
+                self.lending.grant(msg.read_id, peer.name, pages, until)
+                self.counters["peer_lends_total"] += 1
+                self.counters["peer_lent_pages_total"] += len(pages)
+            left_ms = max(0.0, until - asyncio.get_running_loop().time()) * 1000
+            await self.send_to(peer, PeerPages(msg.read_id, tuple(pages), left_ms))
+        except Exception as exc:
+            self.lending.release(msg.read_id)
+            await self.fail(peer, msg.read_id, exc)
+
+    def _transfer_done(self, _peer: Peer, msg: TransferDone) -> None:
+        if not msg.ok:
+            logger.info("%s: a read of %s's pages failed on the reader", self.name, msg.request_id)
+        self.release_lent(msg.request_id)
+
+    def release_lent(self, lease_id: str) -> None:
+        """A reader is done with (or gave up on) the pages lent under ``lease_id``."""
+        self.lending.release(lease_id)
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        self.lending.reader_lost(peer.identity)
 
     # -- LoRA adapters ----------------------------------------------------------------
 
@@ -400,41 +562,70 @@ class Worker(Service):
         (``hashes`` are in its namespace). ``under``: the
         span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
         resume = resume or []
-        planned = None
-        if self.host is not None:
+        planned = peer = None
+        if self.host is not None or self.peer_reads is not None:
             known = prompt_ids + resume
             if hashes is None:
                 hashes = self.page_hashes(known, (), cache_scope, adapter)
             looked_up_ns = time.time_ns()
-            planned = await self.host.plan(request_id, known, hashes)
+            if self.peer_reads is not None:
+                peer = await self.peer_reads.plan(known, hashes, self._device_hit(hashes),
+                                                  cache_scope, adapter,
+                                                  self.adapter_fingerprint(adapter))  # fmt: skip
+            if peer is None and self.host is not None:
+                planned = await self.host.plan(request_id, known, hashes)
         plan, lease = planned if planned is not None else (None, None)
+        peer_plan, peer_lease = peer if peer is not None else (None, None)
+        read_ok = False
         loading = NO_SPAN
         if lease is not None:
             loading = under.child(f"{self.role}.host_load", start_ns=looked_up_ns,
                                   host_pages=len(lease.host_page_ids),
                                   disk_pages=lease.disk_pages)  # fmt: skip
+        elif peer_lease is not None:
+            loading = under.child(f"{self.role}.peer_read", start_ns=looked_up_ns,
+                                  peer=peer_lease.link.label,
+                                  peer_pages=len(peer_lease.src_page_ids))  # fmt: skip
         try:
             admission, out = await self.engine.admit(
-                request_id, prompt_ids, params, remote_over=remote_over, host=plan,
+                request_id, prompt_ids, params, remote_over=remote_over, host=plan or peer_plan,
                 lease_s=lease_s, resume=resume, cache_scope=cache_scope, share=share,
                 adapter=adapter,
             )  # fmt: skip
             self.counters[QUERIED_TOKENS] += len(prompt_ids) + len(resume)
             self.counters[HIT_TOKENS] += admission.cached_tokens
             if admission.route == "host":
-                assert self.host is not None and lease is not None
                 try:
-                    ok = await self.host.read(lease, admission.page_ids)
+                    ok = read_ok = await self._read(lease, peer_lease, admission.page_ids)
                 except BaseException:  # cancelled mid-read: the read cannot land any more
                     self.engine.abort(request_id)
                     raise
-                self.engine.finish_host_admission(request_id, ok, lease.disk_pages)
-                loading.end(None if ok else "host-tier read failed", read=ok)
+                disk_pages = lease.disk_pages if lease is not None else 0
+                self.engine.finish_host_admission(request_id, ok, disk_pages, lease is None)
+                loading.end(None if ok else "read failed", read=ok)
         finally:
             loading.end()  # not read: another route was chosen, or it was cancelled
             if lease is not None and self.host is not None:
                 self.host.release(lease)
+            if peer_lease is not None and self.peer_reads is not None:
+                self.peer_reads.release(peer_lease, read_ok)
         return admission, out
+
+    async def _read(self, lease: HostLease | None, peer: PeerLease | None,
+                    dst: Sequence[int]) -> bool:  # fmt: skip
+        """Read the host tier's leased pages, or a peer's, into ``dst``."""
+        if lease is not None:
+            assert self.host is not None
+            return await self.host.read(lease, tuple(dst))
+        assert peer is not None and self.peer_reads is not None
+        return await self.peer_reads.read(peer, dst)
+
+    def _device_hit(self, hashes: Sequence[int]) -> int:
+        """Leading pages of ``hashes`` in this worker's device cache, per its view of it."""
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cached_hashes:
+            hit += 1
+        return hit
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()
@@ -460,11 +651,20 @@ class Worker(Service):
             kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
         )  # fmt: skip
         host = self.host.stats() if self.host is not None else None
+        peer = self.peer_reads.stats() if self.peer_reads is not None else None
+        if peer is not None:
+            lent = fill(PeerReadSection, self.counters)
+            peer = dataclasses.replace(
+                peer,
+                peer_lends_total=lent.peer_lends_total,
+                peer_lent_pages_total=lent.peer_lent_pages_total,
+            )
         counts = engine.lora_counts
         loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],
                                           evictions=counts[info.name][1])
                       if info.name in counts else info for info in self.loras.values())  # fmt: skip
-        return dataclasses.replace(super().stats(), engine=section, host_tier=host, loras=loras)
+        return dataclasses.replace(super().stats(), engine=section, host_tier=host,
+                                   peer_reads=peer, loras=loras)  # fmt: skip
 
     def metrics_text(self) -> bytes:
         """The service's own families, then vLLM's per-engine ones (`radixserve.vllm_metrics`;

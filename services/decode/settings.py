@@ -62,10 +62,3 @@ class DecodeSettings(WorkerSettings):
         description="Prefill routing: a worker with more queued prompt tokens is skipped "
         "while another is under the threshold.",
     )
-    kvstore_query_timeout_s: float = Field(
-        0.05,
-        gt=0,
-        le=10,
-        description="Longest wait for the kvstore index per request; past it, prefill is "
-        "routed by load alone.",
-    )

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,7 +38,6 @@ from radixserve.engine.wire import share_fields, to_chunk, to_logprob, to_params
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
-    IndexQuery,
     IndexReply,
     KVReady,
     Message,
@@ -48,10 +46,10 @@ from radixserve.protocol import (
     TransferDone,
 )
 from radixserve.protocol.messages import ErrorType
+from radixserve.protocol.peer_messages import PeerPages
 from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
-from radixserve.runtime.calls import Replies, send_quietly
-from radixserve.runtime.links import Link, LinkSet, PageGeometry
-from radixserve.runtime.membership import MemberView
+from radixserve.runtime.calls import send_quietly
+from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.service import Handlers, Peer, dispatch
 from radixserve.runtime.worker import Worker, WorkerFromKVStore, WorkerInbound
 from radixserve.services.decode.prefill_router import PrefillRouter
@@ -88,8 +86,8 @@ class _Pending:
 DecodeInbound = WorkerInbound | GenerateRequest | Abort
 #: what the kvstore sends it: a worker's messages, and the answers to its index queries
 DecodeFromKVStore = WorkerFromKVStore | IndexReply
-#: what prefill workers answer its `PrefillRequest`s
-DecodeFromPrefill = KVReady | RequestFailed
+#: what prefill workers answer its `PrefillRequest`s and its reads of their pages
+DecodeFromPrefill = KVReady | RequestFailed | PeerPages
 
 
 class DecodeWorker(Worker):
@@ -100,12 +98,10 @@ class DecodeWorker(Worker):
     def __init__(self, settings: DecodeSettings, engine: AsyncEngine) -> None:
         super().__init__(settings, engine)
         self.prefills: LinkSet | None = None
-        self.view: MemberView | None = None
         self.router = PrefillRouter(self.page_size, settings)
-        self._index: Replies[IndexReply] = Replies()
         self.transfer_seconds = 0.0  # spent reading prefill workers' pages
         self._pending: dict[str, _Pending] = {}
-        self.prefill_handlers: Handlers = {KVReady: self._kv_ready,
+        self.prefill_handlers: Handlers = {KVReady: self._kv_ready, PeerPages: self._from_peer,
                                            RequestFailed: self._prefill_failed}  # fmt: skip
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
         # request id -> how its prompt got its KV: (route, prefill worker), sent on its last chunk
@@ -113,22 +109,15 @@ class DecodeWorker(Worker):
 
     async def start(self) -> None:
         assert self.context is not None
-        info = self.engine.info
         self.prefills = LinkSet(
             self.context,
             list(self.settings.prefill_workers),
             self.identity(),
             on_message=self._from_prefill,
             on_down=self._prefill_down,
-            pages=PageGeometry(
-                info.page_size,
-                info.hash_namespace,
-                info.geometry.digest,
-                info.kv_shard.size,
-                info.identity,
-            ),  # fmt: skip
+            pages=self.peer_geometry(),
         )
-        self.view = MemberView({"prefill": self.prefills})
+        self.peer_links["prefill"] = self.prefills
         await super().start()  # the kvstore link: membership starts arriving
         self.prefills.start()
 
@@ -136,9 +125,6 @@ class DecodeWorker(Worker):
         if self.prefills is not None:
             await self.prefills.close()
         await super().stop()
-
-    def member_view(self) -> MemberView | None:
-        return self.view
 
     # -- from the gateway ------------------------------------------------------------
 
@@ -271,33 +257,8 @@ class DecodeWorker(Worker):
         """The prefill worker of least cost (`PrefillRouter`) among `_prefills_ready`; the
         kvstore's index of their caches is asked only when there is a choice."""
         ready = self._prefills_ready(exclude, adapter)
-        cached, host = await self._index_lookup(hashes) if len(ready) > 1 else ({}, 0)
+        cached, host = await self.index_lookup(hashes) if len(ready) > 1 else ({}, 0)
         return self.router.pick(ready, len(hashes), cached, host, exclude)
-
-    async def _index_lookup(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
-        """Leading pages of ``hashes`` each worker holds on device and the host tier holds,
-        per the kvstore (({}, 0) if it is down or slow: routing then goes by load)."""
-        link = self.kvstore_link()
-        if link is None or not link.up or not hashes:
-            return {}, 0
-        query_id = uuid.uuid4().hex
-        self.counters["index_queries_total"] += 1
-        answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
-                                       self.settings.kvstore_query_timeout_s)  # fmt: skip
-        if answer is None:
-            self.counters["index_misses_total"] += 1
-            return {}, 0
-        return {name: int(p) for name, p in answer.device_pages.items()}, answer.host_pages
-
-    def kvstore_handlers(self) -> Handlers:
-        return {**super().kvstore_handlers(), IndexReply: self._index_reply}
-
-    def _index_reply(self, _link: Link, msg: IndexReply) -> None:
-        self._index.answer(msg.query_id, msg)
-
-    def _kvstore_down(self, link: Link, why: str) -> None:
-        self._index.drop_all()
-        super()._kvstore_down(link, why)
 
     async def _remote(
         self,
@@ -446,6 +407,8 @@ class DecodeWorker(Worker):
             self.spawn_notice(send_quietly(link, TransferDone(msg.request_id, ok=False)))
 
     def _prefill_failed(self, link: Link, msg: RequestFailed) -> None:
+        if self.peer_reads is not None and self.peer_reads.answer(link, msg):
+            return  # it refused to lend pages
         pending = self._awaited(link, msg.request_id)
         if pending is not None:
             pending.ready.set_exception(PrefillFailed(msg.error_type, msg.message))
@@ -455,5 +418,4 @@ class DecodeWorker(Worker):
             if pending.link is link and not pending.ready.done():
                 pending.ready.set_exception(PrefillFailed("peer_lost", f"{link.label} {why}"))
         self.router.forget(link.name)
-        if self.view is not None:
-            self.view.link_down("prefill", link)
+        self._peer_down("prefill", link)

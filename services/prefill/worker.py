@@ -78,44 +78,25 @@ class PrefillWorker(Worker):
         super().__init__(settings, engine)
         self._queued = 0  # prompt tokens of requests without their first token yet
         self._owner: dict[str, bytes] = {}  # request id -> identity of the decode worker
-        # request id -> (reader, pages granted, the revoke timer) while its pages are lent
-        self._grants: dict[str, tuple[str, list[int], asyncio.TimerHandle]] = {}
-        self._lending = asyncio.Event()  # set when a lease is handed over
         self._wait = StatsHistogram(PREFILL_WAIT_BUCKETS)
         self._request_tokens = StatsHistogram(PREFILL_TOKENS_BUCKETS)
 
-    async def start(self) -> None:
-        await super().start()
-        assert self.agent is not None
-        self.agent.enforce_grants()  # a decode worker reads only the pages lent to it
-        # drive the transfer agent while a decode worker may be reading our pages: while
-        # the engine's lease table (the one owner of lease deadlines) holds any
-        self.run_in_background(self.agent.serve_reads_while(self._lending_now, self._lending))
-
-    def _lending_now(self) -> bool:
-        return self.engine.stats().leases > 0
-
     def handlers(self) -> Handlers:
-        return {**super().handlers(), PrefillRequest: self._request,
-                TransferDone: self._transfer_done, Abort: self._abort}  # fmt: skip
+        return {**super().handlers(), PrefillRequest: self._request, Abort: self._abort}
 
     def _request(self, peer: Peer, msg: PrefillRequest) -> None:
         self._owner[msg.request_id] = peer.identity
         self.spawn(msg.request_id, self._prefill(peer, msg))
 
-    def _transfer_done(self, _peer: Peer, msg: TransferDone) -> None:
-        if not msg.ok:
-            logger.warning("%s: transfer of %s failed on the reader", self.name, msg.request_id)
-        self._release(msg.request_id)
-
     def _abort(self, _peer: Peer, msg: Abort) -> None:
         if not self.cancel(msg.request_id):
-            self._release(msg.request_id)
+            self.release_lent(msg.request_id)
 
     def on_peer_lost(self, peer: Peer) -> None:
+        super().on_peer_lost(peer)
         for request_id, identity in list(self._owner.items()):
             if identity == peer.identity and not self.cancel(request_id):
-                self._release(request_id)
+                self.release_lent(request_id)
 
     def queued_tokens(self) -> int:
         return self._queued
@@ -133,30 +114,9 @@ class PrefillWorker(Worker):
         self._wait.observe(max(0.0, elapsed_s - own))
         self._request_tokens.observe(computed)
 
-    def busy(self) -> bool:
-        """Requests running, or pages lent that a decode worker has yet to read."""
-        return bool(self.tasks) or self._lending_now()
-
-    def _release(self, request_id: str) -> None:
-        self._owner.pop(request_id, None)
-        self._revoke(request_id)
-        self.engine.release_lease(request_id)
-
-    def _grant(self, request_id: str, reader: str, pages: list[int], until: float) -> None:
-        """Lend ``pages`` to the decode worker ``reader`` until `_release`, or the loop's
-        time ``until`` (no later than the engine's lease ends: pages it takes back are
-        never readable)."""
-        assert self.agent is not None
-        self.agent.grant(reader, pages)
-        timer = asyncio.get_running_loop().call_at(until, self._revoke, request_id)
-        self._grants[request_id] = (reader, pages, timer)
-
-    def _revoke(self, request_id: str) -> None:
-        grant = self._grants.pop(request_id, None)
-        if grant is not None and self.agent is not None:
-            reader, pages, timer = grant
-            timer.cancel()
-            self.agent.revoke(reader, pages)
+    def release_lent(self, lease_id: str) -> None:
+        self._owner.pop(lease_id, None)
+        super().release_lent(lease_id)
 
     async def _prefill(self, peer: Peer, msg: PrefillRequest) -> None:
         rid, ids = msg.request_id, list(msg.token_ids)
@@ -212,8 +172,7 @@ class PrefillWorker(Worker):
                     f"decode asked for {len(msg.dst_page_ids)} pages past token "
                     f"{msg.num_cached_tokens}; the prompt has {len(src)}"
                 )
-            self._grant(rid, peer.name, list(src), grant_until)
-            self._lending.set()
+            self.lending.grant(rid, peer.name, list(src), grant_until)
             computed = last.prompt_tokens - last.cached.total
             self._record(computed, time.perf_counter() - arrived)
             tiers = {f"cached_{tier}": n for tier, n in last.cached.by_tier().items()}
@@ -239,11 +198,11 @@ class PrefillWorker(Worker):
         except asyncio.CancelledError:
             # Even before `leased`: the request may have finished (and taken its lease)
             # in the step that was running when the abort came; this releases it after.
-            self._release(rid)
+            self.release_lent(rid)
             raise
         except Exception as exc:
             if leased:
-                self._release(rid)
+                self.release_lent(rid)
             queued.end(exc)
             computing.end(exc)
             await self.fail(peer, rid, exc)

@@ -28,7 +28,7 @@ from radixserve.protocol import (
     PrefillRequest,
     RequestFailed,
     TokenChunk,
-    TransferDone,
+    WatchMembers,
 )
 from radixserve.protocol.lora_messages import LoraAdapterInfo
 from radixserve.protocol.stats_messages import ServiceStats
@@ -322,17 +322,17 @@ def test_an_abort_from_the_gateway_mid_stream_aborts_the_engine_request() -> Non
 
 
 def test_a_message_the_decode_worker_does_not_take_is_logged_and_it_serves_on(caplog) -> None:
-    """A `TransferDone` (a prefill worker's message) on the decode worker's socket has no
+    """A `WatchMembers` (the kvstore's message) on the decode worker's socket has no
     handler in its table: it is logged, naming it and its sender, and changes nothing."""
 
     async def scenario(context: zmq.asyncio.Context) -> None:
         async with decode_worker(context, FakeEngine(base_token=100), []) as (_, gateway):
-            await gateway.send(TransferDone("r0"))
+            await gateway.send(WatchMembers(("decode",)))
             await gateway.send(request("r1", SHORT))
             assert await gateway.stream("r1") == (LOCAL_TOKENS, None)
 
     run_scenario(scenario)
-    assert "unexpected TransferDone from gateway-test" in caplog.text
+    assert "unexpected WatchMembers from gateway-test" in caplog.text
 
 
 def test_every_counter_is_exported_at_zero_before_its_first_event() -> None:

@@ -8,12 +8,14 @@ from radixserve.protocol.messages import KVReady, TokenChunk
 
 
 def test_tiers_are_ordered_fastest_first_and_the_total_counts_each_once() -> None:
-    hits = CachedTokens(device=32, host=16, disk=48)
-    assert TIERS == ("device", "host", "disk")
-    assert list(hits.by_tier().items()) == [("device", 32), ("host", 16), ("disk", 48)]
-    assert hits.total == 96
-    assert hits.as_dict() == {"device": 32, "host": 16, "disk": 48, "total": 96}
-    assert hits + CachedTokens(host=4, disk=4) == CachedTokens(32, 20, 52)
+    hits = CachedTokens(device=32, peer=8, host=16, disk=48)
+    assert TIERS == ("device", "peer", "host", "disk")
+    assert list(hits.by_tier().items()) == [
+        ("device", 32), ("peer", 8), ("host", 16), ("disk", 48)
+    ]  # fmt: skip
+    assert hits.total == 104
+    assert hits.as_dict() == {"device": 32, "peer": 8, "host": 16, "disk": 48, "total": 104}
+    assert hits + CachedTokens(peer=1, host=4, disk=4) == CachedTokens(32, 9, 20, 52)
 
 
 def test_with_total_adds_the_device_prefix_and_trims_the_slowest_tier_first() -> None:

@@ -62,6 +62,7 @@ from radixserve.protocol.messages import (
     WatchMembers,
     WorkerLoad,
 )
+from radixserve.protocol.peer_messages import PeerPages, PeerRead
 from radixserve.protocol.stats_messages import (
     EngineSection,
     HistogramStats,
@@ -80,7 +81,7 @@ prompt = st.lists(token_id, min_size=1, max_size=40).map(tuple)
 page_ids = st.lists(st.integers(0, 2**31 - 1), max_size=20).map(tuple)
 page_hashes = st.lists(st.integers(0, 2**128 - 1), max_size=20).map(tuple)
 count = st.integers(0, 2**63 - 1)
-cached_tokens = st.builds(CachedTokens, device=count, host=count, disk=count)
+cached_tokens = st.builds(CachedTokens, device=count, peer=count, host=count, disk=count)
 millis = st.floats(0.0, 1e9, allow_nan=False)
 roles = st.sampled_from(["gateway", "prefill", "decode", "kvstore"])
 
@@ -268,6 +269,17 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         adapter_fingerprint=fingerprints,
     ),
     TransferDone: st.builds(TransferDone, request_id=ids, ok=st.booleans()),
+    PeerRead: st.builds(
+        PeerRead,
+        read_id=ids,
+        token_ids=prompt,
+        first_page=count,
+        num_pages=count,
+        cache_scope=text,
+        adapter=lora_names | st.just(""),
+        adapter_fingerprint=fingerprints,
+    ),  # fmt: skip
+    PeerPages: st.builds(PeerPages, read_id=ids, src_page_ids=page_ids, lease_ms=millis),
     TokenChunk: token_chunks(),
     Abort: st.builds(Abort, request_id=ids),
     RequestFailed: st.builds(
@@ -449,7 +461,7 @@ def test_token_chunk_carries_a_request_output_both_ways() -> None:
     from radixserve.engine.outputs import RequestOutput
     from radixserve.protocol.codec import decode, encode
 
-    out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 3, 41.5, CachedTokens(4, 2, 2))
+    out = RequestOutput("r", [5, 6], "hi", True, "length", 12, 3, 41.5, CachedTokens(4, 1, 2, 2))
     chunk = to_chunk(out)
     assert decode(encode(chunk)) == chunk
     assert to_output(chunk) == out

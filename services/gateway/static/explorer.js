@@ -108,7 +108,7 @@
     box.replaceChildren(...data.workers.map(workerCard));
     const rate = data.hit_rate;
     document.getElementById("cluster-hit").textContent = rate
-      ? `cluster hit rate ${pct(rate.hit_rate)} (device ${rate.cached.device}, host ${rate.cached.host}, disk ${rate.cached.disk} of ${rate.prompt_tokens} prompt tokens, last 5 min)`
+      ? `cluster hit rate ${pct(rate.hit_rate)} (device ${rate.cached.device}, peer ${rate.cached.peer}, host ${rate.cached.host}, disk ${rate.cached.disk} of ${rate.prompt_tokens} prompt tokens, last 5 min)`
       : "no finished requests in the last 5 min";
     const select = document.getElementById("tree-worker");
     const names = data.workers.filter((w) => w.state !== "down" && w.role !== "kvstore").map((w) => w.name);
@@ -235,7 +235,7 @@
     const cells = [
       [new Date(r.started_s * 1000).toLocaleTimeString(), "started"], [r.request_id, "id"], [r.status, "status"],
       [route, "route"], [r.decode_worker || "–", "decode"], [r.prompt_tokens, "prompt"],
-      [r.cached.total, "cached"], [r.cached.device, "device"], [r.cached.host, "host"],
+      [r.cached.total, "cached"], [r.cached.device, "device"], [r.cached.peer, "peer"], [r.cached.host, "host"],
       [r.cached.disk, "disk"], [r.completion_tokens, "completion"], [fmt(r.ttft_ms, 1), "ttft"],
       [fmt(r.itl_ms, 1), "itl"],
     ];

@@ -1,0 +1,273 @@
+"""Pages between workers: what a worker lends (`PageLending`) and what it reads from
+another worker's device cache (`PeerReads`).
+
+**Lending.** A worker's pages are read by others only while lent: the engine holds them
+under a lease (`Engine.lend_prefix`, or a prefill's `lease_s`) and the transfer agent
+serves them to that one reader (`grant`; the ZMQ agent refuses any other read, NIXL's
+keeps the ledger), until the reader's `TransferDone`, its link going down, or the lease's
+end (the grant ends first: pages the engine takes back are never readable).
+
+**Peer reads** (`plan`, `read`, `release`). When more than ``host_load_min_tokens`` of a
+prompt are missing past this worker's device hit, it asks the kvstore's index who holds
+more of it (`IndexQuery`). The worker holding the longest run — on device, more than the
+host tier holds, its link up (a draining worker still lends) — is asked to lend the
+pages past the device hit (`PeerRead`) when reading them is quicker than computing them
+(their bytes at the measured peer read rate, against the engine's measured prefill
+rate). The owner matches the prompt's tokens in its own cache, so what it lends is what
+these tokens computed; it may lend fewer pages, none, or refuse. The engine admits the
+request with the lent run as a host-route plan (`Engine.admit(host=)`), the agent reads
+the pages into the pages it allocated, and `finish_host_admission(peer=True)` counts
+them as ``peer`` cached tokens. Anything that goes wrong — no answer in time, the owner
+gone mid-read (its link down ends the read at once), a refusal — ends in the prompt
+being computed, never in a page that was not read. Details: docs/architecture.md §9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from radixserve.engine.admission import HostPlan
+from radixserve.engine.async_engine import AsyncEngine
+from radixserve.protocol import RequestFailed, TransferDone
+from radixserve.protocol.peer_messages import PeerPages, PeerRead
+from radixserve.protocol.stats_messages import PeerReadSection, fill
+from radixserve.runtime.calls import Tasks, send_quietly
+from radixserve.runtime.links import Link
+from radixserve.runtime.settings import WorkerSettings
+from radixserve.transfer import TransferError
+from radixserve.transfer.group import GroupAgent
+
+logger = logging.getLogger(__name__)
+
+#: the peer read rate assumed until one is measured (bytes/s), and the round trip of
+#: asking for the pages (s): a first read is tried whenever computing takes longer
+_FIRST_RATE = 1e9
+_ASK_S = 0.005
+
+
+class PageLending:
+    """The pages this worker lends, by lease id: to whom, and until when."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.agent: GroupAgent | None = None  # set once the worker made it
+        # lease id -> (reader, pages granted, the revoke timer)
+        self._grants: dict[str, tuple[str, list[int], asyncio.TimerHandle]] = {}
+        self.readers: dict[str, bytes] = {}  # a peer read's lease id -> reader identity
+        self.lending = asyncio.Event()  # set when a lease is handed over
+
+    def lending_now(self) -> bool:
+        """Whether the engine's lease table (the one owner of lease deadlines) holds any."""
+        return self.engine.stats().leases > 0
+
+    def grant(self, lease_id: str, reader: str, pages: list[int], until: float) -> None:
+        """Lend ``pages`` to ``reader`` until `release`, or the loop's time ``until`` (no
+        later than the engine's lease ends)."""
+        assert self.agent is not None
+        self.agent.grant(reader, pages)
+        timer = asyncio.get_running_loop().call_at(until, self.revoke, lease_id)
+        self._grants[lease_id] = (reader, pages, timer)
+        self.lending.set()
+
+    def revoke(self, lease_id: str) -> None:
+        grant = self._grants.pop(lease_id, None)
+        if grant is not None and self.agent is not None:
+            reader, pages, timer = grant
+            timer.cancel()
+            self.agent.revoke(reader, pages)
+
+    def release(self, lease_id: str) -> None:
+        """The reader is done (or gone): the grant and the engine's lease end."""
+        self.readers.pop(lease_id, None)
+        self.revoke(lease_id)
+        self.engine.release_lease(lease_id)
+
+    def reader_lost(self, identity: bytes) -> None:
+        for lease_id, reader in list(self.readers.items()):
+            if reader == identity:
+                self.release(lease_id)
+
+
+@dataclass(frozen=True)
+class PeerLease:
+    """Pages another worker lent for a read: its link, its page ids, the lease's end
+    (`time.monotonic`)."""
+
+    read_id: str
+    link: Link
+    src_page_ids: tuple[int, ...]
+    until: float
+
+
+#: the index's answer: leading pages each worker holds on device, and the host tier's
+IndexLookup = Callable[[Sequence[int]], Awaitable[tuple[dict[str, int], int]]]
+
+
+class PeerReads:
+    """This worker's reads of other workers' cached pages (see the module notes)."""
+
+    def __init__(self, name: str, settings: WorkerSettings, engine: AsyncEngine,
+                 agent: GroupAgent, index_lookup: IndexLookup,
+                 links: Callable[[], Iterable[Link]]) -> None:  # fmt: skip
+        self.name, self.settings, self.engine, self.agent = name, settings, engine, agent
+        self.page_size = engine.info.page_size
+        self.page_bytes = engine.info.geometry.page_bytes
+        self._index_lookup = index_lookup
+        self._links = links
+        self._asked: dict[str, tuple[Link, asyncio.Future[PeerPages | None]]] = {}
+        self._reading: dict[int, set[asyncio.Event]] = {}  # id(link) -> set when it goes down
+        self._notices = Tasks(f"{name} peer reads")
+        self.counters: Counter[str] = Counter()
+        self.read_seconds = 0.0
+        self.rate = _FIRST_RATE  # bytes/s of peer reads, a moving average once measured
+
+    # -- plan -----------------------------------------------------------------------
+
+    async def plan(
+        self, token_ids: Sequence[int], hashes: Sequence[int], device_pages: int,
+        cache_scope: str, adapter: str, fingerprint: str,
+    ) -> tuple[HostPlan, PeerLease] | None:  # fmt: skip
+        """Pages past the ``device_pages`` hit of the prompt ``token_ids`` (whose full
+        pages hash to ``hashes``) lent by the peer holding most of them, when that pays;
+        None otherwise. The caller admits with the plan, `read`s and `release`s."""
+        size = self.page_size
+        full = min(len(hashes), (len(token_ids) - 1) // size)  # never the last token
+        if (full - device_pages) * size <= self.settings.host_load_min_tokens:
+            return None
+        held, host_pages = await self._index_lookup(hashes[device_pages:full])
+        links = {link.name: link for link in self._links() if link.up and link.ack is not None}
+        owners = sorted(((n, name) for name, n in held.items() if name in links), reverse=True)
+        if not owners:
+            return None
+        num_pages, owner = owners[0]
+        num_pages = min(num_pages, full - device_pages)
+        if num_pages <= host_pages or num_pages * size <= self.settings.host_load_min_tokens:
+            return None  # the host tier has as much, or too little is there to gain
+        if not self._pays(num_pages):
+            self.counters["peer_reads_skipped_total"] += 1
+            return None
+        end = (device_pages + num_pages) * size
+        msg = PeerRead(uuid.uuid4().hex, tuple(token_ids[:end]), device_pages, num_pages,
+                       cache_scope, adapter, fingerprint)  # fmt: skip
+        lease = await self._ask(links[owner], msg)
+        if lease is None:
+            return None
+        return HostPlan(device_pages, len(lease.src_page_ids)), lease
+
+    def _pays(self, num_pages: int) -> bool:
+        """Whether reading ``num_pages`` at the measured rate beats computing them."""
+        tokens_per_s = self.engine.stats().prefill_tokens_per_s
+        if tokens_per_s <= 0:
+            return True  # nothing measured yet: reading is the better bet
+        read_s = _ASK_S + num_pages * self.page_bytes / self.rate
+        return read_s < num_pages * self.page_size / tokens_per_s
+
+    async def _ask(self, link: Link, msg: PeerRead) -> PeerLease | None:
+        """Send ``msg``; the lease of the pages the owner lent (None: none, refused, no
+        answer in time, or its link went down)."""
+        self.counters["peer_read_asks_total"] += 1
+        answer: asyncio.Future[PeerPages | None] = asyncio.get_running_loop().create_future()
+        self._asked[msg.read_id] = (link, answer)
+        try:
+            await link.send(msg, timeout_ms=0)
+            pages = await asyncio.wait_for(answer, self.settings.peer_read_timeout_s)
+        except TimeoutError:
+            pages = None
+        finally:
+            self._asked.pop(msg.read_id, None)
+        if pages is None or not pages.src_page_ids:  # a late answer is released (`answer`)
+            self.counters["peer_read_refusals_total"] += 1
+            return None
+        until = time.monotonic() + pages.lease_ms / 1000
+        return PeerLease(msg.read_id, link, pages.src_page_ids, until)
+
+    def answer(self, link: Link, msg: PeerPages | RequestFailed) -> bool:
+        """An owner's answer to a `PeerRead` (False: not one this worker waits for)."""
+        read_id = msg.read_id if isinstance(msg, PeerPages) else msg.request_id
+        asked = self._asked.get(read_id)
+        if asked is None or asked[0] is not link:
+            if isinstance(msg, PeerPages) and msg.src_page_ids:  # too late: let them go
+                self._notices.spawn(send_quietly(link, TransferDone(read_id, ok=False)))
+            return isinstance(msg, PeerPages)
+        if not asked[1].done():
+            asked[1].set_result(msg if isinstance(msg, PeerPages) else None)
+        if isinstance(msg, RequestFailed):
+            logger.info("%s: %s did not lend pages: %s", self.name, link.label, msg.message)
+        return True
+
+    def link_down(self, link: Link) -> None:
+        """``link``'s owner is gone: its answers and reads end now."""
+        for asked_link, answer in self._asked.values():
+            if asked_link is link and not answer.done():
+                answer.set_result(None)
+        for down in self._reading.get(id(link), ()):
+            down.set()
+
+    # -- read -------------------------------------------------------------------------
+
+    async def read(self, lease: PeerLease, dst: Sequence[int]) -> bool:
+        """Read the lease's first ``len(dst)`` pages into the device pages ``dst``;
+        whether it worked (a failure is logged and counted)."""
+        link, agent = lease.link, self.agent
+        timeout_s = min(self.settings.peer_read_timeout_s, lease.until - time.monotonic())
+        start = time.perf_counter()
+        ok = False
+        if timeout_s > 0 and link.up and link.ack is not None:
+            down = asyncio.Event()
+            reading = self._reading.setdefault(id(link), set())
+            reading.add(down)
+            try:
+                agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
+                handle = agent.read_pages(link.name, list(lease.src_page_ids[: len(dst)]),
+                                          list(dst), timeout_s=timeout_s)  # fmt: skip
+                ok = await _unless(agent.wait_async(handle), down) == "done"
+            except TransferError as exc:
+                logger.warning("%s: reading %s's pages failed: %s", self.name, link.label, exc)
+            finally:
+                reading.discard(down)
+        if not ok:
+            self.counters["peer_read_failures_total"] += 1
+            return False
+        elapsed = time.perf_counter() - start
+        nbytes = len(dst) * self.page_bytes
+        self.counters["peer_reads_total"] += 1
+        self.counters["peer_read_pages_total"] += len(dst)
+        self.counters["peer_read_bytes_total"] += nbytes
+        self.read_seconds += elapsed
+        if elapsed > 0:
+            self.rate = 0.8 * self.rate + 0.2 * nbytes / elapsed
+        return True
+
+    def release(self, lease: PeerLease, ok: bool) -> None:
+        """Let the owner's lease go (best effort: it expires anyway)."""
+        self._notices.spawn(send_quietly(lease.link, TransferDone(lease.read_id, ok=ok)))
+
+    def stats(self) -> PeerReadSection:
+        return fill(PeerReadSection, self.counters, peer_read_seconds_total=self.read_seconds)
+
+    async def close(self) -> None:
+        await self._notices.close()
+
+
+async def _unless(work: Awaitable[str], down: asyncio.Event) -> str:
+    """``work``'s result, or "failed" as soon as ``down`` is set (``work`` is cancelled:
+    the transfer agent forgets the peer first, so a late read cannot land)."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(down.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return "failed"
