@@ -39,7 +39,8 @@ from radixserve.protocol import RequestFailed, TransferDone
 from radixserve.protocol.peer_messages import PeerPages, PeerRead
 from radixserve.protocol.stats_messages import PeerReadSection, fill
 from radixserve.runtime.calls import Tasks, send_quietly
-from radixserve.runtime.links import Link
+from radixserve.runtime.links import Link, LinkSet
+from radixserve.runtime.membership import MemberView
 from radixserve.runtime.settings import WorkerSettings
 from radixserve.transfer import TransferError
 from radixserve.transfer.group import GroupAgent
@@ -58,10 +59,28 @@ class PageLending:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.agent: GroupAgent | None = None  # set once the worker made it
+        self.counters: Counter[str] = Counter()  # peer reads served
         # lease id -> (reader, pages granted, the revoke timer)
         self._grants: dict[str, tuple[str, list[int], asyncio.TimerHandle]] = {}
         self.readers: dict[str, bytes] = {}  # a peer read's lease id -> reader identity
         self.lending = asyncio.Event()  # set when a lease is handed over
+
+    async def lend(self, reader: str, identity: bytes, msg: PeerRead, lease_s: float) -> PeerPages:
+        """Lend ``reader`` (its link's ``identity``) the cached pages its `PeerRead` asks
+        for (`Engine.lend_prefix`: the prompt's tokens find them in this cache, in the
+        request's namespace) for ``lease_s``; the answer to send it."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + lease_s  # the grant ends before the engine's lease
+        pages, _ = await self.engine.call(
+            lambda e: e.lend_prefix(msg.read_id, msg.token_ids, msg.first_page, msg.num_pages,
+                                    lease_s, msg.cache_scope, msg.adapter)
+        )  # fmt: skip
+        if pages:
+            self.readers[msg.read_id] = identity
+            self.grant(msg.read_id, reader, pages, until)
+            self.counters["peer_lends_total"] += 1
+            self.counters["peer_lent_pages_total"] += len(pages)
+        return PeerPages(msg.read_id, tuple(pages), max(0.0, until - loop.time()) * 1000)
 
     def lending_now(self) -> bool:
         """Whether the engine's lease table (the one owner of lease deadlines) holds any."""
@@ -249,8 +268,10 @@ class PeerReads:
         """Let the owner's lease go (best effort: it expires anyway)."""
         self._notices.spawn(send_quietly(lease.link, TransferDone(lease.read_id, ok=ok)))
 
-    def stats(self) -> PeerReadSection:
-        return fill(PeerReadSection, self.counters, peer_read_seconds_total=self.read_seconds)
+    def stats(self, lending: PageLending) -> PeerReadSection:
+        """The reads' counters and ``lending``'s."""
+        return fill(PeerReadSection, {**self.counters, **lending.counters},
+                    peer_read_seconds_total=self.read_seconds)  # fmt: skip
 
     async def close(self) -> None:
         await self._notices.close()
@@ -271,3 +292,60 @@ async def _unless(work: Awaitable[str], down: asyncio.Event) -> str:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return "failed"
+
+
+class PeerLinks:
+    """A worker's links to the other workers, one set per role (a role's set may be the
+    worker's own, e.g. a decode worker's to the prefill workers it routes to), kept by
+    the kvstore's membership (`view`, which gives no link to the worker itself)."""
+
+    def __init__(self, name: str, sets: dict[str, LinkSet]) -> None:
+        self.name = name
+        self.sets = sets
+        self._made: list[LinkSet] = []
+        self.view: MemberView | None = None
+
+    def add(self, role: str, make: Callable[[], LinkSet]) -> None:
+        """A set for ``role`` made (and started) here, unless the worker has its own."""
+        if role not in self.sets:
+            self.sets[role] = make()
+            self.sets[role].start()
+            self._made.append(self.sets[role])
+
+    def watch(self) -> None:
+        """Let the membership keep the sets from now on."""
+        if self.sets:
+            self.view = MemberView(self.sets, own=self.name)
+
+    def links(self) -> Iterable[Link]:
+        return (link for links in self.sets.values() for link in links.links)
+
+    def link_down(self, role: str, link: Link) -> None:
+        if self.view is not None:
+            self.view.link_down(role, link)
+
+    def serving(self) -> bool:
+        """Whether another worker is up and not draining (one that could read our pages)."""
+        return any(link.up and not link.load.draining for link in self.links())
+
+    async def close(self) -> None:
+        for links in self._made:
+            await links.close()
+
+
+async def linger(name: str, settings: WorkerSettings, links: PeerLinks,
+                 lending: PageLending) -> None:  # fmt: skip
+    """A drained worker still lends its cached pages for ``drain_linger_s`` (and while a
+    lease is out, up to ``peer_lease_s`` more), so the conversations it served continue
+    on other workers without recomputing them; not at all, or no longer, when no other
+    worker is up and not draining (the whole cluster stops)."""
+    linger_s = settings.drain_linger_s
+    if linger_s <= 0 or not links.serving():
+        return
+    deadline = time.monotonic() + linger_s
+    lease_end = deadline + settings.peer_lease_s
+    logger.warning("%s: lending cached pages to other workers for %g s more", name, linger_s)
+    while time.monotonic() < lease_end and links.serving():
+        if time.monotonic() >= deadline and not lending.lending_now():
+            break
+        await asyncio.sleep(0.05)

@@ -54,7 +54,6 @@ from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, Cac
 from radixserve.protocol.peer_messages import PeerPages, PeerRead
 from radixserve.protocol.stats_messages import (
     EngineSection,
-    PeerReadSection,
     ServiceStats,
     fill,
 )
@@ -65,7 +64,7 @@ from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
-from radixserve.runtime.peer_reads import PageLending, PeerLease, PeerReads
+from radixserve.runtime.peer_reads import PageLending, PeerLease, PeerLinks, PeerReads, linger
 from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
@@ -114,11 +113,8 @@ class Worker(Service):
         self.loras: dict[str, LoraAdapterInfo] = {}
         self.lending = PageLending(engine)
         self.peer_reads: PeerReads | None = None
-        # links to the other workers by role (a subclass may put its own in first), kept
-        # by the membership `view`
-        self.peer_links: dict[str, LinkSet] = {}
-        self.view: MemberView | None = None
-        self._made_links: list[LinkSet] = []  # those of `peer_links` made here
+        # links to the other workers by role (a subclass may put its own in first)
+        self.peer_links = PeerLinks(self.name, {})
         self._index: Replies[IndexReply] = Replies()
 
     async def start(self) -> None:
@@ -148,8 +144,7 @@ class Worker(Service):
             return
         if s.peer_reads and info.prefix_cache:
             self._start_peer_reads()
-        if self.peer_links:
-            self.view = MemberView(self.peer_links, own=self.name)
+        self.peer_links.watch()
         assert self.context is not None
         self.kvstore = LinkSet(
             self.context,
@@ -196,18 +191,15 @@ class Worker(Service):
         """Links to the other workers (kept by the membership) and reads of their pages."""
         assert self.context is not None and self.agent is not None
         for role in PEER_ROLES:
-            if role not in self.peer_links:
-                self.peer_links[role] = LinkSet(
-                    self.context, [], self.identity(), on_message=self._from_peer,
-                    on_down=functools.partial(self._peer_down, role),
-                    pages=self.peer_geometry(),
-                )  # fmt: skip
-                self.peer_links[role].start()
-                self._made_links.append(self.peer_links[role])
-        self.peer_reads = PeerReads(
-            self.name, self.settings, self.engine, self.agent, self.index_lookup,
-            lambda: (link for links in self.peer_links.values() for link in links.links),
-        )  # fmt: skip
+            self.peer_links.add(role, functools.partial(self._peer_link_set, role))
+        self.peer_reads = PeerReads(self.name, self.settings, self.engine, self.agent,
+                                    self.index_lookup, self.peer_links.links)  # fmt: skip
+
+    def _peer_link_set(self, role: str) -> LinkSet:
+        assert self.context is not None
+        return LinkSet(self.context, [], self.identity(), on_message=self._from_peer,
+                       on_down=functools.partial(self._peer_down, role),
+                       pages=self.peer_geometry())  # fmt: skip
 
     def _from_peer(self, link: Link, msg: Message) -> None:
         if self.peer_reads is None or not isinstance(msg, WorkerFromPeer):
@@ -219,12 +211,10 @@ class Worker(Service):
     def _peer_down(self, role: str, link: Link, _why: str = "") -> None:
         if self.peer_reads is not None:
             self.peer_reads.link_down(link)
-        if self.view is not None:
-            self.view.link_down(role, link)
+        self.peer_links.link_down(role, link)
 
     async def stop(self) -> None:
-        for links in self._made_links:
-            await links.close()
+        await self.peer_links.close()
         if self.peer_reads is not None:
             await self.peer_reads.close()
         if self.kv_events is not None:
@@ -248,7 +238,7 @@ class Worker(Service):
 
     def member_view(self) -> MemberView | None:
         """The view of the roles this worker links to (watched through the kvstore)."""
-        return self.view
+        return self.peer_links.view
 
     def kvstore_link(self) -> Link | None:
         return self.kvstore.links[0] if self.kvstore else None
@@ -266,33 +256,12 @@ class Worker(Service):
         return bool(self.tasks) or self.lending.lending_now()
 
     async def on_drained(self) -> None:
-        await self._linger()
+        if self.peer_reads is not None:
+            await linger(self.name, self.settings, self.peer_links, self.lending)
         await self._to_kvstore(Deregister(self.name, self.generation), timeout_ms=1000)
         # sockets close with linger 0: give the message a moment on the wire (if it is
         # lost anyway, the kvstore drops us when our heartbeats stop)
         await asyncio.sleep(0.1)
-
-    async def _linger(self) -> None:
-        """A drained worker still lends its cached pages for ``drain_linger_s`` (and
-        while a lease is out), so the conversations it served continue on other workers
-        without recomputing them; at once when no other worker is up and not draining
-        (the whole cluster stops) or it lends nothing (no peer reads)."""
-        linger_s = self.settings.drain_linger_s
-        if self.peer_reads is None or linger_s <= 0 or not self._peers_serving():
-            return
-        deadline = time.monotonic() + linger_s
-        lease_end = deadline + self.settings.peer_lease_s
-        logger.warning("%s: lending cached pages to other workers for %g s more", self.name,
-                       linger_s)  # fmt: skip
-        while time.monotonic() < lease_end and self._peers_serving():
-            if time.monotonic() >= deadline and not self.lending.lending_now():
-                break
-            await asyncio.sleep(0.05)
-
-    def _peers_serving(self) -> bool:
-        """Whether another worker is up and not draining (one that could read our pages)."""
-        return any(link.up and not link.load.draining
-                   for links in self.peer_links.values() for link in links.links)  # fmt: skip
 
     def describe(self) -> str:
         events = f", KV events on {self.kv_events.endpoint}" if self.kv_events else ""
@@ -409,25 +378,16 @@ class Worker(Service):
     # -- lending pages ------------------------------------------------------------------
 
     async def _lend(self, peer: Peer, msg: PeerRead) -> None:
-        """Lend another worker the cached pages it asks for (`Engine.lend_prefix`): the
-        prompt's tokens find them in this cache, in the request's namespace."""
+        """Lend another worker the cached pages it asks for (`PageLending.lend`), if its
+        adapter is this worker's (same content)."""
         try:
             if self.adapter_fingerprint(msg.adapter) != msg.adapter_fingerprint:
                 raise RequestError(f"{self.name} serves LoRA adapter {msg.adapter!r} with "
                                    "other content")  # fmt: skip
-            lease_s = self.settings.peer_lease_s
-            until = asyncio.get_running_loop().time() + lease_s  # ends before the engine's
-            pages, _ = await self.engine.call(
-                lambda e: e.lend_prefix(msg.read_id, msg.token_ids, msg.first_page,
-                                        msg.num_pages, lease_s, msg.cache_scope, msg.adapter)
-            )  # fmt: skip
-            if pages:
-                self.lending.readers[msg.read_id] = peer.identity
-                self.lending.grant(msg.read_id, peer.name, pages, until)
-                self.counters["peer_lends_total"] += 1
-                self.counters["peer_lent_pages_total"] += len(pages)
-            left_ms = max(0.0, until - asyncio.get_running_loop().time()) * 1000
-            await self.send_to(peer, PeerPages(msg.read_id, tuple(pages), left_ms))
+            lent = await self.lending.lend(
+                peer.name, peer.identity, msg, self.settings.peer_lease_s
+            )
+            await self.send_to(peer, lent)
         except Exception as exc:
             self.lending.release(msg.read_id)
             await self.fail(peer, msg.read_id, exc)
@@ -651,14 +611,7 @@ class Worker(Service):
             kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
         )  # fmt: skip
         host = self.host.stats() if self.host is not None else None
-        peer = self.peer_reads.stats() if self.peer_reads is not None else None
-        if peer is not None:
-            lent = fill(PeerReadSection, self.counters)
-            peer = dataclasses.replace(
-                peer,
-                peer_lends_total=lent.peer_lends_total,
-                peer_lent_pages_total=lent.peer_lent_pages_total,
-            )
+        peer = self.peer_reads.stats(self.lending) if self.peer_reads is not None else None
         counts = engine.lora_counts
         loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],
                                           evictions=counts[info.name][1])

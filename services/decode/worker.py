@@ -117,7 +117,7 @@ class DecodeWorker(Worker):
             on_down=self._prefill_down,
             pages=self.peer_geometry(),
         )
-        self.peer_links["prefill"] = self.prefills
+        self.peer_links.sets["prefill"] = self.prefills
         await super().start()  # the kvstore link: membership starts arriving
         self.prefills.start()
 
