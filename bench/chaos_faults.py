@@ -9,6 +9,10 @@ Each `PlannedEvent` runs at its time, in order, once it has a target:
 - a kill of the kvstore needs it up and untouched;
 - a kill of a rank targets a decode worker as a kill of the worker does, and SIGKILLs
   one of its tensor-parallel rank processes (`rank_pids`): the worker exits with it;
+- a kill of a peer owner targets a decode worker as a kill does: SIGTERM first (it
+  drains and lingers, lending its cached pages to the other workers), then SIGKILL as
+  soon as another worker asks it for pages (``peer_read_asks_total`` grows: the read is
+  in flight), or once its linger would be over;
 - a client drop needs a stream that has sent text.
 
 An event without a target waits (``max_postpone_s`` at most, then it is skipped with
@@ -42,7 +46,8 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.25
 _SIGNALS = {"kill-prefill": signal.SIGKILL, "kill-decode": signal.SIGKILL,
             "kill-kvstore": signal.SIGKILL, "drain": signal.SIGTERM, "pause": signal.SIGSTOP,
-            "kill-rank": signal.SIGKILL}  # fmt: skip
+            "kill-rank": signal.SIGKILL, "kill-peer-owner": signal.SIGTERM}  # fmt: skip
+_LINGER_S = 10.0  # a worker's default drain_linger_s: the owner is killed by then
 
 
 def rank_pids(worker_pid: int) -> list[int]:
@@ -76,6 +81,8 @@ class EventRecord:
     resumed_s: float | None = None  # SIGCONT (pause)
     back_up_s: float | None = None  # up at the gateway again
     request_id: int | None = None  # the dropped request
+    killed_s: float | None = None  # kill-peer-owner: the SIGKILL after the SIGTERM
+    peer_asked: bool | None = None  # kill-peer-owner: another worker had asked it for pages
     first_ok_s: float | None = None  # a request started after it completed correctly
 
     def as_dict(self) -> dict[str, Any]:
@@ -203,6 +210,8 @@ class FaultInjector:
         logger.warning("chaos: %s of %s (pid %d) at %.1f s", planned.kind, target, victim,
                        record.at_s)  # fmt: skip
         watch = self._watch_pause(record, pid) if sig == signal.SIGSTOP else None
+        if planned.kind == "kill-peer-owner":
+            watch = self._kill_peer_owner(record, pid, generation)
         watch = watch or self._watch_restart(record, pid, generation)
         task = asyncio.ensure_future(self._bounded(watch, record))
         self._watchers.add(task)
@@ -258,6 +267,26 @@ class FaultInjector:
             if record.gone_s is not None and m.up(name) and m.generation(name) != generation:
                 record.back_up_s = now
             await asyncio.sleep(_POLL_S / 5)
+
+    async def _kill_peer_owner(self, record: EventRecord, pid: int, generation: int | None) -> None:
+        """SIGKILL the draining ``pid`` once another worker asked it for pages (or its
+        linger is nearly over), then follow its restart."""
+        assert record.target is not None and record.at_s is not None
+        m = self.monitor
+
+        def asks() -> int:
+            return sum(int(w.get("peer_read_asks_total", 0)) for n, w in m.workers.items()
+                       if n != record.target)  # fmt: skip
+
+        before = asks()
+        until = self.clock() + _LINGER_S - 1.0
+        while self.clock() < until and m.pid(record.target) == pid and asks() == before:
+            await asyncio.sleep(_POLL_S / 5)
+        record.peer_asked = asks() > before
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        record.killed_s = self.clock() - record.at_s
+        await self._watch_restart(record, pid, generation)
 
     async def _watch_pause(self, record: EventRecord, pid: int) -> None:
         assert record.target is not None and record.at_s is not None

@@ -1,6 +1,6 @@
 """The chaos benchmark's fault schedule: which event happens when, from a seed.
 
-Six kinds of event (`KINDS`), and a seventh with tensor-parallel decode workers
+Seven kinds of event (`KINDS`), and an eighth with tensor-parallel decode workers
 (`TP_KINDS`):
 
     kill-prefill   SIGKILL of a prefill worker          (the supervisor restarts it)
@@ -10,6 +10,10 @@ Six kinds of event (`KINDS`), and a seventh with tensor-parallel decode workers
     kill-kvstore   SIGKILL of the kvstore               (restarted)
     drain          SIGTERM of a prefill or decode worker: it drains, exits 0, and the
                    supervisor starts it again (a rolling restart)
+    kill-peer-owner  SIGTERM of a decode worker (it drains, then lingers lending its
+                   cached pages to the other workers), then SIGKILL once another worker
+                   has asked it for pages (or its linger is over): a peer read whose
+                   owner dies costs a recompute (restarted)
     pause          SIGSTOP of a prefill or decode worker for longer than the heartbeat
                    timeout, then SIGCONT (a hung peer, not a dead one)
     client-drop    a client closes its connection in the middle of a stream
@@ -29,10 +33,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("kill-prefill", "kill-decode", "kill-kvstore", "drain", "pause", "client-drop")
+KINDS = ("kill-prefill", "kill-decode", "kill-kvstore", "kill-peer-owner", "drain", "pause",
+         "client-drop")  # fmt: skip
 TP_KINDS = (*KINDS, "kill-rank")
 ROLE_OF = {"kill-prefill": "prefill", "kill-decode": "decode", "kill-kvstore": "kvstore",
-           "kill-rank": "decode"}  # fmt: skip
+           "kill-rank": "decode", "kill-peer-owner": "decode"}  # fmt: skip
 _JITTER = 0.15
 
 
