@@ -66,6 +66,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         preset = "quick" if args.quick else args.preset
         return run_tiers_bench(preset, out_path=args.out, model=args.model or "default")
+    if args.scenario == "shared-tier":
+        return _run_shared_tier(args)
     if args.scenario == "autoscale":
         return _run_autoscale(args)
     if args.scenario in SUITE_SCENARIOS:
@@ -88,8 +90,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 SUITE_SCENARIOS = ("multi-turn", "rag", "all")
 # scenarios that run their own engine settings: --quantization is refused by name
-_OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "autoscale", "peer", "decode",
-                        "speculative", "lora")  # fmt: skip
+_OWN_ENGINE_SETTINGS = ("gateway", "abuse", "host-tier", "tiers", "shared-tier", "autoscale",
+                        "peer", "decode", "speculative", "lora")  # fmt: skip
+
+
+# Flags `--scenario shared-tier` does not take (flag, its default): it runs its own
+# cluster (1 prefill + 2 decode workers) with the serving defaults.
+_NOT_FOR_SHARED_TIER = (("device", None), ("dtype", None), ("kv_cache_memory_gib", None),
+                        ("page_size", None), ("prefix_cache", None), ("tp", None),
+                        ("concurrency", None), ("rounds", None), ("users", None),
+                        ("url", None), ("prefill", None), ("decode", None))  # fmt: skip
+
+
+def _run_shared_tier(args: argparse.Namespace) -> int:
+    from radixserve.bench.shared_tier import run_shared_tier_bench
+
+    _refuse_flags(args, _NOT_FOR_SHARED_TIER, "--scenario shared-tier runs its own cluster "
+                  "(1 prefill + 2 decode workers) with the serving defaults (--model, "
+                  "--transport, --conversations, --quick, --out apply)")  # fmt: skip
+    if args.conversations is not None and args.conversations < 1:
+        raise UsageError(f"--conversations must be at least 1, not {args.conversations}")
+    return run_shared_tier_bench(quick=args.quick, out_path=args.out,
+                                 model=args.model or "default", transport=args.transport,
+                                 conversations=args.conversations)  # fmt: skip
 
 
 def _run_autoscale(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ def add_command(sub: Any) -> None:
             "abuse",
             "host-tier",
             "tiers",
+            "shared-tier",
             "autoscale",
             "sampling",
             *SUITE_SCENARIOS,
@@ -40,6 +41,9 @@ def add_command(sub: Any) -> None:
         "a long prefix loaded from the kvstore's host tier vs recompute vs a device hit; "
         "tiers: a prefix pool larger than host memory, TTFT per tier (device, host, disk) "
         "vs recompute and the disk tier's crossover length; "
+        "shared-tier: a conversation's next turn on another decode worker, read from its "
+        "drained worker's device cache (peer reads), vs a device hit and recompute, and the "
+        "kvstore index's query latency; "
         "autoscale: the autoscaler's policy in a simulation of the pools over a load trace, "
         "against static-peak and naive-reactive pools; "
         "sampling: decode tok/s at batch 16 with logprobs and a JSON schema vs plain; "
@@ -75,7 +79,8 @@ def add_command(sub: Any) -> None:
                        "prefixes of 4k tokens, host memory holding a quarter")  # fmt: skip
     suite.add_argument("--concurrency", type=int,
                        help="conversations (multi-turn) or questions (rag) in flight at once")  # fmt: skip
-    suite.add_argument("--conversations", type=int, help="multi-turn conversations")
+    suite.add_argument("--conversations", type=int, help="multi-turn conversations "
+                       "(shared-tier: drained conversations, default 3; --quick: 1)")  # fmt: skip
     suite.add_argument("--rounds", type=int, help="rounds per multi-turn conversation")
     suite.add_argument("--users", type=int, help="rag users (one question each)")
     suite.add_argument("--seed", type=int, default=0, help="seed of the generated text")

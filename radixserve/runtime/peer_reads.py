@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: asking for the pages (s): a first read is tried whenever computing takes longer
 _FIRST_RATE = 1e9
 _ASK_S = 0.005
+#: how long a drained worker waits for its peers' heartbeats before it lingers: when the
+#: whole cluster stops, they say they drain too within it
+_SETTLE_S = 0.3
 
 
 class PageLending:
@@ -340,6 +343,9 @@ async def linger(name: str, settings: WorkerSettings, links: PeerLinks,
     on other workers without recomputing them; not at all, or no longer, when no other
     worker is up and not draining (the whole cluster stops)."""
     linger_s = settings.drain_linger_s
+    settle = time.monotonic() + _SETTLE_S  # peers stopping with us say so in that time
+    while linger_s > 0 and links.serving() and time.monotonic() < settle:
+        await asyncio.sleep(0.05)
     if linger_s <= 0 or not links.serving():
         return
     deadline = time.monotonic() + linger_s

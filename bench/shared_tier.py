@@ -1,0 +1,413 @@
+"""`radixserve bench --scenario shared-tier`: a conversation continued on another decode
+worker from its drained worker's device cache (peer reads, docs/architecture.md §9),
+next to a device hit and to recomputing it; and the kvstore index's query latency.
+
+One cluster: the kvstore (1 GiB host tier), one prefill worker, two decode workers that
+compute their prompts themselves (``LOCAL_PREFILL_MAX_TOKENS`` above the conversation),
+pages over NIXL (``--transport``), the engine's serving defaults. A warm-up request runs
+on each decode worker first. Each conversation (a fresh random tag at the head of a
+~3,000-token system prompt, so no run shares another's cache):
+
+1. three turns, which stay on one decode worker (the *owner*: the one whose
+   ``local_prefills_total`` grew); the owner is sent SIGTERM: it drains, then lingers
+   ``drain_linger_s`` lending its cached pages;
+2. **peer read**: turn 4 goes to the other decode worker, which reads the
+   conversation's prefix from the lingering owner (its ``peer_read_pages_total`` delta,
+   the gateway's ``radixserve_cached_tokens_total{tier="peer"}`` delta, usage's
+   ``cached_tokens``);
+3. once the owner is back (restarted by the supervisor, its cache empty), **local hit**:
+   the same turn-4 prompt again, on the worker that now holds it;
+4. **recompute**: the same-length prompt under a fresh tag: nothing cached anywhere;
+5. **undrained** (a control, no target): a twin conversation under a fresh tag whose
+   turn 4 stays on its own worker. The peer turn computes the turn's new tokens past
+   the owner's cached prefix (its question, ~2 pages), as this one does; the local hit,
+   a repeat, computes only the prompt's last page.
+
+TTFT is the client's (request sent → first streamed content chunk); the peer, local and
+undrained turns carry a ``traceparent``, and the gateway's copy of their trace gives the
+worker's admission (the peer read inside it). Then the kvstore
+index's latency: ``IndexQuery`` round trips, one after another on one DEALER socket, for
+the last turn-4 prompt's page hashes (one index shard: the one kvstore). The table gives
+each conversation, the medians, the ratios peer / local hit and peer / recompute and the
+share of the prompt cached on the peer turn, beside the judged targets (printed, not
+asserted), and peer / undrained. JSON goes to ``--out`` (default ``bench/results/shared-tier[-quick].json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import zmq
+
+from radixserve.bench.gateway_chat import QUESTIONS, stream_turn, system_prompt
+from radixserve.bench.local_cluster import LocalCluster, metric_value
+from radixserve.bench.peer_report import write_json
+from radixserve.bench.report import percentile
+from radixserve.cache.block_hash import hash_namespace, page_hashes
+from radixserve.launch.cluster import ClusterConfig
+from radixserve.model.identity import ModelIdentity
+from radixserve.model.model_files import open_model
+from radixserve.protocol import Channel, IndexQuery, IndexReply
+
+DECODES = ("decode-0", "decode-1")
+PAGE = 16
+SYSTEM_TOKENS = 3000
+_BASE_TOKENS, _TOKENS_PER_STORE = 221, 45.1  # `system_prompt`'s, with SmolLM2's tokenizer
+TURN_TOKENS = 16  # the answers of turns 1-3 (they join the history)
+PROBE_TOKENS = 4  # the measured turns: TTFT is the subject
+LINGER_S = 10.0  # drain_linger_s (the default), stated to the workers and in the JSON
+#: the issue's targets, printed beside the ratios
+TARGETS = {"peer_over_local": 1.5, "peer_over_recompute": 0.3, "peer_cached_share": 0.9}
+#: the reader's peer-read counters (`PeerReadSection`) recorded per peer turn
+READER_COUNTERS = ("peer_read_asks_total", "peer_reads_total", "peer_read_pages_total",
+                   "peer_read_bytes_total", "peer_read_refusals_total",
+                   "peer_reads_skipped_total", "peer_read_failures_total",
+                   "peer_read_seconds_total")  # fmt: skip
+#: (conversations, index round trips) per preset
+PRESETS = {"quick": (1, 50), "full": (3, 200)}
+
+
+def conversation(tag: str, answers: list[str], turns: int) -> list[dict[str, str]]:
+    """``turns`` user turns over a ~3,000-token system prompt headed by ``tag``, the
+    earlier turns answered by ``answers``."""
+    stores = round((SYSTEM_TOKENS - _BASE_TOKENS) / _TOKENS_PER_STORE)
+    messages = [{"role": "system", "content": f"[{tag}] " + system_prompt(stores)}]
+    for i in range(turns):
+        if i:
+            messages.append({"role": "assistant", "content": answers[i - 1]})
+        messages.append({"role": "user", "content": QUESTIONS[i]})
+    return messages
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def _settled(cluster: LocalCluster, names: tuple[str, ...] = DECODES) -> dict[str, dict]:
+    """The workers' stats once each of ``names`` has sent two heartbeats after this call
+    (counters reach the gateway with heartbeats, not with an answer)."""
+    beats = {n: cluster.worker(n).get("heartbeats_total", 0) for n in names}
+    workers: dict[str, dict] = {}
+
+    def fresh() -> bool:
+        nonlocal workers
+        workers = cluster.workers()
+        return all(workers.get(n, {}).get("heartbeats_total", 0) >= beats[n] + 2 for n in names)
+
+    cluster.wait(fresh, 30, "fresh heartbeats from the decode workers")
+    return workers
+
+
+def _count(workers: dict[str, dict], name: str, key: str) -> float:
+    return float(workers.get(name, {}).get(key, 0) or 0)
+
+
+def _warm_up(cluster: LocalCluster, client: httpx.Client) -> None:
+    """One short request on each decode worker (sent together, the gateway spreads them
+    by load) until both have served one."""
+    before = _settled(cluster)
+    for _ in range(5):
+        asks = [threading.Thread(target=stream_turn, args=(client, [
+            {"role": "user", "content": f"Warm-up {_tag()}: say hi."}], 2)) for _ in DECODES]  # fmt: skip
+        for t in asks:
+            t.start()
+        for t in asks:
+            t.join()
+        after = _settled(cluster)
+        if all(_count(after, n, "local_prefills_total") > _count(before, n, "local_prefills_total")
+               for n in DECODES):  # fmt: skip
+            return
+    print("  warning: the warm-up did not reach both decode workers", file=sys.stderr)
+
+
+def _peer_tokens(client: httpx.Client) -> float:
+    return metric_value(client.get("/metrics").text, "radixserve_cached_tokens_total", tier="peer")
+
+
+def _traced_turn(
+    cluster: LocalCluster, client: httpx.Client, messages: list[dict[str, str]], max_tokens: int
+) -> dict[str, Any]:
+    """`stream_turn` under a ``traceparent`` of our own, with where the worker's part of
+    the TTFT went from the gateway's copy of the trace (``queue_ms``: the gateway's
+    parse, tokenise and route; ``admission_ms``: the worker's admission, a peer read
+    included; ``peer_read_span_ms``: the index query, the ask and the read; None where the
+    gateway keeps no trace)."""
+    trace_id = uuid.uuid4().hex
+    client.headers["traceparent"] = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    try:
+        got = stream_turn(client, messages, max_tokens)
+    finally:
+        del client.headers["traceparent"]
+    spans: dict[str, float] = {}
+
+    def kept() -> bool:  # the trace enters the store once the response has been sent
+        resp = client.get(f"/debug/traces/{trace_id}")
+        if resp.status_code == 200:
+            spans.update({s["name"]: (s["end_ns"] - s["start_ns"]) / 1e6
+                          for s in resp.json()["spans"] if s["end_ns"]})  # fmt: skip
+        return "decode.admission" in spans
+
+    # no trace within 3 s: the gateway keeps none (trace_buffer 0); the TTFT stands alone
+    with contextlib.suppress(TimeoutError):
+        cluster.wait(kept, 3, "the turn's trace")
+    return {**got, "queue_ms": spans.get("gateway.queue"),
+            "admission_ms": spans.get("decode.admission"),
+            "peer_read_span_ms": spans.get("decode.peer_read")}  # fmt: skip
+
+
+def _one_conversation(cluster: LocalCluster, client: httpx.Client, n: int) -> dict[str, Any]:
+    tag = _tag()
+    before = _settled(cluster)
+    answers: list[str] = []
+    turns = []
+    for turn in (1, 2, 3):
+        got = stream_turn(client, conversation(tag, answers, turn), TURN_TOKENS)
+        answers.append(got["text"])
+        turns.append(got)
+    after = _settled(cluster)
+    prefills = {w: _count(after, w, "local_prefills_total") - _count(before, w, "local_prefills_total")
+                for w in DECODES}  # fmt: skip
+    owner = max(DECODES, key=lambda w: prefills[w])
+    reader = DECODES[1 - DECODES.index(owner)]
+    pid = cluster.supervisor.pid(owner)
+    assert pid is not None, f"{owner} is not running"
+    generation = after[owner]["generation"]
+    os.kill(pid, signal.SIGTERM)  # it drains, then lingers lending its pages
+    cluster.wait(lambda: cluster.worker(owner).get("draining"), 30, f"{owner} to drain")
+
+    messages = conversation(tag, answers, 4)
+    peer_before = _peer_tokens(client)
+    peer = _traced_turn(cluster, client, messages, PROBE_TOKENS)
+    peer_tier = _peer_tokens(client) - peer_before
+    read = _settled(cluster, (reader,))
+    counters = {k: _count(read, reader, k) - _count(after, reader, k) for k in READER_COUNTERS}
+    # the owner leaves once it has lingered and is started again (its cache empty): the
+    # local hit and the recompute run on a quiet machine
+    cluster.wait_restarted(owner, generation, LINGER_S + 120)
+    local = _traced_turn(cluster, client, messages, PROBE_TOKENS)
+    recompute = stream_turn(client, conversation(_tag(), answers, 4), PROBE_TOKENS)
+    own = _own_turn(cluster, client)
+    row = {
+        "conversation": n + 1,
+        "owner": owner,
+        "reader": reader,
+        "owner_turns": int(prefills[owner]),
+        "turn_ttft_ms": [t["ttft_ms"] for t in turns],
+        "prompt_tokens": peer["prompt_tokens"],
+        "peer_ttft_ms": peer["ttft_ms"],
+        "peer_cached_tokens": peer["cached_tokens"],
+        "peer_tier_tokens": int(peer_tier),
+        "peer_read_pages": int(counters["peer_read_pages_total"]),
+        "peer_read_bytes": int(counters["peer_read_bytes_total"]),
+        "peer_read_ms": 1000.0 * counters["peer_read_seconds_total"],
+        "peer_admission_ms": peer["admission_ms"],
+        "peer_read_span_ms": peer["peer_read_span_ms"],
+        "peer_queue_ms": peer["queue_ms"],
+        "reader_counters": {k: counters[k] for k in READER_COUNTERS},
+        "local_ttft_ms": local["ttft_ms"],
+        "local_cached_tokens": local["cached_tokens"],
+        "local_admission_ms": local["admission_ms"],
+        "local_queue_ms": local["queue_ms"],
+        "recompute_ttft_ms": recompute["ttft_ms"],
+        "recompute_prompt_tokens": recompute["prompt_tokens"],
+        "recompute_cached_tokens": recompute["cached_tokens"],
+        "own_ttft_ms": own["ttft_ms"],
+        "own_prompt_tokens": own["prompt_tokens"],
+        "own_cached_tokens": own["cached_tokens"],
+        "own_admission_ms": own["admission_ms"],
+        "messages": messages,  # the last one's prompt is what the index is asked about
+    }
+    print(f"  conversation {n + 1}: {owner} drained, {reader}: peer {peer['ttft_ms']:.0f} ms "
+          f"({peer['cached_tokens']}/{peer['prompt_tokens']} cached, "
+          f"{row['peer_read_pages']} pages read), local hit {local['ttft_ms']:.0f} ms, "
+          f"recompute {recompute['ttft_ms']:.0f} ms; undrained, on its own worker: "
+          f"{own['ttft_ms']:.0f} ms", file=sys.stderr)  # fmt: skip
+    return row
+
+
+def _reply(channel: Channel, query_id: str) -> IndexReply:
+    """The kvstore's answer to query ``query_id`` (it also heartbeats a socket that
+    asked it something: those are passed over)."""
+    deadline = time.monotonic() + 2.0
+    while (left_ms := int(1000 * (deadline - time.monotonic()))) > 0:
+        got = channel.recv(timeout_ms=left_ms)
+        if isinstance(got, IndexReply) and got.query_id == query_id:
+            return got
+    raise RuntimeError("the kvstore did not answer an IndexQuery within 2 s")
+
+
+def _own_turn(cluster: LocalCluster, client: httpx.Client) -> dict[str, Any]:
+    """The control: a twin conversation (a fresh tag, its own answers) whose turn 4 stays
+    on the worker of its turns 1-3 (no drain). It computes what the peer turn computes
+    (the turn's new tokens past the cached prefix), where the local hit, a repeat,
+    computes only the prompt's last page."""
+    tag = _tag()
+    answers: list[str] = []
+    for turn in (1, 2, 3):
+        answers.append(stream_turn(client, conversation(tag, answers, turn), TURN_TOKENS)["text"])
+    return _traced_turn(cluster, client, conversation(tag, answers, 4), PROBE_TOKENS)
+
+
+def index_latency(
+    cluster: LocalCluster, model: str, messages: list[dict[str, str]], round_trips: int
+) -> dict[str, Any]:
+    """``round_trips`` `IndexQuery` round trips for the page hashes of ``messages``'
+    prompt, one after another on one socket (one untimed first); their latency."""
+    view = cluster.debug_cache()
+    address = view["workers"]["kvstore"]["address"]
+    cards = [view.get("model_identity")] + [w.get("model_identity")
+                                            for w in view["workers"].values()]  # fmt: skip
+    card = next(c for c in cards if c and "weights" in c)
+    identity = ModelIdentity(card["weights"], card["quantization"], card["dtype"], card["adapter"])
+    ids = open_model(model).tokenizer.encode_chat(messages)
+    hashes = tuple(page_hashes(ids, PAGE, hash_namespace(identity.key)))
+    context = zmq.Context()
+    times: list[float] = []
+    reply: IndexReply | None = None
+    try:
+        with Channel.open(context, zmq.DEALER, address, bind=False) as channel:
+            for i in range(round_trips + 1):
+                query_id = uuid.uuid4().hex
+                start = time.perf_counter()
+                channel.send(IndexQuery(query_id, hashes), timeout_ms=2000)
+                reply = _reply(channel, query_id)
+                elapsed = time.perf_counter() - start
+                if i:
+                    times.append(1000.0 * elapsed)
+    finally:
+        context.term()
+    assert reply is not None
+    return {
+        "shards": 1,
+        "round_trips": round_trips,
+        "prompt_tokens": len(ids),
+        "hashes": len(hashes),
+        "median_ms": statistics.median(times),
+        "p90_ms": percentile(times, 90),
+        "min_ms": min(times),
+        "device_pages": {k: int(v) for k, v in reply.device_pages.items()},
+        "host_pages": reply.host_pages,
+    }
+
+
+def run_shared_tier_bench(
+    quick: bool = False,
+    out_path: str | None = None,
+    model: str = "default",
+    transport: str = "nixl",
+    conversations: int | None = None,
+) -> int:
+    """``model``: the checkpoint served (``--model``); ``conversations``: how many
+    (default 3; quick 1)."""
+    preset = "quick" if quick else "full"
+    count, round_trips = PRESETS[preset]
+    count = conversations or count
+    config = ClusterConfig(
+        num_prefill=1, num_decode=2, port=0, transport=transport, host_tier_gib=1.0,
+        engine_env={"RADIXSERVE_MODEL": model},
+        decode_env={"RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS": "100000",
+                    "RADIXSERVE_DECODE_DRAIN_LINGER_S": f"{LINGER_S:g}"},
+    )  # fmt: skip
+    print(f"shared-tier bench: {count} conversation(s) of a ~{SYSTEM_TOKENS}-token system "
+          f"prompt, 2 decode workers + 1 prefill worker over {transport} ...",
+          file=sys.stderr)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    with LocalCluster(config) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
+        _warm_up(cluster, c)
+        for n in range(count):
+            rows.append(_one_conversation(cluster, c, n))
+        index = index_latency(cluster, model, rows[-1]["messages"], round_trips)
+    for row in rows:
+        del row["messages"]
+    result = summarise(rows, index, preset, model, transport)
+    print(format_table(result))
+    out = Path(out_path or f"bench/results/shared-tier{'-quick' if quick else ''}.json")
+    write_json(result, out)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def summarise(
+    rows: list[dict[str, Any]], index: dict[str, Any], preset: str, model: str, transport: str
+) -> dict[str, Any]:
+    """The run's JSON: its rows, the medians, the ratios and the targets."""
+
+    def median(key: str) -> float:
+        return float(statistics.median(row[key] for row in rows))
+
+    med = {k: median(f"{k}_ttft_ms") for k in ("peer", "local", "recompute", "own")}
+    shares = [row["peer_cached_tokens"] / max(1, row["prompt_tokens"]) for row in rows]
+    return {
+        "scenario": "shared-tier",
+        "preset": preset,
+        "model": model,
+        "transport": transport,
+        "system_tokens": SYSTEM_TOKENS,
+        "drain_linger_s": LINGER_S,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor(),
+            "load_average": list(os.getloadavg()),
+        },  # fmt: skip
+        "rows": rows,
+        "median_ms": med,
+        "peer_over_local": med["peer"] / med["local"],
+        "peer_over_recompute": med["peer"] / med["recompute"],
+        "peer_over_own": med["peer"] / med["own"],
+        "peer_cached_share": min(shares),
+        "peer_read_pages": sum(row["peer_read_pages"] for row in rows),
+        "targets": TARGETS,
+        "index_query": index,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
+def format_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"### Shared tier: turn 4 of a ~{r['system_tokens']}-token conversation after its "
+        "decode worker drained",
+        "",
+        "| conv | prompt | peer ms | cached | from peer | pages read | read ms | peer "
+        "admission ms | local hit ms | local cached | recompute ms | undrained ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['conversation']} | {row['prompt_tokens']} | {row['peer_ttft_ms']:.0f} | "
+            f"{row['peer_cached_tokens']} | {row['peer_tier_tokens']} | "
+            f"{row['peer_read_pages']} | {row['peer_read_ms']:.1f} | "
+            f"{_ms(row.get('peer_admission_ms'))} | {row['local_ttft_ms']:.0f} | "
+            f"{row['local_cached_tokens']} | {row['recompute_ttft_ms']:.0f} | "
+            f"{row['own_ttft_ms']:.0f} |"
+        )
+    med, t, q = r["median_ms"], r["targets"], r["index_query"]
+    lines += [
+        "",
+        f"median: peer read {med['peer']:.0f} ms, local hit {med['local']:.0f} ms, "
+        f"recompute {med['recompute']:.0f} ms; undrained (turn 4 on its own worker) "
+        f"{med['own']:.0f} ms",
+        f"peer / local hit = {r['peer_over_local']:.2f} (target <= {t['peer_over_local']:g}); "
+        f"peer / recompute = {r['peer_over_recompute']:.3f} "
+        f"(target <= {t['peer_over_recompute']:g})",
+        f"peer / undrained = {r['peer_over_own']:.2f} (no target: the same tokens computed, "
+        "where the local hit, a repeat, computes only the last page)",
+        f"cached on the peer turn: {100 * r['peer_cached_share']:.0f} % of the prompt at least "
+        f"(target >= {100 * t['peer_cached_share']:.0f} %)",
+        f"index query, {q['shards']} shard: median {q['median_ms']:.2f} ms, p90 "
+        f"{q['p90_ms']:.2f} ms ({q['round_trips']} round trips, {q['hashes']} page hashes)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""`radixserve bench --scenario shared-tier --quick` end to end on a real local cluster.
+
+The speed ratios are the benchmark's to report (bench/README.md), not this test's to
+assert; the test checks that each path is what it claims: the drained worker's
+conversation continued on the other decode worker from the peer tier (at least 90 % of
+the prompt cached, counted under ``tier="peer"``, pages read by that worker), the local
+hit hit the device, the recompute cached nothing, the undrained control's turn 4 had
+its prefix cached, and the kvstore answered the index queries (naming the worker that
+holds the prompt). It runs the tiny random model (``--model``): the paths are the
+subject, not the model's text. The table and flag checks run in `make test`; the
+end-to-end run is a `benchmark` (`make bench-test`, ~30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from radixserve.bench.shared_tier import format_table, summarise
+from radixserve.cli import main
+
+
+@pytest.mark.benchmark  # a benchmark's own end-to-end run: `make bench-test`
+def test_shared_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> None:
+    out = tmp_path / "shared-tier.json"
+    argv = ["bench", "--scenario", "shared-tier", "--quick", "--model", tiny_model]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "shared-tier" and result["preset"] == "quick"
+    (row,) = result["rows"]
+    assert {row["owner"], row["reader"]} == {"decode-0", "decode-1"}
+    assert row["owner_turns"] == 3  # the three turns stayed on one worker
+    prompt = row["prompt_tokens"]
+    assert prompt > 3000
+    # the peer turn: cached from the drained worker's pages, read by the other worker
+    assert row["peer_cached_tokens"] >= 0.9 * prompt, row
+    assert row["peer_tier_tokens"] >= 0.9 * prompt, row
+    assert row["peer_read_pages"] * 16 >= row["peer_tier_tokens"]
+    assert row["reader_counters"]["peer_read_failures_total"] == 0
+    # the local hit: the whole prompt but its last page on the device; recompute: nothing
+    assert row["local_cached_tokens"] >= prompt - 16
+    assert row["recompute_cached_tokens"] == 0
+    # the control: turn 4 of a twin conversation on its own worker, its prefix cached
+    assert row["own_cached_tokens"] >= 0.9 * row["own_prompt_tokens"]
+    # the gateway kept the turns' traces: the peer read under the reader's admission
+    assert 0 < row["peer_read_span_ms"] <= row["peer_admission_ms"]
+    for key in ("peer", "local", "recompute"):
+        assert result["median_ms"][key] > 0
+    assert result["peer_cached_share"] >= 0.9
+    index = result["index_query"]
+    assert index["shards"] == 1 and index["round_trips"] == 50
+    assert index["hashes"] == index["prompt_tokens"] // 16
+    assert index["median_ms"] > 0
+    # the index knows who holds the prompt now: the reader, most of it on device
+    assert index["device_pages"].get(row["reader"], 0) >= 0.9 * index["hashes"]
+    assert "peer / local hit" in capsys.readouterr().out
+
+
+def test_the_table_reports_ratios_beside_the_targets() -> None:
+    row = {"conversation": 1, "prompt_tokens": 3100, "peer_ttft_ms": 300.0,
+           "peer_cached_tokens": 3072, "peer_tier_tokens": 3056, "peer_read_pages": 191,
+           "peer_read_ms": 40.0, "peer_admission_ms": 45.0, "local_ttft_ms": 250.0,
+           "local_cached_tokens": 3088, "recompute_ttft_ms": 6000.0, "own_ttft_ms": 240.0}  # fmt: skip
+    index = {"shards": 1, "round_trips": 50, "hashes": 193, "median_ms": 0.4, "p90_ms": 0.6}
+    result = summarise([row], index, "quick", "default", "nixl")
+    assert result["peer_over_local"] == pytest.approx(1.2)
+    assert result["peer_over_recompute"] == pytest.approx(0.05)
+    assert result["peer_over_own"] == pytest.approx(1.25)
+    assert result["peer_cached_share"] == pytest.approx(3072 / 3100)
+    table = format_table(result)
+    assert "peer / local hit = 1.20 (target <= 1.5)" in table
+    assert "peer / recompute = 0.050 (target <= 0.3)" in table
+    assert "peer / undrained = 1.25" in table
+    assert "index query, 1 shard: median 0.40 ms" in table
+    assert "| 1 | 3100 | 300 | 3072 | 3056 | 191 | 40.0 | 45 | 250 | 3088 | 6000 | 240 |" in table
+
+
+@pytest.mark.parametrize(
+    "flags", [["--device", "cpu"], ["--decode", "3"], ["--quantization", "int4"]]
+)
+def test_flags_the_scenario_does_not_take_are_refused_by_name(capsys, flags) -> None:
+    assert main(["bench", "--scenario", "shared-tier", *flags]) != 0
+    assert flags[0] in capsys.readouterr().err
