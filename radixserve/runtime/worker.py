@@ -4,15 +4,16 @@ A worker is one process: an `Engine` stepping on its own thread (`AsyncEngine`),
 service control plane (`radixserve.runtime.service`) on the main thread's asyncio loop,
 which owns every socket and never waits on a step, so heartbeats and aborts flow while
 a long prefill runs. Its `HelloAck` says what it serves (model, context, page geometry)
-and, for a prefill worker, carries its transfer agent's metadata.
+and carries its transfer agent's metadata.
 
 With a kvstore (``kvstore``, or ``radixserve prefill|decode --join``) the worker is a
 member of that cluster (`Register` when the link comes up and when it starts draining,
-`Deregister` when the drain is done; `radixserve.runtime.membership`), publishes its
-radix cache's events to the kvstore's index (`_publish`: one queue in the engine
-thread's order, so a resync's snapshot never overtakes an earlier event) and, if the
-kvstore has a host tier, spills into it and loads from it
-(`radixserve.runtime.host_tier`). The whole story: docs/architecture.md §8-§10.
+`Deregister` when the drain and its linger are done; `radixserve.runtime.membership`),
+publishes its radix cache's events to the kvstore's index and asks it who holds what
+(`radixserve.runtime.index_client`), reads prompt prefixes other workers hold and lends
+its own (`radixserve.runtime.peer_reads`) and, if the kvstore has a host tier, spills
+into it and loads from it (`radixserve.runtime.host_tier`); a prefix read from either is
+one `PrefixLoad` to the admission. The whole story: docs/architecture.md §8-§10.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import dataclasses
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,10 +36,7 @@ from radixserve.errors import ModelLoadError, RequestError, UnknownAdapterError
 from radixserve.protocol import (
     Deregister,
     HelloAck,
-    HostLease,
-    IndexQuery,
     IndexReply,
-    KVEvent,
     KVResync,
     MemberInfo,
     MemberList,
@@ -58,13 +55,15 @@ from radixserve.protocol.stats_messages import (
     fill,
 )
 from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
-from radixserve.runtime.calls import Replies, send_quietly
+from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.host_tier import HostTierClient
+from radixserve.runtime.index_client import IndexClient
 from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
-from radixserve.runtime.peer_reads import PageLending, PeerLease, PeerLinks, PeerReads, linger
+from radixserve.runtime.peer_reads import PageLending, PeerLinks, PeerReads, linger
+from radixserve.runtime.prefix_load import PrefixLoad, host_load, peer_load
 from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
@@ -99,11 +98,9 @@ class Worker(Service):
         self.agent: GroupAgent | None = None
         self.kvstore: LinkSet | None = None
         self.host: HostTierClient | None = None
-        self._events: asyncio.Queue[tuple[str, list[int]]] = asyncio.Queue()
-        self._seq = 0
-        self._emit: Callable[[str, list[int]], None] | None = None  # engine thread -> queue
-        # hashes of the pages in the engine's radix cache, as of the last event published
-        self.cached_hashes: set[int] = set()
+        # the cache's events to the kvstore's index, and questions to it
+        self.index = IndexClient(self.name, self.generation, engine, self.kvstore_link,
+                                 self.counters, settings.kvstore_query_timeout_s)  # fmt: skip
         self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
@@ -115,7 +112,6 @@ class Worker(Service):
         self.peer_reads: PeerReads | None = None
         # links to the other workers by role (a subclass may put its own in first)
         self.peer_links = PeerLinks(self.name, {})
-        self._index: Replies[IndexReply] = Replies()
 
     async def start(self) -> None:
         s = self.settings
@@ -155,17 +151,11 @@ class Worker(Service):
             on_down=self._kvstore_down,
         )
         if info.prefix_cache:
-            loop = asyncio.get_running_loop()
             if s.host_tier:
                 self.host = HostTierClient(self.name, self.generation, s, self.engine,
-                                           self.agent, self.cached_hashes)  # fmt: skip
-            self.run_in_background(self._publish())
-
-            def emit(kind: str, hashes: list[int]) -> None:  # on the engine thread
-                loop.call_soon_threadsafe(self._events.put_nowait, (kind, hashes))
-
-            self._emit = emit
-            self.engine.listen_cache(emit)
+                                           self.agent, self.index.cached_hashes)  # fmt: skip
+            self.index.listen()
+            self.run_in_background(self.index.publish())
         self._kvstore_handlers = self.kvstore_handlers()
         self.kvstore.start()
 
@@ -193,7 +183,7 @@ class Worker(Service):
         for role in PEER_ROLES:
             self.peer_links.add(role, functools.partial(self._peer_link_set, role))
         self.peer_reads = PeerReads(self.name, self.settings, self.engine, self.agent,
-                                    self.index_lookup, self.peer_links.links)  # fmt: skip
+                                    self.index.lookup, self.peer_links.links)  # fmt: skip
 
     def _peer_link_set(self, role: str) -> LinkSet:
         assert self.context is not None
@@ -295,39 +285,17 @@ class Worker(Service):
             model_identity=info.identity.key if info.identity is not None else "",
         )
 
-    async def _publish(self) -> None:
-        """Send queued cache events to the kvstore, numbered; a lost one shows as a gap.
-        They also keep `cached_hashes`, this loop's view of the device cache."""
-        while True:
-            kind, hashes = await self._events.get()
-            if kind == "stored":
-                self.cached_hashes.update(hashes)
-            elif kind == "removed":
-                self.cached_hashes.difference_update(hashes)
-            else:
-                self.cached_hashes.clear()
-            self._seq += 1
-            link = self.kvstore_link()
-            if link is None or not link.up:
-                continue  # the kvstore resyncs us when the link comes up
-            event = KVEvent(self.name, self.generation, self._seq, kind, tuple(hashes))
-            try:
-                await link.send(event, timeout_ms=0)
-            except TimeoutError:
-                self.counters["kv_events_dropped_total"] += 1
-
     def _kvstore_up(self, link: Link) -> None:
         self.spawn_notice(self._to_kvstore(Register(self.member())))
         view = self.member_view()
         if view is not None:
             self.spawn_notice(self._to_kvstore(view.watch()))
-        if self._emit is not None:
-            self.engine.resync_cache(self._emit)
+        self.index.resync()
         if self.host is not None:
             self.host.on_up(link)
 
     def _kvstore_down(self, link: Link, why: str) -> None:
-        self._index.drop_all()
+        self.index.link_down()
         if self.host is not None:
             self.host.on_down(link, why)
 
@@ -335,27 +303,8 @@ class Worker(Service):
         """Hook: the handler of each type of `WorkerFromKVStore`, and the host tier's (a
         subclass adds its own)."""
         host = self.host.handlers if self.host is not None else {}
-        return {KVResync: self._resync, MemberList: self._members, IndexReply: self._index_reply,
+        return {KVResync: self._resync, MemberList: self._members, IndexReply: self.index.answer,
                 **host}  # fmt: skip
-
-    async def index_lookup(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
-        """Leading pages of ``hashes`` each other worker holds on device and the host tier
-        holds, per the kvstore (({}, 0) if it is down or slow)."""
-        link = self.kvstore_link()
-        if link is None or not link.up or not hashes:
-            return {}, 0
-        query_id = uuid.uuid4().hex
-        self.counters["index_queries_total"] += 1
-        answer = await self._index.ask(link, IndexQuery(query_id, tuple(hashes)), query_id,
-                                       self.settings.kvstore_query_timeout_s)  # fmt: skip
-        if answer is None:
-            self.counters["index_misses_total"] += 1
-            return {}, 0
-        held = {name: int(p) for name, p in answer.device_pages.items() if name != self.name}
-        return held, answer.host_pages
-
-    def _index_reply(self, _link: Link, msg: IndexReply) -> None:
-        self._index.answer(msg.query_id, msg)
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if not dispatch(self._kvstore_handlers, link, msg):
@@ -367,8 +316,7 @@ class Worker(Service):
             view.apply(msg)
 
     def _resync(self, _link: Link, _msg: KVResync) -> None:
-        if self._emit is not None:
-            self.engine.resync_cache(self._emit)
+        self.index.resync()
 
     def handlers(self) -> Handlers:
         return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit,
@@ -510,82 +458,67 @@ class Worker(Service):
         adapter: str = "",
         under: Span = NO_SPAN,
     ) -> tuple[Admission, OutputQueue]:
-        """A request's one admission: the host-tier lease past the device hit (a kvstore
-        round trip, only when a long part is missing on device), then one engine operation
-        (`Engine.admit`); on the host route the read and `finish_host_admission` follow
-        without waiting for a step. The admission and the queue of the request's
-        outputs (its first one comes at the end of the next step on the local route).
-        ``hashes``: the page hashes of ``prompt_ids`` + ``resume`` (`page_hashes`);
-        ``resume``: a migrated stream's tokens so far (`Engine.admit`); ``cache_scope``:
-        whose KV it may share (`Engine.admit`; ``hashes`` are in its namespace); ``share``:
-        its tenant, priority and weight (`Engine.admit`); ``adapter``: its LoRA adapter
-        (``hashes`` are in its namespace). ``under``: the
-        span a host-tier load's span (``<role>.host_load``: lookup and read) goes under."""
+        """A request's one admission: a prefix past the device hit leased from a peer's
+        cache or the host tier (kvstore round trips, only when a long part is missing on
+        device: `_plan_load`), then one engine operation (`Engine.admit`); on the host
+        route the read and `finish_host_admission` follow without waiting for a step. The
+        admission and the queue of the request's outputs (its first one comes at the end
+        of the next step on the local route). ``hashes``: the page hashes of
+        ``prompt_ids`` + ``resume`` (`page_hashes`); ``resume``: a migrated stream's tokens
+        so far (`Engine.admit`); ``cache_scope``: whose KV it may share (`Engine.admit`;
+        ``hashes`` are in its namespace); ``share``: its tenant, priority and weight
+        (`Engine.admit`); ``adapter``: its LoRA adapter (``hashes`` are in its namespace).
+        ``under``: the span a load's span (``<role>.host_load`` or ``<role>.peer_read``:
+        lookup and read) goes under."""
         resume = resume or []
-        planned = peer = None
-        if self.host is not None or self.peer_reads is not None:
-            known = prompt_ids + resume
-            if hashes is None:
-                hashes = self.page_hashes(known, (), cache_scope, adapter)
-            looked_up_ns = time.time_ns()
-            if self.peer_reads is not None:
-                peer = await self.peer_reads.plan(known, hashes, self._device_hit(hashes),
-                                                  cache_scope, adapter,
-                                                  self.adapter_fingerprint(adapter))  # fmt: skip
-            if peer is None and self.host is not None:
-                planned = await self.host.plan(request_id, known, hashes)
-        plan, lease = planned if planned is not None else (None, None)
-        peer_plan, peer_lease = peer if peer is not None else (None, None)
-        read_ok = False
-        loading = NO_SPAN
-        if lease is not None:
-            loading = under.child(f"{self.role}.host_load", start_ns=looked_up_ns,
-                                  host_pages=len(lease.host_page_ids),
-                                  disk_pages=lease.disk_pages)  # fmt: skip
-        elif peer_lease is not None:
-            loading = under.child(f"{self.role}.peer_read", start_ns=looked_up_ns,
-                                  peer=peer_lease.link.label,
-                                  peer_pages=len(peer_lease.src_page_ids))  # fmt: skip
+        looked_up_ns = time.time_ns()
+        load = await self._plan_load(prompt_ids + resume, hashes, cache_scope, adapter, request_id)
+        loading, read_ok = NO_SPAN, False
+        if load is not None:
+            loading = under.child(f"{self.role}.{load.span}", start_ns=looked_up_ns,
+                                  **load.attributes)  # fmt: skip
         try:
             admission, out = await self.engine.admit(
-                request_id, prompt_ids, params, remote_over=remote_over, host=plan or peer_plan,
-                lease_s=lease_s, resume=resume, cache_scope=cache_scope, share=share,
-                adapter=adapter,
+                request_id, prompt_ids, params, remote_over=remote_over,
+                host=load.plan if load is not None else None, lease_s=lease_s, resume=resume,
+                cache_scope=cache_scope, share=share, adapter=adapter,
             )  # fmt: skip
             self.counters[QUERIED_TOKENS] += len(prompt_ids) + len(resume)
             self.counters[HIT_TOKENS] += admission.cached_tokens
             if admission.route == "host":
+                assert load is not None
                 try:
-                    ok = read_ok = await self._read(lease, peer_lease, admission.page_ids)
+                    read_ok = await load.read(admission.page_ids)
                 except BaseException:  # cancelled mid-read: the read cannot land any more
                     self.engine.abort(request_id)
                     raise
-                disk_pages = lease.disk_pages if lease is not None else 0
-                self.engine.finish_host_admission(request_id, ok, disk_pages, lease is None)
-                loading.end(None if ok else "read failed", read=ok)
+                self.engine.finish_host_admission(request_id, read_ok, load.disk_pages,
+                                                  peer=load.tier == "peer")  # fmt: skip
+                loading.end(None if read_ok else "read failed", read=read_ok)
         finally:
             loading.end()  # not read: another route was chosen, or it was cancelled
-            if lease is not None and self.host is not None:
-                self.host.release(lease)
-            if peer_lease is not None and self.peer_reads is not None:
-                self.peer_reads.release(peer_lease, read_ok)
+            if load is not None:
+                load.release(read_ok)
         return admission, out
 
-    async def _read(self, lease: HostLease | None, peer: PeerLease | None,
-                    dst: Sequence[int]) -> bool:  # fmt: skip
-        """Read the host tier's leased pages, or a peer's, into ``dst``."""
-        if lease is not None:
-            assert self.host is not None
-            return await self.host.read(lease, tuple(dst))
-        assert peer is not None and self.peer_reads is not None
-        return await self.peer_reads.read(peer, dst)
-
-    def _device_hit(self, hashes: Sequence[int]) -> int:
-        """Leading pages of ``hashes`` in this worker's device cache, per its view of it."""
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in self.cached_hashes:
-            hit += 1
-        return hit
+    async def _plan_load(
+        self, known: list[int], hashes: Sequence[int] | None, cache_scope: str, adapter: str,
+        request_id: str,
+    ) -> PrefixLoad | None:  # fmt: skip
+        """The prefix of ``known`` past the device hit that a peer lends (when one holds
+        more than the host tier), else the host tier's lease of it; None if neither."""
+        if self.host is None and self.peer_reads is None:
+            return None
+        if hashes is None:
+            hashes = self.page_hashes(known, (), cache_scope, adapter)
+        if self.peer_reads is not None:
+            peer = await self.peer_reads.plan(known, hashes, self.index.device_hit(hashes),
+                                              cache_scope, adapter,
+                                              self.adapter_fingerprint(adapter))  # fmt: skip
+            if peer is not None:
+                return peer_load(self.peer_reads, *peer)
+        planned = await self.host.plan(request_id, known, hashes) if self.host else None
+        return host_load(self.host, *planned) if self.host and planned else None
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()

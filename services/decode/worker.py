@@ -257,7 +257,7 @@ class DecodeWorker(Worker):
         """The prefill worker of least cost (`PrefillRouter`) among `_prefills_ready`; the
         kvstore's index of their caches is asked only when there is a choice."""
         ready = self._prefills_ready(exclude, adapter)
-        cached, host = await self.index_lookup(hashes) if len(ready) > 1 else ({}, 0)
+        cached, host = await self.index.lookup(hashes) if len(ready) > 1 else ({}, 0)
         return self.router.pick(ready, len(hashes), cached, host, exclude)
 
     async def _remote(
