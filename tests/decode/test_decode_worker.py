@@ -31,6 +31,7 @@ from radixserve.protocol import (
     WatchMembers,
 )
 from radixserve.protocol.lora_messages import LoraAdapterInfo
+from radixserve.protocol.peer_messages import PeerRead
 from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.services.decode.worker import DecodeWorker, _Adapter
@@ -449,3 +450,20 @@ def test_pages_computed_with_another_lora_adapter_are_not_read(caplog) -> None:
     run_scenario(scenario)
     [why] = [r.getMessage() for r in caplog.records if "recomputing locally" in r.getMessage()]
     assert f"LoRA adapter fingerprint '{other}', the request's is '{mine}'" in why
+
+
+def test_a_peer_read_for_another_adapters_pages_is_refused_and_lends_nothing() -> None:
+    """A `PeerRead` whose adapter fingerprint is not this worker's adapter's (or names
+    an adapter it does not serve) is refused: a cached page serves only the adapter that
+    computed it (the engine is never asked)."""
+
+    async def scenario(context: zmq.asyncio.Context) -> None:
+        async with decode_worker(context, FakeEngine(base_token=100), []) as (worker, peer):
+            worker.loras = {"a": LoraAdapterInfo("a", "sha256:" + "1" * 64, b"n" * 32)}
+            for adapter, fingerprint in (("a", "sha256:" + "2" * 64), ("b", "sha256:" + "1" * 64)):
+                await peer.send(PeerRead(f"r-{adapter}", (1, 2, 3), 0, 1, "", adapter, fingerprint))
+                refused = await peer.recv(RequestFailed)
+                assert refused.request_id == f"r-{adapter}" and "LoRA adapter" in refused.message
+            assert worker.lending.readers == {}
+
+    run_scenario(scenario)
