@@ -25,7 +25,7 @@ import hashlib
 import logging
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,16 @@ def page_hashes(
         prev = int.from_bytes(page_digest.digest()[:HASH_BYTES], "big")
         hashes.append(prev)
     return hashes
+
+
+def leading_held(hashes: Sequence[int], held: Container[int], limit: int | None = None) -> int:
+    """How many of ``hashes`` (at most ``limit``), from the first, are in ``held``: the
+    length in pages of the prompt's prefix a set of chained page hashes holds."""
+    end = len(hashes) if limit is None else min(limit, len(hashes))
+    count = 0
+    while count < end and hashes[count] in held:
+        count += 1
+    return count
 
 
 def hashes_to_bytes(hashes: Sequence[int]) -> bytes:

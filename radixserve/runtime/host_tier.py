@@ -47,6 +47,7 @@ from collections.abc import Sequence, Set
 
 import torch
 
+from radixserve.cache.block_hash import leading_held
 from radixserve.cache.page_proof import PageProof, tokens_match, unpack_tokens
 from radixserve.engine.admission import HostPlan
 from radixserve.engine.async_engine import AsyncEngine
@@ -345,9 +346,8 @@ class HostTierClient:
         if not self.attached or len(token_ids) < 2:
             return None
         full = min(len(hashes), (len(token_ids) - 1) // self.page_size)  # never the last token
-        device_pages = 0  # the device hit, from the view of the cache (no step wait)
-        while device_pages < full and hashes[device_pages] in self.device_hashes:
-            device_pages += 1
+        # the device hit, from the view of the cache (no step wait)
+        device_pages = leading_held(hashes, self.device_hashes, full)
         if (full - device_pages) * self.page_size <= self.settings.host_load_min_tokens:
             return None
         self._count("host_lookups_total")

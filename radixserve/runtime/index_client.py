@@ -17,6 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from radixserve.cache.block_hash import leading_held
 from radixserve.engine.async_engine import AsyncEngine
 from radixserve.protocol import IndexQuery, IndexReply, KVEvent
 from radixserve.runtime.calls import Replies
@@ -78,10 +79,7 @@ class IndexClient:
 
     def device_hit(self, hashes: Sequence[int]) -> int:
         """Leading pages of ``hashes`` in the device cache, per `cached_hashes`."""
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in self.cached_hashes:
-            hit += 1
-        return hit
+        return leading_held(hashes, self.cached_hashes)
 
     async def lookup(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
         """Leading pages of ``hashes`` each other worker holds on device and the host tier

@@ -32,6 +32,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.engine.admission import HostPlan
 from radixserve.engine.async_engine import AsyncEngine
@@ -143,8 +144,9 @@ class PeerReads:
         self.page_bytes = engine.info.geometry.page_bytes
         self._index_lookup = index_lookup
         self._links = links
-        self._asked: dict[str, tuple[Link, asyncio.Future[PeerPages | None]]] = {}
-        self._reading: dict[int, set[asyncio.Event]] = {}  # id(link) -> set when it goes down
+        # read id -> the owner's link and what waits on it (the answer to the ask, then
+        # the read), ended with None if the link goes down
+        self._waits: dict[str, _Wait] = {}
         self._notices = Tasks(f"{name} peer reads")
         self.counters: Counter[str] = Counter()
         self.read_seconds = 0.0
@@ -195,15 +197,14 @@ class PeerReads:
         """Send ``msg``; the lease of the pages the owner lent (None: none, refused, no
         answer in time, or its link went down)."""
         self.counters["peer_read_asks_total"] += 1
-        answer: asyncio.Future[PeerPages | None] = asyncio.get_running_loop().create_future()
-        self._asked[msg.read_id] = (link, answer)
+        wait = self._waits[msg.read_id] = _Wait(link, asking=True)
         try:
             await link.send(msg, timeout_ms=0)
-            pages = await asyncio.wait_for(answer, self.settings.peer_read_timeout_s)
+            pages = await asyncio.wait_for(wait.ended, self.settings.peer_read_timeout_s)
         except TimeoutError:
             pages = None
         finally:
-            self._asked.pop(msg.read_id, None)
+            self._waits.pop(msg.read_id, None)
         if pages is None or not pages.src_page_ids:  # a late answer is released (`answer`)
             self.counters["peer_read_refusals_total"] += 1
             return None
@@ -213,24 +214,21 @@ class PeerReads:
     def answer(self, link: Link, msg: PeerPages | RequestFailed) -> bool:
         """An owner's answer to a `PeerRead` (False: not one this worker waits for)."""
         read_id = msg.read_id if isinstance(msg, PeerPages) else msg.request_id
-        asked = self._asked.get(read_id)
-        if asked is None or asked[0] is not link:
+        wait = self._waits.get(read_id)
+        if wait is None or wait.link is not link or not wait.asking:
             if isinstance(msg, PeerPages) and msg.src_page_ids:  # too late: let them go
                 self._notices.spawn(send_quietly(link, TransferDone(read_id, ok=False)))
             return isinstance(msg, PeerPages)
-        if not asked[1].done():
-            asked[1].set_result(msg if isinstance(msg, PeerPages) else None)
+        wait.end(msg if isinstance(msg, PeerPages) else None)
         if isinstance(msg, RequestFailed):
             logger.info("%s: %s did not lend pages: %s", self.name, link.label, msg.message)
         return True
 
     def link_down(self, link: Link) -> None:
         """``link``'s owner is gone: its answers and reads end now."""
-        for asked_link, answer in self._asked.values():
-            if asked_link is link and not answer.done():
-                answer.set_result(None)
-        for down in self._reading.get(id(link), ()):
-            down.set()
+        for wait in self._waits.values():
+            if wait.link is link:
+                wait.end(None)
 
     # -- read -------------------------------------------------------------------------
 
@@ -242,18 +240,16 @@ class PeerReads:
         start = time.perf_counter()
         ok = False
         if timeout_s > 0 and link.up and link.ack is not None:
-            down = asyncio.Event()
-            reading = self._reading.setdefault(id(link), set())
-            reading.add(down)
+            wait = self._waits[lease.read_id] = _Wait(link, asking=False)
             try:
                 agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
                 handle = agent.read_pages(link.name, list(lease.src_page_ids[: len(dst)]),
                                           list(dst), timeout_s=timeout_s)  # fmt: skip
-                ok = await _unless(agent.wait_async(handle), down) == "done"
+                ok = await _unless(agent.wait_async(handle), wait.ended) == "done"
             except TransferError as exc:
                 logger.warning("%s: reading %s's pages failed: %s", self.name, link.label, exc)
             finally:
-                reading.discard(down)
+                self._waits.pop(lease.read_id, None)
         if not ok:
             self.counters["peer_read_failures_total"] += 1
             return False
@@ -280,21 +276,33 @@ class PeerReads:
         await self._notices.close()
 
 
-async def _unless(work: Awaitable[str], down: asyncio.Event) -> str:
-    """``work``'s result, or "failed" as soon as ``down`` is set (``work`` is cancelled:
-    the transfer agent forgets the peer first, so a late read cannot land)."""
+class _Wait:
+    """What waits on an owner's link for one read id: its answer (``asking``), then the
+    read; `end` ends it (with the answer, or None: the link went down)."""
+
+    def __init__(self, link: Link, asking: bool) -> None:
+        self.link, self.asking = link, asking
+        self.ended: asyncio.Future[PeerPages | None] = asyncio.get_running_loop().create_future()
+
+    def end(self, result: PeerPages | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(result)
+
+
+async def _unless(work: Awaitable[str], down: asyncio.Future[PeerPages | None]) -> str:
+    """``work``'s result, or "failed" as soon as ``down`` is done; ``work`` is cancelled
+    then, or when this is (the transfer agent forgets the peer first, so a late read
+    cannot land in pages the caller frees)."""
     task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(down.wait())
+    either: set[asyncio.Future[Any]] = {task, down}
     try:
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return "failed"
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # cancelled itself (the request aborted): the read is stopped first
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else "failed"
 
 
 class PeerLinks:
