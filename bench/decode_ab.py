@@ -48,17 +48,26 @@ def step_ms(engine: Engine, batch: int, threads: int | None, tag: str) -> tuple[
     fused = engine.runner.fused
     if fused is not None and threads is not None:
         engine.runner.fused = _native(engine, threads)
+    return median_step_ms(engine, [""] * batch, tag, PROMPT_TOKENS, STEPS)
+
+
+def median_step_ms(
+    engine: Engine, adapters: list[str], tag: str, prompt_tokens: int, steps: int
+) -> tuple[float, int]:
+    """Median ms of ``steps`` decode steps of one greedy request per entry of
+    ``adapters`` (its LoRA adapter, "" for the base model) over a ``prompt_tokens``
+    prompt made distinct by ``tag``, after their prefills; and their mean context."""
     tok = engine.tokenizer
-    base = tok.encode("The harbour master kept a log of every ship. " * 40)[:PROMPT_TOKENS]
-    params = SamplingParams(max_tokens=STEPS + 4, min_tokens=STEPS + 4, temperature=0.0)
-    for i in range(batch):
-        engine.add_request([*base, *tok.encode(f" {tag} {i}")], params)
+    base = tok.encode("The harbour master kept a log of every ship. " * 40)[:prompt_tokens]
+    params = SamplingParams(max_tokens=steps + 4, min_tokens=steps + 4, temperature=0.0)
+    for i, adapter in enumerate(adapters):
+        engine.add_request([*base, *tok.encode(f" {tag} {i}")], params, adapter=adapter)
     running = engine.scheduler.running
-    while len(running) < batch or not all(r.output_ids for r in running):
+    while len(running) < len(adapters) or not all(r.output_ids for r in running):
         engine.step()  # prefills
     engine.step()
     times = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)

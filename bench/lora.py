@@ -30,7 +30,6 @@ Writes JSON, prints a table, plots tokens/s against adapters beside the JSON
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from radixserve.bench.lora_engine import (
     progress,
     run_batch,
 )
+from radixserve.bench.speculative import environment
 from radixserve.bench.synthetic import synthetic_ids
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
@@ -84,20 +84,6 @@ def measure_throughput(engine: Engine, options: LoraOptions) -> dict[str, Any]:
                 streams, steps = run_batch(engine, jobs, params)
             runs[count].append({"streams": streams, "steps": steps, "native_steps": native.count})
     return {"runs": runs, "order": order_log}
-
-
-def environment() -> dict[str, Any]:
-    import datetime
-
-    return {
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_average": list(os.getloadavg()),
-        "python": platform.python_version(),
-    }
 
 
 def run_lora(options: LoraOptions, make_engine: EngineFactory | None = None) -> dict[str, Any]:

@@ -25,14 +25,13 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from radixserve.bench.decode_ab import median_step_ms
 from radixserve.bench.lora_adapters import write_adapter
 from radixserve.engine.engine import Engine
-from radixserve.engine.sampling_params import SamplingParams
 from radixserve.model.model_files import open_model
 from radixserve.settings import EngineSettings
 
@@ -55,24 +54,9 @@ def step_ms(engine: Engine, adapters: list[str], fused: bool, tag: str) -> float
     native = engine.runner.fused
     if not fused:
         engine.runner.fused = None
-    tok = engine.tokenizer
-    base = tok.encode("The harbour master kept a log of every ship. " * 40)[:PROMPT_TOKENS]
-    params = SamplingParams(max_tokens=STEPS + 4, min_tokens=STEPS + 4, temperature=0.0)
-    for i, adapter in enumerate(adapters):
-        engine.add_request([*base, *tok.encode(f" {tag} {i}")], params, adapter=adapter)
-    running = engine.scheduler.running
-    while len(running) < len(adapters) or not all(r.output_ids for r in running):
-        engine.step()  # prefills
-    engine.step()
-    times = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        engine.step()
+    ms, _ = median_step_ms(engine, adapters, tag, PROMPT_TOKENS, STEPS)
     engine.runner.fused = native
-    return statistics.median(times) * 1e3
+    return ms
 
 
 def main() -> int:
