@@ -116,6 +116,22 @@ class GlobalIndex:
                 counts[worker] = i + 1
         return counts
 
+    def deepest(self, page_hashes: Sequence[int], shard: int, shards: int) -> dict[str, int]:
+        """Per worker, the pages of ``page_hashes`` up to and including the deepest one it
+        holds among those this shard owns (``hash % shards == shard``). A worker holding a
+        page holds every page before it (its radix cache evicts leaves first, and the
+        hashes chain), so over every shard's answer the greatest is its leading run; a
+        shard that is lost costs at most the pages between its hashes, never a page a
+        worker lacks."""
+        counts: dict[str, int] = {}
+        for i in range(len(page_hashes) - 1, -1, -1):
+            h = page_hashes[i]
+            if h % shards != shard:
+                continue
+            for worker in self._holders.get(h, ()):
+                counts.setdefault(worker, i + 1)
+        return counts
+
     @property
     def num_pages(self) -> int:
         """Distinct pages cached anywhere in the cluster."""

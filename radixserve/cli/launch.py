@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.cli.engine import (
     auth_args,
@@ -19,6 +19,9 @@ from radixserve.cli.engine import (
 )
 from radixserve.errors import UsageError
 from radixserve.transfer import BACKENDS
+
+if TYPE_CHECKING:
+    from radixserve.launch.cluster import ClusterConfig
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -69,6 +72,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp,
             transport=args.transport,
             kvstore=args.kvstore,
+            nodes=args.nodes,
             host_tier_gib=args.host_tier_gib,
             disk_tier_dir=args.disk_tier_dir,
             disk_tier_gib=args.disk_tier_gib,
@@ -86,7 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(
         f"radixserve: starting {config.num_prefill} prefill{_tp(config.prefill_tp)} and "
         f"{config.num_decode} decode{_tp(config.decode_tp)} "
-        f"worker(s){', the kvstore' if config.kvstore else ''} and the gateway "
+        f"worker(s){_kvstores(config)} and the gateway "
         f"(KV transfer over {config.transport}) ...",
         flush=True,
     )
@@ -104,11 +108,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         if cluster.control is not None and cluster.kvstore is not None:
             shared = dataclasses.replace(config, core_board=cluster.core_board)
-            print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore)}  "
+            print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore, kvstores=cluster.kvstores)}  "
                   "(or decode instead of prefill)", flush=True)  # fmt: skip
             if config.decode_tp != config.prefill_tp:  # the decode command differs by --tp
                 print(f"radixserve: add a decode worker: "
-                      f"{join_command(shared, cluster.kvstore, 'decode')}", flush=True)  # fmt: skip
+                      f"{join_command(shared, cluster.kvstore, 'decode', cluster.kvstores)}",
+                      flush=True)  # fmt: skip
             print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
                   f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip
 
@@ -132,6 +137,12 @@ def _gateway_auth(args: argparse.Namespace) -> dict[str, Any]:
     """The gateway's auth flags given, as settings fields."""
     return {key: getattr(args, key) for key in ("api_key_file", "allow_unauthenticated")
             if getattr(args, key, None) is not None}  # fmt: skip
+
+
+def _kvstores(config: ClusterConfig) -> str:
+    if not config.kvstore:
+        return ""
+    return ", the kvstore" if config.nodes == 1 else f", {config.nodes} kvstores (one per node)"
 
 
 def _tp(size: int) -> str:
@@ -287,9 +298,13 @@ def add_commands(sub: Any) -> None:
                     help="how KV pages move between workers (default nixl)")  # fmt: skip
     up.add_argument("--no-kvstore", action="store_false", dest="kvstore",
                     help="do not start the kvstore (the cluster-wide cache index)")  # fmt: skip
+    up.add_argument("--nodes", type=int, default=1,
+                    help="kvstores to start, one per node as a cluster of N machines has: each "
+                    "holds its node's host tier (workers spread over the nodes spill there) and "
+                    "a shard of the cache index, and every one the membership (default 1)")  # fmt: skip
     up.add_argument("--host-tier-gib", type=float,
-                    help="host-memory tier of the kvstore that evicted KV spills into "
-                    "(default 4; 0 = none)")  # fmt: skip
+                    help="host-memory tier of the kvstore (of each, with --nodes) that evicted "
+                    "KV spills into (default 4; 0 = none)")  # fmt: skip
     disk_tier_args(up)
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000,

@@ -37,6 +37,7 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.engine.cores import board_path
@@ -59,6 +60,7 @@ class ClusterConfig:
     prefill_tp: int = 1  # tensor-parallel ranks (processes, one device each) per prefill worker
     decode_tp: int = 1  # ... per decode worker
     kvstore: bool = True  # start the kvstore (the cluster-wide cache index and host tier)
+    nodes: int = 1  # kvstores, one per "node": each its host tier and a shard of the index
     host_tier_gib: float | None = None  # the kvstore's host tier (None: its default)
     disk_tier_dir: str | None = None  # the kvstore's disk tier under it (None: none)
     disk_tier_gib: float | None = None  # its bound (None: the kvstore's default)
@@ -88,6 +90,10 @@ class ClusterConfig:
             raise ValueError("--host-tier-gib must be 0 (no host tier) or more")
         if self.autoscale and not self.kvstore:
             raise ValueError("--autoscale needs the kvstore (new workers join through it)")
+        if not 1 <= self.nodes <= 16:
+            raise ValueError("--nodes must be 1 to 16")
+        if self.nodes > 1 and not self.kvstore:
+            raise ValueError("--nodes needs the kvstore (one per node)")
         self._check_disk_tier()
 
     def _check_disk_tier(self) -> None:
@@ -145,18 +151,27 @@ def _listening(
 
 
 def worker_spec(
-    config: ClusterConfig, role: str, index: int, kvstore: str | None, prefill_addrs: list[str]
+    config: ClusterConfig,
+    role: str,
+    index: int,
+    kvstore: str | None,
+    prefill_addrs: list[str],
+    kvstores: Sequence[str] = (),
 ) -> tuple[ProcessSpec, str]:
     """Worker ``index`` of ``role`` on a loopback port bound now (its spec holds the
     socket), and its control address. With a ``kvstore`` address it registers there;
-    otherwise a decode worker is told the ``prefill_addrs``."""
+    otherwise a decode worker is told the ``prefill_addrs``. With ``kvstores`` (one per
+    node) it is on node ``index`` mod their count, and that node's kvstore is its own."""
     name, prefix, listener = f"{role}-{index}", f"RADIXSERVE_{role.upper()}_", Listener()
     extra = config.prefill_env if role == "prefill" else config.decode_env
     tp = config.prefill_tp if role == "prefill" else config.decode_tp
+    if len(kvstores) > 1:
+        kvstore = kvstores[index % len(kvstores)]
     env = {
         **base_env(config),
         **({f"{prefix}TP": str(tp)} if tp > 1 else {}),
         **({f"{prefix}KVSTORE": kvstore} if kvstore else {}),
+        **({f"{prefix}KVSTORES": json.dumps(list(kvstores))} if len(kvstores) > 1 else {}),
         f"{prefix}NAME": name,
         f"{prefix}TRANSFER_BACKEND": config.transport,
         **extra,
@@ -167,20 +182,30 @@ def worker_spec(
     return spec, f"tcp://127.0.0.1:{listener.port}"
 
 
-def kvstore_spec(config: ClusterConfig, listener: Listener) -> ProcessSpec:
-    """The kvstore, serving on ``listener`` (its address: ``tcp://127.0.0.1:<port>``)."""
+def kvstore_name(config: ClusterConfig, node: int) -> str:
+    """``kvstore``, or with several nodes ``kvstore-<node>``."""
+    return "kvstore" if config.nodes == 1 else f"kvstore-{node}"
+
+
+def kvstore_spec(config: ClusterConfig, listener: Listener, node: int = 0) -> ProcessSpec:
+    """The kvstore of ``node``, serving on ``listener`` (its address:
+    ``tcp://127.0.0.1:<port>``); with several nodes its disk tier is the directory's
+    ``node-<node>``."""
+    name = kvstore_name(config, node)
     env = {
         **base_env(config),
-        "RADIXSERVE_KVSTORE_NAME": "kvstore",
+        "RADIXSERVE_KVSTORE_NAME": name,
         "RADIXSERVE_KVSTORE_TRANSFER_BACKEND": config.transport,
     }
     if config.host_tier_gib is not None:
         env["RADIXSERVE_KVSTORE_HOST_CAPACITY_GIB"] = str(config.host_tier_gib)
     if config.disk_tier_dir is not None:
-        env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"] = config.disk_tier_dir
+        disk = config.disk_tier_dir
+        env["RADIXSERVE_KVSTORE_DISK_TIER_DIR"] = (
+            disk if config.nodes == 1 else os.path.join(disk, f"node-{node}"))  # fmt: skip
     if config.disk_tier_gib is not None:
         env["RADIXSERVE_KVSTORE_DISK_TIER_GIB"] = str(config.disk_tier_gib)
-    return _listening("kvstore", "kvstore", env, "RADIXSERVE_KVSTORE_", listener)
+    return _listening(name, "kvstore", env, "RADIXSERVE_KVSTORE_", listener)
 
 
 @dataclass
@@ -190,22 +215,33 @@ class ClusterSockets:
     at once; a given port by `bind` (before anything starts)."""
 
     gateway: Listener
-    kvstore: Listener | None
+    kvstores: list[Listener]  # one per node; none without the kvstore
     autoscaler: Listener | None
 
     @classmethod
     def of(cls, config: ClusterConfig, kvstore_port: int = 0) -> ClusterSockets:
+        """``kvstore_port``: the first kvstore's (the others any free port)."""
+        kvstores = [Listener("127.0.0.1", kvstore_port if node == 0 else 0)
+                    for node in range(config.nodes)] if config.kvstore else []  # fmt: skip
         return cls(
             gateway=Listener(config.host, config.port),
-            kvstore=Listener("127.0.0.1", kvstore_port) if config.kvstore else None,
+            kvstores=kvstores,
             autoscaler=_autoscaler_listener(config) if config.autoscale else None,
         )
 
+    @property
+    def kvstore(self) -> Listener | None:
+        """The first node's kvstore's."""
+        return self.kvstores[0] if self.kvstores else None
+
     def bind(self) -> None:
         """Bind every socket (`OSError` naming the address of one that cannot be)."""
-        for listener in (self.gateway, self.kvstore, self.autoscaler):
+        for listener in (self.gateway, *self.kvstores, self.autoscaler):
             if listener is not None:
                 listener.bind()
+
+    def kvstore_addresses(self) -> list[str]:
+        return [f"tcp://127.0.0.1:{listener.port}" for listener in self.kvstores]
 
 
 def _autoscaler_listener(config: ClusterConfig) -> Listener:
@@ -224,21 +260,20 @@ def cluster_specs(
     autoscaler, default `ClusterSockets.of` ``config``, the kvstore on ``kvstore_port``
     or any free port). The autoscaler is not among them (`autoscaler_spec`)."""
     sockets = sockets or ClusterSockets.of(config, kvstore_port or 0)
-    specs: list[ProcessSpec] = []
-    kvstore: str | None = None
-    if sockets.kvstore is not None:
-        specs.append(kvstore_spec(config, sockets.kvstore))
-        kvstore = f"tcp://127.0.0.1:{sockets.kvstore.port}"
+    specs = [kvstore_spec(config, listener, node) for node, listener in enumerate(sockets.kvstores)]
+    kvstores = sockets.kvstore_addresses()
+    kvstore = kvstores[0] if kvstores else None
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for i in range(count):
-            spec, address = worker_spec(config, role, i, kvstore, addresses["prefill"])
+            spec, address = worker_spec(config, role, i, kvstore, addresses["prefill"], kvstores)
             specs.append(spec)
             addresses[role].append(address)
     env = {
         **base_env(config),
         "RADIXSERVE_GATEWAY_HOST": config.host,
         **({"RADIXSERVE_GATEWAY_KVSTORE": kvstore} if kvstore else {}),
+        **({"RADIXSERVE_GATEWAY_KVSTORES": json.dumps(kvstores)} if len(kvstores) > 1 else {}),
         **config.gateway_env,
     }
     if sockets.autoscaler is not None:  # its decisions, on the gateway's /explorer
@@ -255,10 +290,13 @@ def _url(listener: Listener) -> str:
     return f"http://{host}:{listener.port}"
 
 
-def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> str:
+def join_command(
+    config: ClusterConfig, kvstore: str, role: str = "prefill", kvstores: Sequence[str] = ()
+) -> str:
     """The one-line command that starts one more worker of ``role`` and joins it to the
     cluster whose kvstore is at ``kvstore`` (the engine settings it must share first;
-    with a core board, the board too, so a worker started on this host shares its cores)."""
+    with a core board, the board too, so a worker started on this host shares its cores;
+    with several ``kvstores``, the list: it joins the first's node)."""
     program = sys.argv[0] if os.path.basename(sys.argv[0]) == "radixserve" else None
     argv = [program] if program else [sys.executable, "-m", "radixserve.cli"]
     argv += [role, "--join", kvstore]
@@ -272,6 +310,8 @@ def join_command(config: ClusterConfig, kvstore: str, role: str = "prefill") -> 
     if config.core_board and not config.num_threads:
         board = {"RADIXSERVE_CORE_BOARD": config.core_board,
                  "RADIXSERVE_NUM_THREADS": str(os.cpu_count() or 1)}  # fmt: skip
+    if len(kvstores) > 1:
+        board[f"RADIXSERVE_{role.upper()}_KVSTORES"] = json.dumps(list(kvstores))
     env = [f"{k}={shlex.quote(v)}" for k, v in {**config.engine_env, **extra, **board}.items()]
     return " ".join([*env, shlex.join(argv)])
 
@@ -305,6 +345,7 @@ class ClusterProcesses:
     core_board: str | None = None  # removed at stop
     url: str = ""  # the gateway's, on the port bound (``http://host:port``)
     autoscaler_url: str | None = None  # the autoscaler's HTTP side (/health, /metrics)
+    kvstores: list[str] = field(default_factory=list)  # one per node (the first: ``kvstore``)
 
     def stop(self) -> None:
         self.supervisor.stop()
@@ -337,10 +378,11 @@ def build_cluster(
     )
     if sockets.kvstore is None:
         return ClusterProcesses(supervisor, None, None, None, board, config.url)
-    kvstore = f"tcp://127.0.0.1:{sockets.kvstore.port}"
+    kvstores = sockets.kvstore_addresses()
+    kvstore = kvstores[0]
 
     def spawn(role: str, index: int) -> ProcessSpec:
-        return worker_spec(config, role, index, kvstore, [])[0]
+        return worker_spec(config, role, index, kvstore, [], kvstores)[0]
 
     initial = {"prefill": config.num_prefill, "decode": config.num_decode}
     pools = LocalPools(supervisor, initial, spawn, config.drain_timeout_s)
@@ -350,7 +392,8 @@ def build_cluster(
     if sockets.autoscaler is not None:
         supervisor.add(autoscaler_spec(config, control.url, sockets.autoscaler))
         scaler = _url(sockets.autoscaler)
-    return ClusterProcesses(supervisor, kvstore, pools, control, board, config.url, scaler)
+    return ClusterProcesses(supervisor, kvstore, pools, control, board, config.url, scaler,
+                            kvstores)  # fmt: skip
 
 
 def gateway_healthy(url: str, timeout_s: float = 1.0) -> bool:

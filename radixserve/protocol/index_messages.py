@@ -34,6 +34,9 @@ from radixserve.protocol.wire import field_spec as _spec
 
 # --- the kvstore: cluster-wide index of cached pages ---------------------------------
 
+#: the most kvstores the cache index is sharded over
+MAX_SHARDS = 64
+
 KV_EVENT_KINDS: frozenset[str] = frozenset({"stored", "removed", "cleared"})
 
 
@@ -67,13 +70,19 @@ class IndexQuery(Message):
     TYPE_TAG: ClassVar[str] = "index_query"
     query_id: str = field(metadata=_spec(REQUEST_ID))
     page_hashes: tuple[int, ...] = field(metadata=_spec(PAGE_HASHES))
+    # the index sharded over ``shards`` kvstores by page hash: answer for the hashes this
+    # one owns (``hash % shards == shard``), each worker's deepest page held among them
+    # (`GlobalIndex.deepest`); 1 shard: the leading run (`GlobalIndex.match`)
+    shard: int = field(default=0, metadata=_spec(IntSpec(0, MAX_SHARDS - 1)))
+    shards: int = field(default=1, metadata=_spec(IntSpec(1, MAX_SHARDS)))
 
 
 @dataclass(frozen=True)
 class IndexReply(Message):
     """Kvstore -> asker: leading pages of the query each worker holds on device (workers
-    with 0 left out), and ``host_pages``: leading pages any worker can load from the
-    kvstore's tiers (host memory, or disk, promoted through host memory)."""
+    with 0 left out; of a sharded query, up to each one's deepest page among the shard's),
+    and ``host_pages``: leading pages any worker can load from this kvstore's tiers (host
+    memory, or disk, promoted through host memory)."""
 
     TYPE_TAG: ClassVar[str] = "index_reply"
     query_id: str = field(metadata=_spec(REQUEST_ID))

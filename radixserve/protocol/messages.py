@@ -41,7 +41,9 @@ peer ignores them and serves the base model, whose `KVReady` (no fingerprint) a 
 of an adapter's request refuses. 6.2: a worker reads another's cached pages
 (`radixserve.protocol.peer_messages`: `PeerRead` / `PeerPages`; every worker's `HelloAck`
 carries its transfer metadata) and `CachedTokens` counts them (``peer``); a 6.1 worker
-refuses a `PeerRead`, which its reader computes. Every message's frame is checked against golden bytes
+refuses a `PeerRead`, which its reader computes. 6.3: the cache index sharded over several
+kvstores (`IndexQuery`: ``shard``, ``shards``); a 6.2 kvstore ignores them and answers each
+worker's leading run, never more than it holds. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -178,7 +180,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (6, 2)
+PROTOCOL_VERSION: tuple[int, int] = (6, 3)
 
 # --- handshake and liveness -----------------------------------------------------------
 

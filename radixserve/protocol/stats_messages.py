@@ -241,6 +241,9 @@ class DecodeSection(WireStruct):
     resumed_requests_total: int = counter("Streams moved here from another worker.")
     index_queries_total: int = counter("Questions to the kvstore's index.")
     index_misses_total: int = counter("Index questions not answered in time.")
+    index_partial_answers_total: int = counter(
+        "Index questions some shards of the index did not answer in time (a kvstore down)."
+    )
 
 
 @dataclass(frozen=True)

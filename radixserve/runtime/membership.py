@@ -1,9 +1,11 @@
 """How services find each other at run time: the kvstore's member registry, seen from
 the processes that route.
 
-Workers register with their kvstore; the processes that route (the gateway, decode
-workers) watch it (`WatchMembers`) and get every member of the roles they route to
-(`MemberList`) on every change and every few seconds. `MemberView` applies a list to
+Workers register with their kvstore (with every kvstore, when the cluster has one per
+node: each keeps the whole membership, so it outlives the loss of any one); the
+processes that route (the gateway, workers) watch it, or each (`WatchMembers`), and get
+every member of the roles they route to (`MemberList`) on every change and every few
+seconds. `MemberView` applies a list to
 their link sets: a listed member without a link gets one; a member listed as draining
 gets nothing new, at once; a discovered link whose member is no longer listed is
 dropped once it is down. Static addresses are never dropped, and since only links that
@@ -25,27 +27,52 @@ logger = logging.getLogger(__name__)
 
 
 class MemberView:
-    """The last member list of the kvstore, applied to one link set per watched role."""
+    """The last member list of each kvstore (several: the cluster has one per node, each
+    keeping the whole membership), applied as one to one link set per watched role."""
 
     def __init__(self, link_sets: Mapping[str, LinkSet], own: str = "") -> None:
         """``own``: this process's member name (it gets no link to itself)."""
         self._sets = dict(link_sets)
         self._own = own
         self._listed: dict[str, dict[str, MemberInfo]] = {role: {} for role in self._sets}
-        self.epoch = -1
-        self.version = -1
+        self._lists: dict[str, MemberList] = {}  # by the kvstore that sent it
 
     def watch(self) -> WatchMembers:
-        """The subscription to send the kvstore whenever the link to it comes up."""
+        """The subscription to send a kvstore whenever the link to it comes up."""
         return WatchMembers(tuple(sorted(self._sets)))
 
-    def apply(self, msg: MemberList) -> None:
-        """Bring the link sets in line with ``msg`` (see the module notes)."""
-        if msg.epoch == self.epoch and msg.version < self.version:
+    def apply(self, msg: MemberList, source: str = "") -> None:
+        """Bring the link sets in line with ``msg`` from the kvstore ``source`` and the
+        other kvstores' last lists (see the module notes)."""
+        last = self._lists.get(source)
+        if last is not None and msg.epoch == last.epoch and msg.version < last.version:
             return  # older than what we have
-        self.epoch, self.version = msg.epoch, msg.version
+        self._lists[source] = msg
+        self._sync()
+
+    def source_down(self, source: str) -> None:
+        """The kvstore ``source`` is down: its list no longer counts while another
+        kvstore's does (with none left, the last lists stand: nothing changes)."""
+        if source in self._lists and len(self._lists) > 1:
+            del self._lists[source]
+            self._sync()
+
+    def _members(self) -> list[MemberInfo]:
+        """Every member any list names, as of its newest registration (draining if any
+        list of that generation says so)."""
+        merged: dict[str, MemberInfo] = {}
+        for listing in self._lists.values():
+            for member in listing.members:
+                known = merged.get(member.name)
+                newer = known is None or member.generation > known.generation
+                if newer or (member.generation == known.generation and member.draining):
+                    merged[member.name] = member
+        return list(merged.values())
+
+    def _sync(self) -> None:
+        members = self._members()
         for role, links in self._sets.items():
-            listed = {m.address: m for m in msg.members
+            listed = {m.address: m for m in members
                       if m.role == role and m.name != self._own}  # fmt: skip
             self._listed[role] = listed
             for member in listed.values():

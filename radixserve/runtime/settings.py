@@ -231,9 +231,19 @@ class WorkerSettings(ServiceSettings, TransferSettings, KVEventsSettings):
         None,
         min_length=1,
         max_length=255,
-        description="Control address of the cluster's kvstore (tcp://host:port): the worker "
-        "registers there (so routers find it) and publishes its cache events; none = a "
-        "worker known only by static addresses.",
+        description="Control address of the cluster's kvstore (tcp://host:port), on a "
+        "cluster of several nodes this node's: the worker registers there (so routers find "
+        "it), publishes its cache events and uses its host tier; none = a worker known only "
+        "by static addresses.",
+    )
+    kvstores: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Control addresses of every kvstore of the cluster (one per node), in "
+        "the same order on every process: the cache index is sharded over them by page hash "
+        "and the worker registers with each, so losing one loses only its shard and its "
+        "node's host tier. Must include kvstore; empty = kvstore alone. From the "
+        "environment as a JSON list.",
     )
     tp: int | Literal["auto"] | None = Field(
         None,
@@ -328,3 +338,30 @@ class WorkerSettings(ServiceSettings, TransferSettings, KVEventsSettings):
     @classmethod
     def _tp_size(cls, value: object) -> object:
         return None if value is None else parse_tp(value)
+
+    @model_validator(mode="after")
+    def _check_kvstores(self) -> WorkerSettings:
+        check_kvstores(self.kvstore, self.kvstores, "KVSTORE")
+        return self
+
+    @property
+    def index_shards(self) -> list[str]:
+        """The kvstores the cache index is sharded over, in shard order."""
+        return kvstore_list(self.kvstore, self.kvstores)
+
+
+def kvstore_list(kvstore: str | None, kvstores: list[str]) -> list[str]:
+    """Every kvstore of the cluster in shard order: ``kvstores``, or the one ``kvstore``."""
+    return list(kvstores) if kvstores else [kvstore] if kvstore else []
+
+
+def check_kvstores(kvstore: str | None, kvstores: list[str], variable: str) -> None:
+    """ValueError unless ``kvstores`` (one per node, in shard order) are distinct and list
+    this node's ``kvstore``."""
+    if len(set(kvstores)) != len(kvstores):
+        raise ValueError(f"{variable}S lists a kvstore twice: {kvstores}")
+    if kvstores and kvstore is None:
+        raise ValueError(f"{variable}S needs {variable}: which of them is this node's")
+    if kvstores and kvstore not in kvstores:
+        raise ValueError(f"{variable} {kvstore!r} is not among {variable}S {kvstores}: "
+                         "list every kvstore of the cluster, this node's too")  # fmt: skip

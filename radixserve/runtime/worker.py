@@ -99,8 +99,8 @@ class Worker(Service):
         self.kvstore: LinkSet | None = None
         self.host: HostTierClient | None = None
         # the cache's events to the kvstore's index, and questions to it
-        self.index = IndexClient(self.name, self.generation, engine, self.kvstore_link,
-                                 self.counters, settings.kvstore_query_timeout_s)  # fmt: skip
+        self.index = IndexClient(self.name, self.generation, engine, self.counters,
+                                 settings.kvstore_query_timeout_s)  # fmt: skip
         self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
@@ -142,14 +142,17 @@ class Worker(Service):
             self._start_peer_reads()
         self.peer_links.watch()
         assert self.context is not None
+        # every kvstore of the cluster (the index's shards, in order); this node's first
+        # among equals: its host tier is the one this worker spills into and loads from
         self.kvstore = LinkSet(
             self.context,
-            [s.kvstore],
+            s.index_shards,
             self.identity(),
             on_message=self._from_kvstore,
             on_up=self._kvstore_up,
             on_down=self._kvstore_down,
         )
+        self.index.attach(self.kvstore.links, s.index_shards.index(s.kvstore))
         if info.prefix_cache:
             if s.host_tier:
                 self.host = HostTierClient(self.name, self.generation, s, self.engine,
@@ -231,12 +234,20 @@ class Worker(Service):
         return self.peer_links.view
 
     def kvstore_link(self) -> Link | None:
-        return self.kvstore.links[0] if self.kvstore else None
+        """The link to this node's kvstore (its host tier)."""
+        if self.kvstore is None or self.settings.kvstore is None:
+            return None
+        return self.kvstore.by_address(self.settings.kvstore)
 
-    async def _to_kvstore(self, msg: Message, timeout_ms: int = 0) -> None:
-        link = self.kvstore_link()
-        if link is not None and link.up and not await send_quietly(link, msg, timeout_ms):
-            logger.warning("%s: cannot reach the kvstore with %s", self.name, msg.TYPE_TAG)
+    async def _to_kvstore(
+        self, msg: Message, timeout_ms: int = 0, link: Link | None = None
+    ) -> None:
+        """``msg`` to ``link``, or to every kvstore that is up (membership is kept by each)."""
+        links = [link] if link is not None else self.kvstore.links if self.kvstore else []
+        sent = await asyncio.gather(*(send_quietly(each, msg, timeout_ms)
+                                      for each in links if each.up))  # fmt: skip
+        if not all(sent):
+            logger.warning("%s: cannot reach a kvstore with %s", self.name, msg.TYPE_TAG)
 
     def on_drain(self) -> None:
         self.spawn_notice(self._to_kvstore(Register(self.member())))
@@ -262,10 +273,12 @@ class Worker(Service):
         started), with the kvstore link up when there is a kvstore, and not draining."""
         ok, detail = super().health()
         ok = ok and self.agent is not None
-        if self.settings.kvstore:
-            link = self.kvstore_link()
-            detail["kvstore"] = "up" if link is not None and link.up else "down"
-            ok = ok and detail["kvstore"] == "up"
+        if self.kvstore is not None:  # ready while any kvstore is up: each keeps the members
+            up = [link.up for link in self.kvstore.links]
+            detail["kvstore"] = (
+                "up" if all(up) else f"{sum(up)} of {len(up)} up" if any(up) else "down"
+            )
+            ok = ok and any(up)
         return ok, detail
 
     def hello_ack(self) -> HelloAck:
@@ -286,17 +299,20 @@ class Worker(Service):
         )
 
     def _kvstore_up(self, link: Link) -> None:
-        self.spawn_notice(self._to_kvstore(Register(self.member())))
+        self.spawn_notice(self._to_kvstore(Register(self.member()), link=link))
         view = self.member_view()
         if view is not None:
-            self.spawn_notice(self._to_kvstore(view.watch()))
-        self.index.resync()
-        if self.host is not None:
+            self.spawn_notice(self._to_kvstore(view.watch(), link=link))
+        self.index.resync(link)
+        if self.host is not None and link is self.kvstore_link():
             self.host.on_up(link)
 
     def _kvstore_down(self, link: Link, why: str) -> None:
-        self.index.link_down()
-        if self.host is not None:
+        self.index.link_down(link)
+        view = self.member_view()
+        if view is not None:
+            view.source_down(link.address)
+        if self.host is not None and link is self.kvstore_link():
             self.host.on_down(link, why)
 
     def kvstore_handlers(self) -> Handlers:
@@ -310,13 +326,13 @@ class Worker(Service):
         if not dispatch(self._kvstore_handlers, link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
-    def _members(self, _link: Link, msg: MemberList) -> None:
+    def _members(self, link: Link, msg: MemberList) -> None:
         view = self.member_view()
         if view is not None:  # None: this worker does not watch the membership
-            view.apply(msg)
+            view.apply(msg, link.address)
 
-    def _resync(self, _link: Link, _msg: KVResync) -> None:
-        self.index.resync()
+    def _resync(self, link: Link, _msg: KVResync) -> None:
+        self.index.resync(link)
 
     def handlers(self) -> Handlers:
         return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit,

@@ -33,7 +33,7 @@ def build_client(settings: GatewaySettings, engine_settings: EngineSettings) -> 
     of ``settings.kvstore``, if either is set (only the tokenizer is loaded here; the
     workers' model identity is learned from them, `ClusterClient.root_namespace`), else
     an in-process engine built from ``engine_settings``."""
-    if settings.decode_workers or settings.kvstore:
+    if settings.decode_workers or settings.kvstore_list():
         from radixserve.model.model_files import open_model
         from radixserve.runtime.routing.cluster_client import ClusterClient
 

@@ -25,8 +25,8 @@ def main(overrides: dict[str, Any] | None = None) -> int:
     gateway_settings = GatewaySettings(**(overrides or {}))
     gateway_settings.require_secure()  # before the model's files are read
     client = build_client(gateway_settings, EngineSettings(**from_env))  # type: ignore[arg-type]
-    if gateway_settings.kvstore:
-        mode = f"the workers of the cluster at {gateway_settings.kvstore}"
+    if stores := gateway_settings.kvstore_list():
+        mode = f"the workers of the cluster at {', '.join(stores)}"
     elif gateway_settings.decode_workers:
         mode = f"{len(gateway_settings.decode_workers)} decode worker(s)"
     else:

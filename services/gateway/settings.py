@@ -181,7 +181,14 @@ class GatewaySettings(PeerSettings):
         min_length=1,
         max_length=255,
         description="Control address of the cluster's kvstore: where the gateway finds the "
-        "workers (membership) and the cache index for prefill routing.",
+        "workers (membership).",
+    )
+    kvstores: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Control addresses of every kvstore of a cluster with one per node: the "
+        "gateway watches the membership of each, so losing one loses no worker. From the "
+        "environment as a JSON list.",
     )
     max_migrations: int = Field(
         3,
@@ -369,6 +376,16 @@ class GatewaySettings(PeerSettings):
             raise ValueError(f"lora_dir {str(self.lora_dir)!r} is not a directory")
         return self
 
+    @model_validator(mode="after")
+    def _check_kvstores(self) -> GatewaySettings:
+        if len(set(self.kvstores)) != len(self.kvstores):
+            raise ValueError(f"RADIXSERVE_GATEWAY_KVSTORES lists a kvstore twice: {self.kvstores}")
+        return self
+
+    def kvstore_list(self) -> list[str]:
+        """Every kvstore whose membership the gateway watches: ``kvstores`` and ``kvstore``."""
+        return list(dict.fromkeys([*([self.kvstore] if self.kvstore else []), *self.kvstores]))
+
     @field_validator("api_key_file")
     @classmethod
     def _key_file_reads(cls, path: Path | None) -> Path | None:
@@ -417,7 +434,7 @@ class GatewaySettings(PeerSettings):
                 "RADIXSERVE_GATEWAY_API_KEYS_FILE), or pass --allow-unauthenticated "
                 "(RADIXSERVE_GATEWAY_ALLOW_UNAUTHENTICATED=true) to serve anyone who reaches it"
             )
-        links = [a for a in (self.kvstore, *self.decode_workers, *self.prefill_workers)
+        links = [a for a in (*self.kvstore_list(), *self.decode_workers, *self.prefill_workers)
                  if a and not is_loopback(dial_host(a))]  # fmt: skip
         require_secret(self.cluster_secret, links, "the gateway's cluster links")
 

@@ -156,7 +156,11 @@ class KVStoreService(Service):
         load from the kvstore's tiers."""
         hashes = list(msg.page_hashes)
         tier_pages = len(self.promotion.run(hashes)) if self.promotion is not None else 0
-        self._send_later(peer, IndexReply(msg.query_id, self.index.match(hashes), tier_pages))
+        if msg.shards > 1:  # one shard of the index: its hashes only
+            held = self.index.deepest(hashes, msg.shard, msg.shards)
+        else:
+            held = self.index.match(hashes)
+        self._send_later(peer, IndexReply(msg.query_id, held, tier_pages))
 
     def _register(self, peer: Peer, msg: Register) -> None:
         if self.registry.register(msg.member, peer.identity):

@@ -53,3 +53,24 @@ def test_dropping_a_worker_removes_only_its_entries():
     assert index.match([1, 2, 3]) == {"b": 2}
     assert index.num_pages == 2
     assert set(index.workers()) == {"b"}
+
+
+def test_shards_answer_each_workers_deepest_page_of_their_own_hashes():
+    """Two shards, each fed the hashes it owns (hash % 2): the greater of their answers
+    is the leading run the one unsharded index gives, and a lost shard costs only the
+    pages past the other's deepest, never a page the worker lacks."""
+    whole, shards = GlobalIndex(), [GlobalIndex(), GlobalIndex()]
+    held = {"decode-0": [10, 21, 32, 43, 54], "decode-1": [10, 21], "prefill-0": [10]}
+    for worker, hashes in held.items():
+        whole.apply(worker, 1, 1, "stored", hashes)
+        for s, shard in enumerate(shards):
+            shard.apply(worker, 1, 1, "stored", [h for h in hashes if h % 2 == s])
+    query = [10, 21, 32, 43, 54, 65]
+    answers = [shard.deepest(query, s, 2) for s, shard in enumerate(shards)]
+    merged = {w: max(a.get(w, 0) for a in answers) for w in held}
+    assert merged == whole.match(query) == {"decode-0": 5, "decode-1": 2, "prefill-0": 1}
+    # shard 1 (hashes 21, 43, 65) lost: shard 0 alone still gives decode-0's 5 pages
+    # (54 is its), decode-1 its first page only
+    assert answers[0] == {"decode-0": 5, "decode-1": 1, "prefill-0": 1}
+    # a shard answers only for the hashes it owns, whatever else it was sent
+    assert shards[1].deepest([10], 1, 2) == {}

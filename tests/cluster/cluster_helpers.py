@@ -121,6 +121,7 @@ class TestCluster(LocalCluster):
         transport: str = "nixl",
         num_prefill: int = 1,
         num_decode: int = 1,
+        nodes: int = 1,  # kvstores, one per node (workers spread over them)
         prefill_tp: int = 1,
         decode_tp: int = 1,
         decode: dict[str, str] | None = None,
@@ -136,6 +137,7 @@ class TestCluster(LocalCluster):
         config = ClusterConfig(
             num_prefill=num_prefill,
             num_decode=num_decode,
+            nodes=nodes,
             prefill_tp=prefill_tp,
             decode_tp=decode_tp,
             transport=transport,
@@ -220,12 +222,18 @@ def holds_nothing(debug_cache: dict[str, Any]) -> bool:
 
 
 def index_query(
-    cluster: TestCluster, prompt_ids: list[int], page: int = 16, adapter: str = ""
+    cluster: TestCluster,
+    prompt_ids: list[int],
+    page: int = 16,
+    adapter: str = "",
+    kvstore: str = "kvstore",
+    shard: tuple[int, int] = (0, 1),
 ) -> IndexReply | None:
     """Ask the kvstore which workers hold how many leading pages of ``prompt_ids`` on
     device, and how many its host tier holds (None if it does not answer within 2 s);
-    the pages of the LoRA adapter whose fingerprint is ``adapter``, if one is given."""
-    address = cluster.workers()["kvstore"]["address"]
+    the pages of the LoRA adapter whose fingerprint is ``adapter``, if one is given.
+    ``kvstore``: its name; ``shard``: which of how many shards of the index it is."""
+    address = cluster.workers()[kvstore]["address"]
     view = cluster.debug_cache()
     # the workers' `ModelIdentity`: the gateway's own view forgets it while no decode
     # worker is up (e.g. the only one was just killed); any worker that reports it names it
@@ -238,7 +246,7 @@ def index_query(
     try:
         with Channel.open(context, zmq.DEALER, address, bind=False) as channel:
             query_id = uuid.uuid4().hex
-            channel.send(IndexQuery(query_id, tuple(hashes)), timeout_ms=2000)
+            channel.send(IndexQuery(query_id, tuple(hashes), *shard), timeout_ms=2000)
             deadline = time.monotonic() + 2
             # the kvstore heartbeats a socket that has sent it anything: skip its beats
             while (wait_ms := int((deadline - time.monotonic()) * 1000)) > 0:

@@ -146,3 +146,39 @@ def test_a_process_that_stalled_past_the_peer_timeout_takes_its_links_down_and_r
     downs, ups = asyncio.run(scenario())
     assert len(downs) == 1 and "this process stalled for" in downs[0], downs
     assert ups == 2  # up again after a new hello
+
+
+def test_view_of_several_kvstores_is_their_union_and_outlives_one():
+    """A cluster with one kvstore per node: every kvstore lists every member; the view
+    takes the union (the newest generation of a name, draining if that one's list says
+    so), and a kvstore going down takes away its list but no member another lists."""
+    context = zmq.asyncio.Context()
+    decodes = _links(context, [])
+    view = MemberView({"decode": decodes})
+    a, b = "tcp://127.0.0.1:70", "tcp://127.0.0.1:71"
+    try:
+        view.apply(MemberList(1, 1, (member("d1", port=11),)), a)
+        view.apply(MemberList(5, 1, (member("d1", port=11), member("d2", port=12))), b)
+        assert {link.address for link in decodes.links} == {
+            "tcp://127.0.0.1:11", "tcp://127.0.0.1:12",
+        }  # fmt: skip
+        d1 = decodes.by_address("tcp://127.0.0.1:11")
+        assert d1 is not None
+        d1.up, d1.name, d1.generation = True, "d1", 1
+        # one kvstore says d1 drains: it gets nothing new
+        view.apply(MemberList(5, 2, (member("d1", port=11, draining=True),
+                                     member("d2", port=12))), b)  # fmt: skip
+        assert not d1.ready
+        # kvstore b goes down: d2, listed by b only and down, goes; d1 stays (a lists it)
+        view.source_down(b)
+        assert [link.address for link in decodes.links] == ["tcp://127.0.0.1:11"]
+        # the last kvstore going down changes nothing: serving goes on as it was
+        view.source_down(a)
+        assert [link.address for link in decodes.links] == ["tcp://127.0.0.1:11"]
+        # a's stale list (older version of its epoch) is ignored
+        view.apply(MemberList(1, 0, ()), a)
+        assert d1 in decodes.links
+    finally:
+        for link in decodes.links:
+            link.channel.close()
+        context.term()

@@ -102,6 +102,8 @@ class ClusterSettings(Protocol):
     max_migrations: int
     migration_wait_s: float
 
+    def kvstore_list(self) -> list[str]: ...
+
 
 class ClusterClient(EngineClient):
     """Serves through remote decode (and prefill) workers. Call `start` on the event loop."""
@@ -122,7 +124,7 @@ class ClusterClient(EngineClient):
         None (what `build_client` gives): learned from the first decode worker's
         `HelloAck` with its model identity (`LearnedGeometry`; the gateway loads no
         weights, so it cannot compute them), after which workers of another are refused."""
-        if not settings.decode_workers and not settings.kvstore:
+        if not settings.decode_workers and not settings.kvstore_list():
             raise ValueError(
                 "a cluster client needs decode worker addresses or a kvstore to find them"
             )
@@ -166,8 +168,8 @@ class ClusterClient(EngineClient):
                                 on_up=self._worker_up, on_down=self._prefill_down,
                                 pages=self.pages)  # fmt: skip
         self.view = MemberView({"decode": self.decodes, "prefill": self.prefills})
-        self.kvstore = LinkSet(context, [s.kvstore] if s.kvstore else [], me,
-                               on_message=self._from_kvstore, on_up=self._kvstore_up)  # fmt: skip
+        self.kvstore = LinkSet(context, s.kvstore_list(), me, on_message=self._from_kvstore,
+                               on_up=self._kvstore_up, on_down=self._kvstore_down)  # fmt: skip
         for links in self._link_sets():
             links.start()
 
@@ -442,10 +444,14 @@ class ClusterClient(EngineClient):
         if self.view is not None:
             self._background.spawn(send_quietly(link, self.view.watch()))
 
+    def _kvstore_down(self, link: Link, _why: str = "") -> None:
+        if self.view is not None:
+            self.view.source_down(link.address)
+
     def _from_kvstore(self, link: Link, msg: Message) -> None:
         if isinstance(msg, MemberList):
             if self.view is not None:
-                self.view.apply(msg)
+                self.view.apply(msg, link.address)
         else:
             self._unexpected(link, msg)
 
