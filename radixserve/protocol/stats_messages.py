@@ -199,6 +199,8 @@ class HostTierSection(WireStruct):
     host_lookups_total: int = counter("Lookups in the host tier.")
     host_lookup_timeouts_total: int = counter("Host-tier lookups not answered in time.")
     host_disk_leases_total: int = counter("Host-tier leases with pages still on disk.")
+    host_remote_loads_total: int = counter("Loads from another node's host tier.")
+    host_remote_load_pages_total: int = counter("Pages loaded from another node's host tier.")
     kv_identity_mismatch_total: int = mismatches()
     host_spill_buffer_free: int = gauge("Free pages of the spill buffer.")
     host_spill_refused_reads_total: int = counter("Reads of spill pages not offered.")

@@ -158,26 +158,32 @@ class HostTierClient:
         engine: AsyncEngine,
         agent: GroupAgent,
         device_hashes: Set[int],
+        spills: bool = True,
     ) -> None:
         """``agent`` is the worker's own (it reads host pages into the pool);
-        ``device_hashes`` its view of the page hashes its cache holds."""
+        ``device_hashes`` its view of the page hashes its cache holds. ``spills``: the
+        worker's evicted pages go to this kvstore (its node's); another node's kvstore
+        is only read from (its buffer is one page, never offered)."""
         self.name, self.generation, self.settings = name, generation, settings
         self.engine, self.agent, self.device_hashes = engine, agent, device_hashes
+        self.spills = spills
         geometry = engine.info.geometry
         kv = engine.info.kv  # (L, 2, P, page_size, H, D): H of rank 0 only, with TP
         self.page_bytes = geometry.page_bytes
         num_pages = max(1, settings.host_spill_buffer_mib * (1 << 20) // self.page_bytes)
+        if not spills:
+            num_pages = 1
         # whole pages, (L, 2, buffer pages, S, every KV head, D); with tensor parallelism
         # in a file every rank maps, each copying its heads of a spilled page
         shape = (kv.shape[0], 2, num_pages, kv.shape[3], geometry.num_kv_heads, kv.shape[5])
         self.buffer_path: str | None = None
-        if engine.info.kv_shard.size > 1:
+        if engine.info.kv_shard.size > 1 and spills:
             self.buffer_path, self.buffer = shared_buffer(shape, kv.dtype)
         else:
             self.buffer = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
         self.buffer_agent: KVTransferAgent = create_agent(
             settings.transfer_backend,
-            f"{name}.spill",
+            f"{name}.spill",  # the name the kvstore knows it by (`spill_agent_name`)
             self.buffer,
             geometry,
             nixl_progress_thread=settings.nixl_progress_thread,
@@ -234,7 +240,8 @@ class HostTierClient:
         are reused only after `_QUARANTINE_S`, past any deadline of its reads, in case
         it was only silent."""
         self.attached = self.settled = False
-        self.engine.listen_spills(None)
+        if self.spills:
+            self.engine.listen_spills(None)
         self.buffer_agent.revoke(link.name)
         held = [page for pages in self._outstanding.values() for page in pages]
         self._outstanding.clear()
@@ -286,8 +293,9 @@ class HostTierClient:
         self.disk_tier = ack.disk_tier
         self.attached = True
         # a (re)attached tier holds nothing of ours yet: listening starts afresh
-        self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses,
-                                  self.buffer, self.buffer_path)  # fmt: skip
+        if self.spills:
+            self.engine.listen_spills(self._on_spill, self.settings.host_write_through_uses,
+                                      self.buffer, self.buffer_path)  # fmt: skip
         logger.info("%s: attached to the host tier of %s (%d pages)", self.name, link.label,
                     ack.num_pages)  # fmt: skip
 

@@ -117,9 +117,15 @@ class IndexClient:
         """Leading pages of ``hashes`` each other worker holds on device, per every shard
         of the index that answers in time, and the leading pages this node's host tier
         holds (({}, 0) if no kvstore answers)."""
+        held, hosts = await self.lookup_tiers(hashes)
+        return held, hosts.get(self._home, 0)
+
+    async def lookup_tiers(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[int, int]]:
+        """`lookup`, with the leading pages of ``hashes`` each kvstore's host tier holds,
+        by shard (this node's is `home`)."""
         up = [i for i, link in enumerate(self._shards) if link.up]
         if not up or not hashes:
-            return {}, 0
+            return {}, {}
         self._counters["index_queries_total"] += 1
         query_id, count = uuid.uuid4().hex, len(self._shards)
         answers = await asyncio.gather(*(
@@ -130,7 +136,7 @@ class IndexClient:
         got = {i: a for i, a in zip(up, answers, strict=True) if a is not None}
         if not got:
             self._counters["index_misses_total"] += 1
-            return {}, 0
+            return {}, {}
         if len(got) < count:
             self._counters["index_partial_answers_total"] += 1
         held: dict[str, int] = {}
@@ -138,8 +144,12 @@ class IndexClient:
             for name, pages in answer.device_pages.items():
                 if name != self.name:
                     held[name] = max(held.get(name, 0), int(pages))
-        home = got.get(self._home)
-        return held, home.host_pages if home is not None else 0
+        return held, {i: answer.host_pages for i, answer in got.items()}
+
+    @property
+    def home(self) -> int:
+        """The shard of this node's kvstore."""
+        return self._home
 
     def answer(self, link: Link, msg: IndexReply) -> None:
         shard = self.shard_of(link)

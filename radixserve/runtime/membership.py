@@ -64,8 +64,11 @@ class MemberView:
         for listing in self._lists.values():
             for member in listing.members:
                 known = merged.get(member.name)
-                newer = known is None or member.generation > known.generation
-                if newer or (member.generation == known.generation and member.draining):
+                if (
+                    known is None
+                    or member.generation > known.generation
+                    or (member.generation == known.generation and member.draining)
+                ):
                     merged[member.name] = member
         return list(merged.values())
 

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,20 +129,14 @@ class PeerLease:
     until: float
 
 
-#: the index's answer: leading pages each worker holds on device, and the host tier's
-IndexLookup = Callable[[Sequence[int]], Awaitable[tuple[dict[str, int], int]]]
-
-
 class PeerReads:
     """This worker's reads of other workers' cached pages (see the module notes)."""
 
     def __init__(self, name: str, settings: WorkerSettings, engine: AsyncEngine,
-                 agent: GroupAgent, index_lookup: IndexLookup,
-                 links: Callable[[], Iterable[Link]]) -> None:  # fmt: skip
+                 agent: GroupAgent, links: Callable[[], Iterable[Link]]) -> None:  # fmt: skip
         self.name, self.settings, self.engine, self.agent = name, settings, engine, agent
         self.page_size = engine.info.page_size
         self.page_bytes = engine.info.geometry.page_bytes
-        self._index_lookup = index_lookup
         self._links = links
         # read id -> the owner's link and what waits on it (the answer to the ask, then
         # the read), ended with None if the link goes down
@@ -156,16 +150,18 @@ class PeerReads:
 
     async def plan(
         self, token_ids: Sequence[int], hashes: Sequence[int], device_pages: int,
-        cache_scope: str, adapter: str, fingerprint: str,
+        held: Mapping[str, int], host_pages: int, cache_scope: str, adapter: str,
+        fingerprint: str,
     ) -> tuple[HostPlan, PeerLease] | None:  # fmt: skip
         """Pages past the ``device_pages`` hit of the prompt ``token_ids`` (whose full
-        pages hash to ``hashes``) lent by the peer holding most of them, when that pays;
-        None otherwise. The caller admits with the plan, `read`s and `release`s."""
+        pages hash to ``hashes``) lent by the peer holding most of them (``held``: each
+        worker's run of them past that hit, per the index), when that is more than a host
+        tier holds (``host_pages``) and pays; None otherwise. The caller admits with the
+        plan, `read`s and `release`s."""
         size = self.page_size
         full = min(len(hashes), (len(token_ids) - 1) // size)  # never the last token
         if (full - device_pages) * size <= self.settings.host_load_min_tokens:
             return None
-        held, host_pages = await self._index_lookup(hashes[device_pages:full])
         links = {link.name: link for link in self._links() if link.up and link.ack is not None}
         owners = sorted(((n, name) for name, n in held.items() if name in links), reverse=True)
         if not owners:

@@ -97,7 +97,9 @@ class Worker(Service):
         self.page_size = engine.info.page_size
         self.agent: GroupAgent | None = None
         self.kvstore: LinkSet | None = None
-        self.host: HostTierClient | None = None
+        self.host: HostTierClient | None = None  # this node's kvstore's host tier
+        # the other nodes' host tiers, by their shard: read from, never spilled into
+        self.remote_hosts: dict[int, HostTierClient] = {}
         # the cache's events to the kvstore's index, and questions to it
         self.index = IndexClient(self.name, self.generation, engine, self.counters,
                                  settings.kvstore_query_timeout_s)  # fmt: skip
@@ -157,6 +159,11 @@ class Worker(Service):
             if s.host_tier:
                 self.host = HostTierClient(self.name, self.generation, s, self.engine,
                                            self.agent, self.index.cached_hashes)  # fmt: skip
+                for shard, link in enumerate(self.kvstore.links):
+                    if link.address != s.kvstore:
+                        self.remote_hosts[shard] = HostTierClient(
+                            self.name, self.generation, s, self.engine, self.agent,
+                            self.index.cached_hashes, spills=False)  # fmt: skip
             self.index.listen()
             self.run_in_background(self.index.publish())
         self._kvstore_handlers = self.kvstore_handlers()
@@ -186,7 +193,7 @@ class Worker(Service):
         for role in PEER_ROLES:
             self.peer_links.add(role, functools.partial(self._peer_link_set, role))
         self.peer_reads = PeerReads(self.name, self.settings, self.engine, self.agent,
-                                    self.index.lookup, self.peer_links.links)  # fmt: skip
+                                    self.peer_links.links)  # fmt: skip
 
     def _peer_link_set(self, role: str) -> LinkSet:
         assert self.context is not None
@@ -217,6 +224,8 @@ class Worker(Service):
             await self.kvstore.close()
         if self.host is not None:
             await self.host.close()
+        for remote in self.remote_hosts.values():
+            await remote.close()
         self.engine.close()
         if self.agent is not None:
             self.agent.close()
@@ -304,16 +313,25 @@ class Worker(Service):
         if view is not None:
             self.spawn_notice(self._to_kvstore(view.watch(), link=link))
         self.index.resync(link)
-        if self.host is not None and link is self.kvstore_link():
-            self.host.on_up(link)
+        host = self._host_tier_of(link)
+        if host is not None:
+            host.on_up(link)
 
     def _kvstore_down(self, link: Link, why: str) -> None:
         self.index.link_down(link)
         view = self.member_view()
         if view is not None:
             view.source_down(link.address)
-        if self.host is not None and link is self.kvstore_link():
-            self.host.on_down(link, why)
+        host = self._host_tier_of(link)
+        if host is not None:
+            host.on_down(link, why)
+
+    def _host_tier_of(self, link: Link) -> HostTierClient | None:
+        """The client of the host tier of the kvstore behind ``link`` (None: none)."""
+        if link is self.kvstore_link():
+            return self.host
+        shard = self.index.shard_of(link)
+        return self.remote_hosts.get(shard) if shard is not None else None
 
     def kvstore_handlers(self) -> Handlers:
         """Hook: the handler of each type of `WorkerFromKVStore`, and the host tier's (a
@@ -323,6 +341,9 @@ class Worker(Service):
                 **host}  # fmt: skip
 
     def _from_kvstore(self, link: Link, msg: Message) -> None:
+        host = self._host_tier_of(link)
+        if host is not None and host is not self.host and host.on_message(link, msg):
+            return  # another node's host tier answering
         if not dispatch(self._kvstore_handlers, link, msg):
             logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
 
@@ -521,20 +542,35 @@ class Worker(Service):
         self, known: list[int], hashes: Sequence[int] | None, cache_scope: str, adapter: str,
         request_id: str,
     ) -> PrefixLoad | None:  # fmt: skip
-        """The prefix of ``known`` past the device hit that a peer lends (when one holds
-        more than the host tier), else the host tier's lease of it; None if neither."""
+        """The prefix of ``known`` past the device hit from where most of it is: a peer's
+        device cache, when one holds more than this node's host tier (`PeerReads.plan`);
+        else this node's host tier, or another node's when it holds more (per the index);
+        None if none has enough. The index is asked only when a peer or another node
+        could serve."""
         if self.host is None and self.peer_reads is None:
             return None
         if hashes is None:
             hashes = self.page_hashes(known, (), cache_scope, adapter)
-        if self.peer_reads is not None:
-            peer = await self.peer_reads.plan(known, hashes, self.index.device_hit(hashes),
-                                              cache_scope, adapter,
-                                              self.adapter_fingerprint(adapter))  # fmt: skip
-            if peer is not None:
-                return peer_load(self.peer_reads, *peer)
-        planned = await self.host.plan(request_id, known, hashes) if self.host else None
-        return host_load(self.host, *planned) if self.host and planned else None
+        host = self.host
+        device_pages = self.index.device_hit(hashes)
+        full = min(len(hashes), (len(known) - 1) // self.page_size)  # never the last token
+        missing = (full - device_pages) * self.page_size
+        if missing > self.settings.host_load_min_tokens and (self.peer_reads or self.remote_hosts):
+            held, hosts = await self.index.lookup_tiers(hashes[device_pages:full])
+            remote = max(((pages, shard) for shard, pages in hosts.items()
+                          if shard in self.remote_hosts and self.remote_hosts[shard].attached),
+                         default=(0, -1))  # fmt: skip
+            if self.peer_reads is not None:  # a peer's device pages over another node's host
+                peer = await self.peer_reads.plan(known, hashes, device_pages, held,
+                                                  hosts.get(self.index.home, 0),
+                                                  cache_scope, adapter,
+                                                  self.adapter_fingerprint(adapter))  # fmt: skip
+                if peer is not None:
+                    return peer_load(self.peer_reads, *peer)
+            if remote[0] > hosts.get(self.index.home, 0):
+                host = self.remote_hosts[remote[1]]
+        planned = await host.plan(request_id, known, hashes) if host else None
+        return host_load(host, *planned) if host and planned else None
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()
@@ -560,6 +596,14 @@ class Worker(Service):
             kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
         )  # fmt: skip
         host = self.host.stats() if self.host is not None else None
+        if host is not None and self.remote_hosts:  # loads from other nodes' host tiers
+            remote = [r.stats() for r in self.remote_hosts.values()]
+            host = dataclasses.replace(
+                host,
+                host_remote_loads_total=sum(r.host_loads_total for r in remote),
+                host_remote_load_pages_total=sum(r.host_load_pages_total for r in remote),
+                host_lookups_total=host.host_lookups_total + sum(r.host_lookups_total for r in remote),
+            )  # fmt: skip
         peer = self.peer_reads.stats(self.lending) if self.peer_reads is not None else None
         counts = engine.lora_counts
         loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],

@@ -129,6 +129,41 @@ def test_a_drained_workers_conversation_continues_on_the_other_node_from_its_pag
     cluster.wait_clean()
 
 
+def test_a_prefix_in_another_nodes_host_tier_is_read_from_there(two_nodes, tiny_reference_chat):
+    """Its owner stalled (SIGSTOP: its device pages out of reach), a conversation's next
+    request goes to the other node's worker, which finds the prefix in the owner's node's
+    host tier (written through) and reads it from there instead of computing it."""
+    cluster = two_nodes
+    cluster.wait(lambda: all(cluster.worker(w)["up"] for w in DECODES), 120, "both decodes up")
+    before = {w: _stat(cluster, w, "local_prefills_total") for w in DECODES}
+    stored = {k: _stat(cluster, k, "host_stored_pages_total") for k in KVSTORES}
+    messages = _conversation(uuid.uuid4().hex[:8], 1)
+    first = cluster.ask(messages, MAX_TOKENS)
+    owner = _owner(cluster, before)
+    reader = DECODES[1 - DECODES.index(owner)]
+    home, remote = KVSTORES[DECODES.index(reader)], KVSTORES[DECODES.index(owner)]
+    full = first["usage"]["prompt_tokens"] // PAGE - 1
+    cluster.wait(lambda: _stat(cluster, remote, "host_stored_pages_total") - stored[remote]
+                 >= full, 15, f"{owner}'s prompt written through to {remote}")  # fmt: skip
+    hits = {k: _stat(cluster, k, "host_hit_pages_total") for k in KVSTORES}
+    loads = _stat(cluster, reader, "host_remote_loads_total")
+    pid = cluster.supervisor.pid(owner)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cluster.wait(lambda: not cluster.worker(owner)["up"], 30, f"{owner} out of reach")
+        answer = cluster.ask(messages, MAX_TOKENS)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert cached(answer) >= 0.9 * answer["usage"]["prompt_tokens"], answer["usage"]
+    assert answer["choices"][0]["message"]["content"] == tiny_reference_chat(messages, MAX_TOKENS)
+    assert _stat(cluster, reader, "host_remote_loads_total") == loads + 1
+    assert _stat(cluster, remote, "host_hit_pages_total") - hits[remote] >= full
+    assert _stat(cluster, home, "host_hit_pages_total") == hits[home]
+    cluster.wait(lambda: cluster.worker(owner)["up"], 60, f"{owner} back")
+    cluster.wait_clean()
+
+
 def test_a_kvstore_killed_mid_traffic_loses_no_request_and_comes_back_whole(
     two_nodes, tiny_reference_chat
 ):
