@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -29,6 +30,14 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _problem(error: Any) -> str:
+    """One validation error: the setting it is about (none for one across settings) and
+    the message, without pydantic's "Value error, " prefix."""
+    where = ".".join(map(str, error["loc"]))
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", None))
@@ -38,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(_problem(e) for e in exc.errors())
         print(f"error: invalid setting: {problems}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -341,7 +341,8 @@ class WorkerSettings(ServiceSettings, TransferSettings, KVEventsSettings):
 
     @model_validator(mode="after")
     def _check_kvstores(self) -> WorkerSettings:
-        check_kvstores(self.kvstore, self.kvstores, "KVSTORE")
+        prefix = str(self.model_config.get("env_prefix") or "").upper()
+        check_kvstores(self.kvstore, self.kvstores, f"{prefix}KVSTORE")
         return self
 
     @property

@@ -87,3 +87,39 @@ def test_loopback_is_what_reaches_this_machine_only() -> None:
     with pytest.raises(InsecureBindError, match=r"10\.1\.2\.3 \(transfer_host\)"):
         ServiceSettings(transfer_host="10.1.2.3").require_secure("decode")
     ServiceSettings(host="0.0.0.0", cluster_secret=SECRET).require_secure("decode")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://b:1"]'},
+            "needs RADIXSERVE_DECODE_KVSTORE",
+        ),
+        (
+            {
+                "RADIXSERVE_DECODE_KVSTORE": "tcp://c:1",
+                "RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://b:1"]',
+            },
+            "is not among",
+        ),  # fmt: skip
+        (
+            {
+                "RADIXSERVE_DECODE_KVSTORE": "tcp://a:1",
+                "RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://a:1"]',
+            },
+            "twice",
+        ),  # fmt: skip
+    ],
+)
+def test_a_worker_refuses_a_kvstore_list_without_its_own_node(env, expected) -> None:
+    """One kvstore per node: the list names each once, this node's among them."""
+    result = run("decode", "--check-config", env=env)
+    assert result.returncode != 0
+    assert expected in result.stderr + result.stdout
+
+
+def test_up_refuses_nodes_without_the_kvstore() -> None:
+    result = run("up", "--nodes", "2", "--no-kvstore")
+    assert result.returncode != 0
+    assert "--nodes needs the kvstore" in result.stderr
