@@ -56,7 +56,7 @@ test: $(STAMP)
 # LoRA override is merged by docker-compose itself (tests/deploy/test_lora_files.py).
 test-docker: $(STAMP)
 	$(BIN)/python -m pytest -m benchmark -s tests/deploy/test_compose_run.py \
-		tests/deploy/test_docker.py tests/deploy/test_lora_files.py $(PYTEST_ARGS)
+		tests/deploy/test_docker.py tests/deploy/test_docker_nodes.py tests/deploy/test_lora_files.py $(PYTEST_ARGS)
 
 # The gateway's /explorer page in headless Chromium (Debian's chromium; .ci/browser-up
 # installs it as root) on a real cluster (tests marked browser). RADIXSERVE_BROWSER_ARTIFACTS
