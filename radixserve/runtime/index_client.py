@@ -19,6 +19,7 @@ is unreachable is dropped; that kvstore resyncs the worker when the link returns
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ from radixserve.engine.async_engine import AsyncEngine
 from radixserve.protocol import IndexQuery, IndexReply, KVEvent
 from radixserve.runtime.calls import Replies
 from radixserve.runtime.links import Link
+
+logger = logging.getLogger(__name__)
 
 #: one cache event: its kind, its page hashes, and the one shard it is for (None: each its own)
 _Event = tuple[str, list[int], int | None]
@@ -49,8 +52,10 @@ class IndexClient:
         # hashes of the pages in the engine's radix cache, as of the last event published
         self.cached_hashes: set[int] = set()
 
-    def attach(self, shards: Sequence[Link], home: int) -> None:
-        """The kvstores' links in shard order, and which is this node's."""
+    def attach(self, name: str, shards: Sequence[Link], home: int) -> None:
+        """This worker's member name (known once its port is bound), the kvstores' links
+        in shard order, and which is this node's."""
+        self.name = name
         self._shards, self._home = list(shards), home
         self._seq = [0] * len(shards)
         self._replies = [Replies() for _ in shards]
@@ -96,7 +101,11 @@ class IndexClient:
                 own = hashes if count == 1 or kind == "cleared" else [
                     h for h in hashes if h % count == shard]  # fmt: skip
                 if own or kind == "cleared" or count == 1:
-                    await self._send(shard, kind, own)
+                    try:
+                        await self._send(shard, kind, own)
+                    except Exception:  # the loop must go on: a lost event resyncs
+                        logger.exception("%s: cache event not sent", self.name)
+                        self._counters["kv_events_dropped_total"] += 1
 
     async def _send(self, shard: int, kind: str, hashes: list[int]) -> None:
         self._seq[shard] += 1

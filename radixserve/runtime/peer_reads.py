@@ -319,8 +319,10 @@ class PeerLinks:
             self.sets[role].start()
             self._made.append(self.sets[role])
 
-    def watch(self) -> None:
-        """Let the membership keep the sets from now on."""
+    def watch(self, name: str) -> None:
+        """Let the membership keep the sets from now on; ``name``: this worker's member
+        name (known once its port is bound), which gets no link."""
+        self.name = name
         if self.sets:
             self.view = MemberView(self.sets, own=self.name)
 

@@ -142,7 +142,7 @@ class Worker(Service):
             return
         if s.peer_reads and info.prefix_cache:
             self._start_peer_reads()
-        self.peer_links.watch()
+        self.peer_links.watch(self.name)
         assert self.context is not None
         # every kvstore of the cluster (the index's shards, in order); this node's first
         # among equals: its host tier is the one this worker spills into and loads from
@@ -154,7 +154,7 @@ class Worker(Service):
             on_up=self._kvstore_up,
             on_down=self._kvstore_down,
         )
-        self.index.attach(self.kvstore.links, s.index_shards.index(s.kvstore))
+        self.index.attach(self.name, self.kvstore.links, s.index_shards.index(s.kvstore))
         if info.prefix_cache:
             if s.host_tier:
                 self.host = HostTierClient(self.name, self.generation, s, self.engine,

@@ -182,6 +182,10 @@ def walk_the_cluster(run: ComposeRun) -> None:
         served = value(samples(scrape(p)), "radixserve_worker_prefill_requests_total")
         assert served >= 1, f"{p.name} served no prefill"
     run.wait(lambda: holds_nothing(client.get("/debug/cache").json()), 30, "nothing held")
+    # the workers (named by default: role, host, port) are in the kvstore's index under
+    # the names they registered with
+    index = workers()["kvstore"]
+    assert index["index_workers"] == 3 and index["index_pages"] > 0, index
     # 4b. the internal plane is keyed by the cluster secret
     kvstore = next(c for c in run.containers if c.service == "kvstore")
     outsiders_are_refused(run, workers, decode, kvstore)
