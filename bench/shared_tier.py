@@ -30,7 +30,13 @@ index's latency: ``IndexQuery`` round trips, one after another on one DEALER soc
 the last turn-4 prompt's page hashes (one index shard: the one kvstore). The table gives
 each conversation, the medians, the ratios peer / local hit and peer / recompute and the
 share of the prompt cached on the peer turn, beside the judged targets (printed, not
-asserted), and peer / undrained. JSON goes to ``--out`` (default ``bench/results/shared-tier[-quick].json``).
+asserted), and peer / undrained.
+
+Then the same across nodes (`radixserve.bench.shared_tier_nodes`): a cluster of two nodes
+(a kvstore each) where the drained conversation is read from the other node, the host
+tier's hits from the local and from the remote node beside a recompute, and the index's
+latency over 1 and 3 kvstores. JSON goes to ``--out`` (default
+``bench/results/shared-tier[-quick].json``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ from radixserve.bench.gateway_chat import QUESTIONS, stream_turn, system_prompt
 from radixserve.bench.local_cluster import LocalCluster, metric_value
 from radixserve.bench.peer_report import write_json
 from radixserve.bench.report import percentile
+from radixserve.bench.shared_tier_nodes import (
+    host_tier_pair,
+    index_shards,
+    prompt_hashes,
+    two_node_config,
+)
 from radixserve.cache.block_hash import hash_namespace, page_hashes
 from radixserve.launch.cluster import ClusterConfig
 from radixserve.model.identity import ModelIdentity
@@ -259,17 +271,22 @@ def _own_turn(cluster: LocalCluster, client: httpx.Client) -> dict[str, Any]:
     return _traced_turn(cluster, client, conversation(tag, answers, 4), PROBE_TOKENS)
 
 
+def served_identity(cluster: LocalCluster) -> ModelIdentity:
+    """The identity of the weights the cluster serves (its pages' hash namespace)."""
+    view = cluster.debug_cache()
+    cards = [view.get("model_identity")] + [w.get("model_identity")
+                                            for w in view["workers"].values()]  # fmt: skip
+    card = next(c for c in cards if c and "weights" in c)
+    return ModelIdentity(card["weights"], card["quantization"], card["dtype"], card["adapter"])
+
+
 def index_latency(
     cluster: LocalCluster, model: str, messages: list[dict[str, str]], round_trips: int
 ) -> dict[str, Any]:
     """``round_trips`` `IndexQuery` round trips for the page hashes of ``messages``'
     prompt, one after another on one socket (one untimed first); their latency."""
-    view = cluster.debug_cache()
-    address = view["workers"]["kvstore"]["address"]
-    cards = [view.get("model_identity")] + [w.get("model_identity")
-                                            for w in view["workers"].values()]  # fmt: skip
-    card = next(c for c in cards if c and "weights" in c)
-    identity = ModelIdentity(card["weights"], card["quantization"], card["dtype"], card["adapter"])
+    address = cluster.debug_cache()["workers"]["kvstore"]["address"]
+    identity = served_identity(cluster)
     ids = open_model(model).tokenizer.encode_chat(messages)
     hashes = tuple(page_hashes(ids, PAGE, hash_namespace(identity.key)))
     context = zmq.Context()
@@ -328,9 +345,26 @@ def run_shared_tier_bench(
         for n in range(count):
             rows.append(_one_conversation(cluster, c, n))
         index = index_latency(cluster, model, rows[-1]["messages"], round_trips)
-    for row in rows:
+        identity = served_identity(cluster)
+    print("shared-tier bench: two nodes (a kvstore each, decode-0 and decode-1 apart) ...",
+          file=sys.stderr)  # fmt: skip
+    nodes = two_node_config(model, transport, LINGER_S)
+    other: list[dict[str, Any]] = []
+    hosts: list[dict[str, Any]] = []
+    with LocalCluster(nodes) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
+        _warm_up(cluster, c)
+        for n in range(count):
+            other.append(_one_conversation(cluster, c, n))
+        for _ in range(count):
+            hosts.append(host_tier_pair(cluster, c, conversation(_tag(), [], 1),
+                                        conversation(_tag(), [], 1), PROBE_TOKENS))  # fmt: skip
+    print("shared-tier bench: the index over 1 and 3 kvstores ...", file=sys.stderr)
+    shards = index_shards(prompt_hashes(model, identity, rows[-1]["messages"]), (1, 3),
+                          round_trips)  # fmt: skip
+    for row in rows + other:
         del row["messages"]
     result = summarise(rows, index, preset, model, transport)
+    result["other_node"] = summarise_other_node(other, hosts, shards)
     print(format_table(result))
     out = Path(out_path or f"bench/results/shared-tier{'-quick' if quick else ''}.json")
     write_json(result, out)
@@ -372,6 +406,55 @@ def summarise(
     }
 
 
+def summarise_other_node(
+    other: list[dict[str, Any]], hosts: list[dict[str, Any]], shards: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The two-node part: the drained conversation read from the other node, the host
+    tier's hits from the local and the remote node, and the index over 1 and 3 shards."""
+
+    def median(rows: list[dict[str, Any]], key: str) -> float:
+        return float(statistics.median(row[key] for row in rows))
+
+    peer = {k: median(other, f"{k}_ttft_ms") for k in ("peer", "local", "recompute")}
+    host = {k: median(hosts, f"{k}_ttft_ms") for k in ("remote", "local", "recompute")}
+    return {
+        "peer_rows": other,
+        "peer_median_ms": peer,
+        "peer_over_local": peer["peer"] / peer["local"],
+        "peer_over_recompute": peer["peer"] / peer["recompute"],
+        "peer_cached_share": min(
+            r["peer_cached_tokens"] / max(1, r["prompt_tokens"]) for r in other
+        ),  # fmt: skip
+        "host_rows": hosts,
+        "host_median_ms": host,
+        "remote_over_local_host": host["remote"] / host["local"],
+        "remote_host_over_recompute": host["remote"] / host["recompute"],
+        "index_shards": shards,
+    }
+
+
+def format_other_node(o: dict[str, Any]) -> list[str]:
+    peer, host = o["peer_median_ms"], o["host_median_ms"]
+    lines = [
+        "",
+        "### Two nodes (a kvstore each; decode-0 and decode-1 on different nodes)",
+        "",
+        f"peer read from the other node: median {peer['peer']:.0f} ms, local hit "
+        f"{peer['local']:.0f} ms, recompute {peer['recompute']:.0f} ms; peer / local hit = "
+        f"{o['peer_over_local']:.2f}, peer / recompute = {o['peer_over_recompute']:.3f}, "
+        f"{100 * o['peer_cached_share']:.0f} % of the prompt cached at least",
+        f"host-tier hit: remote node {host['remote']:.0f} ms, local node {host['local']:.0f} ms, "
+        f"recompute {host['recompute']:.0f} ms; remote / local = "
+        f"{o['remote_over_local_host']:.2f}, remote / recompute = "
+        f"{o['remote_host_over_recompute']:.3f}",
+    ]
+    for q in o["index_shards"]:
+        lines.append(f"index over {q['shards']} shard(s), every shard asked at once: median "
+                     f"{q['median_ms']:.2f} ms, p90 {q['p90_ms']:.2f} ms "
+                     f"({q['round_trips']} round trips, {q['hashes']} page hashes)")  # fmt: skip
+    return lines
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
@@ -410,4 +493,6 @@ def format_table(r: dict[str, Any]) -> str:
         f"index query, {q['shards']} shard: median {q['median_ms']:.2f} ms, p90 "
         f"{q['p90_ms']:.2f} ms ({q['round_trips']} round trips, {q['hashes']} page hashes)",
     ]
+    if "other_node" in r:
+        lines += format_other_node(r["other_node"])
     return "\n".join(lines)

@@ -63,18 +63,21 @@ class _ChannelBase:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         keys: ClusterKeys | None = None,
         use_fd: int | None = None,
+        connect: bool = True,
     ) -> _C:
         """A channel on a new socket bound (``bind``) or connected to ``address``; pass a
         `zmq.asyncio.Context` for an `AsyncChannel`. ``use_fd``: bind by serving on this
         listening TCP socket's descriptor (ZMQ's ``USE_FD``; the socket closes it) rather
-        than binding ``address``'s port (`radixserve.launch.listeners`)."""
+        than binding ``address``'s port (`radixserve.launch.listeners`). ``connect``
+        False: not connected yet (the caller connects the socket to an endpoint it
+        resolved itself)."""
         socket = context.socket(socket_type)
         try:
             if keys is not None:
                 keys.secure(socket, bind)
             if use_fd is not None:
                 socket.setsockopt(zmq.USE_FD, use_fd)
-            _configure(socket, address, bind, identity, max_frame_bytes)
+            _configure(socket, address, bind, identity, max_frame_bytes, connect)
             return cls(socket, max_frame_bytes=max_frame_bytes)
         except BaseException:
             socket.close(linger=0)
@@ -281,6 +284,7 @@ def _configure(
     bind: bool,
     identity: bytes | None,
     max_frame_bytes: int,
+    connect: bool = True,
 ) -> None:
     """Apply the channel's socket options, then bind or connect to ``address``."""
     kind = int(socket.type)
@@ -296,5 +300,5 @@ def _configure(
         socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if bind:
         socket.bind(address)
-    else:
+    elif connect:
         socket.connect(address)

@@ -36,14 +36,23 @@ Contracts:
   and dropped. Callbacks run on the event loop and must not block.
 - ZMQ reconnects by itself; a message sent while a worker is down waits in the socket
   until it is back, so callers only send requests on links that are up.
+- An address by host name (``tcp://kvstore-a:7000``) is resolved here, off the event loop
+  (`_resolve`), and the socket connected to the address it resolves to; while the link is
+  down the name is resolved again every ``_RESOLVE_EVERY_S`` and the socket moved if the
+  address changed (a restarted pod). ZMQ never sees the name: it resolves names on its
+  I/O thread, shared by every socket of the process, so one name that takes seconds to
+  fail (a stopped container's, behind a DNS that forwards and times out) would stall
+  every link of the process on each reconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +78,24 @@ from radixserve.transfer.shards import tp_pair_error
 
 logger = logging.getLogger(__name__)
 
+_RESOLVE_EVERY_S = 2.0  # how often a down link's host name is resolved again
+
+
+def _host_name(address: str) -> tuple[str, int] | None:
+    """(host, port) of a ``tcp://host:port`` address whose host is a name, not an IP
+    literal; None for anything else (ZMQ connects those without resolving)."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or host == "*":
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host, int(port)
+    return None
+
 
 async def monitor_socket(
     socket: zmq.asyncio.Socket, events: int, on_event: Callable[[int], None]
@@ -91,6 +118,7 @@ class Link:
 
     address: str
     channel: AsyncChannel
+    endpoint: str = ""  # what the socket is connected to ("" for a name not resolved yet)
     name: str = ""
     role: str = ""
     generation: int = -1
@@ -267,8 +295,8 @@ class LinkSet:
         self._on_message, self._on_up, self._on_down = on_message, on_up, on_down
         self.control: dict[type[Message], Callable[[Link, Any], None]] = {
             HelloAck: self._acked, Heartbeat: self._beat}  # fmt: skip
-        # id(link) -> its receive task and its socket monitor task
-        self._tasks: dict[int, tuple[asyncio.Task, asyncio.Task]] = {}
+        # id(link) -> its receive task, its socket monitor task and, by name, its resolver
+        self._tasks: dict[int, tuple[asyncio.Task, ...]] = {}
         self._tick_task: asyncio.Task | None = None
         self._started = False
         for address in addresses:
@@ -296,8 +324,10 @@ class LinkSet:
         known = self.by_address(address)
         if known is not None:
             return known
-        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False, keys=self._keys)
-        link = Link(address, channel, discovered=discovered)
+        named = _host_name(address) is not None  # connected once resolved (`_resolve`)
+        channel = AsyncChannel.open(self._context, zmq.DEALER, address, bind=False,
+                                    keys=self._keys, connect=not named)  # fmt: skip
+        link = Link(address, channel, endpoint="" if named else address, discovered=discovered)
         self.links.append(link)
         if self._started:
             self._watch(link)
@@ -307,8 +337,10 @@ class LinkSet:
         # the link goes down the moment its TCP connection closes
         closed = monitor_socket(link.channel.socket, zmq.EVENT_DISCONNECTED,
                                 lambda _: self.mark_down(link, "its connection closed"))  # fmt: skip
-        self._tasks[id(link)] = (asyncio.create_task(self._receive(link)),
-                                 asyncio.create_task(closed))  # fmt: skip
+        tasks = [asyncio.create_task(self._receive(link)), asyncio.create_task(closed)]
+        if (named := _host_name(link.address)) is not None:
+            tasks.append(asyncio.create_task(self._resolve(link, *named)))
+        self._tasks[id(link)] = tuple(tasks)
 
     def remove(self, link: Link, why: str) -> None:
         """Drop ``link`` for good (its worker left the cluster): down first if it was up,
@@ -342,6 +374,36 @@ class LinkSet:
         logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
         if self._on_down is not None:
             self._on_down(link, why)
+
+    async def _resolve(self, link: Link, host: str, port: int) -> None:
+        """Keep ``link``'s socket connected to the address its host name resolves to:
+        resolved off the event loop now and, while the link is down, every
+        ``_RESOLVE_EVERY_S`` (one resolution at a time, however long it takes)."""
+        loop = asyncio.get_running_loop()
+        while link in self.links:
+            if not link.up:
+                try:
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except OSError as exc:
+                    logger.debug("cannot resolve %s for %s: %s", host, link.address, exc)
+                    infos = []
+                if infos and link in self.links:
+                    self._connect(link, str(infos[0][4][0]), port)
+            await asyncio.sleep(_RESOLVE_EVERY_S)
+
+    @staticmethod
+    def _connect(link: Link, ip: str, port: int) -> None:
+        endpoint = f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+        if endpoint == link.endpoint or link.channel.closed:
+            return
+        sock = link.channel.socket
+        if link.endpoint:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disconnect(link.endpoint)
+            logger.info("worker %s at %s moved: %s -> %s", link.label, link.address,
+                        link.endpoint, endpoint)  # fmt: skip
+        sock.connect(endpoint)
+        link.endpoint = endpoint
 
     async def _receive(self, link: Link) -> None:
         while link in self.links:

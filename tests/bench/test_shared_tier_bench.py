@@ -6,7 +6,9 @@ conversation continued on the other decode worker from the peer tier (at least 9
 the prompt cached, counted under ``tier="peer"``, pages read by that worker), the local
 hit hit the device, the recompute cached nothing, the undrained control's turn 4 had
 its prefix cached, and the kvstore answered the index queries (naming the worker that
-holds the prompt). It runs the tiny random model (``--model``): the paths are the
+holds the prompt); then the two-node part: the conversation read from the other node,
+host-tier hits from the remote and the local node's tier, the index over 1 and 3
+kvstores. It runs the tiny random model (``--model``): the paths are the
 subject, not the model's text. The table and flag checks run in `make test`; the
 end-to-end run is a `benchmark` (`make bench-test`, ~30 s on 2 cores).
 """
@@ -56,6 +58,20 @@ def test_shared_tier_bench_quick(tmp_path: Path, capsys, tiny_model: str) -> Non
     # the index knows who holds the prompt now: the reader, most of it on device
     assert index["device_pages"].get(row["reader"], 0) >= 0.9 * index["hashes"]
     assert "peer / local hit" in capsys.readouterr().out
+    # two nodes: the drained conversation read from the other node's worker; the host
+    # tier's hits from the other node's tier and from the worker's own; the index over 1
+    # and 3 kvstores
+    nodes = result["other_node"]
+    (peer,) = nodes["peer_rows"]
+    assert peer["peer_cached_tokens"] >= 0.9 * peer["prompt_tokens"], peer
+    assert peer["peer_read_pages"] * 16 >= peer["peer_tier_tokens"] >= 0.9 * peer["prompt_tokens"]
+    (host,) = nodes["host_rows"]
+    assert host["remote_loads"] == 1
+    assert host["remote_host_tokens"] >= 0.9 * host["prompt_tokens"], host
+    assert host["local_host_tokens"] >= 0.9 * host["prompt_tokens"], host
+    assert host["recompute_cached_tokens"] == 0
+    assert [q["shards"] for q in nodes["index_shards"]] == [1, 3]
+    assert all(q["median_ms"] > 0 for q in nodes["index_shards"])
 
 
 def test_the_table_reports_ratios_beside_the_targets() -> None:
@@ -83,3 +99,20 @@ def test_the_table_reports_ratios_beside_the_targets() -> None:
 def test_flags_the_scenario_does_not_take_are_refused_by_name(capsys, flags) -> None:
     assert main(["bench", "--scenario", "shared-tier", *flags]) != 0
     assert flags[0] in capsys.readouterr().err
+
+
+def test_the_two_node_part_reports_its_ratios() -> None:
+    from radixserve.bench.shared_tier import format_other_node, summarise_other_node
+
+    peer = {"peer_ttft_ms": 330.0, "local_ttft_ms": 300.0, "recompute_ttft_ms": 6600.0,
+            "peer_cached_tokens": 3000, "prompt_tokens": 3100}  # fmt: skip
+    host = {"remote_ttft_ms": 400.0, "local_ttft_ms": 320.0, "recompute_ttft_ms": 6400.0}
+    shards = [{"shards": 1, "median_ms": 0.3, "p90_ms": 0.4, "round_trips": 50, "hashes": 193},
+              {"shards": 3, "median_ms": 0.6, "p90_ms": 0.8, "round_trips": 50, "hashes": 193}]  # fmt: skip
+    result = summarise_other_node([peer], [host], shards)
+    assert result["peer_over_local"] == pytest.approx(1.1)
+    assert result["remote_over_local_host"] == pytest.approx(1.25)
+    assert result["remote_host_over_recompute"] == pytest.approx(0.0625)
+    lines = "\n".join(format_other_node(result))
+    assert "remote / local = 1.25, remote / recompute = 0.062" in lines
+    assert "index over 3 shard(s), every shard asked at once: median 0.60 ms" in lines
