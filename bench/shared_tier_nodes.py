@@ -72,6 +72,13 @@ def _host_tokens(client: httpx.Client) -> float:
     return metric_value(client.get("/metrics").text, "radixserve_cached_tokens_total", tier="host")
 
 
+def _fresh(cluster: LocalCluster, name: str) -> None:
+    """Wait for two heartbeats of ``name`` sent after this call."""
+    beats = _stat(cluster, name, "heartbeats_total")
+    cluster.wait(lambda: _stat(cluster, name, "heartbeats_total") >= beats + 2, 30,
+                 f"fresh heartbeats from {name}")  # fmt: skip
+
+
 def _out_of_reach(cluster: LocalCluster, name: str) -> int:
     """SIGSTOP ``name`` and wait until the gateway has it down; its pid."""
     pid = cluster.supervisor.pid(name)
@@ -100,6 +107,7 @@ def host_tier_pair(
     pid = _out_of_reach(cluster, owner)
     loads, host = _stat(cluster, reader, "host_remote_loads_total"), _host_tokens(client)
     remote = stream_turn(client, messages, probe_tokens)
+    _fresh(cluster, reader)  # its counters come with its heartbeats
     remote_loads = _stat(cluster, reader, "host_remote_loads_total") - loads
     remote_host = _host_tokens(client) - host
     os.kill(pid, signal.SIGKILL)  # restarted by the supervisor with an empty device
