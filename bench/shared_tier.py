@@ -348,13 +348,16 @@ def run_shared_tier_bench(
         identity = served_identity(cluster)
     print("shared-tier bench: two nodes (a kvstore each, decode-0 and decode-1 apart) ...",
           file=sys.stderr)  # fmt: skip
-    nodes = two_node_config(model, transport, LINGER_S)
     other: list[dict[str, Any]] = []
     hosts: list[dict[str, Any]] = []
+    nodes = two_node_config(model, transport, LINGER_S)
     with LocalCluster(nodes) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
         _warm_up(cluster, c)
         for n in range(count):
             other.append(_one_conversation(cluster, c, n))
+    nodes = two_node_config(model, transport, LINGER_S, write_through=True)
+    with LocalCluster(nodes) as cluster, httpx.Client(base_url=cluster.url, timeout=900) as c:
+        _warm_up(cluster, c)
         for _ in range(count):
             hosts.append(host_tier_pair(cluster, c, conversation(_tag(), [], 1),
                                         conversation(_tag(), [], 1), PROBE_TOKENS))  # fmt: skip

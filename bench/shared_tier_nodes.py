@@ -1,8 +1,9 @@
 """The shared tier across nodes (`radixserve bench --scenario shared-tier`, its second and
 third parts; docs/architecture.md §9 "One kvstore per node").
 
-**Two nodes** (one machine: two kvstores, decode-0 on node 0 and decode-1 on node 1, the
-workers writing every computed prefix through to their node's host tier):
+**Two nodes** (one machine: two kvstores, decode-0 on node 0 and decode-1 on node 1; for
+the host-tier part a second such cluster whose workers write every computed prefix
+through to their node's host tier):
 
 - *peer read from the other node*: `shared_tier`'s drained conversation again, its owner
   and its reader now on different nodes;
@@ -52,15 +53,19 @@ KVSTORES = ("kvstore-0", "kvstore-1")
 PAGE = 16
 
 
-def two_node_config(model: str, transport: str, linger_s: float) -> ClusterConfig:
-    """Two kvstores, a decode worker on each node computing its prompts itself and
-    writing them through to its node's host tier."""
+def two_node_config(
+    model: str, transport: str, linger_s: float, write_through: bool = False
+) -> ClusterConfig:
+    """Two kvstores, a decode worker on each node computing its prompts itself; with
+    ``write_through``, writing each computed prefix through to its node's host tier (for
+    the host-tier part: a spill would need an eviction; not for the peer read, whose turn
+    it would slow by the copy)."""
+    through = {"RADIXSERVE_DECODE_HOST_WRITE_THROUGH_USES": "1"} if write_through else {}
     return ClusterConfig(
         num_prefill=0, num_decode=2, nodes=2, port=0, transport=transport, host_tier_gib=1.0,
         engine_env={"RADIXSERVE_MODEL": model},
         decode_env={"RADIXSERVE_DECODE_LOCAL_PREFILL_MAX_TOKENS": "100000",
-                    "RADIXSERVE_DECODE_DRAIN_LINGER_S": f"{linger_s:g}",
-                    "RADIXSERVE_DECODE_HOST_WRITE_THROUGH_USES": "1"},
+                    "RADIXSERVE_DECODE_DRAIN_LINGER_S": f"{linger_s:g}", **through},
     )  # fmt: skip
 
 
