@@ -63,7 +63,7 @@ from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
 from radixserve.runtime.peer_reads import PageLending, PeerLinks, PeerReads, linger
-from radixserve.runtime.prefix_load import PrefixLoad, host_load, peer_load
+from radixserve.runtime.prefix_load import PrefixSources
 from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
@@ -112,6 +112,8 @@ class Worker(Service):
         self.loras: dict[str, LoraAdapterInfo] = {}
         self.lending = PageLending(engine)
         self.peer_reads: PeerReads | None = None
+        # where a prompt's missing prefix may come from (with a kvstore)
+        self.sources: PrefixSources | None = None
         # links to the other workers by role (a subclass may put its own in first)
         self.peer_links = PeerLinks(self.name, {})
 
@@ -166,6 +168,8 @@ class Worker(Service):
                             self.index.cached_hashes, spills=False)  # fmt: skip
             self.index.listen()
             self.run_in_background(self.index.publish())
+        self.sources = PrefixSources(self.index, self.page_size, s.host_load_min_tokens,
+                                     self.host, self.remote_hosts, self.peer_reads)  # fmt: skip
         self._kvstore_handlers = self.kvstore_handlers()
         self.kvstore.start()
 
@@ -497,7 +501,7 @@ class Worker(Service):
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: a prefix past the device hit leased from a peer's
         cache or the host tier (kvstore round trips, only when a long part is missing on
-        device: `_plan_load`), then one engine operation (`Engine.admit`); on the host
+        device: `PrefixSources.plan`), then one engine operation (`Engine.admit`); on the host
         route the read and `finish_host_admission` follow without waiting for a step. The
         admission and the queue of the request's outputs (its first one comes at the end
         of the next step on the local route). ``hashes``: the page hashes of
@@ -509,7 +513,14 @@ class Worker(Service):
         lookup and read) goes under."""
         resume = resume or []
         looked_up_ns = time.time_ns()
-        load = await self._plan_load(prompt_ids + resume, hashes, cache_scope, adapter, request_id)
+        load = None
+        sources = self.sources
+        if sources is not None and (sources.host is not None or sources.peer_reads is not None):
+            known = prompt_ids + resume
+            if hashes is None:
+                hashes = self.page_hashes(known, (), cache_scope, adapter)
+            load = await sources.plan(request_id, known, hashes, cache_scope, adapter,
+                                           self.adapter_fingerprint(adapter))  # fmt: skip
         loading, read_ok = NO_SPAN, False
         if load is not None:
             loading = under.child(f"{self.role}.{load.span}", start_ns=looked_up_ns,
@@ -538,40 +549,6 @@ class Worker(Service):
                 load.release(read_ok)
         return admission, out
 
-    async def _plan_load(
-        self, known: list[int], hashes: Sequence[int] | None, cache_scope: str, adapter: str,
-        request_id: str,
-    ) -> PrefixLoad | None:  # fmt: skip
-        """The prefix of ``known`` past the device hit from where most of it is: a peer's
-        device cache, when one holds more than this node's host tier (`PeerReads.plan`);
-        else this node's host tier, or another node's when it holds more (per the index);
-        None if none has enough. The index is asked only when a peer or another node
-        could serve."""
-        if self.host is None and self.peer_reads is None:
-            return None
-        if hashes is None:
-            hashes = self.page_hashes(known, (), cache_scope, adapter)
-        host = self.host
-        device_pages = self.index.device_hit(hashes)
-        full = min(len(hashes), (len(known) - 1) // self.page_size)  # never the last token
-        missing = (full - device_pages) * self.page_size
-        if missing > self.settings.host_load_min_tokens and (self.peer_reads or self.remote_hosts):
-            held, hosts = await self.index.lookup_tiers(hashes[device_pages:full])
-            remote = max(((pages, shard) for shard, pages in hosts.items()
-                          if shard in self.remote_hosts and self.remote_hosts[shard].attached),
-                         default=(0, -1))  # fmt: skip
-            if self.peer_reads is not None:  # a peer's device pages over another node's host
-                peer = await self.peer_reads.plan(known, hashes, device_pages, held,
-                                                  hosts.get(self.index.home, 0),
-                                                  cache_scope, adapter,
-                                                  self.adapter_fingerprint(adapter))  # fmt: skip
-                if peer is not None:
-                    return peer_load(self.peer_reads, *peer)
-            if remote[0] > hosts.get(self.index.home, 0):
-                host = self.remote_hosts[remote[1]]
-        planned = await host.plan(request_id, known, hashes) if host else None
-        return host_load(host, *planned) if host and planned else None
-
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()
         return WorkerLoad(
@@ -595,15 +572,7 @@ class Worker(Service):
             # peers' reads of pages not lent to them (ZMQ)
             kv_transfer_refused_reads_total=self.agent.refused_reads if self.agent else None,
         )  # fmt: skip
-        host = self.host.stats() if self.host is not None else None
-        if host is not None and self.remote_hosts:  # loads from other nodes' host tiers
-            remote = [r.stats() for r in self.remote_hosts.values()]
-            host = dataclasses.replace(
-                host,
-                host_remote_loads_total=sum(r.host_loads_total for r in remote),
-                host_remote_load_pages_total=sum(r.host_load_pages_total for r in remote),
-                host_lookups_total=host.host_lookups_total + sum(r.host_lookups_total for r in remote),
-            )  # fmt: skip
+        host = self.sources.host_stats() if self.sources is not None else None
         peer = self.peer_reads.stats(self.lending) if self.peer_reads is not None else None
         counts = engine.lora_counts
         loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],

@@ -7,7 +7,8 @@ third (fabric), KV pages between them over NIXL/UCX.
    (``docker stop``: it drains, then lingers lending its pages). The next turn goes to the
    other node's worker, which reads the prefix from the drained one: at least 90 % of the
    prompt cached, from the peer tier, and the answer the one process gives. Its TTFT is
-   printed beside a local device hit's and a recompute's (one run, this machine).
+   printed beside a local device hit's (the same prompt again), a recompute's and a twin
+   conversation's turn 4 on its own worker (one run, this machine).
 3. ``docker kill`` of one kvstore while new conversations arrive: none is lost; the
    gateway still lists both workers (the other kvstore keeps the membership); the
    replacement (``docker start``) is whole again (its shard of the index, the members)
@@ -208,6 +209,14 @@ def test_two_nodes(nodes: Nodes) -> None:
     nodes("up", "-d", owner)  # the stopped worker back, for what follows
     wait_for(f"{owner} healthy again", lambda: inspect(nodes.container(owner),
              "{{.State.Health.Status}}") == "healthy", 300)  # fmt: skip
+    # the like-for-like control: a twin conversation whose turn 4 stays on its worker
+    # (the same new tokens computed past a cached prefix, no read)
+    twin = uuid.uuid4().hex[:8]
+    for turns in (1, 2, 3):
+        ask(client, conversation(twin, turns))
+    _, own_ttft = ask(client, conversation(twin, 4))
+    report("two nodes: turn 4 TTFT ms undrained (its own worker) and peer / undrained",
+           f"{own_ttft * 1e3:.0f} ({peer_ttft / own_ttft:.2f}x)")  # fmt: skip
 
     # -- one kvstore killed mid-traffic: nothing lost, the replacement whole again -------
     victim = "kvstore-b"
