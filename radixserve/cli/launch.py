@@ -108,12 +108,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         if cluster.control is not None and cluster.kvstore is not None:
             shared = dataclasses.replace(config, core_board=cluster.core_board)
-            print(f"radixserve: add a worker: {join_command(shared, cluster.kvstore, kvstores=cluster.kvstores)}  "
-                  "(or decode instead of prefill)", flush=True)  # fmt: skip
-            if config.decode_tp != config.prefill_tp:  # the decode command differs by --tp
-                print(f"radixserve: add a decode worker: "
-                      f"{join_command(shared, cluster.kvstore, 'decode', cluster.kvstores)}",
-                      flush=True)  # fmt: skip
+            stores = cluster.kvstores
+            prefill = join_command(shared, cluster.kvstore, kvstores=stores)
+            decode = join_command(shared, cluster.kvstore, "decode", stores)
+            # the same command but for the role, unless --tp or a RADIXSERVE_<ROLE>_* differs
+            same = prefill.replace("prefill", "decode").replace("PREFILL", "DECODE") == decode
+            print(f"radixserve: add a worker: {prefill}"
+                  f"{'  (or decode instead of prefill)' if same else ''}", flush=True)  # fmt: skip
+            if not same:
+                print(f"radixserve: add a decode worker: {decode}", flush=True)
             print(f"radixserve: pool sizes at {cluster.control.url}/v1/pools"
                   f"{' (the autoscaler sets them)' if config.autoscale else ''}", flush=True)  # fmt: skip
 
