@@ -111,8 +111,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             stores = cluster.kvstores
             prefill = join_command(shared, cluster.kvstore, kvstores=stores)
             decode = join_command(shared, cluster.kvstore, "decode", stores)
-            # the same command but for the role, unless --tp or a RADIXSERVE_<ROLE>_* differs
-            same = prefill.replace("prefill", "decode").replace("PREFILL", "DECODE") == decode
+            # the same command but for the role, unless --tp differs or the kvstore list
+            # (a RADIXSERVE_<ROLE>_KVSTORES) is in it
+            same = len(stores) <= 1 and config.decode_tp == config.prefill_tp
             print(f"radixserve: add a worker: {prefill}"
                   f"{'  (or decode instead of prefill)' if same else ''}", flush=True)  # fmt: skip
             if not same:
