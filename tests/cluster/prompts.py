@@ -34,3 +34,15 @@ QUESTIONS = [
 
 def chat(question: str, system: str = SYSTEM) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def long_conversation(tag: str, turns: int) -> list[dict[str, str]]:
+    """A chat of ``turns`` user turns over a long system prompt (about 2,900 tokens) headed
+    by ``tag`` (a fresh one shares no cache with another run), earlier turns answered
+    "Answer <i>."."""
+    messages = [{"role": "system", "content": f"[{tag}] " + SYSTEM * 11}]
+    for i in range(turns):
+        if i:
+            messages.append({"role": "assistant", "content": f"Answer {i}."})
+        messages.append({"role": "user", "content": QUESTIONS[i]})
+    return messages

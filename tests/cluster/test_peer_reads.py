@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from tests.cluster.cluster_helpers import TestCluster
-from tests.cluster.prompts import QUESTIONS, SYSTEM
+from tests.cluster.prompts import long_conversation
 from tests.cluster.test_host_tier import cached
 
 DECODES = ("decode-0", "decode-1")
@@ -34,16 +34,6 @@ def two_decodes(tiny_model):
                           kv_cache_memory_gib=0.05)  # fmt: skip
     yield cluster
     cluster.stop()
-
-
-def _conversation(tag: str, turns: int) -> list[dict[str, str]]:
-    """A chat of ``turns`` user turns over a long system prompt (about 2,900 tokens)."""
-    messages = [{"role": "system", "content": f"[{tag}] " + SYSTEM * 11}]
-    for i in range(turns):
-        if i:
-            messages.append({"role": "assistant", "content": f"Answer {i}."})
-        messages.append({"role": "user", "content": QUESTIONS[i]})
-    return messages
 
 
 def _owner(cluster: TestCluster, before: dict[str, int]) -> str:
@@ -74,13 +64,13 @@ def test_a_drained_workers_conversation_continues_elsewhere_from_its_pages(
     tag = uuid.uuid4().hex[:8]
     before = _counts(cluster, "local_prefills_total")
     for turns in (1, 2, 3):
-        cluster.ask(_conversation(tag, turns), MAX_TOKENS)
+        cluster.ask(long_conversation(tag, turns), MAX_TOKENS)
     owner = _owner(cluster, before)
     other = DECODES[1 - DECODES.index(owner)]
     read_before = _counts(cluster, "peer_read_pages_total")[other]
     _, generation = _drain(cluster, owner)
 
-    messages = _conversation(tag, 4)
+    messages = long_conversation(tag, 4)
     answer = cluster.ask(messages, MAX_TOKENS)
     prompt = answer["usage"]["prompt_tokens"]
     assert cached(answer) >= 0.9 * prompt, answer["usage"]
@@ -104,7 +94,7 @@ def test_an_owner_killed_while_a_read_waits_on_it_costs_a_recompute(
     tag = uuid.uuid4().hex[:8]
     before = _counts(cluster, "local_prefills_total")
     for turns in (1, 2):
-        cluster.ask(_conversation(tag, turns), MAX_TOKENS)
+        cluster.ask(long_conversation(tag, turns), MAX_TOKENS)
     owner = _owner(cluster, before)
     other = DECODES[1 - DECODES.index(owner)]
     asks = _counts(cluster, "peer_read_asks_total")[other]
@@ -112,7 +102,7 @@ def test_an_owner_killed_while_a_read_waits_on_it_costs_a_recompute(
     failed += _counts(cluster, "peer_read_failures_total")[other]
     pid, generation = _drain(cluster, owner)
     os.kill(pid, signal.SIGSTOP)  # it holds the pages and answers nothing
-    messages = _conversation(tag, 3)
+    messages = long_conversation(tag, 3)
     result: dict[str, dict] = {}
     turn = threading.Thread(target=lambda: result.update(a=cluster.ask(messages, MAX_TOKENS)))
     turn.start()

@@ -25,7 +25,7 @@ import uuid
 import pytest
 
 from tests.cluster.cluster_helpers import TestCluster, index_query
-from tests.cluster.prompts import QUESTIONS, SYSTEM
+from tests.cluster.prompts import long_conversation
 from tests.cluster.test_host_tier import cached
 
 DECODES = ("decode-0", "decode-1")
@@ -43,16 +43,6 @@ def two_nodes(tiny_model):
                           decode=settings, kv_cache_memory_gib=0.05)  # fmt: skip
     yield cluster
     cluster.stop()
-
-
-def _conversation(tag: str, turns: int) -> list[dict[str, str]]:
-    """A chat of ``turns`` user turns over a long system prompt (about 2,900 tokens)."""
-    messages = [{"role": "system", "content": f"[{tag}] " + SYSTEM * 11}]
-    for i in range(turns):
-        if i:
-            messages.append({"role": "assistant", "content": f"Answer {i}."})
-        messages.append({"role": "user", "content": QUESTIONS[i]})
-    return messages
 
 
 def _stat(cluster: TestCluster, name: str, key: str) -> int:
@@ -82,7 +72,7 @@ def test_every_kvstore_keeps_the_members_its_shard_and_its_nodes_host_tier(
                  "both kvstores to list both workers")  # fmt: skip
     stored = {k: _stat(cluster, k, "host_stored_pages_total") for k in KVSTORES}
     before = {w: _stat(cluster, w, "local_prefills_total") for w in DECODES}
-    messages = _conversation(uuid.uuid4().hex[:8], 1)
+    messages = long_conversation(uuid.uuid4().hex[:8], 1)
     cluster.ask(messages, MAX_TOKENS)
     owner = _owner(cluster, before)
     node, other_node = (0, 1) if owner == "decode-0" else (1, 0)
@@ -108,7 +98,7 @@ def test_a_drained_workers_conversation_continues_on_the_other_node_from_its_pag
     tag = uuid.uuid4().hex[:8]
     before = {w: _stat(cluster, w, "local_prefills_total") for w in DECODES}
     for turns in (1, 2, 3):
-        cluster.ask(_conversation(tag, turns), MAX_TOKENS)
+        cluster.ask(long_conversation(tag, turns), MAX_TOKENS)
     owner = _owner(cluster, before)
     other = DECODES[1 - DECODES.index(owner)]
     read_before = _stat(cluster, other, "peer_read_pages_total")
@@ -118,7 +108,7 @@ def test_a_drained_workers_conversation_continues_on_the_other_node_from_its_pag
     os.kill(pid, signal.SIGTERM)
     cluster.wait(lambda: cluster.worker(owner).get("draining"), 10, f"{owner} to drain")
 
-    messages = _conversation(tag, 4)
+    messages = long_conversation(tag, 4)
     answer = cluster.ask(messages, MAX_TOKENS)
     prompt = answer["usage"]["prompt_tokens"]
     assert cached(answer) >= 0.9 * prompt, answer["usage"]
@@ -137,7 +127,7 @@ def test_a_prefix_in_another_nodes_host_tier_is_read_from_there(two_nodes, tiny_
     cluster.wait(lambda: all(cluster.worker(w)["up"] for w in DECODES), 120, "both decodes up")
     before = {w: _stat(cluster, w, "local_prefills_total") for w in DECODES}
     stored = {k: _stat(cluster, k, "host_stored_pages_total") for k in KVSTORES}
-    messages = _conversation(uuid.uuid4().hex[:8], 1)
+    messages = long_conversation(uuid.uuid4().hex[:8], 1)
     first = cluster.ask(messages, MAX_TOKENS)
     owner = _owner(cluster, before)
     reader = DECODES[1 - DECODES.index(owner)]
@@ -178,7 +168,7 @@ def test_a_kvstore_killed_mid_traffic_loses_no_request_and_comes_back_whole(
     def traffic() -> None:  # new conversations: each asks the index (its prompt is missing)
         try:
             for _ in range(4):
-                messages = _conversation(uuid.uuid4().hex[:8], 1)
+                messages = long_conversation(uuid.uuid4().hex[:8], 1)
                 answers.append((messages, cluster.ask(messages, MAX_TOKENS)))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -218,7 +208,7 @@ def test_a_kvstore_killed_mid_traffic_loses_no_request_and_comes_back_whole(
     cluster.wait(whole, 60, f"{victim} back with its shard and the members")
     print(f"{victim} whole again {time.monotonic() - killed:.1f} s after SIGKILL "
           "(restart backoff 0.2 s, model-free start)")  # fmt: skip
-    messages = _conversation(uuid.uuid4().hex[:8], 1)
+    messages = long_conversation(uuid.uuid4().hex[:8], 1)
     assert cluster.ask(messages, MAX_TOKENS)["choices"][0]["message"]["content"] == (
         tiny_reference_chat(messages, MAX_TOKENS)
     )

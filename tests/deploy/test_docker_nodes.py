@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from tests.cluster.cluster_helpers import memoised_chat
-from tests.cluster.prompts import QUESTIONS, SYSTEM
+from tests.cluster.prompts import long_conversation
 from tests.deploy.deploy_files import COMPOSE
 from tests.deploy.docker_host import Images, compose_command, sh
 from tests.deploy.test_docker import (  # noqa: F401 - the images fixture, shared
@@ -100,16 +100,6 @@ def nodes(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         run.down()
 
 
-def conversation(tag: str, turns: int) -> list[dict[str, str]]:
-    """A chat of ``turns`` user turns over a long system prompt (about 2,900 tokens)."""
-    messages = [{"role": "system", "content": f"[{tag}] " + SYSTEM * 11}]
-    for i in range(turns):
-        if i:
-            messages.append({"role": "assistant", "content": f"Answer {i}."})
-        messages.append({"role": "user", "content": QUESTIONS[i]})
-    return messages
-
-
 def ask(client: httpx.Client, messages: list[dict[str, str]]) -> tuple[dict[str, Any], float]:
     """A greedy streamed chat: (its text and usage, its time to first token in s)."""
     body = {"model": "default", "messages": messages, "max_tokens": MAX_TOKENS,
@@ -170,7 +160,7 @@ def test_two_nodes(nodes: Nodes) -> None:
     tag = uuid.uuid4().hex[:8]
     before = {s: workers(client)[n].get("local_prefills_total", 0) for s, n in names.items()}
     for turns in (1, 2, 3):
-        ask(client, conversation(tag, turns))
+        ask(client, long_conversation(tag, turns))
     after = workers(client)
     owner = max(DECODES, key=lambda s: after[names[s]].get("local_prefills_total", 0) - before[s])
     other = DECODES[1 - DECODES.index(owner)]
@@ -184,7 +174,7 @@ def test_two_nodes(nodes: Nodes) -> None:
     try:
         wait_for(f"{owner} draining", lambda: workers(client)[names[owner]].get("draining"), 30,
                  every_s=0.2)  # fmt: skip
-        messages = conversation(tag, 4)
+        messages = long_conversation(tag, 4)
         answer, peer_ttft = ask(client, messages)
     finally:
         stop_owner.join(120)
@@ -201,7 +191,7 @@ def test_two_nodes(nodes: Nodes) -> None:
     # the same turn again on the worker that now holds it (a local device hit), and the
     # same turn under another tag (nothing cached: computed)
     _, local_ttft = ask(client, messages)
-    _, recompute_ttft = ask(client, conversation(uuid.uuid4().hex[:8], 4))
+    _, recompute_ttft = ask(client, long_conversation(uuid.uuid4().hex[:8], 4))
     report("two nodes: turn 4 TTFT ms peer read / local hit / recompute",
            f"{peer_ttft * 1e3:.0f} / {local_ttft * 1e3:.0f} / {recompute_ttft * 1e3:.0f} "
            f"(peer/local {peer_ttft / local_ttft:.2f}x, "
@@ -213,8 +203,8 @@ def test_two_nodes(nodes: Nodes) -> None:
     # (the same new tokens computed past a cached prefix, no read)
     twin = uuid.uuid4().hex[:8]
     for turns in (1, 2, 3):
-        ask(client, conversation(twin, turns))
-    _, own_ttft = ask(client, conversation(twin, 4))
+        ask(client, long_conversation(twin, turns))
+    _, own_ttft = ask(client, long_conversation(twin, 4))
     report("two nodes: turn 4 TTFT ms undrained (its own worker) and peer / undrained",
            f"{own_ttft * 1e3:.0f} ({peer_ttft / own_ttft:.2f}x)")  # fmt: skip
 
@@ -226,7 +216,7 @@ def test_two_nodes(nodes: Nodes) -> None:
     def traffic() -> None:
         try:
             for _ in range(4):
-                chat = conversation(uuid.uuid4().hex[:8], 1)
+                chat = long_conversation(uuid.uuid4().hex[:8], 1)
                 answers.append((chat, ask(client, chat)[0]))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
