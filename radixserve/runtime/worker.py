@@ -146,8 +146,8 @@ class Worker(Service):
             self._start_peer_reads()
         self.peer_links.watch(self.name)
         assert self.context is not None
-        # every kvstore of the cluster (the index's shards, in order); this node's first
-        # among equals: its host tier is the one this worker spills into and loads from
+        # every kvstore of the cluster (the index's shards, in order), this node's among
+        # them: its host tier is the one this worker spills into
         self.kvstore = LinkSet(
             self.context,
             s.index_shards,
