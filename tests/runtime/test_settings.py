@@ -90,36 +90,36 @@ def test_loopback_is_what_reaches_this_machine_only() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "expected"),
+    ("fields", "expected"),
     [
-        (
-            {"RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://b:1"]'},
-            "needs RADIXSERVE_DECODE_KVSTORE",
-        ),
-        (
-            {
-                "RADIXSERVE_DECODE_KVSTORE": "tcp://c:1",
-                "RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://b:1"]',
-            },
-            "is not among",
-        ),  # fmt: skip
-        (
-            {
-                "RADIXSERVE_DECODE_KVSTORE": "tcp://a:1",
-                "RADIXSERVE_DECODE_KVSTORES": '["tcp://a:1", "tcp://a:1"]',
-            },
-            "twice",
-        ),  # fmt: skip
+        ({"kvstores": ["tcp://a:1", "tcp://b:1"]}, "needs RADIXSERVE_DECODE_KVSTORE"),
+        ({"kvstore": "tcp://c:1", "kvstores": ["tcp://a:1", "tcp://b:1"]}, "is not among"),
+        ({"kvstore": "tcp://a:1", "kvstores": ["tcp://a:1", "tcp://a:1"]}, "twice"),
     ],
 )
-def test_a_worker_refuses_a_kvstore_list_without_its_own_node(env, expected) -> None:
-    """One kvstore per node: the list names each once, this node's among them."""
-    result = run("decode", "--check-config", env=env)
-    assert result.returncode != 0
-    assert expected in result.stderr + result.stdout
+def test_a_worker_refuses_a_kvstore_list_without_its_own_node(fields, expected) -> None:
+    """One kvstore per node: the list names each once, this node's among them (the CLI
+    prints such a message: `test_up_refuses_nodes_without_the_kvstore` runs it)."""
+    from pydantic import ValidationError
+
+    from radixserve.services.decode import DecodeSettings
+
+    with pytest.raises(ValidationError, match=expected):
+        DecodeSettings(**fields)
+    ok = DecodeSettings(kvstore="tcp://b:1", kvstores=["tcp://a:1", "tcp://b:1"])
+    assert ok.index_shards == ["tcp://a:1", "tcp://b:1"]
 
 
 def test_up_refuses_nodes_without_the_kvstore() -> None:
     result = run("up", "--nodes", "2", "--no-kvstore")
     assert result.returncode != 0
     assert "--nodes needs the kvstore" in result.stderr
+
+
+def test_a_setting_error_across_settings_reads_as_its_message() -> None:
+    """The CLI's line for a validation error: the setting's name when it has one, never
+    pydantic's "Value error, " prefix or an empty name."""
+    from radixserve.cli import _problem
+
+    assert _problem({"loc": (), "msg": "Value error, A needs B"}) == "A needs B"
+    assert _problem({"loc": ("port",), "msg": "Input should be ..."}) == "port: Input should be ..."
