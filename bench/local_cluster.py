@@ -129,6 +129,22 @@ class LocalCluster:
         workers = self.workers().items()
         return {key: w for key, w in workers if w.get("role") == "decode" and w.get("up")}
 
+    def settled(self, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        """Every worker's stats once each of ``names`` has sent two heartbeats after this
+        call (a worker's counters reach the gateway with its heartbeats, not with an
+        answer)."""
+        beats = {n: self.worker(n).get("heartbeats_total", 0) for n in names}
+        workers: dict[str, dict[str, Any]] = {}
+
+        def fresh() -> bool:
+            nonlocal workers
+            workers = self.workers()
+            return all(workers.get(n, {}).get("heartbeats_total", 0) >= beats[n] + 2
+                       for n in names)  # fmt: skip
+
+        self.wait(fresh, 30, f"fresh heartbeats from {', '.join(names)}")
+        return workers
+
     def wait_host_tier(self, timeout_s: float = 60.0) -> None:
         """Wait until every prefill and decode worker has attached to the kvstore's host
         tier (until then, evicted pages are dropped rather than spilled)."""

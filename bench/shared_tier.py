@@ -62,6 +62,7 @@ from radixserve.bench.peer_report import write_json
 from radixserve.bench.report import percentile
 from radixserve.bench.shared_tier_nodes import (
     host_tier_pair,
+    index_reply,
     index_shards,
     prompt_hashes,
     two_node_config,
@@ -107,18 +108,8 @@ def _tag() -> str:
 
 
 def _settled(cluster: LocalCluster, names: tuple[str, ...] = DECODES) -> dict[str, dict]:
-    """The workers' stats once each of ``names`` has sent two heartbeats after this call
-    (counters reach the gateway with heartbeats, not with an answer)."""
-    beats = {n: cluster.worker(n).get("heartbeats_total", 0) for n in names}
-    workers: dict[str, dict] = {}
-
-    def fresh() -> bool:
-        nonlocal workers
-        workers = cluster.workers()
-        return all(workers.get(n, {}).get("heartbeats_total", 0) >= beats[n] + 2 for n in names)
-
-    cluster.wait(fresh, 30, "fresh heartbeats from the decode workers")
-    return workers
+    """`LocalCluster.settled`, of the decode workers by default."""
+    return cluster.settled(names)
 
 
 def _count(workers: dict[str, dict], name: str, key: str) -> float:
@@ -248,17 +239,6 @@ def _one_conversation(cluster: LocalCluster, client: httpx.Client, n: int) -> di
     return row
 
 
-def _reply(channel: Channel, query_id: str) -> IndexReply:
-    """The kvstore's answer to query ``query_id`` (it also heartbeats a socket that
-    asked it something: those are passed over)."""
-    deadline = time.monotonic() + 2.0
-    while (left_ms := int(1000 * (deadline - time.monotonic()))) > 0:
-        got = channel.recv(timeout_ms=left_ms)
-        if isinstance(got, IndexReply) and got.query_id == query_id:
-            return got
-    raise RuntimeError("the kvstore did not answer an IndexQuery within 2 s")
-
-
 def _own_turn(cluster: LocalCluster, client: httpx.Client) -> dict[str, Any]:
     """The control: a twin conversation (a fresh tag, its own answers) whose turn 4 stays
     on the worker of its turns 1-3 (no drain). It computes what the peer turn computes
@@ -298,7 +278,7 @@ def index_latency(
                 query_id = uuid.uuid4().hex
                 start = time.perf_counter()
                 channel.send(IndexQuery(query_id, hashes), timeout_ms=2000)
-                reply = _reply(channel, query_id)
+                reply = index_reply(channel, query_id, time.monotonic() + 2.0)
                 elapsed = time.perf_counter() - start
                 if i:
                     times.append(1000.0 * elapsed)

@@ -77,13 +77,6 @@ def _host_tokens(client: httpx.Client) -> float:
     return metric_value(client.get("/metrics").text, "radixserve_cached_tokens_total", tier="host")
 
 
-def _fresh(cluster: LocalCluster, name: str) -> None:
-    """Wait for two heartbeats of ``name`` sent after this call."""
-    beats = _stat(cluster, name, "heartbeats_total")
-    cluster.wait(lambda: _stat(cluster, name, "heartbeats_total") >= beats + 2, 30,
-                 f"fresh heartbeats from {name}")  # fmt: skip
-
-
 def _out_of_reach(cluster: LocalCluster, name: str) -> int:
     """SIGSTOP ``name`` and wait until the gateway has it down; its pid."""
     pid = cluster.supervisor.pid(name)
@@ -112,7 +105,7 @@ def host_tier_pair(
     pid = _out_of_reach(cluster, owner)
     loads, host = _stat(cluster, reader, "host_remote_loads_total"), _host_tokens(client)
     remote = stream_turn(client, messages, probe_tokens)
-    _fresh(cluster, reader)  # its counters come with its heartbeats
+    cluster.settled((reader,))  # its counters come with its heartbeats
     remote_loads = _stat(cluster, reader, "host_remote_loads_total") - loads
     remote_host = _host_tokens(client) - host
     os.kill(pid, signal.SIGKILL)  # restarted by the supervisor with an empty device
@@ -150,12 +143,14 @@ def prompt_hashes(model: str, identity: ModelIdentity, messages: list[dict[str, 
     return page_hashes(ids, PAGE, hash_namespace(identity.key))
 
 
-def _reply(channel: Channel, query_id: str, deadline: float) -> IndexReply:
+def index_reply(channel: Channel, query_id: str, deadline: float) -> IndexReply:
+    """A kvstore's answer to query ``query_id`` by ``deadline`` (it also heartbeats a
+    socket that asked it something: those are passed over)."""
     while (left_ms := int(1000 * (deadline - time.monotonic()))) > 0:
         got = channel.recv(timeout_ms=left_ms)
         if isinstance(got, IndexReply) and got.query_id == query_id:
             return got
-    raise RuntimeError("a kvstore did not answer an IndexQuery within 5 s")
+    raise RuntimeError("a kvstore did not answer an IndexQuery in time")
 
 
 def index_shards(hashes: list[int], shard_counts: tuple[int, ...], round_trips: int) -> list[dict]:
@@ -213,6 +208,6 @@ def _ask(channels: list[Channel], hashes: list[int], deadline: float) -> dict[st
         channel.send(IndexQuery(f"{query}-{shard}", tuple(hashes), shard, count), timeout_ms=5000)
     held: dict[str, int] = {}
     for shard, channel in enumerate(channels):
-        for name, pages in _reply(channel, f"{query}-{shard}", deadline).device_pages.items():
+        for name, pages in index_reply(channel, f"{query}-{shard}", deadline).device_pages.items():
             held[name] = max(held.get(name, 0), int(pages))
     return held
