@@ -78,11 +78,11 @@ class IndexClient:
 
         return emit
 
-    def resync(self, link: Link | None = None) -> None:
+    def resync(self, link: Link) -> None:
         """Queue "cleared" and a snapshot of every cached page for the kvstore behind
-        ``link`` (its link came up, or it asked), or for every one (None)."""
-        shard = self.shard_of(link) if link is not None else None
-        if self._loop is not None and (link is None or shard is not None):
+        ``link`` (its link came up, or it asked)."""
+        shard = self.shard_of(link)
+        if self._loop is not None and shard is not None:
             self.engine.resync_cache(self._emitter(shard))
 
     async def publish(self) -> None:
@@ -100,7 +100,7 @@ class IndexClient:
             for shard in range(count) if target is None else (target,):
                 own = hashes if count == 1 or kind == "cleared" else [
                     h for h in hashes if h % count == shard]  # fmt: skip
-                if own or kind == "cleared" or count == 1:
+                if own or kind == "cleared":
                     try:
                         await self._send(shard, kind, own)
                     except Exception:  # the loop must go on: a lost event resyncs
