@@ -43,7 +43,9 @@ of an adapter's request refuses. 6.2: a worker reads another's cached pages
 carries its transfer metadata) and `CachedTokens` counts them (``peer``); a 6.1 worker
 refuses a `PeerRead`, which its reader computes. 6.3: the cache index sharded over several
 kvstores (`IndexQuery`: ``shard``, ``shards``); a 6.2 kvstore ignores them and answers each
-worker's leading run, never more than it holds. Every message's frame is checked against golden bytes
+worker's leading run, never more than it holds. 6.4: a worker's peer-read counters say
+how it connected to its peers (`PeerReadSection`: ``peer_connects_total``,
+``peer_read_connects_total``); a 6.3 reader of heartbeats ignores them. Every message's frame is checked against golden bytes
 (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -180,7 +182,7 @@ from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exporte
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (6, 3)
+PROTOCOL_VERSION: tuple[int, int] = (6, 4)
 
 # --- handshake and liveness -----------------------------------------------------------
 

@@ -223,6 +223,10 @@ class PeerReadSection(WireStruct):
     peer_read_bytes_total: int = counter("Bytes read from peers' caches.")
     peer_read_failures_total: int = counter("Peer reads that failed (the prompt computed).")
     peer_read_seconds_total: float = counter("Seconds spent reading peers' pages.", real=True)
+    peer_connects_total: int = counter(
+        "Connections to other workers' pages, made as links came up."
+    )
+    peer_read_connects_total: int = counter("Peer reads that first had to connect to the owner.")
     peer_lends_total: int = counter("Reads of this worker's pages it lent to peers.")
     peer_lent_pages_total: int = counter("Pages this worker lent to peers.")
 

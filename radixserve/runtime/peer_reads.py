@@ -220,6 +220,19 @@ class PeerReads:
             logger.info("%s: %s did not lend pages: %s", self.name, link.label, msg.message)
         return True
 
+    def connect(self, link: Link) -> None:
+        """Know ``link``'s worker as a transfer peer as soon as its link is up: the
+        connection (NIXL's remote agent and the descriptors of its pool's pages) takes
+        tens of milliseconds, which the first read from it would pay otherwise."""
+        if link.ack is None or not link.ack.transfer_metadata:
+            return
+        try:
+            self.agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
+            self.counters["peer_connects_total"] += 1
+        except TransferError as exc:  # the read will say it again, and compute instead
+            logger.warning("%s: cannot connect to %s for page reads: %s", self.name,
+                           link.label, exc)  # fmt: skip
+
     def link_down(self, link: Link) -> None:
         """``link``'s owner is gone: its answers and reads end now."""
         for wait in self._waits.values():
@@ -238,6 +251,8 @@ class PeerReads:
         if timeout_s > 0 and link.up and link.ack is not None:
             wait = self._waits[lease.read_id] = _Wait(link, asking=False)
             try:
+                if agent.peers.get(link.name) != link.generation:  # not connected as it came up
+                    self.counters["peer_read_connects_total"] += 1
                 agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
                 handle = agent.read_pages(link.name, list(lease.src_page_ids[: len(dst)]),
                                           list(dst), timeout_s=timeout_s)  # fmt: skip

@@ -202,7 +202,7 @@ class Worker(Service):
     def _peer_link_set(self, role: str) -> LinkSet:
         assert self.context is not None
         return LinkSet(self.context, [], self.identity(), on_message=self._from_peer,
-                       on_down=functools.partial(self._peer_down, role),
+                       on_up=self._peer_up, on_down=functools.partial(self._peer_down, role),
                        pages=self.peer_geometry())  # fmt: skip
 
     def _from_peer(self, link: Link, msg: Message) -> None:
@@ -211,6 +211,10 @@ class Worker(Service):
         elif not self.peer_reads.answer(link, msg):
             logger.debug("%s: %s from %s answers nothing asked", self.name, msg.TYPE_TAG,
                          link.label)  # fmt: skip
+
+    def _peer_up(self, link: Link) -> None:
+        if self.peer_reads is not None:
+            self.peer_reads.connect(link)
 
     def _peer_down(self, role: str, link: Link, _why: str = "") -> None:
         if self.peer_reads is not None:

@@ -68,6 +68,7 @@ def test_a_drained_workers_conversation_continues_elsewhere_from_its_pages(
     owner = _owner(cluster, before)
     other = DECODES[1 - DECODES.index(owner)]
     read_before = _counts(cluster, "peer_read_pages_total")[other]
+    connects_before = _counts(cluster, "peer_read_connects_total")[other]
     _, generation = _drain(cluster, owner)
 
     messages = long_conversation(tag, 4)
@@ -77,6 +78,9 @@ def test_a_drained_workers_conversation_continues_elsewhere_from_its_pages(
     assert answer["choices"][0]["message"]["content"] == tiny_reference_chat(messages, MAX_TOKENS)
     read = cluster.workers()[other]["peer_read_pages_total"] - read_before
     assert read * 16 >= 0.85 * prompt, (read, prompt)
+    # the reader connected to the owner's pages when their link came up, not in the read
+    assert cluster.workers()[other]["peer_connects_total"] >= 1
+    assert cluster.workers()[other]["peer_read_connects_total"] == connects_before
     metrics = cluster.metrics()
     assert 'tier="peer"' in metrics
     # the drained worker leaves once it has lingered (and is started again); nothing is
@@ -107,7 +111,8 @@ def test_an_owner_killed_while_a_read_waits_on_it_costs_a_recompute(
     turn = threading.Thread(target=lambda: result.update(a=cluster.ask(messages, MAX_TOKENS)))
     turn.start()
     try:
-        cluster.wait(lambda: _counts(cluster, "peer_read_asks_total")[other] > asks, 30,
+        # the stopped owner drops out of the gateway's list once silent: ask the reader's
+        cluster.wait(lambda: cluster.workers()[other].get("peer_read_asks_total", 0) > asks, 30,
                      f"{other} to ask {owner} for the pages")  # fmt: skip
     finally:
         os.kill(pid, signal.SIGKILL)
