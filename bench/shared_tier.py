@@ -15,22 +15,26 @@ on each decode worker first. Each conversation (a fresh random tag at the head o
    conversation's prefix from the lingering owner (its ``peer_read_pages_total`` delta,
    the gateway's ``radixserve_cached_tokens_total{tier="peer"}`` delta, usage's
    ``cached_tokens``);
-3. once the owner is back (restarted by the supervisor, its cache empty), **local hit**:
-   the same turn-4 prompt again, on the worker that now holds it;
-4. **recompute**: the same-length prompt under a fresh tag: nothing cached anywhere;
-5. **undrained** (a control, no target): a twin conversation under a fresh tag whose
-   turn 4 stays on its own worker. The peer turn computes the turn's new tokens past
-   the owner's cached prefix (its question, ~2 pages), as this one does; the local hit,
-   a repeat, computes only the prompt's last page.
+3. **local hit**: the same turn on a worker that holds the conversation: a twin
+   conversation under a fresh tag whose turn 4 stays on the worker of its turns 1-3. It
+   finds the same prefix cached and computes the same new tokens past it as the peer turn
+   (the end of turn 3's answer and the new question, ~2 pages); only where the cached
+   pages come from differs (it runs last, after 4 and 5);
+4. the prompt repeated, twice like for like: once the owner is back (restarted by the
+   supervisor, its cache empty), the turn-4 prompt again on the worker that now holds
+   it (**repeat, local**: all but its last page on the device), then that worker drains
+   and the prompt goes to the restarted owner, which reads it from the draining worker
+   (**repeat, peer**);
+5. **recompute**: the same-length prompt under a fresh tag: nothing cached anywhere.
 
 TTFT is the client's (request sent → first streamed content chunk); the peer, local and
-undrained turns carry a ``traceparent``, and the gateway's copy of their trace gives the
+repeated turns carry a ``traceparent``, and the gateway's copy of their trace gives the
 worker's admission (the peer read inside it). Then the kvstore
 index's latency: ``IndexQuery`` round trips, one after another on one DEALER socket, for
 the last turn-4 prompt's page hashes (one index shard: the one kvstore). The table gives
-each conversation, the medians, the ratios peer / local hit and peer / recompute and the
-share of the prompt cached on the peer turn, beside the judged targets (printed, not
-asserted), and peer / undrained.
+each conversation, the medians, the ratios peer / local hit (both pairings) and peer /
+recompute and the share of the prompt cached on the peer turn, beside the judged targets
+(printed, not asserted).
 
 Then the same across nodes (`radixserve.bench.shared_tier_nodes`): a cluster of two nodes
 (a kvstore each) where the drained conversation is read from the other node, the host
@@ -81,12 +85,17 @@ TURN_TOKENS = 16  # the answers of turns 1-3 (they join the history)
 PROBE_TOKENS = 4  # the measured turns: TTFT is the subject
 LINGER_S = 10.0  # drain_linger_s (the default), stated to the workers and in the JSON
 #: the issue's targets, printed beside the ratios
-TARGETS = {"peer_over_local": 1.5, "peer_over_recompute": 0.3, "peer_cached_share": 0.9}
+TARGETS = {
+    "peer_over_local": 1.5,
+    "repeat_peer_over_repeat": 1.5,
+    "peer_over_recompute": 0.3,
+    "peer_cached_share": 0.9,
+}
 #: the reader's peer-read counters (`PeerReadSection`) recorded per peer turn
 READER_COUNTERS = ("peer_read_asks_total", "peer_reads_total", "peer_read_pages_total",
                    "peer_read_bytes_total", "peer_read_refusals_total",
                    "peer_reads_skipped_total", "peer_read_failures_total",
-                   "peer_read_seconds_total")  # fmt: skip
+                   "peer_read_seconds_total", "peer_read_connects_total")  # fmt: skip
 #: (conversations, index round trips) per preset
 PRESETS = {"quick": (1, 50), "full": (3, 200)}
 
@@ -183,11 +192,7 @@ def _one_conversation(cluster: LocalCluster, client: httpx.Client, n: int) -> di
                 for w in DECODES}  # fmt: skip
     owner = max(DECODES, key=lambda w: prefills[w])
     reader = DECODES[1 - DECODES.index(owner)]
-    pid = cluster.supervisor.pid(owner)
-    assert pid is not None, f"{owner} is not running"
-    generation = after[owner]["generation"]
-    os.kill(pid, signal.SIGTERM)  # it drains, then lingers lending its pages
-    cluster.wait(lambda: cluster.worker(owner).get("draining"), 30, f"{owner} to drain")
+    generation = _drain(cluster, owner)
 
     messages = conversation(tag, answers, 4)
     peer_before = _peer_tokens(client)
@@ -196,11 +201,18 @@ def _one_conversation(cluster: LocalCluster, client: httpx.Client, n: int) -> di
     read = _settled(cluster, (reader,))
     counters = {k: _count(read, reader, k) - _count(after, reader, k) for k in READER_COUNTERS}
     # the owner leaves once it has lingered and is started again (its cache empty): the
-    # local hit and the recompute run on a quiet machine
+    # repeats and the recompute run on a quiet machine
     cluster.wait_restarted(owner, generation, LINGER_S + 120)
-    local = _traced_turn(cluster, client, messages, PROBE_TOKENS)
+    repeat = _traced_turn(cluster, client, messages, PROBE_TOKENS)
+    # the same repeat once more, now from a peer: the reader (which holds the prompt)
+    # drains, and the owner, back with its cache empty, reads the prompt from it
+    generation = _drain(cluster, reader)
+    peer_before = _peer_tokens(client)
+    repeat_peer = _traced_turn(cluster, client, messages, PROBE_TOKENS)
+    repeat_peer["peer_tier_tokens"] = int(_peer_tokens(client) - peer_before)
+    cluster.wait_restarted(reader, generation, LINGER_S + 120)
     recompute = stream_turn(client, conversation(_tag(), answers, 4), PROBE_TOKENS)
-    own = _own_turn(cluster, client)
+    local = _local_turn(cluster, client)
     row = {
         "conversation": n + 1,
         "owner": owner,
@@ -218,32 +230,46 @@ def _one_conversation(cluster: LocalCluster, client: httpx.Client, n: int) -> di
         "peer_read_span_ms": peer["peer_read_span_ms"],
         "peer_queue_ms": peer["queue_ms"],
         "reader_counters": {k: counters[k] for k in READER_COUNTERS},
-        "local_ttft_ms": local["ttft_ms"],
-        "local_cached_tokens": local["cached_tokens"],
-        "local_admission_ms": local["admission_ms"],
-        "local_queue_ms": local["queue_ms"],
+        **_turn_fields("local", local),
+        **_turn_fields("repeat", repeat),
+        **_turn_fields("repeat_peer", repeat_peer),
+        "repeat_peer_tier_tokens": repeat_peer["peer_tier_tokens"],
         "recompute_ttft_ms": recompute["ttft_ms"],
         "recompute_prompt_tokens": recompute["prompt_tokens"],
         "recompute_cached_tokens": recompute["cached_tokens"],
-        "own_ttft_ms": own["ttft_ms"],
-        "own_prompt_tokens": own["prompt_tokens"],
-        "own_cached_tokens": own["cached_tokens"],
-        "own_admission_ms": own["admission_ms"],
         "messages": messages,  # the last one's prompt is what the index is asked about
     }
     print(f"  conversation {n + 1}: {owner} drained, {reader}: peer {peer['ttft_ms']:.0f} ms "
           f"({peer['cached_tokens']}/{peer['prompt_tokens']} cached, "
-          f"{row['peer_read_pages']} pages read), local hit {local['ttft_ms']:.0f} ms, "
-          f"recompute {recompute['ttft_ms']:.0f} ms; undrained, on its own worker: "
-          f"{own['ttft_ms']:.0f} ms", file=sys.stderr)  # fmt: skip
+          f"{row['peer_read_pages']} pages read), local hit (the same turn on its own "
+          f"worker) {local['ttft_ms']:.0f} ms; the prompt repeated: from a peer "
+          f"{repeat_peer['ttft_ms']:.0f} ms, local {repeat['ttft_ms']:.0f} ms; recompute "
+          f"{recompute['ttft_ms']:.0f} ms", file=sys.stderr)  # fmt: skip
     return row
 
 
-def _own_turn(cluster: LocalCluster, client: httpx.Client) -> dict[str, Any]:
-    """The control: a twin conversation (a fresh tag, its own answers) whose turn 4 stays
-    on the worker of its turns 1-3 (no drain). It computes what the peer turn computes
-    (the turn's new tokens past the cached prefix), where the local hit, a repeat,
-    computes only the prompt's last page."""
+def _drain(cluster: LocalCluster, worker: str) -> int:
+    """Send ``worker`` SIGTERM (it drains, then lingers lending its pages) once it is
+    draining; its generation before, for `LocalCluster.wait_restarted`."""
+    pid = cluster.supervisor.pid(worker)
+    assert pid is not None, f"{worker} is not running"
+    generation = _settled(cluster, (worker,))[worker]["generation"]
+    os.kill(pid, signal.SIGTERM)
+    cluster.wait(lambda: cluster.worker(worker).get("draining"), 30, f"{worker} to drain")
+    return generation
+
+
+def _turn_fields(name: str, turn: dict[str, Any]) -> dict[str, Any]:
+    return {f"{name}_ttft_ms": turn["ttft_ms"], f"{name}_prompt_tokens": turn["prompt_tokens"],
+            f"{name}_cached_tokens": turn["cached_tokens"],
+            f"{name}_admission_ms": turn["admission_ms"]}  # fmt: skip
+
+
+def _local_turn(cluster: LocalCluster, client: httpx.Client) -> dict[str, Any]:
+    """The local device hit of the same turn: a twin conversation (a fresh tag, its own
+    answers) whose turn 4 stays on the worker of its turns 1-3 (no drain). It finds the
+    same prefix cached and computes the same new tokens as the peer turn (the end of
+    turn 3's answer and the new question); only where the cached pages come from differs."""
     tag = _tag()
     answers: list[str] = []
     for turn in (1, 2, 3):
@@ -355,6 +381,19 @@ def run_shared_tier_bench(
     return 0
 
 
+#: the measured turn-4 TTFTs of a conversation (`_one_conversation`'s keys)
+TURNS = ("peer", "local", "repeat_peer", "repeat", "recompute")
+
+
+def ratios(med: dict[str, float]) -> dict[str, float]:
+    """The judged ratios of the medians: a peer read against a local device hit, twice
+    like for like (the conversation's next turn; the prompt repeated), and against the
+    recompute."""
+    return {"peer_over_local": med["peer"] / med["local"],
+            "repeat_peer_over_repeat": med["repeat_peer"] / med["repeat"],
+            "peer_over_recompute": med["peer"] / med["recompute"]}  # fmt: skip
+
+
 def summarise(
     rows: list[dict[str, Any]], index: dict[str, Any], preset: str, model: str, transport: str
 ) -> dict[str, Any]:
@@ -363,7 +402,7 @@ def summarise(
     def median(key: str) -> float:
         return float(statistics.median(row[key] for row in rows))
 
-    med = {k: median(f"{k}_ttft_ms") for k in ("peer", "local", "recompute", "own")}
+    med = {k: median(f"{k}_ttft_ms") for k in TURNS}
     shares = [row["peer_cached_tokens"] / max(1, row["prompt_tokens"]) for row in rows]
     return {
         "scenario": "shared-tier",
@@ -379,9 +418,7 @@ def summarise(
         },  # fmt: skip
         "rows": rows,
         "median_ms": med,
-        "peer_over_local": med["peer"] / med["local"],
-        "peer_over_recompute": med["peer"] / med["recompute"],
-        "peer_over_own": med["peer"] / med["own"],
+        **ratios(med),
         "peer_cached_share": min(shares),
         "peer_read_pages": sum(row["peer_read_pages"] for row in rows),
         "targets": TARGETS,
@@ -398,13 +435,12 @@ def summarise_other_node(
     def median(rows: list[dict[str, Any]], key: str) -> float:
         return float(statistics.median(row[key] for row in rows))
 
-    peer = {k: median(other, f"{k}_ttft_ms") for k in ("peer", "local", "recompute")}
+    peer = {k: median(other, f"{k}_ttft_ms") for k in TURNS}
     host = {k: median(hosts, f"{k}_ttft_ms") for k in ("remote", "local", "recompute")}
     return {
         "peer_rows": other,
         "peer_median_ms": peer,
-        "peer_over_local": peer["peer"] / peer["local"],
-        "peer_over_recompute": peer["peer"] / peer["recompute"],
+        **ratios(peer),
         "peer_cached_share": min(
             r["peer_cached_tokens"] / max(1, r["prompt_tokens"]) for r in other
         ),  # fmt: skip
@@ -422,10 +458,10 @@ def format_other_node(o: dict[str, Any]) -> list[str]:
         "",
         "### Two nodes (a kvstore each; decode-0 and decode-1 on different nodes)",
         "",
-        f"peer read from the other node: median {peer['peer']:.0f} ms, local hit "
-        f"{peer['local']:.0f} ms, recompute {peer['recompute']:.0f} ms; peer / local hit = "
-        f"{o['peer_over_local']:.2f}, peer / recompute = {o['peer_over_recompute']:.3f}, "
-        f"{100 * o['peer_cached_share']:.0f} % of the prompt cached at least",
+        f"the next turn read from the other node: median {peer['peer']:.0f} ms, local hit "
+        f"{peer['local']:.0f} ms, recompute {peer['recompute']:.0f} ms; the prompt repeated: "
+        f"from the other node {peer['repeat_peer']:.0f} ms, local {peer['repeat']:.0f} ms",
+        *_ratio_lines(o),
         f"host-tier hit: remote node {host['remote']:.0f} ms, local node {host['local']:.0f} ms, "
         f"recompute {host['recompute']:.0f} ms; remote / local = "
         f"{o['remote_over_local_host']:.2f}, remote / recompute = "
@@ -442,14 +478,28 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.0f}"
 
 
+def _ratio_lines(r: dict[str, Any]) -> list[str]:
+    t = TARGETS
+    return [
+        f"peer / local hit (the next turn) = {r['peer_over_local']:.2f} (target <= "
+        f"{t['peer_over_local']:g}); peer / local (the prompt repeated) = "
+        f"{r['repeat_peer_over_repeat']:.2f} (target <= {t['repeat_peer_over_repeat']:g}); "
+        f"peer / recompute = {r['peer_over_recompute']:.3f} (target <= "
+        f"{t['peer_over_recompute']:g})",
+        f"cached on the peer turn: {100 * r['peer_cached_share']:.0f} % of the prompt at least "
+        f"(target >= {100 * t['peer_cached_share']:.0f} %)",
+    ]
+
+
 def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"### Shared tier: turn 4 of a ~{r['system_tokens']}-token conversation after its "
         "decode worker drained",
         "",
         "| conv | prompt | peer ms | cached | from peer | pages read | read ms | peer "
-        "admission ms | local hit ms | local cached | recompute ms | undrained ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "admission ms | local hit ms | local cached | repeat: peer ms | repeat: local ms | "
+        "recompute ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         lines.append(
@@ -457,22 +507,17 @@ def format_table(r: dict[str, Any]) -> str:
             f"{row['peer_cached_tokens']} | {row['peer_tier_tokens']} | "
             f"{row['peer_read_pages']} | {row['peer_read_ms']:.1f} | "
             f"{_ms(row.get('peer_admission_ms'))} | {row['local_ttft_ms']:.0f} | "
-            f"{row['local_cached_tokens']} | {row['recompute_ttft_ms']:.0f} | "
-            f"{row['own_ttft_ms']:.0f} |"
+            f"{row['local_cached_tokens']} | {row['repeat_peer_ttft_ms']:.0f} | "
+            f"{row['repeat_ttft_ms']:.0f} | {row['recompute_ttft_ms']:.0f} |"
         )
-    med, t, q = r["median_ms"], r["targets"], r["index_query"]
+    med, q = r["median_ms"], r["index_query"]
     lines += [
         "",
-        f"median: peer read {med['peer']:.0f} ms, local hit {med['local']:.0f} ms, "
-        f"recompute {med['recompute']:.0f} ms; undrained (turn 4 on its own worker) "
-        f"{med['own']:.0f} ms",
-        f"peer / local hit = {r['peer_over_local']:.2f} (target <= {t['peer_over_local']:g}); "
-        f"peer / recompute = {r['peer_over_recompute']:.3f} "
-        f"(target <= {t['peer_over_recompute']:g})",
-        f"peer / undrained = {r['peer_over_own']:.2f} (no target: the same tokens computed, "
-        "where the local hit, a repeat, computes only the last page)",
-        f"cached on the peer turn: {100 * r['peer_cached_share']:.0f} % of the prompt at least "
-        f"(target >= {100 * t['peer_cached_share']:.0f} %)",
+        f"median: the next turn read from a peer {med['peer']:.0f} ms, on its own worker "
+        f"(local hit) {med['local']:.0f} ms; the prompt repeated: from a peer "
+        f"{med['repeat_peer']:.0f} ms, local {med['repeat']:.0f} ms; recompute "
+        f"{med['recompute']:.0f} ms",
+        *_ratio_lines(r),
         f"index query, {q['shards']} shard: median {q['median_ms']:.2f} ms, p90 "
         f"{q['p90_ms']:.2f} ms ({q['round_trips']} round trips, {q['hashes']} page hashes)",
     ]
