@@ -15,10 +15,10 @@ gets up to k draft tokens (`Request.draft`):
 * ``both``: prompt lookup first, the index where it finds nothing.
 
 k adapts per request and per step (`Speculator`): a draft token is worth the chance it
-is kept (the request's own record) and costs a row of the step (the engine's step times
-against their rows, `StepCost`); a request drafts as far as its tokens are worth more
-than they cost, so speculation backs off by itself in big batches (a row's share of the
-step nears 1) and for requests whose drafts miss. It stands down altogether for a step
+is kept (the request's own record) and costs a row of the step (the engine's measured
+step times by rows, `StepCost`); a step verifies the draft tokens that give it the most
+expected tokens per second, so speculation backs off by itself in big batches (a row's
+share of the step nears 1) and for requests whose drafts miss. It stands down altogether for a step
 with more than ``max_batch`` decoding requests, and for requests whose tokens a grammar
 guides (its masks are made for one position a step).
 
@@ -190,31 +190,48 @@ class MethodStats:
 
 
 class StepCost:
-    """A step's seconds as ``a + b`` x its rows (new tokens), fitted by least squares
-    over recent steps (each weighs `DECAY` times the next); until the rows vary enough
-    to fit a slope, half of a step's time is taken to be per row."""
+    """What a step of a given number of rows (new tokens) takes: the recent mean of the
+    steps of that many rows where they ran (each weighs `ROW_DECAY` times the next), and
+    otherwise a line ``a + b`` x rows fitted by least squares over recent steps (each
+    weighs `DECAY` times the next; until the rows vary enough to fit a slope, half of a
+    step's time is taken to be per row). Made non-decreasing in rows. The line alone is
+    wrong where it matters: on a CPU a second row costs next to nothing (the weights are
+    read once for both) and each row past three or so a sixth of a step (the step turns
+    compute-bound), so a draft's first token is nearly free and its eighth is not."""
 
     DECAY = 0.97
+    ROW_DECAY = 0.8
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._rows: dict[int, float] = {}  # rows -> recent mean seconds of such steps
 
     def observe(self, rows: int, seconds: float) -> None:
         d = self.DECAY
         self._n, self._x, self._y = d * self._n + 1, d * self._x + rows, d * self._y + seconds
         self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+        known = self._rows.get(rows)
+        self._rows[rows] = seconds if known is None else (
+            self.ROW_DECAY * known + (1 - self.ROW_DECAY) * seconds)  # fmt: skip
 
-    def per_row_share(self, rows: int) -> float:
-        """b x rows / (a + b x rows): the share of a step of ``rows`` rows that its rows
-        cost (1 if nothing is known: no speculation before a step was timed)."""
-        if self._n < 1:
-            return 1.0
+    def _line(self) -> tuple[float, float]:
         mx, my = self._x / self._n, self._y / self._n
         var = self._xx / self._n - mx * mx
         b = (self._xy / self._n - mx * my) / var if var > 0.25 else 0.5 * my / max(mx, 1.0)
         b = min(max(b, 0.0), my / max(mx, 1.0))  # a slope past the mean cost per row is noise
-        a = max(my - b * mx, 0.0)
-        return b * rows / (a + b * rows) if a + b * rows > 0 else 1.0
+        return max(my - b * mx, 0.0), b
+
+    def seconds(self, most: int) -> list[float] | None:
+        """The expected seconds of a step of 1..``most`` rows (index ``rows - 1``); None
+        before a step was timed (then nothing is drafted)."""
+        if self._n < 1:
+            return None
+        a, b = self._line()
+        times, slowest = [], 0.0
+        for rows in range(1, most + 1):
+            slowest = max(slowest, self._rows.get(rows, a + b * rows))
+            times.append(slowest)
+        return times
 
 
 class Speculator:
@@ -222,11 +239,12 @@ class Speculator:
 
     How many tokens to draft: a request's draft token j is kept with probability p^j
     (p: the share of its draft tokens kept so far, per position tried; a new request
-    starts from its drafting method's record), so its j-th token is worth p^j tokens, and it costs a
-    row: at the current batch's rate, b tokens' worth of a step's time per row over the
-    batch's B rows (`StepCost.per_row_share`). A request drafts the k whose every token
-    is worth more than it costs: p^k > share; none when even p is not (a big batch, a
-    request whose drafts miss)."""
+    starts from its drafting method's record), so its j-th token is worth p^j tokens, and
+    it costs a row. A step of B decoding requests yields B tokens plus the worth of the
+    draft tokens it verifies, in the time `StepCost` expects of its rows; the draft
+    tokens are taken in order of worth, as many as make the most tokens per second
+    (`draft_lengths`): none when no draft token pays for its row (a big batch, a request
+    whose drafts miss)."""
 
     PRIOR_KEPT, PRIOR_TRIED = 1.6, 2.0  # p = 0.8 until its drafts say otherwise
     DECAY = 0.8  # of a request's kept/tried counts per verification
@@ -248,21 +266,41 @@ class Speculator:
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
 
-    def draft_length(self, request_id: str, method: str, share: float) -> int:
-        """The k for a request whose draft comes from ``method``, at a step where a row
-        costs ``share`` (class notes). A request with no record yet starts from the
-        method's: its share of draft tokens kept so far, over `PRIOR_TRIED` positions."""
+    def kept_share(self, request_id: str, method: str) -> float:
+        """p: the share of a request's draft tokens kept per position tried. A request
+        with no record yet starts from its drafting method's, over `PRIOR_TRIED`
+        positions."""
         record = self._kept.get(request_id)
         if record is None:
             st = self.stats[method]
             record = (self.PRIOR_TRIED * (st.accepted + self.PRIOR_KEPT)
                       / (st.drafted + self.PRIOR_TRIED), self.PRIOR_TRIED)  # fmt: skip
-        p = record[0] / record[1]
-        if p <= share or p <= 0.0:
-            return 0
-        if p >= 1.0 or share <= 0.0:
-            return self.max_draft_tokens
-        return min(self.max_draft_tokens, int(math.log(share) / math.log(p)))
+        return min(1.0, max(0.0, record[0] / record[1]))
+
+    def draft_lengths(self, drafts: Sequence[tuple[str, str, int]], rows: int) -> list[int]:
+        """How many tokens of each draft (request id, method, tokens drafted) a step of
+        ``rows`` decoding requests verifies (class notes): the draft positions in order of
+        worth (position j of a request with record p: p^j tokens), as many as give the
+        step the most expected tokens per second."""
+        if not drafts:
+            return []
+        worth = sorted(((self.kept_share(rid, method) ** j, i)
+                        for i, (rid, method, n) in enumerate(drafts)
+                        for j in range(1, n + 1)), key=lambda w: -w[0])  # fmt: skip
+        times = self.cost.seconds(rows + len(worth))
+        lengths = [0] * len(drafts)
+        if times is None:
+            return lengths
+        expected, taken = float(rows), 0
+        best = expected / times[rows - 1] if times[rows - 1] > 0 else math.inf
+        for n, (q, _) in enumerate(worth, 1):
+            expected += q
+            rate = expected / times[rows + n - 1] if times[rows + n - 1] > 0 else math.inf
+            if rate > best:
+                best, taken = rate, n
+        for _, i in worth[:taken]:
+            lengths[i] += 1
+        return lengths
 
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Set `Request.draft` of the decoding requests that speculate this step."""
@@ -271,7 +309,7 @@ class Speculator:
             req.draft = []
         if not self.enabled or len(decoding) > self.max_batch:
             return
-        share = self.cost.per_row_share(len(decoding))
+        drafted: list[tuple[Request, list[int], str]] = []
         for req in decoding:
             if req.guide is not None:
                 continue
@@ -290,8 +328,12 @@ class Speculator:
             if not draft and self.method in ("radix", "both"):
                 draft, method = self.index.lookup(req.namespace, tokens, k), "radix"
             if draft:
-                req.draft = draft[: self.draft_length(req.request_id, method, share)]
-                req.draft_method = method
+                drafted.append((req, draft, method))
+        lengths = self.draft_lengths([(r.request_id, m, len(d)) for r, d, m in drafted],
+                                     len(decoding))  # fmt: skip
+        for (req, draft, method), k in zip(drafted, lengths):
+            req.draft = draft[:k]
+            req.draft_method = method
 
     def verified(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
         """``req``'s chunk kept ``accepted`` of its ``drafted`` draft tokens."""
@@ -310,6 +352,10 @@ class Speculator:
         return {f"speculative_{m}_{what}_total": getattr(st, what)
                 for m, st in self.stats.items()
                 for what in ("steps", "drafted", "accepted", "emitted")}  # fmt: skip
+
+    def reset_index(self) -> None:
+        """Empty the draft index (what a benchmark's run drafts from is then its own)."""
+        self.index = DraftIndex(self.index.max_tokens)
 
     def forget(self, req: Request) -> None:
         """``req`` was aborted: drop what was kept for it."""

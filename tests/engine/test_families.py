@@ -90,7 +90,8 @@ def test_speculative_verification_gives_the_same_tokens(family):
     prompts = _prompts(off.config.vocab_size)
     want = [r.token_ids for r in off.generate(prompts, params)]
     on = make_engine(str(hf_dir), page_size=4, speculative_method="radix")
-    on.speculator.cost.per_row_share = lambda rows: 0.1  # how far it drafts: fixed
+    # how far it drafts: fixed (a row a tenth of a one-row step)
+    on.speculator.cost.seconds = lambda most: [9.0 + r for r in range(1, most + 1)]
     for prompt, answer in zip(prompts, want):
         wrong = [*answer[:10], (answer[10] + 1) % off.config.vocab_size, *answer[11:]]
         on.speculator.index.add(None, [*prompt, *wrong])

@@ -56,35 +56,63 @@ def test_a_radix_draft_is_the_most_frequent_continuation():
     assert index.lookup(b"a", [0, 3, 4], 1) == [5]
 
 
-def test_how_far_a_request_drafts_follows_its_acceptance_and_the_step_cost():
-    from radixserve.engine.speculation import Speculator, StepCost
+def test_step_times_are_measured_per_row_count_and_never_fall_with_more_rows():
+    from radixserve.engine.speculation import StepCost
 
     cost = StepCost()
-    assert cost.per_row_share(1) == 1.0  # nothing timed: no speculation
+    assert cost.seconds(4) is None  # nothing timed: no speculation
     for rows, ms in [(1, 10), (3, 20), (5, 30), (9, 50), (1, 10), (16, 85)]:
         cost.observe(rows, ms / 1000)  # 5 ms a step + 5 ms a row
-    assert cost.per_row_share(1) == pytest.approx(0.5, abs=0.01)
-    assert cost.per_row_share(16) == pytest.approx(80 / 85, abs=0.01)
+    times = cost.seconds(9)
+    assert len(times) == 9
+    assert times[0] == pytest.approx(0.010) and times[2] == pytest.approx(0.020)  # ran
+    assert times[1] == pytest.approx(0.015, abs=0.001)  # never ran: the fitted line's
+    cost.observe(2, 0.0101)  # a second row next to free (one read of the weights)
+    assert cost.seconds(3)[1] == pytest.approx(0.0101)
+    cost.observe(4, 0.012)  # a fast outlier: not cheaper than three rows
+    assert cost.seconds(4)[3] == pytest.approx(0.020)
+
+
+def _rows_cost(a: float, b: float):
+    """`StepCost.seconds` pinned to ``a + b`` x rows."""
+    return lambda most: [a + b * rows for rows in range(1, most + 1)]
+
+
+def test_how_far_a_step_drafts_follows_acceptance_and_the_step_times():
+    from radixserve.engine.speculation import Speculator
+
     spec = Speculator("both", max_draft_tokens=8, max_batch=64)
-    assert spec.draft_length("new", "prompt", 0.5) == 3  # the prior p = 0.8: 0.8^3 > 0.5 > 0.8^4
-    assert spec.draft_length("new", "prompt", 0.9) == 0  # a big batch: a row costs more than 0.8
-    assert spec.draft_length("new", "prompt", 0.01) == 8  # bounded by the maximum
+    spec.cost.seconds = _rows_cost(9.0, 1.0)  # a row a tenth of a one-row step
+    # the prior p = 0.8: (1 + 0.8 + ... + 0.8^k) / (10 + k) is largest at k = 6
+    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [6]
+    assert spec.draft_lengths([("new", "prompt", 3)], 1) == [3]  # all it has
+    assert spec.draft_lengths([], 1) == []
+    spec.cost.seconds = _rows_cost(0.0, 1.0)  # all of a step is its rows: no draft pays
+    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [0]
     req = type("R", (), {"request_id": "r", "draft_method": "radix"})()
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=0, emitted=1)  # every draft missed
-    assert spec.draft_length("r", "radix", 0.3) == 0
-    assert spec.draft_length("new", "radix", 0.3) == 0  # a new request: radix's record
-    assert spec.draft_length("new", "prompt", 0.3) == 5  # prompt's: the prior still
+    spec.cost.seconds = _rows_cost(9.0, 1.0)
+    assert spec.draft_lengths([("r", "radix", 8)], 1) == [0]
+    assert spec.draft_lengths([("new", "radix", 8)], 1) == [0]  # a new request: radix's record
+    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [6]  # prompt's: the prior still
+    # a second row next to free (a CPU decode step): even a long shot is worth it
+    spec.cost.seconds = lambda most: [10.0, 10.05, *[12.0 + r for r in range(3, most + 1)]][:most]
+    assert spec.draft_lengths([("r", "radix", 8)], 1) == [1]
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=4, emitted=5)  # every draft kept
-    assert spec.draft_length("r", "radix", 0.3) >= 6
+    spec.cost.seconds = _rows_cost(9.0, 1.0)
+    assert spec.draft_lengths([("r", "radix", 8)], 1) == [8]
+    # one step, two requests: the one whose drafts are kept drafts further
+    lengths = spec.draft_lengths([("r", "radix", 8), ("new", "prompt", 8)], 2)
+    assert lengths[0] > lengths[1] > 0, lengths
 
 
-def _pin_cost(engine, share: float = 0.1):
-    """A row's share of a step fixed (the measured one moves with the machine's load):
-    how many tokens are drafted is then the same every run; what is kept never depends
-    on it."""
-    engine.speculator.cost.per_row_share = lambda rows: share
+def _pin_cost(engine):
+    """The step times fixed (a row a tenth of a one-row step; the measured ones move with
+    the machine's load): how many tokens are drafted is then the same every run; what is
+    kept never depends on it."""
+    engine.speculator.cost.seconds = _rows_cost(9.0, 1.0)
     return engine
 
 
@@ -233,7 +261,7 @@ def test_unseeded_sampling_keeps_its_distribution():
     off = make_engine("default", kv_cache_memory_gib=0.1)
     on = make_engine("default", kv_cache_memory_gib=0.1, speculative_method="radix")
     # every draft verified whole, however many were missed (the policy would stop)
-    on.speculator.draft_length = lambda request_id, method, share: 8
+    on.speculator.draft_lengths = lambda drafts, rows: [n for _, _, n in drafts]
     prompt = _copy_prompts(off)[2]
     top = off.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]
     planted = off.tokenizer.encode(" the capital city of France is")

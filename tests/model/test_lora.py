@@ -194,7 +194,8 @@ def test_speculation_verifies_with_the_adapter(llama):
     jobs = [(prompt, "all"), (prompt, "qv"), (prompt, "")]
     want, _ = run_jobs(_engine(model_dir, dirs, prefix_cache=False), jobs, 24)
     engine = _engine(model_dir, dirs, prefix_cache=False, speculative_method="prompt")
-    engine.speculator.cost.per_row_share = lambda rows: 0.1  # how far it drafts: fixed
+    # how far it drafts: fixed (a row a tenth of a one-row step)
+    engine.speculator.cost.seconds = lambda most: [9.0 + r for r in range(1, most + 1)]
     for job, tokens in zip(jobs, want):
         assert run_jobs(engine, [job], 24)[0][0] == tokens
     assert engine.speculator.stats["prompt"].accepted > 0
