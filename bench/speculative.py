@@ -4,9 +4,9 @@
 For each workload (`speculative_workloads`) and batch size (1: one request at a time;
 16: sixteen at once), in one run, one in-process engine per method runs the same
 prompts greedily; the methods take turns per repeat (the order reversed every repeat)
-so a change in the machine's load falls on all alike, after a warm-up. Each repeat has
-its own prompts (seeded), so the draft index never holds an earlier answer to the same
-prompt. Per cell: decode tokens/s, ITL (mean, p50), acceptance (accepted / drafted),
+so a change in the machine's load falls on all alike, after a warm-up. Each run of a
+method starts with its draft index empty (it then holds that run's primes and answers
+only), and each repeat has its own prompts (seeded). Per cell: decode tokens/s, ITL (mean, p50), acceptance (accepted / drafted),
 tokens per verification step, the ratios to off, and whether every answer is the one
 `off` gave (greedy decoding with speculation must give the same tokens: a difference is
 an error, printed and recorded). With ``through_cluster``, batch-1 code-edit and RAG go
@@ -102,7 +102,9 @@ def counters(engine: Engine) -> dict[str, int]:
 def measure(engine: Engine, conversations: Sequence[Conversation],
             primes: Sequence[Conversation], batch: int, max_tokens: int) -> dict[str, Any]:  # fmt: skip
     """One method's run of one cell: its answers and the speculation counters it moved
-    (the primes run first, one at a time, unmeasured)."""
+    (the draft index emptied first, so it holds this run's text only; the primes run
+    first, one at a time, unmeasured)."""
+    engine.speculator.reset_index()
     run_conversations(engine, primes, 1, max_tokens)
     before = counters(engine)
     answers = run_conversations(engine, conversations, batch, max_tokens)
@@ -127,7 +129,9 @@ def mismatches(reference: list[list[Answer]], other: list[list[Answer]]) -> list
 def run_cell(engines: Mapping[str, Engine], workload: str, batch: int, options: SpeculativeOptions,
              report: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """Every method on one (workload, batch), ``options.repeats`` times."""
-    count = options.batch1_conversations if batch == 1 else batch
+    count = (
+        options.conversations.get(workload, options.batch1_conversations) if batch == 1 else batch
+    )
     max_tokens = options.max_tokens.get(workload, options.default_max_tokens)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in options.methods}
     for repeat in range(options.repeats):

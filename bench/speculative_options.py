@@ -16,8 +16,10 @@ class SpeculativeOptions:
     batches: tuple[int, ...] = (1, 16)
     methods: tuple[SpeculativeMethod, ...] = METHODS
     repeats: int = 2
-    #: conversations per batch-1 cell (a batch-B cell runs B)
+    #: conversations per batch-1 cell (a batch-B cell runs B) ...
     batch1_conversations: int = 3
+    #: ... but for these workloads: cross-request's users, 8 a question (after its prime)
+    conversations: dict[str, int] = field(default_factory=lambda: {"cross-request": 16})
     #: max_tokens per workload (the rest: `default_max_tokens`)
     max_tokens: dict[str, int] = field(default_factory=lambda: {"code-edit": 256})
     default_max_tokens: int = 128
@@ -29,7 +31,7 @@ class SpeculativeOptions:
 
 #: a smoke run: 2 workloads, batch 1, one repeat, short answers (about a minute on 2 cores)
 QUICK = SpeculativeOptions(workloads=("code-edit", "rag"), batches=(1,), repeats=1,
-                           batch1_conversations=2, max_tokens={"code-edit": 96},
+                           batch1_conversations=2, conversations={}, max_tokens={"code-edit": 96},
                            default_max_tokens=64)  # fmt: skip
 
 

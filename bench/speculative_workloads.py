@@ -180,19 +180,26 @@ _TOPICS = ("the water cycle", "how a bicycle gear works", "why the sky is blue",
            "what causes the seasons", "how a compass finds north", "how bread rises",
            "how solar panels make electricity", "why leaves change colour in autumn")  # fmt: skip
 #: the same request in users' own small variations (a 135M model's greedy answers to
-#: bigger rewordings part after a few words)
+#: bigger rewordings part after a few words): the first is the prime's, each later user
+#: of a topic has one of the others
 _ASKS = ("Explain {topic} in one short paragraph.",
          "explain {topic} in one short paragraph",
          "Explain {topic} in one short paragraph, thanks.",
          "Hi! Explain {topic} in one short paragraph.",
          "Explain {topic} in one short paragraph please.",
-         "Explain {topic} in one short paragraph!")  # fmt: skip
+         "Explain {topic} in one short paragraph!",
+         "Please explain {topic} in one short paragraph.",
+         "Explain {topic} in one short paragraph, please.",
+         "Hello! Explain {topic} in one short paragraph.",
+         "Explain {topic} in a short paragraph.")  # fmt: skip
+#: users asking each topic's question (after its prime)
+USERS_PER_TOPIC = 8
 
 
 def cross_request(rng: random.Random, count: int) -> Workload:
     """Many users ask for the same short explanation in their own words: the text is in
     no prompt, but the first asker's answer (a prime) is in the engine's draft index."""
-    topics = rng.sample(_TOPICS, max(1, min(len(_TOPICS), -(-count // 4))))
+    topics = rng.sample(_TOPICS, max(1, min(len(_TOPICS), -(-count // USERS_PER_TOPIC))))
     primes = [user_says(_ASKS[0].format(topic=t)) for t in topics]
     conversations = []
     for i in range(count):

@@ -25,10 +25,11 @@ def test_the_workloads_are_seeded_and_repeat_text():
     agentic = build_workload("agentic", 0, 1).conversations[0]
     second = agentic.turns[1](["THE FIRST ANSWER"])  # the model's answer goes back in
     assert {"role": "assistant", "content": "THE FIRST ANSWER"} in second
-    cross = build_workload("cross-request", 0, 8)
-    assert cross.primes  # the first askers, whose answers later askers want again
-    asked = {c.turns[0]([])[0]["content"] for c in cross.conversations}
-    assert not asked & {p.turns[0]([])[0]["content"] for p in cross.primes}
+    cross = build_workload("cross-request", 0, 16)
+    assert len(cross.primes) == 2  # the first askers, whose answers later askers want again
+    asked = [c.turns[0]([])[0]["content"] for c in cross.conversations]
+    assert len(set(asked)) == 16  # 8 users a question, each in their own words
+    assert not set(asked) & {p.turns[0]([])[0]["content"] for p in cross.primes}
     for name in WORKLOADS:
         assert len(build_workload(name, 0, 5).conversations) == 5
 
