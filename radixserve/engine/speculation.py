@@ -18,9 +18,9 @@ k adapts per request and per step (`Speculator`): a draft token is worth the cha
 is kept (the request's own record) and costs a row of the step (the engine's measured
 step times by rows, `StepCost`); a step verifies the draft tokens that give it the most
 expected tokens per second, so speculation backs off by itself in big batches (a row's
-share of the step nears 1) and for requests whose drafts miss. It stands down altogether for a step
-with more than ``max_batch`` decoding requests, and for requests whose tokens a grammar
-guides (its masks are made for one position a step).
+share of the step nears 1) and for requests whose drafts miss. It stands down
+altogether for a step with more than ``max_batch`` decoding requests, and for requests
+whose tokens a grammar guides (its masks are made for one position a step).
 
 Verification (`Engine.step`) is exact. The request's next chunk is its pending token
 followed by its draft; the model returns the logits of every position of it. Position i

@@ -45,8 +45,8 @@ refuses a `PeerRead`, which its reader computes. 6.3: the cache index sharded ov
 kvstores (`IndexQuery`: ``shard``, ``shards``); a 6.2 kvstore ignores them and answers each
 worker's leading run, never more than it holds. 6.4: a worker's peer-read counters say
 how it connected to its peers (`PeerReadSection`: ``peer_connects_total``,
-``peer_read_connects_total``); a 6.3 reader of heartbeats ignores them. Every message's frame is checked against golden bytes
-(`tests/protocol/golden/frames.json`): a wire change fails there until it is written
+``peer_read_connects_total``); a 6.3 reader of heartbeats ignores them. Every message's
+frame is checked against golden bytes (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
 Flow of the disaggregated design::

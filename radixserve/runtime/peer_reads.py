@@ -226,6 +226,8 @@ class PeerReads:
         tens of milliseconds, which the first read from it would pay otherwise."""
         if link.ack is None or not link.ack.transfer_metadata:
             return
+        if self.agent.peers.get(link.name) == link.generation:
+            return  # its link came back: the connection stands
         try:
             self.agent.add_peer(link.name, link.generation, link.ack.transfer_metadata)
             self.counters["peer_connects_total"] += 1
