@@ -191,7 +191,9 @@ class MethodStats:
 
 class StepCost:
     """What a step of a given number of rows (new tokens) takes: the recent mean of the
-    steps of that many rows where they ran (each weighs `ROW_DECAY` times the next), and
+    steps of that many rows where they ran lately (each weighs `ROW_DECAY` times the
+    next; a row count not run in the last `FRESH_STEPS` steps is forgotten, so a slow
+    outlier that keeps drafts of that size away cannot keep them away for good), and
     otherwise a line ``a + b`` x rows fitted by least squares over recent steps (each
     weighs `DECAY` times the next; until the rows vary enough to fit a slope, half of a
     step's time is taken to be per row). Made non-decreasing in rows. The line alone is
@@ -201,18 +203,23 @@ class StepCost:
 
     DECAY = 0.97
     ROW_DECAY = 0.8
+    FRESH_STEPS = 256
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
-        self._rows: dict[int, float] = {}  # rows -> recent mean seconds of such steps
+        self._steps = 0
+        # rows -> (recent mean seconds of such steps, the step that last ran so many)
+        self._rows: dict[int, tuple[float, int]] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
         d = self.DECAY
         self._n, self._x, self._y = d * self._n + 1, d * self._x + rows, d * self._y + seconds
         self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+        self._steps += 1
         known = self._rows.get(rows)
-        self._rows[rows] = seconds if known is None else (
-            self.ROW_DECAY * known + (1 - self.ROW_DECAY) * seconds)  # fmt: skip
+        if known is not None and self._steps - known[1] < self.FRESH_STEPS:
+            seconds = self.ROW_DECAY * known[0] + (1 - self.ROW_DECAY) * seconds
+        self._rows[rows] = (seconds, self._steps)
 
     def _line(self) -> tuple[float, float]:
         mx, my = self._x / self._n, self._y / self._n
@@ -229,7 +236,9 @@ class StepCost:
         a, b = self._line()
         times, slowest = [], 0.0
         for rows in range(1, most + 1):
-            slowest = max(slowest, self._rows.get(rows, a + b * rows))
+            known = self._rows.get(rows)
+            fresh = known is not None and self._steps - known[1] < self.FRESH_STEPS
+            slowest = max(slowest, known[0] if fresh else a + b * rows)  # type: ignore[index]
             times.append(slowest)
         return times
 

@@ -71,6 +71,11 @@ def test_step_times_are_measured_per_row_count_and_never_fall_with_more_rows():
     assert cost.seconds(3)[1] == pytest.approx(0.0101)
     cost.observe(4, 0.012)  # a fast outlier: not cheaper than three rows
     assert cost.seconds(4)[3] == pytest.approx(0.020)
+    cost.observe(2, 0.5)  # a slow outlier (it keeps drafts from two rows away) ...
+    assert cost.seconds(2)[1] > 0.1
+    for _ in range(cost.FRESH_STEPS):
+        cost.observe(1, 0.010)
+    assert cost.seconds(2)[1] < 0.02  # ... only until it is forgotten: the line's again
 
 
 def _rows_cost(a: float, b: float):
