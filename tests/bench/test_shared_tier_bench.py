@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.shared_tier import format_table, summarise
+from radixserve.bench.shared_tier import summarise
+from radixserve.bench.shared_tier_report import format_table
 from radixserve.cli import main
 
 
@@ -112,7 +113,7 @@ def test_flags_the_scenario_does_not_take_are_refused_by_name(capsys, flags) -> 
 
 
 def test_the_two_node_part_reports_its_ratios() -> None:
-    from radixserve.bench.shared_tier import format_other_node, summarise_other_node
+    from radixserve.bench.shared_tier_report import format_other_node, summarise_other_node
 
     peer = {"peer_ttft_ms": 330.0, "local_ttft_ms": 300.0, "recompute_ttft_ms": 6600.0,
             "repeat_peer_ttft_ms": 140.0, "repeat_ttft_ms": 100.0,
