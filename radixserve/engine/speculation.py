@@ -11,16 +11,19 @@ gets up to k draft tokens (`Request.draft`):
 * ``radix``: the `DraftIndex` — the token sequences the engine's cache was given
   (every request's tokens, prompt and output, when it ends), kept per cache namespace,
   so a draft never crosses a tenant's (or a model's) isolation boundary; a draft is the
-  most frequent continuation, token by token, of the longest n-gram seen;
+  most frequent continuation, token by token, of the longest n-gram seen (up to
+  `INDEX_MAX_NGRAM` tokens), each token with its evidence (that n, and whether the
+  texts agreed);
 * ``both``: prompt lookup first, the index where it finds nothing.
 
 k adapts per request and per step (`Speculator`): a draft token is worth the chance it
-is kept (the request's own record) and costs a row of the step (the engine's measured
-step times by rows, `StepCost`); a step verifies the draft tokens that give it the most
-expected tokens per second, so speculation backs off by itself in big batches (a row's
-share of the step nears 1) and for requests whose drafts miss. It stands down
-altogether for a step with more than ``max_batch`` decoding requests, and for requests
-whose tokens a grammar guides (its masks are made for one position a step).
+is kept (the request's own record for prompt lookup, its evidence's for the index) and
+costs a row of the step (the engine's measured step times by rows, `StepCost`); a step
+verifies the draft tokens that give it the most expected tokens per second, so
+speculation backs off by itself in big batches (a row's share of the step nears 1) and
+for requests whose drafts miss. It stands down altogether for a step with more than
+``max_batch`` decoding requests, and for requests whose tokens a grammar guides (its
+masks are made for one position a step).
 
 Verification (`Engine.step`) is exact. The request's next chunk is its pending token
 followed by its draft; the model returns the logits of every position of it. Position i
@@ -43,21 +46,21 @@ is given no rejected token.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from radixserve.engine.choice_sampler import Draw
+from radixserve.engine.draft_index import EVIDENCE_CLASSES, MIN_NGRAM, DraftIndex
 from radixserve.engine.outputs import TokenLogprob
 from radixserve.engine.request import Request, RequestStatus
 
 SpeculativeMethod = Literal["off", "prompt", "radix", "both"]
 METHODS: tuple[SpeculativeMethod, ...] = ("off", "prompt", "radix", "both")
-#: the n-gram lengths matched, the longest first
-MAX_NGRAM, MIN_NGRAM = 4, 2
+#: the longest n-gram prompt lookup matches (down to `MIN_NGRAM`), the longest first
+MAX_NGRAM = 4
 
 
 class NgramPlaces:
@@ -93,89 +96,6 @@ def prompt_lookup(tokens: Sequence[int], k: int, places: NgramPlaces | None = No
     places.extend(tokens)
     end = places.find(tokens)
     return [] if end is None else list(tokens[end : end + k])
-
-
-@dataclass
-class _Sequences:
-    """One namespace's sequences and, per n-gram, how often each token followed it."""
-
-    sequences: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
-    #: n-gram -> {next token: times seen}, the token seen last at the end
-    nexts: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
-
-    def count(self, seq: list[int], step: int) -> None:
-        """Add (``step`` 1) or take back (-1) ``seq``'s n-grams and their next tokens."""
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            for end in range(n, len(seq)):  # an n-gram with a token after it
-                key = tuple(seq[end - n : end])
-                seen = self.nexts.setdefault(key, {})
-                times = seen.pop(seq[end], 0) + step  # re-inserted: the last seen at the end
-                if times > 0:
-                    seen[seq[end]] = times
-                elif not seen:
-                    del self.nexts[key]
-
-    def follow(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens, each the one that most often followed the longest n-gram
-        (of the tokens so far, the draft included) seen (ties: the one seen last)."""
-        context, draft = list(tokens[-MAX_NGRAM:]), list[int]()
-        while len(draft) < k:
-            for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
-                seen = self.nexts.get(tuple(context[len(context) - n :]))
-                if seen:
-                    best = max(seen.values())
-                    token = [t for t, c in seen.items() if c == best][-1]
-                    break
-            else:
-                return draft
-            draft.append(token)
-            context = [*context[1:], token] if len(context) == MAX_NGRAM else [*context, token]
-        return draft
-
-
-class DraftIndex:
-    """Token sequences the cache was given, per namespace, indexed by their n-grams
-    (`MIN_NGRAM`..`MAX_NGRAM`) with the tokens that followed each and how often; at most
-    ``max_tokens`` tokens in all, the least recently added sequences dropped first. A
-    draft is the most frequent continuation (the consensus of the requests that wrote
-    the text). Text only: it holds no page and no KV."""
-
-    def __init__(self, max_tokens: int = 1 << 20) -> None:
-        self.max_tokens = max_tokens
-        self._spaces: dict[bytes | None, _Sequences] = {}
-        self._next_id = 0
-        self._tokens = 0
-
-    def add(self, namespace: bytes | None, tokens: Sequence[int]) -> None:
-        if len(tokens) <= MIN_NGRAM:
-            return
-        space = self._spaces.setdefault(namespace, _Sequences())
-        seq_id, self._next_id = self._next_id, self._next_id + 1
-        seq = list(tokens[-self.max_tokens :])
-        space.sequences[seq_id] = seq
-        self._tokens += len(seq)
-        space.count(seq, 1)
-        while self._tokens > self.max_tokens:
-            self._drop_oldest()
-
-    def lookup(self, namespace: bytes | None, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens continuing ``tokens`` as this namespace's sequences most
-        often did (`_Sequences.follow`); [] if its last tokens were never seen."""
-        space = self._spaces.get(namespace)
-        return [] if space is None else space.follow(tokens, k)
-
-    def _drop_oldest(self) -> None:
-        oldest = min(
-            (s for s in self._spaces.values() if s.sequences),
-            key=lambda s: next(iter(s.sequences)),
-        )
-        _, seq = oldest.sequences.popitem(last=False)
-        self._tokens -= len(seq)
-        oldest.count(seq, -1)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._tokens
 
 
 @dataclass
@@ -246,17 +166,25 @@ class StepCost:
 class Speculator:
     """Proposes drafts before a step and learns from their verification (module notes).
 
-    How many tokens to draft: a request's draft token j is kept with probability p^j
-    (p: the share of its draft tokens kept so far, per position tried; a new request
-    starts from its drafting method's record), so its j-th token is worth p^j tokens, and
-    it costs a row. A step of B decoding requests yields B tokens plus the worth of the
-    draft tokens it verifies, in the time `StepCost` expects of its rows; the draft
-    tokens are taken in order of worth, as many as make the most tokens per second
-    (`draft_lengths`): none when no draft token pays for its row (a big batch, a request
-    whose drafts miss)."""
+    How many tokens to draft: a draft token is worth the chance that it and every draft
+    token before it are kept, and it costs a row. A prompt-lookup draft's token j is kept
+    with probability p^j (p: the share of the request's draft tokens kept so far, per
+    position tried; a new request starts from prompt lookup's record). A draft-index
+    token's chance is its evidence's record (`evidence_class`: how long a context it
+    continues and whether that context always went on so): a token that follows six
+    tokens every earlier text followed the same way is kept far more often than one
+    after two tokens the texts continued differently, so the index's drafts run long
+    where the texts agree and stop where they part. A step of B decoding requests yields
+    B tokens plus the worth of the draft tokens it verifies, in the time `StepCost`
+    expects of its rows; the draft tokens are taken in order of worth, as many as make
+    the most tokens per second (`draft_lengths`): none when no draft token pays for its
+    row (a big batch, a request whose drafts miss)."""
 
     PRIOR_KEPT, PRIOR_TRIED = 1.6, 2.0  # p = 0.8 until its drafts say otherwise
     DECAY = 0.8  # of a request's kept/tried counts per verification
+    #: an evidence class's chance starts at 1/2 over 2 tries; each try weighs
+    #: `EVIDENCE_DECAY` times the next (the record follows the workload)
+    PRIOR_EVIDENCE, EVIDENCE_DECAY = (1.0, 2.0), 0.99
 
     def __init__(
         self, method: SpeculativeMethod, max_draft_tokens: int, max_batch: int,
@@ -270,6 +198,9 @@ class Speculator:
         self.stats = {m: MethodStats() for m in ("prompt", "radix")}
         self._kept: dict[str, tuple[float, float]] = {}  # request id -> (kept, tried)
         self._places: dict[str, NgramPlaces] = {}  # request id -> its own tokens' n-grams
+        #: evidence class -> (kept, tried) of the draft-index tokens verified
+        self._evidence = [self.PRIOR_EVIDENCE] * EVIDENCE_CLASSES
+        self._draft_evidence: dict[str, list[int]] = {}  # request id -> its draft's classes
 
     @property
     def enabled(self) -> bool:
@@ -286,28 +217,41 @@ class Speculator:
                       / (st.drafted + self.PRIOR_TRIED), self.PRIOR_TRIED)  # fmt: skip
         return min(1.0, max(0.0, record[0] / record[1]))
 
-    def draft_lengths(self, drafts: Sequence[tuple[str, str, int]], rows: int) -> list[int]:
-        """How many tokens of each draft (request id, method, tokens drafted) a step of
-        ``rows`` decoding requests verifies (class notes): the draft positions in order of
-        worth (position j of a request with record p: p^j tokens), as many as give the
-        step the most expected tokens per second."""
-        if not drafts:
+    def worth(self, request_id: str, method: str, size: int,
+              evidence: Sequence[int] = ()) -> list[float]:  # fmt: skip
+        """What each of a draft's ``size`` tokens is worth: the chance that it and every
+        token before it are kept (class notes); ``evidence``: a draft-index draft's
+        classes."""
+        if method == "radix":
+            worth, chance = [], 1.0
+            for c in evidence:
+                kept, tried = self._evidence[c]
+                chance *= kept / tried
+                worth.append(chance)
+            return worth
+        p = self.kept_share(request_id, method)
+        return [p**j for j in range(1, size + 1)]
+
+    def draft_lengths(self, worths: Sequence[Sequence[float]], rows: int) -> list[int]:
+        """How many tokens of each draft (each token's worth, `worth`) a step of ``rows``
+        decoding requests verifies (class notes): the draft tokens in order of worth, as
+        many as give the step the most expected tokens per second."""
+        if not worths:
             return []
-        worth = sorted(((self.kept_share(rid, method) ** j, i)
-                        for i, (rid, method, n) in enumerate(drafts)
-                        for j in range(1, n + 1)), key=lambda w: -w[0])  # fmt: skip
-        times = self.cost.seconds(rows + len(worth))
-        lengths = [0] * len(drafts)
+        ranked = sorted(((w, i) for i, draft in enumerate(worths) for w in draft),
+                        key=lambda w: -w[0])  # fmt: skip
+        times = self.cost.seconds(rows + len(ranked))
+        lengths = [0] * len(worths)
         if times is None:
             return lengths
         expected, taken = float(rows), 0
         best = expected / times[rows - 1] if times[rows - 1] > 0 else math.inf
-        for n, (q, _) in enumerate(worth, 1):
+        for n, (q, _) in enumerate(ranked, 1):
             expected += q
             rate = expected / times[rows + n - 1] if times[rows + n - 1] > 0 else math.inf
             if rate > best:
                 best, taken = rate, n
-        for _, i in worth[:taken]:
+        for _, i in ranked[:taken]:
             lengths[i] += 1
         return lengths
 
@@ -318,7 +262,7 @@ class Speculator:
             req.draft = []
         if not self.enabled or len(decoding) > self.max_batch:
             return
-        drafted: list[tuple[Request, list[int], str]] = []
+        drafted: list[tuple[Request, list[int], str, list[int]]] = []
         for req in decoding:
             if req.guide is not None:
                 continue
@@ -330,19 +274,22 @@ class Speculator:
             if k <= 0:
                 continue
             tokens = req.token_ids
-            draft, method = [], ""
+            draft, method, evidence = list[int](), "", list[int]()
             if self.method in ("prompt", "both"):
                 places = self._places.setdefault(req.request_id, NgramPlaces())
                 draft, method = prompt_lookup(tokens, k, places), "prompt"
             if not draft and self.method in ("radix", "both"):
-                draft, method = self.index.lookup(req.namespace, tokens, k), "radix"
+                (draft, evidence), method = self.index.lookup(req.namespace, tokens, k), "radix"
             if draft:
-                drafted.append((req, draft, method))
-        lengths = self.draft_lengths([(r.request_id, m, len(d)) for r, d, m in drafted],
-                                     len(decoding))  # fmt: skip
-        for (req, draft, method), k in zip(drafted, lengths):
+                drafted.append((req, draft, method, evidence))
+        lengths = self.draft_lengths(
+            [self.worth(r.request_id, m, len(d), e) for r, d, m, e in drafted], len(decoding)
+        )
+        for (req, draft, method, evidence), k in zip(drafted, lengths):
             req.draft = draft[:k]
             req.draft_method = method
+            if method == "radix":
+                self._draft_evidence[req.request_id] = evidence[:k]
 
     def verified(self, req: Request, drafted: int, accepted: int, emitted: int) -> None:
         """``req``'s chunk kept ``accepted`` of its ``drafted`` draft tokens."""
@@ -353,6 +300,11 @@ class Speculator:
         stats.emitted += emitted
         kept, tried = self._kept.get(req.request_id, (self.PRIOR_KEPT, self.PRIOR_TRIED))
         positions = accepted + (accepted < drafted)  # the first miss was tried too
+        if req.draft_method == "radix":
+            d = self.EVIDENCE_DECAY
+            for j, c in enumerate(self._draft_evidence.pop(req.request_id, [])[:positions]):
+                c_kept, c_tried = self._evidence[c]
+                self._evidence[c] = (d * c_kept + (j < accepted), d * c_tried + 1)
         self._kept[req.request_id] = (self.DECAY * kept + accepted,
                                       self.DECAY * tried + positions)  # fmt: skip
 
@@ -370,6 +322,7 @@ class Speculator:
         """``req`` was aborted: drop what was kept for it."""
         self._kept.pop(req.request_id, None)
         self._places.pop(req.request_id, None)
+        self._draft_evidence.pop(req.request_id, None)
 
     def finished(self, req: Request) -> None:
         """``req`` ended: its tokens go into the draft index (when drafting from it)."""

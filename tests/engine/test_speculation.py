@@ -6,10 +6,13 @@ verified (the counters move); no draft crosses a cache namespace; no page leaks.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from radixserve.engine.draft_index import DraftIndex, evidence_class
 from radixserve.engine.sampling_params import SamplingParams
-from radixserve.engine.speculation import DraftIndex, NgramPlaces, prompt_lookup
+from radixserve.engine.speculation import NgramPlaces, prompt_lookup
 from tests.engine.engine_helpers import TINY, make_engine
 
 CODE = """def add(a, b):
@@ -38,22 +41,44 @@ def test_prompt_lookup_takes_the_latest_earlier_occurrence_of_the_longest_ngram(
 def test_the_draft_index_keeps_namespaces_apart_and_its_bound():
     index = DraftIndex(max_tokens=12)
     index.add(b"a", [5, 6, 7, 8, 9, 10])
-    assert index.lookup(b"a", [1, 6, 7], 3) == [8, 9, 10]
-    assert index.lookup(b"b", [1, 6, 7], 3) == []  # another tenant's text: never
+    assert index.lookup(b"a", [1, 6, 7], 3)[0] == [8, 9, 10]
+    assert index.lookup(b"b", [1, 6, 7], 3) == ([], [])  # another tenant's text: never
     index.add(b"b", [6, 7, 1, 2, 3, 4, 5, 6])  # 14 tokens > 12: a's sequence goes
-    assert index.lookup(b"a", [6, 7], 3) == []
-    assert index.lookup(b"b", [6, 7], 3) == [1, 2, 3]
+    assert index.lookup(b"a", [6, 7], 3) == ([], [])
+    assert index.lookup(b"b", [6, 7], 3)[0] == [1, 2, 3]
     assert index.num_tokens == 8
+
+
+def test_the_draft_index_takes_back_exactly_what_it_counted():
+    """Sequences over few tokens (n-grams with one continuation, then several, then one
+    again as texts go): once the bound drops the early ones, the index is the one the
+    kept sequences alone make."""
+    rng = random.Random(0)
+    index = DraftIndex(max_tokens=400)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(3, 40))] for _ in range(200)]
+    for seq in seqs:
+        index.add(b"a", seq)
+    fresh, kept = DraftIndex(max_tokens=400), 0
+    for seq in reversed(seqs):  # the newest sequences, as many as the bound keeps
+        if kept + len(seq) > index.num_tokens:
+            break
+        kept += len(seq)
+    for seq in seqs[len(seqs) - len(index._spaces[b"a"].sequences) :]:
+        fresh.add(b"a", seq)
+    assert kept == index.num_tokens == fresh.num_tokens
+    assert index._spaces[b"a"].nexts == fresh._spaces[b"a"].nexts
 
 
 def test_a_radix_draft_is_the_most_frequent_continuation():
     index = DraftIndex()
     for seq in ([1, 2, 3, 4, 5, 7], [9, 2, 3, 4, 6, 7], [8, 2, 3, 4, 6, 7], [5, 3, 4, 5, 0]):
         index.add(b"a", seq)
-    # after (2, 3, 4): 6 twice, 5 once; after (3, 4, 6): 7; then (4, 6, 7) ends the text
-    assert index.lookup(b"a", [0, 2, 3, 4], 5) == [6, 7]
+    # after (2, 3, 4): 6 twice, 5 once; after (2, 3, 4, 6): 7 always; then (6, 7) ends
+    # the text. The evidence: 3 tokens that parted, then 4 that agreed
+    assert index.lookup(b"a", [0, 2, 3, 4], 5) == ([6, 7], [evidence_class(3, False),
+                                                            evidence_class(4, True)])  # fmt: skip
     # after (3, 4) alone: 5 twice and 6 twice; the tie goes to the one seen last (5)
-    assert index.lookup(b"a", [0, 3, 4], 1) == [5]
+    assert index.lookup(b"a", [0, 3, 4], 1)[0] == [5]
 
 
 def test_step_times_are_measured_per_row_count_and_never_fall_with_more_rows():
@@ -88,29 +113,69 @@ def test_how_far_a_step_drafts_follows_acceptance_and_the_step_times():
 
     spec = Speculator("both", max_draft_tokens=8, max_batch=64)
     spec.cost.seconds = _rows_cost(9.0, 1.0)  # a row a tenth of a one-row step
+
+    def lengths(*drafts: tuple[str, int]) -> list[int]:
+        """How far a step of these prompt-lookup drafts (request id, tokens) verifies."""
+        return spec.draft_lengths([spec.worth(r, "prompt", n) for r, n in drafts], len(drafts))
+
     # the prior p = 0.8: (1 + 0.8 + ... + 0.8^k) / (10 + k) is largest at k = 6
-    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [6]
-    assert spec.draft_lengths([("new", "prompt", 3)], 1) == [3]  # all it has
+    assert lengths(("new", 8)) == [6]
+    assert lengths(("new", 3)) == [3]  # all it has
     assert spec.draft_lengths([], 1) == []
     spec.cost.seconds = _rows_cost(0.0, 1.0)  # all of a step is its rows: no draft pays
-    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [0]
-    req = type("R", (), {"request_id": "r", "draft_method": "radix"})()
+    assert lengths(("new", 8)) == [0]
+    req = type("R", (), {"request_id": "r", "draft_method": "prompt"})()
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=0, emitted=1)  # every draft missed
     spec.cost.seconds = _rows_cost(9.0, 1.0)
-    assert spec.draft_lengths([("r", "radix", 8)], 1) == [0]
-    assert spec.draft_lengths([("new", "radix", 8)], 1) == [0]  # a new request: radix's record
-    assert spec.draft_lengths([("new", "prompt", 8)], 1) == [6]  # prompt's: the prior still
+    assert lengths(("r", 8)) == [0]
     # a second row next to free (a CPU decode step): even a long shot is worth it
     spec.cost.seconds = lambda most: [10.0, 10.05, *[12.0 + r for r in range(3, most + 1)]][:most]
-    assert spec.draft_lengths([("r", "radix", 8)], 1) == [1]
+    assert lengths(("r", 8)) == [1]
     for _ in range(10):
         spec.verified(req, drafted=4, accepted=4, emitted=5)  # every draft kept
     spec.cost.seconds = _rows_cost(9.0, 1.0)
-    assert spec.draft_lengths([("r", "radix", 8)], 1) == [8]
+    assert lengths(("r", 8)) == [8]
     # one step, two requests: the one whose drafts are kept drafts further
-    lengths = spec.draft_lengths([("r", "radix", 8), ("new", "prompt", 8)], 2)
-    assert lengths[0] > lengths[1] > 0, lengths
+    both = lengths(("r", 8), ("new", 8))
+    assert both[0] > both[1] > 0, both
+
+
+def test_index_drafts_run_long_where_the_texts_agree_and_stop_where_they_part():
+    """A draft-index token's worth is its evidence's record: the texts' agreed
+    continuation (six tokens every text went on from alike) is drafted far once it is
+    kept; after three tokens the texts continued differently, not at all once it misses."""
+    from types import SimpleNamespace
+
+    from radixserve.engine.speculation import Speculator
+
+    spec = Speculator("radix", max_draft_tokens=8, max_batch=64)
+    spec.cost.seconds = _rows_cost(9.0, 1.0)
+    agreed = list(range(100, 130))
+    for seq in (agreed, agreed, [7, 8, 9, 1], [7, 8, 9, 2]):
+        spec.index.add(None, seq)
+
+    def draft(tokens: list[int]):
+        req = SimpleNamespace(request_id="r", namespace=None, guide=None, num_pending=1,
+                              params=SamplingParams(max_tokens=64), output_ids=[],
+                              token_ids=tokens, num_tokens=len(tokens), draft=[],
+                              draft_method="")  # fmt: skip
+        spec.propose([req], 1 << 20)
+        return req
+
+    first = draft(agreed[:10])  # the prior, 1/2 a token: a short draft
+    assert first.draft == agreed[10 : 10 + len(first.draft)] and 0 < len(first.draft) < 8
+    for _ in range(20):  # the agreed continuation is always kept
+        r = draft(agreed[:10])
+        spec.verified(r, len(r.draft), len(r.draft), len(r.draft) + 1)
+    assert draft(agreed[:10]).draft == agreed[10:18]
+    parted = draft([5, 7, 8, 9])
+    assert parted.draft == [2]  # 1 and 2 once each after (7, 8, 9): the one seen last
+    for _ in range(20):  # where the texts part, the draft always misses
+        r = draft([5, 7, 8, 9])
+        spec.verified(r, len(r.draft), 0, 1)
+    assert draft([5, 7, 8, 9]).draft == []
+    assert draft(agreed[:10]).draft == agreed[10:18]  # the agreed text's record is its own
 
 
 def _pin_cost(engine):
@@ -266,7 +331,7 @@ def test_unseeded_sampling_keeps_its_distribution():
     off = make_engine("default", kv_cache_memory_gib=0.1)
     on = make_engine("default", kv_cache_memory_gib=0.1, speculative_method="radix")
     # every draft verified whole, however many were missed (the policy would stop)
-    on.speculator.draft_lengths = lambda drafts, rows: [n for _, _, n in drafts]
+    on.speculator.draft_lengths = lambda worths, rows: [len(w) for w in worths]
     prompt = _copy_prompts(off)[2]
     top = off.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]
     planted = off.tokenizer.encode(" the capital city of France is")
