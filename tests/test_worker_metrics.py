@@ -232,7 +232,7 @@ def test_a_workers_lora_slot_counters_move_and_are_exported(tmp_path: Path) -> N
     served = AsyncEngine(engine)
     try:
         worker = DecodeWorker(DecodeSettings(name="decode-0", transfer_backend="zmq"), served)
-        worker.loras = {info.name: info for info in adapter_infos(engine)}  # as at its start
+        worker.loras.adopt(adapter_infos(engine))  # as at its start
         got = samples(worker.metrics_text().decode())
     finally:
         served.close()

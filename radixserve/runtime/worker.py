@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from radixserve.cache.block_hash import page_hashes, scoped_namespace
@@ -32,21 +32,17 @@ from radixserve.engine.async_engine import AsyncEngine, OutputQueue
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.tp_calls import StartAgent
-from radixserve.errors import ModelLoadError, RequestError, UnknownAdapterError
+from radixserve.errors import RequestError
 from radixserve.protocol import (
     Deregister,
     HelloAck,
-    IndexReply,
-    KVResync,
-    MemberInfo,
-    MemberList,
     Message,
     Register,
     RequestFailed,
     TransferDone,
     WorkerLoad,
 )
-from radixserve.protocol.lora_messages import LoraAdapterInfo, LoraLoad, LoraReply, LoraUnload
+from radixserve.protocol.lora_messages import LoraLoad, LoraUnload
 from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.protocol.peer_messages import PeerPages, PeerRead
 from radixserve.protocol.stats_messages import (
@@ -54,18 +50,16 @@ from radixserve.protocol.stats_messages import (
     ServiceStats,
     fill,
 )
-from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
-from radixserve.runtime.calls import send_quietly
-from radixserve.runtime.host_tier import HostTierClient
-from radixserve.runtime.index_client import IndexClient
+from radixserve.runtime.adapters import adapter_infos
 from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet, PageGeometry
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
 from radixserve.runtime.peer_reads import PageLending, PeerLinks, PeerReads, linger
-from radixserve.runtime.prefix_load import PrefixSources
-from radixserve.runtime.service import Handlers, Peer, Service, dispatch, serve_until_signalled
+from radixserve.runtime.service import Handlers, Peer, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp
+from radixserve.runtime.worker_kvstore import KVStoreMember
+from radixserve.runtime.worker_loras import WorkerLoras
 from radixserve.tracing import NO_SPAN, Span, Tracer, otlp_exporter
 from radixserve.transfer import create_agent
 from radixserve.transfer.group import GroupAgent
@@ -78,49 +72,32 @@ logger = logging.getLogger(__name__)
 #: what a worker's peers send it beside its role's requests: an operator's cache queries,
 #: the gateway's run-time LoRA loads and unloads, other workers' reads of its pages
 WorkerInbound = CacheTreeQuery | CacheAuditClear | LoraLoad | LoraUnload | PeerRead | TransferDone
-#: what the kvstore sends a worker beside the host tier's answers (`HostTierClient`)
-WorkerFromKVStore = KVResync | MemberList | IndexReply
 #: what other workers answer its reads of their pages
 WorkerFromPeer = PeerPages | RequestFailed
 #: the roles whose pages a worker reads
 PEER_ROLES = ("decode", "prefill")
 
 
-class Worker(Service):
+class Worker(KVStoreMember):
     """A service with an engine and a transfer agent; subclasses handle request messages."""
 
     settings: WorkerSettings
 
     def __init__(self, settings: WorkerSettings, engine: AsyncEngine) -> None:
-        super().__init__(settings)
-        self.engine = engine
-        self.page_size = engine.info.page_size
-        self.agent: GroupAgent | None = None
-        self.kvstore: LinkSet | None = None
-        self.host: HostTierClient | None = None  # this node's kvstore's host tier
-        # the other nodes' host tiers, by their shard: read from, never spilled into
-        self.remote_hosts: dict[int, HostTierClient] = {}
-        # the cache's events to the kvstore's index, and questions to it
-        self.index = IndexClient(self.name, self.generation, engine, self.counters,
-                                 settings.kvstore_query_timeout_s)  # fmt: skip
+        super().__init__(settings, engine)
         self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
         # records the spans of requests that carry a traceparent; exports them when the
         # OTEL_* environment names a collector
         self.tracer = Tracer(self.role, otlp_exporter(self.role))
-        # the engine's LoRA adapters by name, as of the start or the last load or unload
-        # (its LoraManager owns them; they change only through `_load_lora`/`_unload_lora`)
-        self.loras: dict[str, LoraAdapterInfo] = {}
+        self.loras = WorkerLoras(self.name, engine, self.send_to, self.beat_now)
         self.lending = PageLending(engine)
-        self.peer_reads: PeerReads | None = None
-        # where a prompt's missing prefix may come from (with a kvstore)
-        self.sources: PrefixSources | None = None
         # links to the other workers by role (a subclass may put its own in first)
         self.peer_links = PeerLinks(self.name, {})
 
     async def start(self) -> None:
         s = self.settings
         info = self.engine.info
-        self._adopt_loras((await self.engine.call(adapter_infos))[0])
+        self.loras.adopt((await self.engine.call(adapter_infos))[0])
         network = transfer_network(s)
         local = create_agent(s.transfer_backend, self.name, info.kv, info.geometry,
                              nixl_progress_thread=s.nixl_progress_thread, network=network,
@@ -146,32 +123,7 @@ class Worker(Service):
             self._start_peer_reads()
         self.peer_links.watch(self.name)
         assert self.context is not None
-        # every kvstore of the cluster (the index's shards, in order), this node's among
-        # them: its host tier is the one this worker spills into
-        self.kvstore = LinkSet(
-            self.context,
-            s.index_shards,
-            self.identity(),
-            on_message=self._from_kvstore,
-            on_up=self._kvstore_up,
-            on_down=self._kvstore_down,
-        )
-        self.index.attach(self.name, self.kvstore.links, s.index_shards.index(s.kvstore))
-        if info.prefix_cache:
-            if s.host_tier:
-                self.host = HostTierClient(self.name, self.generation, s, self.engine,
-                                           self.agent, self.index.cached_hashes)  # fmt: skip
-                for shard, link in enumerate(self.kvstore.links):
-                    if link.address != s.kvstore:
-                        self.remote_hosts[shard] = HostTierClient(
-                            self.name, self.generation, s, self.engine, self.agent,
-                            self.index.cached_hashes, spills=False)  # fmt: skip
-            self.index.listen()
-            self.run_in_background(self.index.publish())
-        self.sources = PrefixSources(self.index, self.page_size, s.host_load_min_tokens,
-                                     self.host, self.remote_hosts, self.peer_reads)  # fmt: skip
-        self._kvstore_handlers = self.kvstore_handlers()
-        self.kvstore.start()
+        self.link_kvstores()
 
     def _start_kv_events(self) -> None:
         """Publish the radix cache's pages in vLLM's format (`radixserve.runtime.kv_events`)."""
@@ -241,30 +193,8 @@ class Worker(Service):
 
     # -- membership -------------------------------------------------------------------
 
-    def member(self) -> MemberInfo:
-        return MemberInfo(
-            self.name, self.role, self.advertised_address, self.generation, self.draining
-        )
-
     def member_view(self) -> MemberView | None:
-        """The view of the roles this worker links to (watched through the kvstore)."""
         return self.peer_links.view
-
-    def kvstore_link(self) -> Link | None:
-        """The link to this node's kvstore (its host tier)."""
-        if self.kvstore is None or self.settings.kvstore is None:
-            return None
-        return self.kvstore.by_address(self.settings.kvstore)
-
-    async def _to_kvstore(
-        self, msg: Message, timeout_ms: int = 0, link: Link | None = None
-    ) -> None:
-        """``msg`` to ``link``, or to every kvstore that is up (membership is kept by each)."""
-        links = [link] if link is not None else self.kvstore.links if self.kvstore else []
-        sent = await asyncio.gather(*(send_quietly(each, msg, timeout_ms)
-                                      for each in links if each.up))  # fmt: skip
-        if not all(sent):
-            logger.warning("%s: cannot reach a kvstore with %s", self.name, msg.TYPE_TAG)
 
     def on_drain(self) -> None:
         self.spawn_notice(self._to_kvstore(Register(self.member())))
@@ -315,57 +245,9 @@ class Worker(Service):
             model_identity=info.identity.key if info.identity is not None else "",
         )
 
-    def _kvstore_up(self, link: Link) -> None:
-        self.spawn_notice(self._to_kvstore(Register(self.member()), link=link))
-        view = self.member_view()
-        if view is not None:
-            self.spawn_notice(self._to_kvstore(view.watch(), link=link))
-        self.index.resync(link)
-        host = self._host_tier_of(link)
-        if host is not None:
-            host.on_up(link)
-
-    def _kvstore_down(self, link: Link, why: str) -> None:
-        self.index.link_down(link)
-        view = self.member_view()
-        if view is not None:
-            view.source_down(link.address)
-        host = self._host_tier_of(link)
-        if host is not None:
-            host.on_down(link, why)
-
-    def _host_tier_of(self, link: Link) -> HostTierClient | None:
-        """The client of the host tier of the kvstore behind ``link`` (None: none)."""
-        if link is self.kvstore_link():
-            return self.host
-        shard = self.index.shard_of(link)
-        return self.remote_hosts.get(shard) if shard is not None else None
-
-    def kvstore_handlers(self) -> Handlers:
-        """Hook: the handler of each type of `WorkerFromKVStore`, and the host tier's (a
-        subclass adds its own)."""
-        host = self.host.handlers if self.host is not None else {}
-        return {KVResync: self._resync, MemberList: self._members, IndexReply: self.index.answer,
-                **host}  # fmt: skip
-
-    def _from_kvstore(self, link: Link, msg: Message) -> None:
-        host = self._host_tier_of(link)
-        if host is not None and host is not self.host and host.on_message(link, msg):
-            return  # another node's host tier answering
-        if not dispatch(self._kvstore_handlers, link, msg):
-            logger.warning("%s: unexpected %s from the kvstore", self.name, msg.TYPE_TAG)
-
-    def _members(self, link: Link, msg: MemberList) -> None:
-        view = self.member_view()
-        if view is not None:  # None: this worker does not watch the membership
-            view.apply(msg, link.address)
-
-    def _resync(self, link: Link, _msg: KVResync) -> None:
-        self.index.resync(link)
-
     def handlers(self) -> Handlers:
         return {CacheTreeQuery: self._describe_cache, CacheAuditClear: self._clear_audit,
-                LoraLoad: self._load_lora, LoraUnload: self._unload_lora,
+                LoraLoad: self.loras.load, LoraUnload: self.loras.unload,
                 PeerRead: self._lend, TransferDone: self._transfer_done}  # fmt: skip
 
     # -- lending pages ------------------------------------------------------------------
@@ -374,7 +256,7 @@ class Worker(Service):
         """Lend another worker the cached pages it asks for (`PageLending.lend`), if its
         adapter is this worker's (same content)."""
         try:
-            if self.adapter_fingerprint(msg.adapter) != msg.adapter_fingerprint:
+            if self.loras.fingerprint(msg.adapter) != msg.adapter_fingerprint:
                 raise RequestError(f"{self.name} serves LoRA adapter {msg.adapter!r} with "
                                    "other content")  # fmt: skip
             lent = await self.lending.lend(
@@ -396,56 +278,6 @@ class Worker(Service):
 
     def on_peer_lost(self, peer: Peer) -> None:
         self.lending.reader_lost(peer.identity)
-
-    # -- LoRA adapters ----------------------------------------------------------------
-
-    def _adopt_loras(self, infos: Sequence[LoraAdapterInfo]) -> None:
-        self.loras = {info.name: info for info in infos}
-
-    async def _load_lora(self, peer: Peer, msg: LoraLoad) -> None:
-        """The gateway's run-time load (`Engine.load_lora`)."""
-        await self._change_loras(peer, msg.query_id, msg.name, "loading",
-                                 lambda e: load_adapter(e, msg.name, msg.path))  # fmt: skip
-
-    async def _unload_lora(self, peer: Peer, msg: LoraUnload) -> None:
-        """The gateway's run-time unload (`Engine.unload_lora`: refused while a request
-        uses the adapter)."""
-        await self._change_loras(peer, msg.query_id, msg.name, "unloading",
-                                 lambda e: unload_adapter(e, msg.name))  # fmt: skip
-
-    async def _change_loras(
-        self, peer: Peer, query_id: str, name: str, doing: str,
-        change: Callable[[Any], tuple[LoraAdapterInfo, ...]],
-    ) -> None:  # fmt: skip
-        """Run ``change`` on the engine between two steps and answer with a `LoraReply`:
-        an adapter not loaded as ``not_found``, the engine's refusal as
-        ``invalid_request`` (its sentence), anything else as ``internal``."""
-        try:
-            infos, _ = await self.engine.call(change)
-        except UnknownAdapterError as exc:
-            await self._lora_reply(peer, query_id, name, "not_found", str(exc))
-        except (ModelLoadError, RequestError) as exc:
-            await self._lora_reply(peer, query_id, name, "invalid_request", str(exc))
-        except Exception as exc:
-            logger.exception("%s: %s LoRA adapter %s failed", self.name, doing, name)
-            await self._lora_reply(peer, query_id, name, "internal", repr(exc))
-        else:
-            self._adopt_loras(infos)
-            await self._lora_reply(peer, query_id, name)
-
-    async def _lora_reply(self, peer: Peer, query_id: str, name: str, error_type: str = "",
-                          message: str = "") -> None:  # fmt: skip
-        """Answer a load or unload with what this worker now serves as ``name``; the next
-        heartbeat goes at once, so every peer (a decode worker routing prefills) sees it."""
-        reply = LoraReply(query_id, error_type, message[:4096], self.loras.get(name))
-        self.beat_now()
-        await self.send_to(peer, reply)
-
-    def adapter_fingerprint(self, adapter: str) -> str:
-        """The fingerprint of the adapter served as ``adapter`` ("" for the base model or
-        an adapter not loaded here)."""
-        info = self.loras.get(adapter) if adapter else None
-        return info.fingerprint if info is not None else ""
 
     async def _describe_cache(self, peer: Peer, query: CacheTreeQuery) -> None:
         """Answer the gateway's `CacheTreeQuery` for its explorer: one engine call,
@@ -480,7 +312,7 @@ class Worker(Service):
         parent = carried[done - 1] if done else None
         root = self.engine.info.hash_namespace
         if adapter:
-            info = self.loras.get(adapter)
+            info = self.loras.served.get(adapter)
             if info is None:
                 return []
             root = info.hash_namespace
@@ -524,7 +356,7 @@ class Worker(Service):
             if hashes is None:
                 hashes = self.page_hashes(known, (), cache_scope, adapter)
             load = await sources.plan(request_id, known, hashes, cache_scope, adapter,
-                                           self.adapter_fingerprint(adapter))  # fmt: skip
+                                           self.loras.fingerprint(adapter))  # fmt: skip
         loading, read_ok = NO_SPAN, False
         if load is not None:
             loading = under.child(f"{self.role}.{load.span}", start_ns=looked_up_ns,
@@ -581,7 +413,8 @@ class Worker(Service):
         counts = engine.lora_counts
         loras = tuple(dataclasses.replace(info, loads=counts[info.name][0],
                                           evictions=counts[info.name][1])
-                      if info.name in counts else info for info in self.loras.values())  # fmt: skip
+                      if info.name in counts else info
+                      for info in self.loras.served.values())  # fmt: skip
         return dataclasses.replace(super().stats(), engine=section, host_tier=host,
                                    peer_reads=peer, loras=loras)  # fmt: skip
 

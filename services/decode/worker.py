@@ -51,7 +51,8 @@ from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.service import Handlers, Peer, dispatch
-from radixserve.runtime.worker import Worker, WorkerFromKVStore, WorkerInbound
+from radixserve.runtime.worker import Worker, WorkerInbound
+from radixserve.runtime.worker_kvstore import WorkerFromKVStore
 from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.tracing import NO_SPAN, Span
@@ -164,7 +165,7 @@ class DecodeWorker(Worker):
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
             scope = msg.cache_scope  # whose KV it may share; the hashes are in its namespace
             share = to_share(msg)  # its place among other tenants' requests
-            adapter = _Adapter(msg.adapter, self.adapter_fingerprint(msg.adapter))
+            adapter = _Adapter(msg.adapter, self.loras.fingerprint(msg.adapter))
             # the gateway's hashes are in its adapter's namespace: ours if the same content
             carried = msg.page_hashes if msg.adapter_fingerprint == adapter.fingerprint else ()
             hashes = self.page_hashes(ids + resume, carried, scope, adapter.name)

@@ -133,7 +133,7 @@ class PrefillWorker(Worker):
         computing = NO_SPAN
         try:
             params = to_params(msg.sampling)
-            fingerprint = self.adapter_fingerprint(msg.adapter)
+            fingerprint = self.loras.fingerprint(msg.adapter)
             if fingerprint != msg.adapter_fingerprint:  # not the decode side's adapter
                 raise AdapterMismatch(
                     f"{self.name} serves LoRA adapter {msg.adapter!r} as "
@@ -148,7 +148,7 @@ class PrefillWorker(Worker):
                 raise AdapterMismatch(f"{self.name}: {exc}") from exc
             # what it runs with, now that it holds the adapter (no unload until it ends):
             # `KVReady` says so, and the decode side reads the pages only if it is its own
-            fingerprint = self.adapter_fingerprint(msg.adapter)
+            fingerprint = self.loras.fingerprint(msg.adapter)
             queued.end()
             # the engine's lease starts when the prompt is done, after this: a grant that
             # ends lease_s from now ends first

@@ -430,7 +430,7 @@ def test_pages_computed_with_another_lora_adapter_are_not_read(caplog) -> None:
         p0.stats = ServiceStats(loras=(adapter,))
         try:
             async with decode_worker(context, engine, [p0.address]) as (worker, gateway):
-                worker.loras = {"a": adapter}
+                worker.loras.adopt([adapter])
                 await until(lambda: worker.prefills is not None and worker._prefills_ready(
                     frozenset(), _Adapter("a", mine)) != [], "p0 to state the adapter")  # fmt: skip
                 await gateway.send(GenerateRequest("r1", LONG, SAMPLING, adapter="a",
@@ -459,7 +459,7 @@ def test_a_peer_read_for_another_adapters_pages_is_refused_and_lends_nothing() -
 
     async def scenario(context: zmq.asyncio.Context) -> None:
         async with decode_worker(context, FakeEngine(base_token=100), []) as (worker, peer):
-            worker.loras = {"a": LoraAdapterInfo("a", "sha256:" + "1" * 64, b"n" * 32)}
+            worker.loras.adopt([LoraAdapterInfo("a", "sha256:" + "1" * 64, b"n" * 32)])
             for adapter, fingerprint in (("a", "sha256:" + "2" * 64), ("b", "sha256:" + "1" * 64)):
                 await peer.send(PeerRead(f"r-{adapter}", (1, 2, 3), 0, 1, "", adapter, fingerprint))
                 refused = await peer.recv(RequestFailed)

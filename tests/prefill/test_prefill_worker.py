@@ -204,7 +204,7 @@ def test_a_prompt_of_a_lora_adapter_it_serves_otherwise_is_refused_uncomputed() 
     async def scenario(context: zmq.asyncio.Context) -> None:
         engine = FakeEngine()
         async with prefill_worker(context, engine) as (worker, _, decode):
-            worker.loras = {"a": LoraAdapterInfo("a", mine, b"n" * 32)}
+            worker.loras.adopt([LoraAdapterInfo("a", mine, b"n" * 32)])
             for rid, name, fingerprint in (("r1", "a", other), ("r2", "b", other)):
                 request = dataclasses.replace(prefill_request(rid), adapter=name,
                                               adapter_fingerprint=fingerprint)  # fmt: skip

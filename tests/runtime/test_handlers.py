@@ -11,7 +11,7 @@ import zmq.asyncio
 from radixserve.protocol import Abort, TransferDone
 from radixserve.runtime.links import LinkControl, LinkIdentity, LinkSet
 from radixserve.runtime.service import Handlers, dispatch
-from radixserve.runtime.worker import WorkerFromKVStore
+from radixserve.runtime.worker_kvstore import WorkerFromKVStore
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.services.decode.worker import (
     DecodeFromKVStore,
