@@ -205,7 +205,7 @@ class HelloAck(Message):
     geometry (``page_size``, ``hash_namespace``, ``pool_digest``, and ``tp_size``, the
     ranks its pool is split over: a link whose peer pages differ from its own, or whose
     TP size cannot exchange pages with its own, is refused,
-    `radixserve.runtime.links.PageGeometry`), the ``model_identity`` its pages were
+    `radixserve.runtime.page_geometry.PageGeometry`), the ``model_identity`` its pages were
     computed by (`radixserve.model.identity.ModelIdentity.key`; "" from an older worker)
     and, if it owns KV pages peers may read, the agent's opaque
     ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a

@@ -62,7 +62,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import (
     AsyncChannel,
     Heartbeat,
@@ -74,7 +73,7 @@ from radixserve.protocol import (
 )
 from radixserve.protocol.messages import Role, ServiceStats
 from radixserve.protocol.security import ClusterKeys
-from radixserve.transfer.shards import tp_pair_error
+from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -161,109 +160,6 @@ class LinkIdentity:
     interval_s: float
     peer_timeout_s: float
     keys: ClusterKeys | None = None
-
-
-def peer_identity(ack: HelloAck) -> ModelIdentity | None:
-    """The model identity a worker's `HelloAck` states (None: an older worker states
-    none); ValueError if it is not one."""
-    return ModelIdentity.from_key(ack.model_identity) if ack.model_identity else None
-
-
-@dataclass(frozen=True)
-class PageGeometry:
-    """What must match for two processes to share KV pages by hash: the page size, the
-    model identity (`ModelIdentity`; None: not stated), the page-hash namespace
-    (`radixserve.cache.block_hash.hash_namespace` of the identity and cache salt) and,
-    between two KV pools, their layout (`PoolCompat.digest`, which covers the identity;
-    "" where this side has no pool) and tensor-parallel sizes that can exchange pages
-    (`tp_pair_error`; 0: no pool)."""
-
-    page_size: int
-    hash_namespace: bytes
-    pool_digest: str = ""
-    tp_size: int = 0
-    identity: ModelIdentity | None = None
-
-    def mismatch(self, ack: HelloAck) -> str:
-        """Why a peer's `HelloAck` does not match; "" if it does."""
-        if ack.page_size != self.page_size:
-            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
-        try:
-            theirs = peer_identity(ack)
-        except ValueError as exc:
-            return f"its model identity cannot be read ({exc})"
-        if theirs is not None and self.identity is not None and theirs != self.identity:
-            return (f"its model identity is {theirs.short}, ours {self.identity.short} "
-                    "(weights fingerprint/quantization/dtype: its pages are other numbers)")  # fmt: skip
-        if ack.hash_namespace != self.hash_namespace:
-            same = theirs is not None and theirs == self.identity
-            why = "the same model identity, another cache_salt" if same else (
-                "model identity or cache_salt")  # fmt: skip
-            return f"its page hashes have another namespace ({why})"
-        if self.pool_digest and ack.pool_digest and ack.pool_digest != self.pool_digest:
-            return "its KV pool has another layout (dtype, layers, KV heads or head size)"
-        if self.tp_size and ack.tp_size:
-            return tp_pair_error(self.tp_size, ack.tp_size)
-        return ""
-
-
-class LearnedGeometry:
-    """The page geometry of a process that loads no weights (the gateway): it cannot
-    compute the workers' identity (their resolved quantization and dtype depend on their
-    device), so it adopts the namespace and identity of the first worker of a role in
-    ``learn_from`` whose `HelloAck` has its page size, calls ``on_learn(namespace,
-    identity)``, and from then on refuses workers of another (`PageGeometry.mismatch`).
-    Until then, workers of other roles are checked on page size only. `forget` (when no
-    such worker is left up) lets the next one set it again, so a cluster rolled over to
-    new weights is followed. Shared by every `LinkSet` of the process, so all agree."""
-
-    def __init__(
-        self,
-        page_size: int,
-        on_learn: Callable[[bytes, ModelIdentity | None], None] = lambda ns, identity: None,
-        learn_from: frozenset[str] = frozenset({"decode"}),
-    ) -> None:
-        self.page_size = page_size
-        self.known: PageGeometry | None = None
-        self._on_learn = on_learn
-        self._learn_from = learn_from
-
-    @property
-    def hash_namespace(self) -> bytes | None:
-        return self.known.hash_namespace if self.known is not None else None
-
-    @property
-    def identity(self) -> ModelIdentity | None:
-        return self.known.identity if self.known is not None else None
-
-    def mismatch(self, ack: HelloAck) -> str:
-        """As `PageGeometry.mismatch`; a matching page size sets an unknown geometry."""
-        return self.known.mismatch(ack) if self.known is not None else self.learn(ack)
-
-    def learn(self, ack: HelloAck) -> str:
-        """Take ``ack``'s geometry if none is known and its role is one to learn from;
-        why not, if its page size or identity cannot be taken."""
-        if self.known is not None:
-            return ""
-        if ack.page_size != self.page_size:
-            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
-        try:
-            identity = peer_identity(ack)
-        except ValueError as exc:
-            return f"its model identity cannot be read ({exc})"
-        if ack.role not in self._learn_from:
-            return ""
-        self.known = PageGeometry(self.page_size, ack.hash_namespace, identity=identity)
-        logger.info("the workers' model identity is %s (from %s)",
-                    identity.short if identity else "not stated", ack.name)  # fmt: skip
-        self._on_learn(ack.hash_namespace, identity)
-        return ""
-
-    def forget(self) -> None:
-        """Take the next worker's geometry (no worker it learns from is up)."""
-        if self.known is not None:
-            logger.info("no worker is up: the next one sets the model identity")
-        self.known = None
 
 
 #: what a link set handles itself (`LinkSet.control`); any other message goes to ``on_message``

@@ -52,9 +52,10 @@ from radixserve.protocol.stats_messages import (
 )
 from radixserve.runtime.adapters import adapter_infos
 from radixserve.runtime.kv_events import KVEventPublisher
-from radixserve.runtime.links import Link, LinkSet, PageGeometry
+from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.network import transfer_network
+from radixserve.runtime.page_geometry import PageGeometry
 from radixserve.runtime.peer_reads import PageLending, PeerLinks, PeerReads, linger
 from radixserve.runtime.service import Handlers, Peer, serve_until_signalled
 from radixserve.runtime.settings import WorkerSettings, resolved_tp

@@ -14,7 +14,8 @@ from radixserve.cache.block_hash import hash_namespace
 from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import HelloAck
 from radixserve.protocol.messages import Role
-from radixserve.runtime.links import LearnedGeometry, LinkIdentity, LinkSet, PageGeometry
+from radixserve.runtime.links import LinkIdentity, LinkSet
+from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 
 NS = b"n" * 32
 ME = LinkIdentity("gw", "gateway", 1, interval_s=1.0, peer_timeout_s=5.0)

@@ -57,14 +57,9 @@ from radixserve.protocol.messages import (
 from radixserve.protocol.security import keys_from
 from radixserve.runtime.calls import Tasks, send_quietly
 from radixserve.runtime.engine_client import EngineClient
-from radixserve.runtime.links import (
-    LearnedGeometry,
-    Link,
-    LinkIdentity,
-    LinkSet,
-    PageGeometry,
-)
+from radixserve.runtime.links import Link, LinkIdentity, LinkSet
 from radixserve.runtime.membership import MemberView
+from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 from radixserve.runtime.routing.adapter_views import AdapterViews
 from radixserve.runtime.routing.migration import (
     Route,

@@ -21,7 +21,8 @@ from radixserve.protocol.messages import (
     ServiceStats,
 )
 from radixserve.runtime.calls import Replies
-from radixserve.runtime.links import Link, peer_identity
+from radixserve.runtime.links import Link
+from radixserve.runtime.page_geometry import peer_identity
 from radixserve.runtime.routing.router import DecodeRouter
 from radixserve.worker_metrics import WorkerView
 
