@@ -182,9 +182,9 @@ class Speculator:
 
     PRIOR_KEPT, PRIOR_TRIED = 1.6, 2.0  # p = 0.8 until its drafts say otherwise
     DECAY = 0.8  # of a request's kept/tried counts per verification
-    #: an evidence class's chance starts at 1/2 over 2 tries; each try weighs
-    #: `EVIDENCE_DECAY` times the next (the record follows the workload)
-    PRIOR_EVIDENCE, EVIDENCE_DECAY = (1.0, 2.0), 0.99
+    #: an evidence class's chance starts at 0.8 over 2 tries (as a request's); each try
+    #: weighs `EVIDENCE_DECAY` times the next (the record follows the workload)
+    PRIOR_EVIDENCE, EVIDENCE_DECAY = (1.6, 2.0), 0.99
 
     def __init__(
         self, method: SpeculativeMethod, max_draft_tokens: int, max_batch: int,

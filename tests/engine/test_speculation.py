@@ -163,7 +163,7 @@ def test_index_drafts_run_long_where_the_texts_agree_and_stop_where_they_part():
         spec.propose([req], 1 << 20)
         return req
 
-    first = draft(agreed[:10])  # the prior, 1/2 a token: a short draft
+    first = draft(agreed[:10])  # the prior, 0.8 a token: a draft of some tokens
     assert first.draft == agreed[10 : 10 + len(first.draft)] and 0 < len(first.draft) < 8
     for _ in range(20):  # the agreed continuation is always kept
         r = draft(agreed[:10])
