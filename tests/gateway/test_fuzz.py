@@ -8,6 +8,7 @@ few dozen examples per operation and about a minute in all."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -38,6 +39,20 @@ ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_
 _FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def field_named(message: str) -> str | None:
+    """The top-level field a message begins with: a name (``max_tokens must be ...``), or
+    one that is no identifier spelled as the request would index it (``["\\u001f x"] is not
+    a field ...``); None if it begins with neither."""
+    if message.startswith('["'):
+        try:
+            name, end = json.JSONDecoder().raw_decode(message, 1)
+        except ValueError:
+            return None
+        return name if message[end : end + 1] == "]" else None
+    field = _FIELD.match(message)
+    return field[0] if field else None
+
+
 def _anthropic_error(response, case) -> None:
     """Every 4xx of the Messages API is Anthropic's error object; a 400 to a JSON object
     begins with the field at fault (one the body has, or a required one it lacks)."""
@@ -50,8 +65,7 @@ def _anthropic_error(response, case) -> None:
     if response.status_code != 400 or not isinstance(case.body, dict):
         return
     message = body["error"]["message"]
-    field = _FIELD.match(message)
-    if field is None or field[0] not in {*case.body, "model", "messages", "max_tokens"}:
+    if field_named(message) not in {*case.body, "model", "messages", "max_tokens"}:
         raise AssertionError(f"{case.operation.label} {case.body}: a 400 not naming the "
                              f"field: {message}")  # fmt: skip
 
