@@ -50,10 +50,6 @@ from radixserve.protocol import (
     RequestFailed,
     TokenChunk,
 )
-from radixserve.protocol.lora_messages import LoraAdapterInfo
-from radixserve.protocol.messages import (
-    CacheTreeReply,
-)
 from radixserve.protocol.security import keys_from
 from radixserve.runtime.calls import Tasks, send_quietly
 from radixserve.runtime.engine_client import EngineClient
@@ -61,6 +57,7 @@ from radixserve.runtime.links import Link, LinkIdentity, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 from radixserve.runtime.routing.adapter_views import AdapterViews
+from radixserve.runtime.routing.cluster_operations import ClusterOperations
 from radixserve.runtime.routing.migration import (
     Route,
     Stream,
@@ -73,11 +70,8 @@ from radixserve.runtime.routing.router import DecodeRouter
 from radixserve.runtime.routing.worker_views import (
     WorkerQuestions,
     kvstore_waiting,
-    pool_totals,
-    worker_view,
 )
 from radixserve.tracing import NO_SPAN, Span
-from radixserve.worker_metrics import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +94,7 @@ class ClusterSettings(Protocol):
     def kvstore_list(self) -> list[str]: ...
 
 
-class ClusterClient(EngineClient):
+class ClusterClient(ClusterOperations, EngineClient):
     """Serves through remote decode (and prefill) workers. Call `start` on the event loop."""
 
     def __init__(
@@ -366,54 +360,6 @@ class ClusterClient(EngineClient):
             if not done and link.up:
                 self._background.spawn(self._abort(link, request_id))
 
-    def stats(self) -> dict[str, int]:
-        totals: dict[str, int] = {
-            "gateway_migrations": self.migrations,
-            "gateway_prompt_hashes": self.router.num_hashed,
-        }
-        if self.decodes is None or self.prefills is None:
-            return totals
-        return {**totals, **pool_totals(self.decodes.up() + self.prefills.up())}
-
-    def worker_stats(self) -> dict[str, WorkerView]:
-        workers: dict[str, WorkerView] = {}
-        for links, role in ((self.decodes, "decode"), (self.prefills, "prefill"),
-                            (self.kvstore, "kvstore")):  # fmt: skip
-            for link in links.links if links is not None else ():
-                router = self.router if links is self.decodes else None
-                workers[link.label] = worker_view(link, role, router)
-        return workers
-
-    async def cache_tree(
-        self, worker: str, max_nodes: int, text_tokens: int
-    ) -> CacheTreeReply | None:
-        link = next((link for link in self._workers_up() if link.label == worker), None)
-        if link is None:
-            return None
-        return await self.questions.cache_tree(link, max_nodes, text_tokens)
-
-    async def clear_cache_audit(self) -> dict[str, bool | None]:
-        """`CacheAuditClear` to every worker up, answered in parallel."""
-        return await self.questions.clear_cache_audit(self._workers_up())
-
-    # -- LoRA adapters -------------------------------------------------------------------
-
-    def adapters(self) -> dict[str, LoraAdapterInfo]:
-        return self.loras.servable(self.decodes.ready() if self.decodes else [])
-
-    async def load_adapter(self, name: str, path: str) -> LoraAdapterInfo:
-        """`AdapterViews.load` on every worker up (a decode worker among them)."""
-        return await self.loras.load(self._lora_targets(), name, path)
-
-    async def unload_adapter(self, name: str) -> None:
-        """`AdapterViews.unload` on every worker up (a decode worker among them)."""
-        await self.loras.unload(self._lora_targets(), name)
-
-    def _lora_targets(self) -> list[Link]:
-        if not (self.decodes and self.decodes.up()):
-            raise UnavailableError("no decode worker is up; try again shortly")
-        return self._workers_up()
-
     # -- routing ---------------------------------------------------------------------
 
     def _pick_decode(
@@ -451,11 +397,6 @@ class ClusterClient(EngineClient):
             self._unexpected(link, msg)
 
     # -- from the workers ------------------------------------------------------------
-
-    def _workers_up(self) -> list[Link]:
-        """The decode and prefill workers' links that are up."""
-        pools = (self.decodes, self.prefills)
-        return [link for pool in pools if pool is not None for link in pool.up()]
 
     def _from_prefill(self, link: Link, msg: Message) -> None:
         if not self.questions.answered(msg) and not self.loras.answered(msg):
