@@ -23,6 +23,17 @@ def peer_identity(ack: HelloAck) -> ModelIdentity | None:
     return ModelIdentity.from_key(ack.model_identity) if ack.model_identity else None
 
 
+def _readable(ack: HelloAck, page_size: int) -> tuple[str, ModelIdentity | None]:
+    """Why a peer's pages cannot be shared at all (another page size, an identity that
+    cannot be read; "" if they may be) and the identity it states."""
+    if ack.page_size != page_size:
+        return f"its KV pages hold {ack.page_size} tokens, ours {page_size}", None
+    try:
+        return "", peer_identity(ack)
+    except ValueError as exc:
+        return f"its model identity cannot be read ({exc})", None
+
+
 @dataclass(frozen=True)
 class PageGeometry:
     """What must match for two processes to share KV pages by hash: the page size, the
@@ -40,12 +51,9 @@ class PageGeometry:
 
     def mismatch(self, ack: HelloAck) -> str:
         """Why a peer's `HelloAck` does not match; "" if it does."""
-        if ack.page_size != self.page_size:
-            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
-        try:
-            theirs = peer_identity(ack)
-        except ValueError as exc:
-            return f"its model identity cannot be read ({exc})"
+        refused, theirs = _readable(ack, self.page_size)
+        if refused:
+            return refused
         if theirs is not None and self.identity is not None and theirs != self.identity:
             return (f"its model identity is {theirs.short}, ours {self.identity.short} "
                     "(weights fingerprint/quantization/dtype: its pages are other numbers)")  # fmt: skip
@@ -99,14 +107,9 @@ class LearnedGeometry:
         why not, if its page size or identity cannot be taken."""
         if self.known is not None:
             return ""
-        if ack.page_size != self.page_size:
-            return f"its KV pages hold {ack.page_size} tokens, ours {self.page_size}"
-        try:
-            identity = peer_identity(ack)
-        except ValueError as exc:
-            return f"its model identity cannot be read ({exc})"
-        if ack.role not in self._learn_from:
-            return ""
+        why, identity = _readable(ack, self.page_size)
+        if why or ack.role not in self._learn_from:
+            return why
         self.known = PageGeometry(self.page_size, ack.hash_namespace, identity=identity)
         logger.info("the workers' model identity is %s (from %s)",
                     identity.short if identity else "not stated", ack.name)  # fmt: skip
