@@ -1,20 +1,31 @@
-"""Speculative decoding through the cluster (the ``default-tiny`` cluster runs its
-workers with ``RADIXSERVE_SPECULATIVE_METHOD=both``: every module sharing it compares
-answers with one engine without speculation). The decode worker drafts from its own
-draft index: a question asked again is drafted from the first answer, which is in no
-prompt; both answers are the single process's, and the worker's counters show the
-drafts verified and kept."""
+"""Speculative decoding through the cluster. The decode worker drafts from its own draft
+index: a question asked again is drafted from the first answer, which is in no prompt;
+both answers are the single process's, and the worker's counters show the drafts
+verified and kept. (The shared ``default-tiny`` cluster runs its workers with
+``RADIXSERVE_SPECULATIVE_METHOD=both``, so every module sharing it compares answers with
+one engine without speculation; this module has a cluster of its own, drafting from the
+index alone: what the modules before it drafted there would weigh each draft token, and
+with the tiny model a row is dear against a step, so a record of misses there could keep
+the repeat from being drafted at all.)"""
 
 from __future__ import annotations
 
 import uuid
+
+import pytest
 
 from tests.cluster.cluster_helpers import TestCluster
 from tests.cluster.prompts import QUESTIONS, SYSTEM, chat
 
 MAX_TOKENS = 40
 
-SHARED_CLUSTER = "default-tiny"  # shared with other modules: tests/cluster/conftest.py
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model):
+    cluster = TestCluster(transport="zmq", model=tiny_model,
+                          env={"RADIXSERVE_SPECULATIVE_METHOD": "radix"})  # fmt: skip
+    yield cluster
+    cluster.stop()
 
 
 def _radix_counters(cluster: TestCluster) -> tuple[float, float]:
