@@ -9,8 +9,9 @@
 
      m = -inf, l = 0, acc[0 .. D) = 0          (float32; q, k, v read exactly as float32)
      for each block of 16 key positions [16 b, 16 b + 16) meeting [start, p], in order:
-       s[t] = tree16(part) * scale, part[j] = sum over chunks c in order of
-              q[16 c + j] * k_t[16 c + j] (fma chain from 0); s[t] = -inf off [start, p]
+       s[t] = tree16(part) * scale, part[j] = the fma chain from 0 of q[e] * k_t[e] over
+              e = 32 c + 2 j + 1, then 32 c + 2 j, for each pair chunk c < D / 32 in order,
+              then (D % 32 = 16) e = D - 16 + j; s[t] = -inf off [start, p]
        m' = max(m, max_t s[t]); alpha = exp(m - m'); e[t] = exp(s[t] - m')
        l = fma(l, alpha, tree16(e))
        acc[d] = acc[d] * alpha, then acc[d] = fma(e[t], v_t[d], acc[d]) for t = 0 .. 15
@@ -21,6 +22,13 @@
    tree16(v): v[j] += v[j + h] for h = 8, 4, 2, 1 (j < h); the result is v[0]. exp is the
    polynomial below (Cephes' expf), identical in every path; denormals are flushed (DAZ
    and FTZ) for the call. Keys off [start, p] in a block are never read (zeros stand in).
+
+   The pair order of q . k is `vdpbf16ps`': per lane, the odd element of a pair, then the
+   even one, each product exact (bfloat16 inputs) and each sum rounded, so an AVX-512 BF16
+   build takes a bfloat16 pool's keys as they lie, with no widening copy. Every other path
+   widens the keys into float32 rows in the virtual order of `perm_dim` (a 32-chunk's odd
+   elements, then its even ones) and q once likewise, and runs its fma chains over those
+   rows in 16-lane chunks: the same chain, the same bits.
 
    Work is split by the caller over items (a run of rows of one sequence, and one kv head,
    all of them, or a contiguous part of the q heads where there are fewer runs than
@@ -104,6 +112,48 @@ static inline float load_at(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+typedef uint32_t __attribute__((may_alias)) word32;  /* a float's bits, read or written */
+
+/* the element of a row of d that lies at v in the pair order: in each whole 32-chunk its
+   16 odd elements, then its 16 even ones; a 16-element tail as it is */
+static inline int64_t perm_dim(int64_t v, int64_t d) {
+    if (v >= d / 32 * 32) return v;
+    const int64_t r = v % 32, base = v - r;
+    return r < 16 ? base + 2 * r + 1 : base + 2 * (r - 16);
+}
+
+/* row (d elements at `at`) widened into float32 in the pair order */
+static inline void load_row_paired(const void *base, int64_t at, int64_t d, int bf16,
+                                   float *out) {
+    if (bf16) {  /* a bfloat16 pair is one 32-bit word: odd in the high half, even low */
+        const word32 *w = (const word32 *)((const uint16_t *)base + at);
+        word32 *o = (word32 *)out;
+        const int64_t whole = d / 32 * 32;
+        for (int64_t c = 0; c < whole; c += 32) {  /* a mask and a shift */
+#if defined(__AVX512F__)
+            __m512i x = _mm512_loadu_si512(w + c / 2);
+            _mm512_storeu_si512(o + c, _mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+            _mm512_storeu_si512(o + c + 16, _mm512_slli_epi32(x, 16));
+#elif defined(__AVX2__)
+            for (int h = 0; h < 16; h += 8) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(w + c / 2 + h));
+                _mm256_storeu_si256((__m256i *)(o + c + h),
+                                    _mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+                _mm256_storeu_si256((__m256i *)(o + c + 16 + h), _mm256_slli_epi32(x, 16));
+            }
+#else
+            for (int j = 0; j < 16; j++) {
+                o[c + j] = w[c / 2 + j] & 0xFFFF0000u;
+                o[c + 16 + j] = w[c / 2 + j] << 16;
+            }
+#endif
+        }
+        for (int64_t e = whole; e < d; e++) out[e] = load_at(base, at + e, 1);
+    } else {
+        for (int64_t e = 0; e < d; e++) out[e] = ((const float *)base)[at + perm_dim(e, d)];
+    }
+}
+
 #define PREFETCH_BLOCKS 2 /* key j's K/V rows are asked for (into L2) as key j - 32 loads */
 
 /* keys [16 blk, 16 blk + 16) of sequence `seq`, kv head g, as float32 rows (zeros
@@ -133,13 +183,11 @@ static void load_block(const Call *c, int64_t seq, int64_t g, int64_t blk, int64
                 __builtin_prefetch((const char *)c->v_cache + far + o, 0, 1);
             }
         }
+        load_row_paired(c->k_cache, at, d, c->bf16, kb + t * d);
         if (c->bf16) {  /* a loop the compiler vectorizes: widen and shift */
-            const uint16_t *k = (const uint16_t *)c->k_cache + at;
             const uint16_t *v = (const uint16_t *)c->v_cache + at;
-            for (int64_t e = 0; e < d; e++) kb[t * d + e] = bf16_to_float(k[e]);
             for (int64_t e = 0; e < d; e++) vb[t * d + e] = bf16_to_float(v[e]);
         } else {
-            memcpy(kb + t * d, (const float *)c->k_cache + at, d * sizeof(float));
             memcpy(vb + t * d, (const float *)c->v_cache + at, d * sizeof(float));
         }
     }
@@ -174,6 +222,15 @@ __attribute__((unused)) static void update_plain(
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define ATTENTION_PATH "avx512"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DOT_BF16 1 /* q . k of bfloat16 pools by vdpbf16ps (the pair order above) */
+#endif
+
+/* 16 bfloat16 values as float32 (exact) */
+static inline __m512 widen16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
 /* --- AVX-512: 16 lanes are one vector. The 16 keys' partial sums are reduced together,
    two vectors at a time, halving lanes as tree16 does (j + 8, + 4, + 2, + 1); the keys
    enter in the order that leaves key t in lane t. --------------------------------- */
@@ -225,13 +282,25 @@ static inline float tree16_512(__m512 v) {
    the accumulators stay in registers). The arithmetic is the same for every d. */
 static inline __attribute__((always_inline)) void update_512_body(
     const float *q, const float *kb, const float *vb, const int64_t d, float scale,
-    int64_t lo, int64_t hi, int64_t first, State *st) {
+    int64_t lo, int64_t hi, int64_t first, State *st, const uint16_t *q16,
+    const uint16_t *const *kp) {
     __m512 part[KEYS];
     for (int i = 0; i < KEYS; i++) {
-        const float *k = kb + (4 * (i % 4) + i / 4) * d;  /* key 4 (i % 4) + i / 4 */
+        const int t = 4 * (i % 4) + i / 4;  /* key t's sums in part[i] */
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < d; c += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+        if (kp != NULL) {  /* the keys in place (bfloat16), a pair a lane per vdpbf16ps */
+#if defined(DOT_BF16)
+            const int64_t whole = d / 32 * 32;
+            for (int64_t c = 0; c < whole; c += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q16 + c),
+                                       (__m512bh)_mm512_loadu_si512(kp[t] + c));
+            if (whole < d)  /* the tail, widened: q's is float32 in q already */
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + whole), widen16(kp[t] + whole), acc);
+#endif
+        } else {
+            for (int64_t c = 0; c < d; c += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kb + t * d + c), acc);
+        }
         part[i] = acc;
     }
     __m512 a[8], b[4], c2[2];
@@ -269,12 +338,59 @@ static inline __attribute__((always_inline)) void update_512_body(
 static void update_512(const float *q, const float *kb, const float *vb, int64_t d,
                        float scale, int64_t lo, int64_t hi, int64_t first, State *st) {
     switch (d) {
-    case 64: update_512_body(q, kb, vb, 64, scale, lo, hi, first, st); break;
-    case 128: update_512_body(q, kb, vb, 128, scale, lo, hi, first, st); break;
-    default: update_512_body(q, kb, vb, d, scale, lo, hi, first, st);
+    case 64: update_512_body(q, kb, vb, 64, scale, lo, hi, first, st, NULL, NULL); break;
+    case 128: update_512_body(q, kb, vb, 128, scale, lo, hi, first, st, NULL, NULL); break;
+    default: update_512_body(q, kb, vb, d, scale, lo, hi, first, st, NULL, NULL);
     }
 }
 #define UPDATE update_512
+
+#if defined(DOT_BF16)
+/* update_512 with the keys read in place: kp[t] key t's bfloat16 row (a zero row off
+   [lo, hi]), q16 the query as it lies */
+static void update_512_pairs(const float *q, const uint16_t *q16, const uint16_t *const *kp,
+                             const float *vb, int64_t d, float scale, int64_t lo, int64_t hi,
+                             int64_t first, State *st) {
+    switch (d) {
+    case 64: update_512_body(q, NULL, vb, 64, scale, lo, hi, first, st, q16, kp); break;
+    case 128: update_512_body(q, NULL, vb, 128, scale, lo, hi, first, st, q16, kp); break;
+    default: update_512_body(q, NULL, vb, d, scale, lo, hi, first, st, q16, kp);
+    }
+}
+
+static const uint16_t ZERO_ROW[MAX_DIM];
+
+/* load_block for a bfloat16 pool read by vdpbf16ps: key t's K row found in place (kp[t],
+   ZERO_ROW off [lo, hi]), V widened into vb as load_block does; the same prefetch */
+static void load_block_pairs(const Call *c, int64_t seq, int64_t g, int64_t blk, int64_t lo,
+                             int64_t hi, const uint16_t **kp, float *vb) {
+    const int64_t d = c->dim;
+    const int64_t *pages = c->page_table + seq * c->table_stride;
+    const uint16_t *k_cache = c->k_cache, *v_cache = c->v_cache;
+    int64_t index = blk * KEYS / c->page_size, slot = blk * KEYS % c->page_size;
+    for (int t = 0; t < KEYS; t++, slot++) {  /* (index, slot): key j's page and slot */
+        if (slot == c->page_size) index++, slot = 0;
+        int64_t j = blk * KEYS + t;
+        if (j < lo || j > hi) {
+            kp[t] = ZERO_ROW;
+            for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(vb + t * d + e, _mm512_setzero_ps());
+            continue;
+        }
+        int64_t at = ((pages[index] * c->page_size + slot) * c->kv_heads + g) * d;
+        const int64_t ahead = j + PREFETCH_BLOCKS * KEYS;
+        if (ahead <= hi) {
+            const int64_t far = ((pages[ahead / c->page_size] * c->page_size +
+                                  ahead % c->page_size) * c->kv_heads + g) * d;
+            for (int64_t o = 0; o < d; o += 32) {
+                __builtin_prefetch(k_cache + far + o, 0, 1);
+                __builtin_prefetch(v_cache + far + o, 0, 1);
+            }
+        }
+        kp[t] = k_cache + at;
+        for (int64_t e = 0; e < d; e += 16) _mm512_storeu_ps(vb + t * d + e, widen16(v_cache + at + e));
+    }
+}
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ATTENTION_PATH "avx2"
@@ -360,6 +476,10 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t qa, int64
     State *st = malloc(sizeof(State) * rows * per);
     float *q = malloc(sizeof(float) * rows * per * d);
     float *kb = malloc(sizeof(float) * 2 * KEYS * d), *vb = kb + KEYS * d;
+#if defined(DOT_BF16)
+    const uint16_t *kp[KEYS];  /* a bfloat16 pool's keys are read where they lie */
+    const uint16_t *q16 = c->bf16 ? c->q : NULL;
+#endif
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < per; i++) {
             State *s = st + r * per + i;
@@ -367,20 +487,33 @@ static void attend_item(const Call *c, int64_t r0, int64_t r1, int64_t qa, int64
             s->l = 0.0f;
             memset(s->acc, 0, d * sizeof(float));
             int64_t at = (r0 + r) * c->q_row + (qa + i) * c->q_head;
-            for (int64_t e = 0; e < d; e++) q[(r * per + i) * d + e] = load_at(c->q, at + e, c->bf16);
+            load_row_paired(c->q, at, d, c->bf16, q + (r * per + i) * d);
         }
     for (int64_t blk = hi < 0 ? 0 : lo / KEYS; hi >= 0 && blk <= hi / KEYS; blk++)
         for (int64_t g = qa / group; g <= (qb - 1) / group; g++) {
-            load_block(c, seq, g, blk, lo, hi, kb, vb);
+#if defined(DOT_BF16)
+            if (q16 != NULL) load_block_pairs(c, seq, g, blk, lo, hi, kp, vb);
+            else
+#endif
+                load_block(c, seq, g, blk, lo, hi, kb, vb);
             for (int64_t r = 0; r < rows; r++) {
                 int64_t p = c->row_pos[r0 + r];
                 int64_t start = c->window > 0 && p - c->window + 1 > 0 ? p - c->window + 1 : 0;
                 if (p < 0 || blk < start / KEYS || blk > p / KEYS) continue;
                 const int64_t h0 = g * group > qa ? g * group : qa;
                 const int64_t h1 = (g + 1) * group < qb ? (g + 1) * group : qb;
-                for (int64_t i = h0 - qa; i < h1 - qa; i++)
+                for (int64_t i = h0 - qa; i < h1 - qa; i++) {
+#if defined(DOT_BF16)
+                    if (q16 != NULL) {
+                        const int64_t at = (r0 + r) * c->q_row + (qa + i) * c->q_head;
+                        update_512_pairs(q + (r * per + i) * d, q16 + at, kp, vb, d, c->scale,
+                                         start, p, blk * KEYS, st + r * per + i);
+                        continue;
+                    }
+#endif
                     UPDATE(q + (r * per + i) * d, kb, vb, d, c->scale, start, p, blk * KEYS,
                            st + r * per + i);
+                }
             }
         }
     for (int64_t r = 0; r < rows; r++)

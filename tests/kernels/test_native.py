@@ -55,6 +55,15 @@ def _outputs() -> list[torch.Tensor]:
             outs.append(attention(q, k, v, table, torch.tensor([0] * len(rows) + [1]),
                                   torch.tensor([*rows, 70]), [0, len(rows), len(rows) + 1],
                                   window, 0.125))  # fmt: skip
+    # rows enough that a sum taken in another order shows in the bfloat16 outputs (tens of
+    # them differ where a path's q . k adds in another order); 80: a 16-element tail
+    for dim in (64, 80):
+        k, v = (torch.randn(64, 16, 3, dim, generator=g).to(torch.bfloat16) for _ in "kv")
+        q = (torch.randn(96, 9, dim, generator=g) * 2).to(torch.bfloat16)
+        pos = torch.arange(96) * 10 + 40
+        table = torch.randperm(64, generator=g).view(1, 64)
+        outs.append(attention(q, k, v, table, torch.zeros(96, dtype=torch.int64), pos, [0, 96],
+                              0, dim**-0.5))  # fmt: skip
     return outs
 
 
