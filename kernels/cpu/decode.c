@@ -19,6 +19,10 @@
      a    = bf16(silu[gate] * up)                      (silu: torch's own bf16 → bf16 table)
      x    = qgemm_down(a)                              (the next layer's x)
 
+   After the last layer, where the step has a head (a bfloat16 LM head): the final norm
+   of the rows that want logits (as the layers' norms), qgemm_bf16 (bfloat16 out, as the
+   torch path's LM head) and that widened to float32 (its `.float()`).
+
    LoRA (multi-LoRA serving): with row_slot, after each of the four GEMMs (before RoPE,
    the norm or silu · up read its output) the rows' adapter updates are added in place
    by lora.c's own functions, each adapted projection (q, k, v, o, gate, up, down) on its
@@ -82,6 +86,8 @@ void paged_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
                      int64_t item_heads, int64_t item_begin, int64_t item_end,
                      int64_t item_step);
 int64_t attention_item_heads(int64_t chunks, int64_t kv_heads, int64_t threads);
+void qgemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *w, void *y, int64_t ldy,
+                int64_t out_f32, int64_t m, int64_t k, int64_t cb_begin, int64_t cb_end);
 void lora_shrink_rows(const void *x, int64_t ldx, const void *a, const int64_t *row_slot,
                       float *t, int64_t k, int64_t r, int64_t bf16, int64_t row_begin,
                       int64_t row_end, float *xf);
@@ -157,6 +163,15 @@ typedef struct {
     void *lora_bt;                           /* (threads, L, R up to 16, 16) float32, aligned */
     int64_t *lora_made;                      /* (threads, L) */
     int64_t lora_t_stride, lora_xf_stride, lora_bt_stride;  /* per thread, in elements */
+    /* the head (head_w NULL: none): rows head_rows of the last layer's output through the
+       final norm and the bfloat16 LM head (qgemm_bf16's packed layout, vocab rows) */
+    const uint16_t *final_norm, *head_w;     /* (hidden,); (vocab / 16, hidden / 2, 32) */
+    int64_t vocab;
+    float head_eps;
+    const int64_t *head_rows;                /* (head_count,) rows of the step */
+    int64_t head_count;
+    uint16_t *head_y;                        /* (head_count, vocab) the head's bfloat16 out */
+    float *logits;                           /* (head_count, vocab) the same, as float32 */
 } Step;
 
 static void barrier_wait(Barrier *b, int64_t threads) {
@@ -393,11 +408,32 @@ static void layer(const Step *c, const Layer *ly, int64_t index, int64_t t, int6
     barrier_wait(c->barrier, threads);
 }
 
-/* Thread t of `threads`: every layer. After it, x holds the last layer's output and
-   residual[0] the residual stream before it (the torch path's (x, residual) pair, for
-   the final norm). */
+/* The logits of the head's rows, as `LlamaModel.logits` makes them: the final norm of
+   (x, residual) (every thread all the rows, into its own buffer), the LM head's bfloat16
+   product (the thread's share of its column blocks) and that widened to float32. */
+static void head(const Step *c, int64_t t, int64_t threads) {
+    const int64_t n = c->hidden, rows = c->head_count, vocab = c->vocab;
+    uint16_t *h = c->h + t * c->batch * n;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = c->head_rows[i];
+        rmsnorm_row(c->x + r * n, c->residual[0] + r * n, NULL, c->final_norm, h + i * n, n,
+                    c->head_eps, c->sum_lanes);
+    }
+    int64_t lo, hi;
+    share(vocab / 16, t, threads, &lo, &hi);
+    if (lo >= hi) return;
+    qgemm_bf16(h, n, c->head_w, c->head_y, vocab, 0, rows, n, lo, hi);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 16 * lo; j < 16 * hi; j++)
+            c->logits[i * vocab + j] = bf(c->head_y[i * vocab + j]);
+}
+
+/* Thread t of `threads`: every layer, then the head where the step has one. After it, x
+   holds the last layer's output and residual[0] the residual stream before it (the
+   torch path's (x, residual) pair, for the final norm). */
 void decode_step(const Step *c, int64_t t, int64_t threads) {
     for (int64_t i = 0; i < c->num_layers; i++) layer(c, c->layers + i, i, t, threads);
+    if (c->head_w != NULL) head(c, t, threads);
 }
 
 /* sum_sq alone, for choosing `lanes` (the one that reproduces torch's sum here) */

@@ -72,7 +72,9 @@ class _Step(ctypes.Structure):
         ("xs_stride", _I), ("barrier", _P), ("num_chunks", _I), ("row_slot", _P), ("lora", _P),
         ("lora_rank", _I), ("lora_slots", _I), ("lora_t", _P), ("lora_xf", _P), ("lora_bt", _P),
         ("lora_made", _P), ("lora_t_stride", _I), ("lora_xf_stride", _I),
-        ("lora_bt_stride", _I),
+        ("lora_bt_stride", _I), ("final_norm", _P), ("head_w", _P), ("vocab", _I),
+        ("head_eps", _F), ("head_rows", _P), ("head_count", _I), ("head_y", _P),
+        ("logits", _P),
     ]  # fmt: skip
 
 
@@ -134,6 +136,17 @@ class LoraWeights:
     scaling: torch.Tensor  # (L,) float32 contiguous
     holds: torch.Tensor  # (L,) uint8: slot s's adapter adapts this projection
     start: int  # its first column of the fused output
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """The final norm and a bfloat16 LM head in `qgemm.pack_bf16`'s layout: a step given
+    them ends with the logits of the rows it is asked for (`LlamaModel.logits`' bits)."""
+
+    norm: torch.Tensor  # (hidden,) bfloat16
+    eps: float
+    packed: torch.Tensor  # (vocab / 16, hidden / 2, 32) bfloat16
+    vocab: int
 
 
 @dataclass(frozen=True)
@@ -301,13 +314,17 @@ class DecodeStep:
         threads: int | None = None,  # at most the threads it was built for (default)
         rows: RowRuns | None = None,  # None: row b is sequence b (S = B), one token each
         lora_slots: torch.Tensor | None = None,  # (B,) int64: each row's LoRA slot (-1: none)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream before it), both (B, hidden);
-        x is the first (written in place), the second a view of a buffer the next call
-        overwrites. A row attends to its sequence's keys up to its own position (the
-        rows before it in this step included). With ``lora_slots``, each projection's
-        output gets each row's update from the stacks of `use_loras`, as the torch
-        layers' ``lora_apply`` adds it. The same bits on any number of threads."""
+        head: HeadWeights | None = None,
+        head_rows: torch.Tensor | None = None,  # (N,) int64 contiguous, with ``head``
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the last layer's output, the residual stream before it, both (B, hidden);
+        the logits of ``head_rows`` (N, vocab) float32 where ``head`` is given, else
+        None); x is the first (written in place), the second a view of a buffer the next
+        call overwrites, the logits a new tensor. A row attends to its sequence's keys up
+        to its own position (the rows before it in this step included). With
+        ``lora_slots``, each projection's output gets each row's update from the stacks of
+        `use_loras`, as the torch layers' ``lora_apply`` adds it. The same bits on any
+        number of threads."""
         batch = x.shape[0]
         assert 0 < batch <= self.max_rows and x.dtype == torch.bfloat16 and x.is_contiguous()
         assert page_table.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
@@ -329,8 +346,30 @@ class DecodeStep:
             assert lora_slots.shape == (batch,) and lora_slots.dtype == torch.int64
             assert lora_slots.is_contiguous() and int(lora_slots.max()) < st.lora_slots
             st.row_slot = lora_slots.data_ptr()
+        logits = self._head(head, head_rows, batch)
         self._barrier.arrived = self._barrier.generation = 0
         ptr = ctypes.addressof(st)
         threads = min(threads or self.threads, self.threads, torch.get_num_threads())
         run_strided(lambda t, n: self._lib.decode_step(ptr, t, n), threads, threads > 1)
-        return x, self.residual[0, :batch]
+        return x, self.residual[0, :batch], logits
+
+    def _head(
+        self, head: HeadWeights | None, rows: torch.Tensor | None, batch: int
+    ) -> torch.Tensor | None:
+        """Point the step at ``head`` for ``rows`` (none: no head); the logits it fills."""
+        st = self._step
+        st.head_w = None
+        if head is None:
+            return None
+        assert rows is not None and rows.dtype == torch.int64 and rows.is_contiguous()
+        count = rows.shape[0]
+        assert count <= batch and head.packed.shape[1] * 2 == self.shape.hidden
+        logits = torch.empty(count, head.vocab, dtype=torch.float32)
+        if count == 0:  # a chunk that ends no prompt: no row wants logits
+            return logits
+        scratch = torch.empty(count, head.vocab, dtype=torch.bfloat16)
+        self._head_keep = (head, rows, scratch)  # alive until the next call
+        st.final_norm, st.head_w = head.norm.data_ptr(), head.packed.data_ptr()
+        st.vocab, st.head_eps, st.head_rows, st.head_count = head.vocab, head.eps, rows.data_ptr(), count
+        st.head_y, st.logits = scratch.data_ptr(), logits.data_ptr()
+        return logits

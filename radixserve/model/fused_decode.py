@@ -1,10 +1,12 @@
 """The decode step's fast path on CPU: every decoder layer in one native call.
 
 A decode-only step (every sequence one new token) of a `LlamaModel` on the CPU kernel
-set runs its embedding lookup and final norm + LM head as usual and all its layers
-through `radixserve.kernels.cpu.decode.DecodeStep`, which computes the same bits as the
-layers' torch ops (`tests/model/test_fused_decode.py` checks logits and greedy tokens
-with `torch.equal`) without their per-op dispatch, allocation and thread hand-off.
+set runs its embedding lookup as usual and all its layers through
+`radixserve.kernels.cpu.decode.DecodeStep`, which computes the same bits as the layers'
+torch ops (`tests/model/test_fused_decode.py` checks logits and greedy tokens with
+`torch.equal`) without their per-op dispatch, allocation and thread hand-off. Where the
+LM head is a bfloat16 matrix the native GEMM holds (SmolLM2's tied embedding), the final
+norm and the head run in the same call (`LlamaModel.logits`' bits; else that method).
 
 A step with extends (a cached turn's delta, a short prompt, decodes beside them) of up
 to `max_rows` new tokens runs there too, one native row per new token: its position,
@@ -41,6 +43,7 @@ from radixserve.kernels.cpu.decode import (
     LORA_PROJS,
     DecodeShape,
     DecodeStep,
+    HeadWeights,
     LayerWeights,
     LoraWeights,
     ProjWeights,
@@ -50,7 +53,7 @@ from radixserve.kernels.cpu.decode import (
 from radixserve.model.forward_batch import ForwardBatch
 from radixserve.model.llama import LlamaModel
 from radixserve.model.lora_manager import LoraBatch
-from radixserve.model.qlinear import Int4Linear, Int8Linear, Linear
+from radixserve.model.qlinear import DenseLinear, Int4Linear, Int8Linear, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -182,11 +185,25 @@ class FusedDecode:
         if choice is not None:
             threads = choice.pick(kind)
         began = time.perf_counter()
-        x, residual = self.step(x, fb.positions, meta.slot_mapping, meta.page_table.contiguous(),
-                                threads, rows, fb.lora_slots)  # fmt: skip
+        head = self._head()
+        x, residual, logits = self.step(x, fb.positions, meta.slot_mapping,
+                                        meta.page_table.contiguous(), threads, rows,
+                                        fb.lora_slots, head, fb.logits_indices.contiguous())  # fmt: skip
         if choice is not None:
             choice.record(kind, threads, time.perf_counter() - began)
-        return self.model.logits(x, residual, fb.logits_indices)
+        return self.model.logits(x, residual, fb.logits_indices) if logits is None else logits
+
+    def _head(self) -> HeadWeights | None:
+        """The final norm and LM head for the native step, where the model's head is a
+        plain bfloat16 matrix the native GEMM holds (else None: `LlamaModel.logits`)."""
+        model = self.model
+        head = model.embed if model.lm_head is None else model.lm_head
+        native = head._native if isinstance(head, DenseLinear) else None
+        if native is None or model.config.final_logit_softcap is not None:
+            return None
+        if model.norm.dtype != torch.bfloat16:
+            return None
+        return HeadWeights(model.norm, model.config.rms_norm_eps, native[1], head.out_features)
 
     def _use_loras(self, lora: LoraBatch) -> None:
         """Hand the step the adapter stacks, when they changed since it was last given

@@ -112,6 +112,7 @@ def test_default_model_logits_equal_the_torch_path() -> None:
     engine = make_engine("default", kv_cache_memory_gib=0.1)
     fused = engine.runner.fused
     assert fused is not None, why_not(engine.model, engine.kv_pool.layers)
+    assert fused._head() is not None  # its bfloat16 LM head: the logits come from the step
     _compare_steps(engine, fused, [3, 70, 300, 16], steps=6)
     _compare_steps(engine, fused, [129], steps=6)
 

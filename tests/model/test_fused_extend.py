@@ -44,11 +44,12 @@ def _poison(engine: Engine, fb: ForwardBatch) -> None:
 
 
 def _compare_step(
-    engine: Engine, fused: FusedDecode, prefixes: list[int], deltas: list[int]
-) -> None:
+    engine: Engine, fused: FusedDecode, prefixes: list[int], deltas: list[int],
+    wants_logits: bool = True,
+) -> None:  # fmt: skip
     """Sequences of `prefixes[i]` cached tokens, then one step of `deltas[i]` new tokens
     each (extends first): the torch path, then the native one, every new token's logits
-    and the pool equal."""
+    (none: chunks that end no prompt, ``wants_logits`` False) and the pool equal."""
     model, ps, vocab = engine.model, engine.page_size, engine.config.vocab_size
     gen = torch.Generator().manual_seed(sum(prefixes) + 7 * sum(deltas))
     pages = [engine.allocator.alloc(-(-(p + d) // ps)) for p, d in zip(prefixes, deltas)]
@@ -58,13 +59,14 @@ def _compare_step(
             if p:
                 _prefill(engine, torch.randint(0, vocab, (p,), generator=gen).tolist(), seq_pages)
             new = torch.randint(0, vocab, (d,), generator=gen).tolist()
-            chunks.append(SequenceChunk(new, p, seq_pages, True, scored_rows=d - 1))
+            chunks.append(SequenceChunk(new, p, seq_pages, wants_logits,
+                                        scored_rows=d - 1 if wants_logits else 0))  # fmt: skip
         fb = build_forward_batch(chunks, ps, engine.device)
         assert fused.applies(fb)
         assert fb.attn.num_extend_tokens == sum(d for d in deltas if d > 1)
         want = model(fb.input_ids, fb.positions, engine.kv_pool.layers, fb.attn,
                      fb.logits_indices)  # fmt: skip
-        assert want.shape[0] == sum(deltas)  # every new token's logits
+        assert want.shape[0] == (sum(deltas) if wants_logits else 0)  # every new token's
         pool = engine.kv_pool.kv.clone()
         _poison(engine, fb)
         got = fused.forward(fb)
@@ -124,8 +126,10 @@ def test_default_model_extend_steps_equal_the_torch_path() -> None:
     engine = make_engine("default", kv_cache_memory_gib=0.1)
     fused = engine.runner.fused
     assert fused is not None
+    assert fused._head() is not None  # its bfloat16 LM head: the logits come from the step
     _compare_step(engine, fused, [2048], [100])
     _compare_step(engine, fused, [500, 70, 300], [16, 1, 1])
+    _compare_step(engine, fused, [0, 64], [48, 32], wants_logits=False)  # chunks of prompts
 
 
 def test_steps_over_the_bound_run_the_torch_layers(tiny: Engine) -> None:
