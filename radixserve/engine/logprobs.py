@@ -39,6 +39,8 @@ def token_logprobs(
     if k > 0:  # top-k, not a sort: a full sort of (R, V) costs ten times more per step
         values, order = lp.topk(k, dim=-1)  # (R, k) each, descending
         top_vals, top_ids = values.tolist(), order.tolist()
+        for r in _tied_rows(lp, values):
+            top_vals[r], top_ids[r] = _lowest_ids_first(lp[r], k)
     return [
         TokenLogprob(
             token_id=int(t),
@@ -48,3 +50,19 @@ def token_logprobs(
         )
         for r, (t, c) in enumerate(zip(token_ids, chosen))
     ]
+
+
+def _tied_rows(lp: torch.Tensor, values: torch.Tensor) -> list[int]:
+    """The rows of ``lp`` (R, V) whose top ``values`` (R, k) hold equal log-probabilities,
+    or more ids than k reach the k-th: `torch.topk` leaves the order of equals open."""
+    inside = values[:, 1:] == values[:, :-1]  # (R, k - 1)
+    at_cut = (lp >= values[:, -1:]).sum(-1) > values.shape[1]  # (R,)
+    return (inside.any(-1) | at_cut).nonzero().flatten().tolist()
+
+
+def _lowest_ids_first(row: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+    """The ``k`` most likely ids of ``row`` (V,), equal values lowest id first: greedy
+    sampling's argmax takes the lowest, so the chosen token leads its top list."""
+    ids = (row >= row.topk(k).values[-1]).nonzero().flatten()  # ascending
+    order = torch.sort(row[ids], descending=True, stable=True).indices[:k]
+    return row[ids[order]].tolist(), ids[order].tolist()

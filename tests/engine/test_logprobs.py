@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from radixserve.engine.logprobs import token_logprobs
 from radixserve.engine.sampling_params import SamplingParams
 from tests.engine.engine_helpers import FLOAT32, assert_no_leaks, make_engine
 from tests.model.tiny_checkpoints import write_tiny_checkpoint
@@ -109,3 +110,20 @@ def test_new_fields_give_the_same_tokens_with_the_cache_on_and_off(tiny):
                 )
     assert_no_leaks(on)
     assert_no_leaks(off)
+
+
+def test_equal_logprobs_list_the_lowest_id_first():
+    """Greedy sampling takes the lowest of equal top logits (argmax); the top list puts
+    it first too, and fills a tie at its cut with the lowest ids (`torch.topk` leaves
+    the order of equals open: bfloat16 logits tie often)."""
+    vocab = 4096
+    logits = torch.zeros(3, vocab)
+    logits[0, [3000, 7, 1500]] = 2.0  # three-way tie at the top
+    logits[1, 9] = 5.0
+    logits[1, [4000, 300, 2000]] = 1.0  # a tie at the cut of 3
+    logits[2, [11, 12]] = torch.tensor([3.0, 2.0])  # no tie
+    greedy = logits.argmax(-1).tolist()
+    out = token_logprobs(logits, greedy, [2, 3, 2])
+    assert [lp.top_ids for lp in out] == [(7, 1500), (9, 300, 2000), (11, 12)]
+    assert all(lp.top_ids[0] == token for lp, token in zip(out, greedy))
+    assert out[0].top_logprobs[0] == out[0].top_logprobs[1] == out[0].logprob
