@@ -264,6 +264,11 @@ class AsyncChannel(_ChannelBase):
         if timeout_ms is None:
             await self._asocket.send_multipart(frames)
             return
+        try:  # room at once, the common case: no poll (a future and a poller a send)
+            await self._asocket.send_multipart(frames, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass  # full: wait up to the timeout for room (sends queued before go first)
         if await self._poll(timeout_ms, zmq.POLLOUT):
             try:  # as in Channel._send: the peer can go between the poll and the send
                 await self._asocket.send_multipart(frames, flags=zmq.NOBLOCK)
