@@ -51,7 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from radixserve.protocol.messages import WorkerLoad
+    from radixserve.protocol.link_messages import WorkerLoad
     from radixserve.protocol.stats_messages import EngineSection
 
 #: vLLM v1's buckets for time to first token

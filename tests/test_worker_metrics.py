@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.metrics import PREFILL_WAIT_BUCKETS, ServingMetrics, StatsHistogram
-from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.link_messages import WorkerLoad
 from radixserve.protocol.stats_messages import (
     DecodeSection,
     DiskPoolSection,

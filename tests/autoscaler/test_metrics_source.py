@@ -20,7 +20,7 @@ from radixserve.metrics import (
     StatsHistogram,
 )
 from radixserve.protocol.cached_tokens import CachedTokens
-from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.link_messages import WorkerLoad
 from radixserve.protocol.stats_messages import EngineSection, PrefillSection, ServiceStats
 from radixserve.services.autoscaler.metrics_source import (
     PrometheusMetrics,

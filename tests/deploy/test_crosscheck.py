@@ -601,7 +601,7 @@ def test_the_vllm_dashboard_queries_names_radixserve_exports() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from radixserve.metrics import ServingMetrics
-    from radixserve.protocol.messages import WorkerLoad
+    from radixserve.protocol.link_messages import WorkerLoad
     from radixserve.protocol.stats_messages import EngineSection
     from radixserve.vllm_metrics import engine_metrics
 

@@ -11,7 +11,7 @@ import torch
 from radixserve.engine.engine import Engine
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.metrics import ServingMetrics
-from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.link_messages import WorkerLoad
 from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
 from radixserve.worker_metrics import service_metrics
 from tests.engine.engine_helpers import FLOAT32, make_engine

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.protocol.messages import WorkerLoad
+from radixserve.protocol.link_messages import WorkerLoad
 from radixserve.protocol.stats_messages import EngineSection, ServiceStats
 from radixserve.runtime.probe import ProbeServer, probe
 from radixserve.worker_metrics import service_metrics
