@@ -45,7 +45,8 @@ from radixserve.bench.autoscale_trace import (
     long_tail_trace,
     read_trace,
 )
-from radixserve.services.autoscaler.policy import Decision, Observation, ScalingPolicy
+from radixserve.services.autoscaler.observation import Decision, Observation
+from radixserve.services.autoscaler.policy import ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 TTFT_TARGET_S = 1.0

@@ -19,7 +19,8 @@ from typing import Any
 
 from radixserve.bench.autoscale_sim import PoolModel, SimResult
 from radixserve.services.autoscaler.feasibility import REMEDIES
-from radixserve.services.autoscaler.policy import Decision, Observation, ScalingPolicy
+from radixserve.services.autoscaler.observation import Decision, Observation
+from radixserve.services.autoscaler.policy import ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 ATTAINMENT_TARGET = 0.95  # over feasible requests

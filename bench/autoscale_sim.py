@@ -44,7 +44,7 @@ from radixserve.metrics import PREFILL_TOKENS_BUCKETS, PREFILL_WAIT_BUCKETS
 from radixserve.services.autoscaler.capacity import WorkerSample
 from radixserve.services.autoscaler.feasibility import request_target_s
 from radixserve.services.autoscaler.histogram import Histogram
-from radixserve.services.autoscaler.policy import Decision, Observation, PoolState
+from radixserve.services.autoscaler.observation import Decision, Observation, PoolState
 
 ROLES = ("prefill", "decode")
 

@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.services.autoscaler.capacity import WorkerSample
 from radixserve.services.autoscaler.histogram import Histogram
-from radixserve.services.autoscaler.policy import ROLES, Observation, PoolState
+from radixserve.services.autoscaler.observation import ROLES, Observation, PoolState
 from radixserve.worker_metrics import WORKER_UP, WorkerMetric, worker_metric
 
 logger = logging.getLogger(__name__)

@@ -45,11 +45,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Literal
 
-from radixserve.services.autoscaler.capacity import DecodeCapacity, PrefillCapacity, WorkerSample
+from radixserve.services.autoscaler.capacity import DecodeCapacity, PrefillCapacity
 from radixserve.services.autoscaler.demand import RequestWindow, SmoothedRate
 from radixserve.services.autoscaler.feasibility import (
     InfeasibleShare,
@@ -62,62 +61,19 @@ from radixserve.services.autoscaler.feasibility import (
     ttft_advice,
 )
 from radixserve.services.autoscaler.histogram import Histogram
+from radixserve.services.autoscaler.observation import (
+    ROLES,
+    Decision,
+    Direction,
+    Observation,
+    PoolState,
+)
 from radixserve.services.autoscaler.queueing import mean_wait_s, next_replica_gain
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
-ROLES = ("prefill", "decode")
-SLO_OF = {"prefill": "ttft", "decode": "itl"}
 SLO_QUANTILE = 0.9  # the targets are p90s: a tenth of the requests may miss
 ADVICE_WINDOW_S = 300.0  # the infeasible share behind the advice is over this long
 PLANNED_LATE_SHARE = 0.05  # the queueing model sizes prefill for this late share at most
-Direction = Literal["up", "down", "hold"]
-
-
-@dataclass(frozen=True)
-class PoolState:
-    """Replicas of one pool: serving, provisioned but not up yet, leaving."""
-
-    ready: int = 0
-    starting: int = 0
-    draining: int = 0
-
-    @property
-    def provisioned(self) -> int:
-        return self.ready + self.starting
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the cluster did over the last interval."""
-
-    now_s: float
-    interval_s: float
-    pools: dict[str, PoolState]
-    requests_per_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0  # uncached prompt tokens arriving per second
-    output_tokens_per_s: float = 0.0
-    ttft_p90_s: float | None = None  # None: no request got its first token
-    itl_p90_s: float | None = None
-    prefill_queue_tokens: int = 0  # over the prefill workers, now
-    workers: tuple[WorkerSample, ...] = ()
-    # the prefill workers' requests that got a first token: their uncached prompt tokens
-    # and the wait around their own compute (None: no prefill worker exports them)
-    prefill_request_tokens: Histogram | None = None
-    prefill_wait: Histogram | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    role: str
-    current: int  # provisioned replicas
-    desired: int
-    direction: Direction
-    reason: str  # for people: what decided it, with numbers
-    inputs: dict[str, float | int | None] = field(default_factory=dict)
-    kind: str = "steady"  # for metrics: throughput_model, slo_<queue_wait|queue|ttft|itl>,
-    # lora_slots, diminishing_returns, ceiling, utilisation, bounds, cooldown, held, steady
-    infeasible: float = 0.0  # requests of the interval no number of replicas serves in time
-    advice: str = ""  # while a sizeable share is infeasible: what to do instead of scaling
 
 
 @dataclass(frozen=True)

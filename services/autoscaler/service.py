@@ -42,7 +42,8 @@ from radixserve.services.autoscaler.metrics_source import (
     MetricsError,
     PrometheusMetrics,
 )
-from radixserve.services.autoscaler.policy import ROLES, SLO_OF, Decision, ScalingPolicy
+from radixserve.services.autoscaler.observation import ROLES, SLO_OF, Decision
+from radixserve.services.autoscaler.policy import ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import dataclasses
 
 from radixserve.services.autoscaler.capacity import DecodeCapacity, PrefillCapacity, WorkerSample
 from radixserve.services.autoscaler.histogram import Histogram
-from radixserve.services.autoscaler.policy import Observation, PoolState, ScalingPolicy
+from radixserve.services.autoscaler.observation import Observation, PoolState
+from radixserve.services.autoscaler.policy import ScalingPolicy
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 
 DT = 10.0

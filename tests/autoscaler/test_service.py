@@ -15,7 +15,7 @@ from radixserve.bench.local_cluster import metric_value
 from radixserve.metrics import ServingMetrics
 from radixserve.services.autoscaler.connectors import Connector, DryRunConnector, Replicas
 from radixserve.services.autoscaler.metrics_source import observation_between, parse_exposition
-from radixserve.services.autoscaler.policy import Observation
+from radixserve.services.autoscaler.observation import Observation
 from radixserve.services.autoscaler.service import AutoscalerService
 from radixserve.services.autoscaler.settings import AutoscalerSettings
 from tests.autoscaler.test_metrics_source import worker
