@@ -47,16 +47,13 @@ Contracts:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +62,7 @@ from types import FrameType
 from radixserve.errors import RadixServeError
 from radixserve.launch.deathsig import pdeathsig_preexec
 from radixserve.launch.listeners import Listener
+from radixserve.launch.stderr_tail import StderrTail
 from radixserve.launch.warm import WarmProcess, WarmServer
 
 logger = logging.getLogger(__name__)
@@ -72,10 +70,6 @@ logger = logging.getLogger(__name__)
 _STABLE_AFTER_S = 60.0  # a child that lived this long resets its restart backoff
 _POLL_INTERVAL_S = 0.1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_TAIL_LINES = 64  # stderr lines kept per child, to tell why it exited
-_ERROR_LINES = 8  # most lines of one error (pydantic's span a few)
-_TAIL_WAIT_S = 1.0  # after an exit, for the last of its stderr to be read
-_LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:.,]+ ")  # a log record's time
 
 
 class SupervisorError(RadixServeError):
@@ -109,44 +103,8 @@ class _Child:
     num_restarts: int = 0
     restart_at: float | None = None  # time.monotonic() of a pending restart
     retire_by: float | None = None  # retiring: SIGKILL if still running at this time
-    stderr: _StderrTail | None = None  # the running incarnation's
+    stderr: StderrTail | None = None  # the running incarnation's
     last_failure: tuple[int, str] | None = None  # (code, error) of its last exit before ready
-
-
-class _StderrTail:
-    """A child's stderr: read from a pipe on a thread, forwarded to this process's stderr
-    (fd 2) line by line, the last lines kept."""
-
-    def __init__(self, read_fd: int, name: str) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._pipe = os.fdopen(read_fd, "rb")
-        self._thread = threading.Thread(target=self._read, name=f"stderr-{name}", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        with self._pipe:
-            for line in self._pipe:
-                with contextlib.suppress(OSError):
-                    os.write(2, line)
-                self.lines.append(line.decode(errors="replace").rstrip())
-
-    def error(self) -> str:
-        """What the child said last about why it stopped (see `last_error`), once its
-        stderr is read to the end (or `_TAIL_WAIT_S` passed: a descendant holds it)."""
-        self._thread.join(_TAIL_WAIT_S)
-        return last_error(list(self.lines))
-
-
-def last_error(lines: Sequence[str]) -> str:
-    """The exception of the last traceback in ``lines`` (the lines after its frames),
-    else the last non-empty line without a log record's time; "" if none."""
-    lines = [line for line in lines if line.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last):"):
-            rest = lines[i + 1 :]
-            first = next((k for k, line in enumerate(rest) if not line.startswith(" ")), 0)
-            return "\n".join(rest[first : first + _ERROR_LINES])
-    return _LOG_TIME.sub("", lines[-1]) if lines else ""
 
 
 def _describe_exit(returncode: int) -> str:
@@ -397,7 +355,7 @@ class Supervisor:
         fds = {name: listener.fileno() for name, listener in spec.sockets.items()}
         env = {**os.environ, **spec.env, **{name: str(fd) for name, fd in fds.items()}}
         module = self._warm_module(spec.argv)
-        read_fd, write_fd = os.pipe()  # the child's stderr (`_StderrTail`)
+        read_fd, write_fd = os.pipe()  # the child's stderr (`StderrTail`)
         try:
             if module is not None:
                 assert self._warm is not None
@@ -422,7 +380,7 @@ class Supervisor:
             raise
         finally:
             os.close(write_fd)  # the child has its copy: its exit ends the tail
-        child.stderr = _StderrTail(read_fd, spec.name)
+        child.stderr = StderrTail(read_fd, spec.name)
         child.started_at = time.monotonic()
         assert child.proc is not None
         logger.info("started %s (pid %d%s): %s", spec.name, child.proc.pid,

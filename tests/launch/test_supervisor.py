@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.launch import supervisor as supervisor_mod
+from radixserve.launch.stderr_tail import last_error
 from radixserve.launch.supervisor import ProcessSpec, Supervisor, SupervisorError
 
 pytestmark = pytest.mark.timeout(60)
@@ -382,11 +383,9 @@ def test_last_error_is_the_exception_else_the_last_line() -> None:
     traceback_lines = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
                        "    main()", "    ^^^^^^", "pydantic_core.ValidationError: 1 error",
                        "exporter_otlp_protocol", "  Value error, OTEL_X=bogus"]  # fmt: skip
-    assert supervisor_mod.last_error(["noise", *traceback_lines, ""]) == "\n".join(
-        traceback_lines[4:]
-    )
+    assert last_error(["noise", *traceback_lines, ""]) == "\n".join(traceback_lines[4:])
     assert (
-        supervisor_mod.last_error(["2026-01-02 03:04:05,678 ERROR svc: cannot bind", ""])
+        last_error(["2026-01-02 03:04:05,678 ERROR svc: cannot bind", ""])
         == "ERROR svc: cannot bind"
     )
-    assert supervisor_mod.last_error([]) == ""
+    assert last_error([]) == ""
