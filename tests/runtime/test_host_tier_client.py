@@ -46,7 +46,8 @@ from radixserve.protocol import (
     SpillOffer,
 )
 from radixserve.runtime import host_tier
-from radixserve.runtime.host_tier import HostTierClient, lookup_wait_s
+from radixserve.runtime.host_loads import lookup_wait_s
+from radixserve.runtime.host_tier import HostTierClient
 from radixserve.runtime.links import Link, LinkIdentity, LinkSet
 from radixserve.runtime.settings import WorkerSettings
 from radixserve.settings import EngineSettings
