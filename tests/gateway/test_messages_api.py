@@ -22,7 +22,8 @@ import pytest
 
 from radixserve.services.gateway import GatewaySettings, create_app
 from radixserve.services.gateway.messages.output import with_pings
-from radixserve.services.gateway.messages.request import MessagesRequest, checked_tools
+from radixserve.services.gateway.messages.plan import checked_tools
+from radixserve.services.gateway.messages.request import MessagesRequest
 from radixserve.services.gateway.tools.tool_request import ToolFormat
 from tests.gateway.conftest import RunningServer
 from tests.gateway.test_reasoning_http import (  # (its fixtures: the thinking checkpoints)

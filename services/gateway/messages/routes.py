@@ -38,12 +38,8 @@ from radixserve.services.gateway.messages.output import (
     stop_of,
     with_pings,
 )
-from radixserve.services.gateway.messages.request import (
-    CountTokensRequest,
-    MessagesRequest,
-    count_prompt,
-    messages_plan,
-)
+from radixserve.services.gateway.messages.plan import count_prompt, messages_plan
+from radixserve.services.gateway.messages.request import CountTokensRequest, MessagesRequest
 from radixserve.services.gateway.openai_api.choices import ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.responses_api.output import new_id
 from radixserve.services.gateway.server.errors import (
