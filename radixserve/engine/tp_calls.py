@@ -14,7 +14,7 @@ from typing import ClassVar, get_args
 @dataclass(frozen=True)
 class StartAgent:
     """Start this rank's KV transfer agent (named ``<name>.tp<rank>``) on rank 0's transfer
-    network, driven by rank 0's `GroupAgent` at ``endpoint`` (`transfer.group.serve_rank`)."""
+    network, driven by rank 0's `GroupAgent` at ``endpoint`` (`transfer.rank_agent.serve_rank`)."""
 
     OP: ClassVar[str] = "start_agent"
     backend: str

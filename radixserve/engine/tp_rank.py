@@ -47,7 +47,7 @@ from radixserve.model.tp import TPShard
 from radixserve.protocol.security import keys_from
 from radixserve.settings import EngineSettings
 from radixserve.transfer import PoolCompat, TransferNetwork, create_agent
-from radixserve.transfer.group import serve_rank
+from radixserve.transfer.rank_agent import serve_rank
 
 logger = logging.getLogger("radixserve.engine.tp_rank")
 

@@ -3,8 +3,8 @@
 A worker of TP size N keeps its KV pool split over N processes, each rank's pool holding
 some of the model's KV heads (`KVShard`), and each rank has its own `KVTransferAgent` on
 its own pool. `GroupAgent` is the worker's single agent: it lives in rank 0, holds rank
-0's agent, and drives the other ranks' agents (`serve_rank`, a thread in each rank
-process) over one ZMQ socket on an ipc path. Services use it as they would one agent;
+0's agent, and drives the other ranks' agents (`rank_agent.serve_rank`, a thread in each
+rank process) over one ZMQ socket on an ipc path. Services use it as they would one agent;
 a TP=1 worker's group is rank 0's agent alone.
 
 * **Metadata** is every rank's agent metadata in rank order (`group_metadata`); one
@@ -31,9 +31,7 @@ import itertools
 import logging
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,9 +137,6 @@ class GroupAgent(EventLoopWaits):
             if msg.get("op") == "hello":
                 rank = int(msg["rank"])
                 self._idents[rank], mds[rank] = ident, bytes(msg["metadata"])
-            elif msg.get("op") == "failed":
-                raise TransferError(f"tensor-parallel rank {msg['rank']} could not start its "
-                                    f"transfer agent: {msg['error']}")  # fmt: skip
         self._ranks_md += [mds[r] for r in range(1, self.size)]
 
     def _send(self, rank: int, msg: dict[str, Any]) -> None:
@@ -375,91 +370,3 @@ class GroupAgent(EventLoopWaits):
                 os.unlink(f"{self._dir}/agents")
                 os.rmdir(self._dir)
         self.local.close()
-
-
-def serve_rank(agent: KVTransferAgent, endpoint: str, rank: int) -> threading.Thread:
-    """In rank ``rank``'s process: report ``agent``'s metadata to rank 0's `GroupAgent` at
-    ``endpoint`` and run its requests on a thread (the agent's only user) until it says
-    close or the socket's peer is gone; the thread, started."""
-    thread = threading.Thread(target=_serve_rank, args=(agent, endpoint, rank),
-                              name=f"radixserve-tp{rank}-agent", daemon=True)  # fmt: skip
-    thread.start()
-    return thread
-
-
-def _serve_rank(agent: KVTransferAgent, endpoint: str, rank: int) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-
-    def send(msg: dict[str, Any]) -> None:
-        sock.send(msgpack.packb(msg, use_bin_type=True))
-
-    send({"op": "hello", "rank": rank, "metadata": agent.metadata()})
-    reads: dict[int, TransferHandle] = {}
-    serve_until = 0.0
-    try:
-        while True:
-            busy = bool(reads) or time.monotonic() < serve_until
-            if sock.poll(0 if busy else 50):
-                msg = msgpack.unpackb(sock.recv(), raw=False)
-                op = msg["op"]
-                if op == "close":
-                    return
-                if op == "serve":
-                    serve_until = time.monotonic() + float(msg["seconds"])
-                else:
-                    reads.update(_rank_call(agent, msg, send))
-            if busy:
-                agent.serve_reads()
-                for request, handle in list(reads.items()):
-                    try:
-                        state = agent.poll(handle)
-                    except Exception as exc:  # noqa: BLE001 - fail the read, keep serving
-                        logger.exception("tensor-parallel rank %d: read %d failed", rank, request)
-                        state, handle.state, handle.error = "failed", "failed", repr(exc)
-                    if state != "pending":
-                        del reads[request]
-                        send({"id": request, "state": handle.state, "error": handle.error})
-                if not sock.poll(0):
-                    time.sleep(0.0002)
-    except zmq.ZMQError as exc:
-        logger.warning("tensor-parallel rank %d: transfer agent socket: %s", rank, exc)
-    finally:
-        agent.close()
-        sock.close(linger=0)
-        ctx.destroy(linger=0)
-
-
-def _rank_call(
-    agent: KVTransferAgent, msg: dict[str, Any], send: Callable[[dict[str, Any]], None]
-) -> dict[int, TransferHandle]:
-    """Run one request of rank 0 on ``agent``: a started read, or an answered call."""
-    request, op = int(msg["id"]), msg["op"]
-    try:
-        if op == "read":
-            lo, hi = msg["heads"]
-            handle = agent.read_pages(msg["peer"], msg["remote"], msg["local"],
-                                      float(msg["timeout"]), range(lo, hi))  # fmt: skip
-            return {request: handle}
-        if op == "add_peer":
-            agent.add_peer(msg["name"], int(msg["generation"]), bytes(msg["metadata"]))
-        elif op == "remove_peer":
-            agent.remove_peer(msg["name"])
-        elif op == "enforce_grants":
-            agent.enforce_grants()
-        elif op == "grant":
-            agent.grant(msg["name"], [int(p) for p in msg["pages"]])
-        elif op == "revoke":
-            pages = msg["pages"]
-            agent.revoke(msg["name"], None if pages is None else [int(p) for p in pages])
-        else:
-            raise TransferError(f"unknown request {op!r}")
-    except Exception as exc:  # noqa: BLE001 - answered as a failure; the rank serves on
-        if not isinstance(exc, TransferError):
-            logger.exception("tensor-parallel agent request %r failed", op)
-        send({"id": request, "state": "failed", "error": str(exc)})
-    else:
-        send({"id": request, "state": "done", "error": None})
-    return {}

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from radixserve.transfer import KVTransferAgent, create_agent
-from radixserve.transfer.group import GroupAgent, serve_rank
+from radixserve.transfer.group import GroupAgent
+from radixserve.transfer.rank_agent import serve_rank
 from tests.transfer.peer_process import fill_pattern
 from tests.transfer.test_tp_transfer import _compat, _shards, _whole
 
