@@ -6,18 +6,10 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (
-    AliasChoices,
-    Field,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.engine.sampling_params import MAX_GUIDE_CHARS
@@ -25,9 +17,8 @@ from radixserve.protocol.security import dial_host, is_loopback, require_secret
 from radixserve.runtime.settings import PeerSettings
 from radixserve.services.gateway.openai_api.limits import PrepareLimits
 from radixserve.services.gateway.tenancy.admission import Admission
+from radixserve.services.gateway.tenancy.key_file import read_key_file
 from radixserve.services.gateway.tenancy.tenants import ApiKey, Keyring
-
-_ENTRIES = TypeAdapter(list[ApiKey])
 
 
 class GatewaySettings(PeerSettings):
@@ -437,28 +428,3 @@ class GatewaySettings(PeerSettings):
         links = [a for a in (*self.kvstore_list(), *self.decode_workers, *self.prefill_workers)
                  if a and not is_loopback(dial_host(a))]  # fmt: skip
         require_secret(self.cluster_secret, links, "the gateway's cluster links")
-
-
-def read_key_file(path: Path | None) -> list[ApiKey]:
-    """The keys of an API key file (see `GatewaySettings.api_key_file`); ValueError naming
-    the file (never a key) when it cannot be read or holds a bad entry."""
-    if path is None:
-        return []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"api_key_file {path}: cannot read it ({exc.__class__.__name__})"
-        ) from None
-    stripped = text.strip()
-    try:
-        if stripped.startswith("["):
-            return _ENTRIES.validate_python(json.loads(stripped))
-        lines = [line.strip() for line in text.splitlines()]
-        return _ENTRIES.validate_python([x for x in lines if x and not x.startswith("#")])
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"api_key_file {path}: not a JSON list (line {exc.lineno})") from None
-    except ValidationError as exc:
-        problems = "; ".join(f"entry {'.'.join(map(str, e['loc']))}: {e['msg']}"
-                             for e in exc.errors())  # fmt: skip
-        raise ValueError(f"api_key_file {path}: {problems}") from None
