@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -42,38 +41,26 @@ from radixserve.engine.wire import share_fields, to_output, to_spec
 from radixserve.errors import UnavailableError, UnknownAdapterError
 from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.protocol import (
-    Abort,
-    GenerateRequest,
-    MemberList,
-    Message,
-    RequestFailed,
-    TokenChunk,
-)
+from radixserve.protocol import GenerateRequest
 from radixserve.protocol.security import keys_from
-from radixserve.runtime.calls import Tasks, send_quietly
+from radixserve.runtime.calls import Tasks
 from radixserve.runtime.engine_client import EngineClient
 from radixserve.runtime.links import Link, LinkIdentity, LinkSet
 from radixserve.runtime.membership import MemberView
 from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 from radixserve.runtime.routing.adapter_views import AdapterViews
+from radixserve.runtime.routing.cluster_links import ClusterLinks
 from radixserve.runtime.routing.cluster_operations import ClusterOperations
 from radixserve.runtime.routing.migration import (
     Route,
     Stream,
     WorkerLost,
-    failure,
     migrating,
     wait_for_worker,
 )
 from radixserve.runtime.routing.router import DecodeRouter
-from radixserve.runtime.routing.worker_views import (
-    WorkerQuestions,
-    kvstore_waiting,
-)
+from radixserve.runtime.routing.worker_views import WorkerQuestions, kvstore_waiting
 from radixserve.tracing import NO_SPAN, Span
-
-logger = logging.getLogger(__name__)
 
 _MAX_VIEW_PAGES = 1 << 18  # per decode worker, in the gateway's routing view
 
@@ -94,7 +81,7 @@ class ClusterSettings(Protocol):
     def kvstore_list(self) -> list[str]: ...
 
 
-class ClusterClient(ClusterOperations, EngineClient):
+class ClusterClient(ClusterOperations, ClusterLinks, EngineClient):
     """Serves through remote decode (and prefill) workers. Call `start` on the event loop."""
 
     def __init__(
@@ -211,11 +198,6 @@ class ClusterClient(ClusterOperations, EngineClient):
         self.router.namespace = namespace
         if self.prefills is not None:  # those up before are checked now
             self.prefills.recheck()
-
-    def _forget_geometry(self) -> None:
-        """No decode worker is up: the next one sets the namespace again."""
-        if isinstance(self.pages, LearnedGeometry) and not (self.decodes and self.decodes.up()):
-            self.pages.forget()
 
     # -- EngineClient ----------------------------------------------------------------
 
@@ -380,81 +362,3 @@ class ClusterClient(ClusterOperations, EngineClient):
             raise UnavailableError("no decode worker is up; try again shortly")
         name = self.router.pick([link.name for link in ready], hashes, affinity)
         return next(link for link in ready if link.name == name)
-
-    def _kvstore_up(self, link: Link) -> None:
-        if self.view is not None:
-            self._background.spawn(send_quietly(link, self.view.watch()))
-
-    def _kvstore_down(self, link: Link, _why: str = "") -> None:
-        if self.view is not None:
-            self.view.source_down(link.address)
-
-    def _from_kvstore(self, link: Link, msg: Message) -> None:
-        if isinstance(msg, MemberList):
-            if self.view is not None:
-                self.view.apply(msg, link.address)
-        else:
-            self._unexpected(link, msg)
-
-    # -- from the workers ------------------------------------------------------------
-
-    def _from_prefill(self, link: Link, msg: Message) -> None:
-        if not self.questions.answered(msg) and not self.loras.answered(msg):
-            self._unexpected(link, msg)
-
-    def _from_decode(self, link: Link, msg: Message) -> None:
-        if self.questions.answered(msg) or self.loras.answered(msg):
-            return
-        rid = getattr(msg, "request_id", "")
-        stream = self._streams.get(rid)
-        if stream is None or stream.link is not link:
-            if isinstance(msg, TokenChunk) and not msg.finished:
-                self._background.spawn(self._abort(link, rid))  # one we no longer wait for
-            return
-        if isinstance(msg, TokenChunk):
-            stream.out.put_nowait(msg)
-        elif isinstance(msg, RequestFailed):
-            stream.out.put_nowait(failure(msg))
-        else:
-            self._unexpected(link, msg)
-
-    def _decode_up(self, link: Link) -> None:
-        ack = link.ack
-        if ack is None:
-            return
-        self._worker_up(link)
-        if isinstance(self.pages, LearnedGeometry):  # its restart may have unset it
-            self.pages.learn(ack)
-        if ack.model_name != self._model_name:
-            logger.error("decode worker %s serves %r, the gateway %r", link.label,
-                         ack.model_name, self._model_name)  # fmt: skip
-        if ack.max_model_len:
-            self._max_model_len = min(self._max_model_len, ack.max_model_len)
-
-    def _decode_down(self, link: Link, why: str) -> None:
-        self.router.forget(link.name)
-        self.loras.forget(link)
-        self._forget_geometry()
-        for stream in self._streams.values():
-            if stream.link is link:
-                stream.out.put_nowait(WorkerLost(f"decode worker {link.label} {why}"))
-        if self.view is not None:
-            self.view.link_down("decode", link)
-
-    def _worker_up(self, link: Link) -> None:
-        """A worker (prefill or decode) came up: the adapters this gateway loaded at run
-        time are loaded on it too (`AdapterViews.catch_up`)."""
-        if self.loras.loaded:
-            self._background.spawn(self.loras.catch_up(link))
-
-    def _prefill_down(self, link: Link, why: str) -> None:
-        self.loras.forget(link)
-        if self.view is not None:
-            self.view.link_down("prefill", link)
-
-    def _unexpected(self, link: Link, msg: Message) -> None:
-        logger.warning("unexpected %s from %s", msg.TYPE_TAG, link.label)
-
-    @staticmethod
-    async def _abort(link: Link, request_id: str) -> None:
-        await send_quietly(link, Abort(request_id), timeout_ms=500)
