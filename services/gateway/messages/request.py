@@ -16,11 +16,7 @@ from radixserve.engine.sampling_params import (
     SEED_MAX,
     SEED_MIN,
 )
-from radixserve.services.gateway.openai_api.schemas import (
-    TOKEN_COUNT,
-    Int,
-    _Body,
-)
+from radixserve.services.gateway.openai_api.fields import TOKEN_COUNT, Body, Int
 from radixserve.services.gateway.server.errors import OpenAIError
 from radixserve.services.gateway.server.field_errors import describe
 
@@ -50,7 +46,7 @@ _REFUSED_BLOCKS = {
 }
 
 
-class CacheControl(_Body):
+class CacheControl(Body):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = Field(None, description="Accepted; caching is automatic.")
 
@@ -58,13 +54,13 @@ class CacheControl(_Body):
 _CACHE = Field(None, description="Accepted: the prefix cache is automatic.")
 
 
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = _CACHE
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: _ID
     name: str = Field(pattern=_NAME)
@@ -72,7 +68,7 @@ class ToolUseBlock(_Body):
     cache_control: CacheControl | None = _CACHE
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: _ID = Field(description="The tool_use this answers.")
     content: str | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
@@ -80,14 +76,14 @@ class ToolResultBlock(_Body):
     cache_control: CacheControl | None = _CACHE
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(Body):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
     cache_control: CacheControl | None = _CACHE
 
 
-class RedactedThinkingBlock(_Body):
+class RedactedThinkingBlock(Body):
     type: Literal["redacted_thinking"]
     data: str
     cache_control: CacheControl | None = _CACHE
@@ -105,12 +101,12 @@ _ROLE_BLOCKS = {"user": ("text", "tool_result"),
                 "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}  # fmt: skip
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1, max_length=MAX_BLOCKS)]
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["custom"] | None = Field(
         None, description='Only custom tools ("custom" or left out): no server tools.'
     )
@@ -126,13 +122,13 @@ class Tool(_Body):
     cache_control: CacheControl | None = _CACHE
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(None, pattern=_NAME, description='With "tool": the tool.')
     disable_parallel_tool_use: bool | None = Field(None, description="At most one call.")
 
 
-class Thinking(_Body):
+class Thinking(Body):
     type: Literal["enabled", "disabled", "adaptive"] = Field(
         description="The chat template's thinking switch on or off; adaptive: the model's "
         "own behaviour."
@@ -147,13 +143,13 @@ class Thinking(_Body):
     )  # fmt: skip
 
 
-class Metadata(_Body):
+class Metadata(Body):
     user_id: str | None = Field(
         None, max_length=256, description="Accepted (as chat's user: it changes no output)."
     )
 
 
-class MessagesPrompt(_Body):
+class MessagesPrompt(Body):
     """What makes the prompt: the fields of ``count_tokens``."""
 
     model: str = Field(min_length=1, max_length=256, description="A served name or 'default'.")

@@ -18,24 +18,21 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from radixserve.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_MAX, SEED_MIN
-from radixserve.protocol.messages import MAX_PRIORITY
+from radixserve.services.gateway.openai_api.fields import (
+    TOKEN_COUNT,
+    TOKEN_ID,
+    Body,
+    CacheSalt,
+    Int,
+    Priority,
+    PromptCacheKey,
+    Text,
+)
 from radixserve.services.gateway.server.errors import OpenAIError
 
-
-def _integral(value: object) -> object:
-    """JSON Schema's integers include 2.0: take an integral float as that int."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-TOKEN_ID = Annotated[Int, Field(ge=0, le=2**31 - 1)]
-TOKEN_COUNT = Annotated[Int, Field(ge=0, le=2**31 - 1)]
-Text = Annotated[str, Field(min_length=1)]
 Prompt = Annotated[
     Text
     | Annotated[list[TOKEN_ID], Field(min_length=1)]
@@ -46,61 +43,18 @@ Prompt = Annotated[
 ]  # fmt: skip
 
 
-MAX_CACHE_SALT_CHARS = 256
-
-#: vLLM's ``cache_salt``: narrows KV sharing inside the caller's tenant (strict str: a
-#: lone surrogate, which has no UTF-8 form to hash, is refused as invalid)
-CacheSalt = Annotated[
-    Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None,
-    Field(
-        description="Only requests with the same salt share cached KV (the prompt's "
-        "prefix cache), inside the caller's tenant: a salt never reaches another tenant's "
-        "cache. cached_tokens then counts only what requests with this salt computed.",
-    ),
-]
-#: OpenAI's ``prompt_cache_key``: a routing hint, never what is cached or returned
-PromptCacheKey = Annotated[
-    str | None,
-    Field(
-        max_length=256,
-        description="A routing hint: requests of one tenant with the same key go to the "
-        "same decode worker while it is not overloaded, so a conversation's parallel "
-        "requests find each other's cached prefix. It changes neither what is cached nor "
-        "the output; who may share KV is set by the tenant and cache_salt.",
-    ),
-]
-
-
-#: vLLM's ``priority``: where the request waits in the engines' queues
-Priority = Annotated[
-    Int | None,
-    Field(
-        ge=-MAX_PRIORITY,
-        le=MAX_PRIORITY,
-        description="Lower is sooner: the engines admit every waiting request of a lower "
-        "value first, whatever its tenant (tenants share each priority by their weights). "
-        "Default: the API key's class (0 without keys); a user key may ask only for its "
-        "class or higher, an admin key for any (403 otherwise).",
-    ),
-]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = Field(False, description="Send a last chunk with usage.")
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     name: str = Field("response", min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -115,7 +69,7 @@ def _format_guide(fmt: ResponseFormat) -> tuple[str, str]:
     return "json_schema", json.dumps(fmt.json_schema.schema_)
 
 
-class GenerationRequest(_Body):
+class GenerationRequest(Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, max_length=256, description="A served name or 'default'.")
@@ -224,17 +178,17 @@ class CompletionRequest(GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str = Field(min_length=1, max_length=256)
     arguments: str = Field(max_length=1 << 20, description="The arguments as JSON text.")
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     """A call an earlier assistant message made (conversation history)."""
 
     id: str = Field(min_length=1, max_length=256)
@@ -269,8 +223,8 @@ def _content_documented_required(schema: dict[str, Any]) -> None:
     schema["allOf"] = [_only_with_role("tool", "tool_call_id"), calls_only_for_assistants]
 
 
-class ChatMessage(_Body):
-    model_config = ConfigDict(**_Body.model_config, json_schema_extra=_content_documented_required)
+class ChatMessage(Body):
+    model_config = ConfigDict(**Body.model_config, json_schema_extra=_content_documented_required)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=256)] | None = None
@@ -357,7 +311,7 @@ TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
-class TemplateKwargs(_Body):
+class TemplateKwargs(Body):
     """``chat_template_kwargs``: extra variables for the model's chat template (e.g.
     Qwen3's ``enable_thinking``), as transformers' `apply_chat_template` takes them."""
 
@@ -445,7 +399,7 @@ class TokenizeRequest(TemplateKwargs):
         return [m.to_template(i) for i, m in enumerate(self.messages or ())]
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """`POST /detokenize` (vLLM's shape)."""
 
     model: str | None = Field(None, max_length=256)

@@ -24,6 +24,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, WithJsonSchema
 
 from radixserve.runtime.engine_client import EngineClient
+from radixserve.services.gateway.openai_api.fields import (
+    TOKEN_COUNT,
+    Body,
+    CacheSalt,
+    Priority,
+    PromptCacheKey,
+    Text,
+)
 from radixserve.services.gateway.openai_api.limits import PrepareLimits
 from radixserve.services.gateway.openai_api.plan import (
     Conversation,
@@ -34,19 +42,13 @@ from radixserve.services.gateway.openai_api.plan import (
     reasoning_of,
 )
 from radixserve.services.gateway.openai_api.preparer import Preparation
+from radixserve.services.gateway.openai_api.schemas import TOOLS_SCHEMA as CHAT_TOOLS_SCHEMA
 from radixserve.services.gateway.openai_api.schemas import (
-    TOKEN_COUNT,
-    CacheSalt,
     FunctionCall,
     GenerationRequest,
-    Priority,
-    PromptCacheKey,
     ResponseFormat,
-    Text,
     ToolCall,
-    _Body,
 )
-from radixserve.services.gateway.openai_api.schemas import TOOLS_SCHEMA as CHAT_TOOLS_SCHEMA
 from radixserve.services.gateway.responses_api.output import new_id
 from radixserve.services.gateway.server.errors import OpenAIError
 from radixserve.services.gateway.server.field_errors import describe
@@ -108,7 +110,7 @@ def _without_refused(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in REFUSED}
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: Literal["input_text", "output_text"] = Field(
         description="Text only: images, audio and files are not served."
     )
@@ -124,7 +126,7 @@ ItemId = Annotated[str, Field(min_length=1, max_length=256)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class MessageItem(_Body):
+class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
@@ -132,7 +134,7 @@ class MessageItem(_Body):
     status: ItemStatus | None = None
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: ItemId
     name: str = Field(pattern=_NAME)
@@ -141,7 +143,7 @@ class FunctionCallItem(_Body):
     status: ItemStatus | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: ItemId = Field(description="The function_call this answers.")
     output: Content
@@ -149,17 +151,17 @@ class FunctionCallOutputItem(_Body):
     status: ItemStatus | None = None
 
 
-class ReasoningText(_Body):
+class ReasoningText(Body):
     type: Literal["reasoning_text"]
     text: str
 
 
-class SummaryText(_Body):
+class SummaryText(Body):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(Body):
     """A reply's reasoning sent back: given to the chat template as the next assistant
     message's ``reasoning_content`` (which the template keeps or drops)."""
 
@@ -222,7 +224,7 @@ def canonical(item: InputItem) -> dict[str, Any]:
             "call_id": item.call_id, "output": _text(item.output)}  # fmt: skip
 
 
-class TextFormat(_Body):
+class TextFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, pattern=_NAME)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -243,12 +245,12 @@ class TextFormat(_Body):
         return ResponseFormat.model_validate({"type": "json_schema", "json_schema": spec})
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: TextFormat | None = None
     verbosity: None = Field(None, description="Not served: only null.")
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(Body):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
         None, description="Set through the chat template's thinking switch (none and "
         "minimal: off; low, medium, high: on); a model whose template has none accepts "
@@ -258,7 +260,7 @@ class ReasoningConfig(_Body):
     generate_summary: None = Field(None, description="Not served: only null.")
 
 
-class ResponseStreamOptions(_Body):
+class ResponseStreamOptions(Body):
     include_obfuscation: Literal[False] | None = Field(
         None, description="Events carry no obfuscation field: only false."
     )
@@ -277,7 +279,7 @@ TOOL_CHOICE_SCHEMA = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
                    "name": _FUNCTION["properties"]["name"]}}]}  # fmt: skip
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     """``POST /v1/responses``. Build with `checked` (refusals and items first)."""
 
     model: str | None = Field(None, max_length=256, description="A served name or 'default'.")
