@@ -14,9 +14,8 @@ without exchanging tokens:
         | (0x00 for the first page, or 0x01 + parent u128 BE) | tokens as u32 LE
 
 Hashes are unsigned 128-bit ints (`HASH_BYTES`): too wide for a msgpack int, they travel
-as 16 big-endian bytes each (`hashes_to_bytes`, the protocol's `HashesSpec`). Only whole
-pages are hashed: a trailing partial page has no hash. Never uses Python's ``hash()``
-(salted per process). Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
+as 16 big-endian bytes each (the protocol's `HashesSpec`). Only whole pages are hashed: a
+trailing partial page has no hash. Never uses Python's ``hash()`` (salted per process). Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ logger = logging.getLogger(__name__)
 _NAMESPACE_DOMAIN = b"radixserve.namespace.v1"
 _PAGE_DOMAIN = b"radixserve.page.v2"
 HASH_BYTES = 16  # a page hash: the first 16 bytes of its SHA-256
-HASH_LIMIT = 1 << (8 * HASH_BYTES)
 _FIRST_PAGE_TAG = b"\x00"
 _CHILD_PAGE_TAG = b"\x01"
 # An array typecode of exactly 4 bytes ("I" on every mainstream platform).
@@ -132,20 +130,3 @@ def leading_held(hashes: Sequence[int], held: Container[int], limit: int | None 
     while count < end and hashes[count] in held:
         count += 1
     return count
-
-
-def hashes_to_bytes(hashes: Sequence[int]) -> bytes:
-    """``hashes`` as `HASH_BYTES` big-endian bytes each (``OverflowError`` for a value
-    outside ``[0, HASH_LIMIT)``)."""
-    return b"".join(h.to_bytes(HASH_BYTES, "big") for h in hashes)
-
-
-def hashes_from_bytes(data: bytes) -> tuple[int, ...]:
-    """The hashes packed by `hashes_to_bytes` (``ValueError`` unless ``len(data)`` is a
-    multiple of `HASH_BYTES`)."""
-    if len(data) % HASH_BYTES:
-        raise ValueError(f"{len(data)} bytes are not a whole number of {HASH_BYTES}-byte hashes")
-    view = memoryview(data)
-    return tuple(
-        int.from_bytes(view[i : i + HASH_BYTES], "big") for i in range(0, len(data), HASH_BYTES)
-    )

@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 
 from radixserve.cache.block_hash import (
     hash_namespace,
-    hashes_from_bytes,
-    hashes_to_bytes,
     page_hashes,
 )
 
@@ -139,14 +137,3 @@ def test_hashing_in_pieces_equals_hashing_at_once(
     tail = page_hashes(tokens[cut:], page_size, namespace, parent=head[-1] if head else None)
     assert head + tail == whole
     assert len(whole) == len(tokens) // page_size
-
-
-def test_hashes_pack_to_16_bytes_each_and_back() -> None:
-    hashes = page_hashes(TOKENS, 4, hash_namespace("m"))
-    packed = hashes_to_bytes(hashes)
-    assert len(packed) == 16 * len(hashes)
-    assert hashes_from_bytes(packed) == tuple(hashes)
-    with pytest.raises(ValueError, match="16-byte"):
-        hashes_from_bytes(packed[:-1])
-    with pytest.raises(OverflowError):
-        hashes_to_bytes([2**128])
