@@ -60,7 +60,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.protocol.cached_tokens import TIERS, CachedTokens
-from radixserve.protocol.messages import HistogramStats
+from radixserve.protocol.stats_messages import HistogramStats
 from radixserve.vllm_metrics import FrontMetrics
 from radixserve.worker_metrics import (
     AUDIT_DOC,

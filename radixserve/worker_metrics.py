@@ -31,8 +31,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from radixserve.protocol.messages import HistogramStats, MetricSpec, ServiceStats, WorkerLoad
-from radixserve.protocol.stats_messages import EngineSection, MetricKind
+from radixserve.protocol.link_messages import WorkerLoad
+from radixserve.protocol.stats_messages import (
+    EngineSection,
+    HistogramStats,
+    MetricKind,
+    MetricSpec,
+    ServiceStats,
+)
 from radixserve.protocol.wire import NestedSpec, OptionalSpec
 
 _PREFIX = "radixserve_worker_"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
-from radixserve.protocol.messages import (
+from radixserve.protocol.view_messages import (
     MAX_IDS_PER_NODE,
     MAX_TREE_NODES,
     CacheNodeView,

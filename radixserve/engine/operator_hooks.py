@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from radixserve.engine.intake import RequestIntake
     from radixserve.engine.kv_cache_manager import KVCacheManager
     from radixserve.model.tokenizer import Tokenizer
-    from radixserve.protocol.messages import CacheTreeReply
+    from radixserve.protocol.view_messages import CacheTreeReply
 
 
 class OperatorHooks:

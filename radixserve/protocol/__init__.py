@@ -6,42 +6,42 @@
 
 from radixserve.protocol.channel import AsyncChannel, Channel
 from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
-from radixserve.protocol.messages import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Abort,
-    Deregister,
-    GenerateRequest,
-    Heartbeat,
-    Hello,
-    HelloAck,
+from radixserve.protocol.host_messages import (
     HostAttach,
     HostAttachAck,
     HostLease,
     HostLookup,
     HostPagesReady,
     HostRelease,
-    IndexQuery,
-    IndexReply,
-    KVEvent,
-    KVReady,
-    KVResync,
-    LogprobEntry,
-    MemberInfo,
-    MemberList,
-    Message,
-    PrefillRequest,
-    Register,
-    RequestFailed,
-    SamplingSpec,
     SpillDone,
     SpillOffer,
     SpillRun,
+)
+from radixserve.protocol.index_messages import (
+    Deregister,
+    IndexQuery,
+    IndexReply,
+    KVEvent,
+    KVResync,
+    MemberInfo,
+    MemberList,
+    Register,
+    WatchMembers,
+)
+from radixserve.protocol.link_messages import Heartbeat, Hello, HelloAck, WorkerLoad
+from radixserve.protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    GenerateRequest,
+    KVReady,
+    PrefillRequest,
+    RequestFailed,
     TokenChunk,
     TransferDone,
-    WatchMembers,
-    WorkerLoad,
 )
+from radixserve.protocol.sampling import LogprobEntry, SamplingSpec
+from radixserve.protocol.wire import Message
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

@@ -34,8 +34,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
-from radixserve.protocol.messages import Message
 from radixserve.protocol.security import ClusterKeys
+from radixserve.protocol.wire import Message
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The messages of the kvstore's host-memory tier (each worker over its link to the
 kvstore): attach, spill, lookup and lease, pages ready, release. Part of the protocol
-of `radixserve.protocol.messages`, which registers and re-exports them."""
+of `radixserve.protocol.messages`, which registers them."""
 
 from __future__ import annotations
 

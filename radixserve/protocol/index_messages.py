@@ -1,7 +1,7 @@
 """The kvstore's cluster-wide index of cached pages (`KVEvent`, `KVResync`, `IndexQuery`,
 `IndexReply`) and the cluster's membership (`Register`, `Deregister`, `WatchMembers`,
 `MemberList`). Part of the protocol of `radixserve.protocol.messages`, which registers
-and re-exports them."""
+them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What a link says: the handshake on connect (`Hello`, `HelloAck`) and the periodic
 liveness every service sends (`Heartbeat`, with its typed `WorkerLoad` and `ServiceStats`).
-Part of the protocol of `radixserve.protocol.messages`, which registers and re-exports them."""
+Part of the protocol of `radixserve.protocol.messages`, which registers them."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 The request flow and its spans are defined here; the handshake and liveness in
 `link_messages`, the kvstore's index and the membership in `index_messages`, the host
-tier's in `host_messages`, the operator's view in `view_messages`, the limits and field
-specs they share in `fields`: every one is registered (`MESSAGE_TYPES`) and re-exported
-here.
+tier's in `host_messages`, a worker's reads of another's pages in `peer_messages`, the
+operator's view in `view_messages`, LoRA adapters in `lora_messages`, the limits and
+field specs they share in `fields`: every message type is registered here
+(`MESSAGE_TYPES`); each is imported from its own module.
 
 Messages are frozen dataclasses of plain data (no tensors: KV bytes move through the
 transfer layer) whose fields carry wire specs (`radixserve.protocol.wire`). Construction
@@ -73,8 +74,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
 
-from radixserve.protocol.cached_tokens import CACHED, TIERS, CachedTokens  # noqa: F401 - re-exported
-from radixserve.protocol.fields import (  # noqa: F401 - the limits are re-exported
+from radixserve.protocol import (  # noqa: F401 - their messages are registered below
+    host_messages,
+    index_messages,
+    link_messages,
+    peer_messages,
+    view_messages,
+)
+from radixserve.protocol.cached_tokens import CACHED, CachedTokens
+from radixserve.protocol.fields import (
     CACHE_SCOPE,
     COUNT,
     DURATION_MS,
@@ -82,108 +90,32 @@ from radixserve.protocol.fields import (  # noqa: F401 - the limits are re-expor
     ERROR_TYPES,
     FINISH_REASONS,
     LOAD_STATS,
-    MAX_BLOB_BYTES,
-    MAX_ERROR_CHARS,
-    MAX_ID_CHARS,
-    MAX_LOAD_STATS,
     MAX_NAME_CHARS,
     MAX_PAGE_ID,
     MAX_PAGES_PER_MESSAGE,
-    NAMESPACE,
     PAGE_HASHES,
-    PARENT_HASH,
-    PEER_NAME,
     PROMPT_IDS,
     REQUEST_ID,
     ROLE,
-    ROLES,
     ROUTES,
     TOKEN_IDS,
     ErrorType,
     FinishReason,
     Role,
 )
-from radixserve.protocol.host_messages import (  # noqa: F401 - re-exported
-    PAGE_IDS,
-    HostAttach,
-    HostAttachAck,
-    HostLease,
-    HostLookup,
-    HostPagesReady,
-    HostRelease,
-    SpillDone,
-    SpillOffer,
-    SpillRun,
-)
-from radixserve.protocol.index_messages import (  # noqa: F401 - re-exported
-    KV_EVENT_KINDS,
-    MAX_MEMBERS,
-    Deregister,
-    IndexQuery,
-    IndexReply,
-    KVEvent,
-    KVResync,
-    MemberInfo,
-    MemberList,
-    Register,
-    WatchMembers,
-)
-from radixserve.protocol.link_messages import (  # noqa: F401 - re-exported
-    Heartbeat,
-    Hello,
-    HelloAck,
-    WorkerLoad,
-)
-from radixserve.protocol.lora_messages import (  # noqa: F401 - re-exported
-    ADAPTER_NAME,
-    FINGERPRINT,
-    LORA_NAME,
-    LoraAdapterInfo,
-    LoraLoad,
-    LoraReply,
-    LoraUnload,
-)
-from radixserve.protocol.peer_messages import PeerPages, PeerRead  # noqa: F401 - re-exported
-from radixserve.protocol.sampling import (  # noqa: F401 - re-exported
-    LOGPROB_ENTRIES,
-    LogprobEntry,
-    SamplingSpec,
-)
-from radixserve.protocol.stats_messages import (  # noqa: F401 - re-exported
-    HistogramStats,
-    MetricSpec,
-    ServiceStats,
-    gauge,
-)
-from radixserve.protocol.view_messages import (  # noqa: F401 - re-exported
-    MAX_IDS_PER_NODE,
-    MAX_NODE_TEXT_TOKENS,
-    MAX_TREE_NODES,
-    REQUEST_IDS,
-    REQUEST_PHASES,
-    CacheAuditClear,
-    CacheAuditCleared,
-    CacheNodeView,
-    CacheTreeQuery,
-    CacheTreeReply,
-    LiveRequestView,
-)
-from radixserve.protocol.wire import (  # noqa: F401 - the limits are re-exported
-    INT64_MAX,
+from radixserve.protocol.lora_messages import ADAPTER_NAME, FINGERPRINT
+from radixserve.protocol.sampling import LOGPROB_ENTRIES, LogprobEntry, SamplingSpec
+from radixserve.protocol.wire import (
     MAX_TEXT_CHARS,
-    MAX_TOKEN_ID,
     MAX_TOKENS_PER_MESSAGE,
     TOKEN_ID,
     BoolSpec,
-    BytesSpec,
     FloatSpec,
-    HashesSpec,
     IntSpec,
     ListSpec,
     Message,
     NestedSpec,
     OptionalSpec,
-    StatsSpec,
     StrSpec,
     WireStruct,
 )

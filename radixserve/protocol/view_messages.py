@@ -1,6 +1,6 @@
 """The operator's view over the wire: a worker's radix tree and live requests
 (`CacheTreeQuery` / `CacheTreeReply`) and the cache audit's all-clear. Part of the
-protocol of `radixserve.protocol.messages`, which registers and re-exports them."""
+protocol of `radixserve.protocol.messages`, which registers them."""
 
 from __future__ import annotations
 

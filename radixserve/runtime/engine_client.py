@@ -21,7 +21,7 @@ from radixserve.errors import InvalidRequestError
 from radixserve.model.identity import ModelIdentity
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.protocol.lora_messages import LoraAdapterInfo
-from radixserve.protocol.messages import CacheTreeReply
+from radixserve.protocol.view_messages import CacheTreeReply
 from radixserve.runtime.adapters import adapter_infos, load_adapter, unload_adapter
 from radixserve.tracing import NO_SPAN, Span
 

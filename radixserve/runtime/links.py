@@ -71,8 +71,9 @@ from radixserve.protocol import (
     ProtocolError,
     WorkerLoad,
 )
-from radixserve.protocol.messages import Role, ServiceStats
+from radixserve.protocol.fields import Role
 from radixserve.protocol.security import ClusterKeys
+from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 
 logger = logging.getLogger(__name__)

@@ -46,8 +46,9 @@ from radixserve.protocol import (
     RequestFailed,
     WorkerLoad,
 )
-from radixserve.protocol.messages import ErrorType, Role, ServiceStats
+from radixserve.protocol.fields import ErrorType, Role
 from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
+from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.calls import Tasks
 from radixserve.runtime.links import LinkIdentity, monitor_socket
 from radixserve.runtime.network import advertise_host, default_name

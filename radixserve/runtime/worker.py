@@ -43,13 +43,13 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.lora_messages import LoraLoad, LoraUnload
-from radixserve.protocol.messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.protocol.peer_messages import PeerPages, PeerRead
 from radixserve.protocol.stats_messages import (
     EngineSection,
     ServiceStats,
     fill,
 )
+from radixserve.protocol.view_messages import CacheAuditClear, CacheAuditCleared, CacheTreeQuery
 from radixserve.runtime.adapters import adapter_infos
 from radixserve.runtime.kv_events import KVEventPublisher
 from radixserve.runtime.links import Link, LinkSet

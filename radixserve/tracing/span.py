@@ -19,11 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+from radixserve.protocol.fields import MAX_NAME_CHARS, Role
 from radixserve.protocol.messages import (
-    MAX_NAME_CHARS,
     MAX_SPAN_LABELS,
     MAX_SPANS_PER_MESSAGE,
-    Role,
     SpanLabel,
     SpanRecord,
 )

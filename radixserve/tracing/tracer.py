@@ -10,7 +10,7 @@ them back on its replies, and exports them itself when it has an endpoint.
 
 from __future__ import annotations
 
-from radixserve.protocol.messages import Role
+from radixserve.protocol.fields import Role
 from radixserve.tracing.context import TraceContext, new_trace_id, parse_traceparent
 from radixserve.tracing.otlp import OtlpExporter
 from radixserve.tracing.settings import OtlpSettings

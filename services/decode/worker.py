@@ -45,7 +45,7 @@ from radixserve.protocol import (
     RequestFailed,
     TransferDone,
 )
-from radixserve.protocol.messages import ErrorType
+from radixserve.protocol.fields import ErrorType
 from radixserve.protocol.peer_messages import PeerPages
 from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
 from radixserve.runtime.calls import send_quietly

@@ -33,7 +33,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.cached_tokens import CachedTokens
-from radixserve.protocol.messages import ErrorType
+from radixserve.protocol.fields import ErrorType
 from radixserve.runtime.routing.cluster_client import ClusterClient
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.services.decode.worker import DecodeWorker

@@ -19,18 +19,11 @@ import zmq.asyncio
 
 from radixserve.protocol.channel import AsyncChannel, Channel
 from radixserve.protocol.codec import ProtocolError
-from radixserve.protocol.messages import (
-    PROTOCOL_VERSION,
-    Abort,
-    GenerateRequest,
-    Heartbeat,
-    Hello,
-    HelloAck,
-    Message,
-    SamplingSpec,
-    TokenChunk,
-)
+from radixserve.protocol.link_messages import Heartbeat, Hello, HelloAck
+from radixserve.protocol.messages import PROTOCOL_VERSION, Abort, GenerateRequest, TokenChunk
+from radixserve.protocol.sampling import SamplingSpec
 from radixserve.protocol.stats_messages import EngineSection, ServiceStats
+from radixserve.protocol.wire import Message
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL = "tcp://127.0.0.1:*"
@@ -174,7 +167,8 @@ CHILD = textwrap.dedent(
     import sys, zmq
     from radixserve.protocol.channel import Channel
     from radixserve.protocol.codec import ProtocolError
-    from radixserve.protocol.messages import GenerateRequest, Hello, HelloAck, TokenChunk
+    from radixserve.protocol.link_messages import Hello, HelloAck
+    from radixserve.protocol.messages import GenerateRequest, TokenChunk
 
     ctx = zmq.Context()
     with Channel.open(ctx, zmq.DEALER, sys.argv[1], bind=False, identity=b"child") as chan:

@@ -21,25 +21,19 @@ from radixserve.protocol.codec import (
     decode,
     encode,
 )
+from radixserve.protocol.fields import MAX_PAGES_PER_MESSAGE
+from radixserve.protocol.host_messages import HostLookup, SpillOffer, SpillRun
+from radixserve.protocol.index_messages import IndexReply, MemberList
+from radixserve.protocol.link_messages import Heartbeat, Hello, HelloAck
 from radixserve.protocol.messages import (
-    MAX_PAGES_PER_MESSAGE,
     PROTOCOL_VERSION,
     GenerateRequest,
-    Heartbeat,
-    Hello,
-    HelloAck,
-    HostLookup,
-    IndexReply,
     KVReady,
-    MemberList,
-    Message,
     PrefillRequest,
-    SamplingSpec,
-    SpillOffer,
-    SpillRun,
     TokenChunk,
 )
-from radixserve.protocol.wire import HASH_BYTES, MAX_TEXT_CHARS, MAX_TOKENS_PER_MESSAGE
+from radixserve.protocol.sampling import SamplingSpec
+from radixserve.protocol.wire import HASH_BYTES, MAX_TEXT_CHARS, MAX_TOKENS_PER_MESSAGE, Message
 
 PREFILL = PrefillRequest(
     request_id="req-1",

@@ -20,13 +20,8 @@ from typing import Any
 import pytest
 
 from radixserve.protocol.codec import decode, encode
-from radixserve.protocol.messages import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Message,
-    SpillOffer,
-    SpillRun,
-)
+from radixserve.protocol.host_messages import SpillOffer, SpillRun
+from radixserve.protocol.messages import MESSAGE_TYPES, PROTOCOL_VERSION
 from radixserve.protocol.stats_messages import HistogramStats  # noqa: E402
 from radixserve.protocol.wire import (
     BoolSpec,
@@ -35,6 +30,7 @@ from radixserve.protocol.wire import (
     HashesSpec,
     IntSpec,
     ListSpec,
+    Message,
     NestedSpec,
     OptionalSpec,
     StatsSpec,

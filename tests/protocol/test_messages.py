@@ -15,54 +15,45 @@ from radixserve.engine.wire import share_fields, to_chunk, to_output, to_params,
 from radixserve.errors import InvalidRequestError
 from radixserve.protocol import codec
 from radixserve.protocol.cached_tokens import CachedTokens
-from radixserve.protocol.messages import (
-    ALL_MESSAGES,
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Abort,
-    CacheAuditClear,
-    CacheAuditCleared,
-    CacheNodeView,
-    CacheTreeQuery,
-    CacheTreeReply,
-    Deregister,
-    FinishReason,
-    GenerateRequest,
-    Heartbeat,
-    Hello,
-    HelloAck,
+from radixserve.protocol.fields import FinishReason
+from radixserve.protocol.host_messages import (
     HostAttach,
     HostAttachAck,
     HostLease,
     HostLookup,
     HostPagesReady,
     HostRelease,
-    IndexQuery,
-    IndexReply,
-    KVEvent,
-    KVReady,
-    KVResync,
-    LiveRequestView,
-    LoraAdapterInfo,
-    LoraLoad,
-    LoraReply,
-    LoraUnload,
-    MemberInfo,
-    MemberList,
-    Message,
-    PrefillRequest,
-    Register,
-    RequestFailed,
-    SamplingSpec,
     SpillDone,
     SpillOffer,
     SpillRun,
+)
+from radixserve.protocol.index_messages import (
+    Deregister,
+    IndexQuery,
+    IndexReply,
+    KVEvent,
+    KVResync,
+    MemberInfo,
+    MemberList,
+    Register,
+    WatchMembers,
+)
+from radixserve.protocol.link_messages import Heartbeat, Hello, HelloAck, WorkerLoad
+from radixserve.protocol.lora_messages import LoraAdapterInfo, LoraLoad, LoraReply, LoraUnload
+from radixserve.protocol.messages import (
+    ALL_MESSAGES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    GenerateRequest,
+    KVReady,
+    PrefillRequest,
+    RequestFailed,
     TokenChunk,
     TransferDone,
-    WatchMembers,
-    WorkerLoad,
 )
 from radixserve.protocol.peer_messages import PeerPages, PeerRead
+from radixserve.protocol.sampling import SamplingSpec
 from radixserve.protocol.stats_messages import (
     EngineSection,
     HistogramStats,
@@ -70,6 +61,15 @@ from radixserve.protocol.stats_messages import (
     PrefillSection,
     ServiceStats,
 )
+from radixserve.protocol.view_messages import (
+    CacheAuditClear,
+    CacheAuditCleared,
+    CacheNodeView,
+    CacheTreeQuery,
+    CacheTreeReply,
+    LiveRequestView,
+)
+from radixserve.protocol.wire import Message
 
 # Strategies state what a valid message is, independently of the specs in messages.py.
 ids = st.text(min_size=1, max_size=40)

@@ -13,7 +13,7 @@ import zmq.asyncio
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.model.identity import ModelIdentity
 from radixserve.protocol import HelloAck
-from radixserve.protocol.messages import Role
+from radixserve.protocol.fields import Role
 from radixserve.runtime.links import LinkIdentity, LinkSet
 from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
 

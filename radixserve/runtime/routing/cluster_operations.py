@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.errors import UnavailableError
 from radixserve.protocol.lora_messages import LoraAdapterInfo
-from radixserve.protocol.messages import CacheTreeReply
+from radixserve.protocol.view_messages import CacheTreeReply
 from radixserve.runtime.routing.worker_views import pool_totals, worker_view
 
 if TYPE_CHECKING:

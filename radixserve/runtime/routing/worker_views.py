@@ -11,15 +11,15 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from radixserve.protocol.messages import (
+from radixserve.protocol.link_messages import HelloAck
+from radixserve.protocol.stats_messages import ServiceStats
+from radixserve.protocol.view_messages import (
     CacheAuditClear,
     CacheAuditCleared,
     CacheTreeQuery,
     CacheTreeReply,
-    HelloAck,
-    Message,
-    ServiceStats,
 )
+from radixserve.protocol.wire import Message
 from radixserve.runtime.calls import Replies
 from radixserve.runtime.links import Link
 from radixserve.runtime.page_geometry import peer_identity

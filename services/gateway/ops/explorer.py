@@ -37,8 +37,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 
-from radixserve.protocol.messages import MAX_TREE_NODES, CacheTreeReply, ServiceStats
-from radixserve.protocol.stats_messages import EngineSection, fill
+from radixserve.protocol.stats_messages import EngineSection, ServiceStats, fill
+from radixserve.protocol.view_messages import MAX_TREE_NODES, CacheTreeReply
 from radixserve.runtime.engine_client import LOCAL_WORKER
 from radixserve.services.gateway.gateway import Gateway, caller, gateway_of
 from radixserve.services.gateway.server.errors import OpenAIError
