@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from radixserve.engine.sampling_params import (
     MAX_STOP_STRING_CHARS,
@@ -17,8 +17,7 @@ from radixserve.engine.sampling_params import (
     SEED_MIN,
 )
 from radixserve.services.gateway.openai_api.fields import TOKEN_COUNT, Body, Int
-from radixserve.services.gateway.server.errors import OpenAIError
-from radixserve.services.gateway.server.field_errors import describe
+from radixserve.services.gateway.server.errors import OpenAIError, validated
 
 MAX_MESSAGES = 4096  # as chat's messages
 MAX_BLOCKS = 1024  # content blocks per message
@@ -170,12 +169,7 @@ class MessagesPrompt(Body):
         messages = body.get("messages")
         if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
             body = {**body, "messages": [_message(raw, i) for i, raw in enumerate(messages)]}
-        try:
-            req = cls.model_validate(body)
-        except ValidationError as exc:
-            message, param = describe(exc.errors())
-            raise OpenAIError(400, message, param) from None
-        return req
+        return validated(cls, body)
 
 
 class CountTokensRequest(MessagesPrompt):
@@ -216,11 +210,7 @@ def _block(raw: Any, where: str, role: Any) -> Block:
             why = f"is not a block of a {role} message"
         raise OpenAIError(400, f"{where}.type {json.dumps(given)[:80]} {why} (accepted "
                           f"here: {', '.join(allowed)})", f"{where}.type")  # fmt: skip
-    try:
-        return _BLOCKS[kind].model_validate(raw)
-    except ValidationError as exc:
-        message, param = describe(exc.errors(), where)
-        raise OpenAIError(400, message, param) from None
+    return validated(_BLOCKS[kind], raw, where)
 
 
 def _message(raw: Any, i: int) -> Any:  # the raw message, its blocks checked

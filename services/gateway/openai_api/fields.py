@@ -1,7 +1,7 @@
 """The field types the API's request bodies share (chat and completions here, the
 Responses API's and Anthropic's Messages too): strict integers that take an integral
-float, token ids and counts, non-empty text, the cache salt, the prompt cache key and the
-priority, and `Body`, their base model."""
+float, token ids and counts, non-empty text, the cache salt, the prompt cache key, the
+priority and the timeout, and `Body`, their base model."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ Priority = Annotated[
         "value first, whatever its tenant (tenants share each priority by their weights). "
         "Default: the API key's class (0 without keys); a user key may ask only for its "
         "class or higher, an admin key for any (403 otherwise).",
+    ),
+]
+
+#: a request's deadline, in seconds from its arrival
+RequestTimeout = Annotated[
+    float | None,
+    Field(
+        gt=0,
+        description="Seconds the request may take from its arrival (at most the "
+        "gateway's max_request_timeout_s); past them it is aborted with a 408. The "
+        "X-Request-Timeout header says the same.",
     ),
 ]
 

@@ -29,6 +29,7 @@ from radixserve.services.gateway.openai_api.fields import (
     Int,
     Priority,
     PromptCacheKey,
+    RequestTimeout,
     Text,
 )
 from radixserve.services.gateway.server.errors import OpenAIError
@@ -112,13 +113,7 @@ class GenerationRequest(Body):
     cache_salt: CacheSalt = None
     prompt_cache_key: PromptCacheKey = None
     priority: Priority = None
-    timeout: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds the request may take from its arrival (at most the "
-        "gateway's max_request_timeout_s); past them it is aborted with a 408. The "
-        "X-Request-Timeout header says the same.",
-    )
+    timeout: RequestTimeout = None
 
     @property
     def include_usage(self) -> bool:

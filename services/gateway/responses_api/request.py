@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, WithJsonSchema
+from pydantic import Field, WithJsonSchema
 
 from radixserve.runtime.engine_client import EngineClient
 from radixserve.services.gateway.openai_api.fields import (
@@ -30,6 +30,7 @@ from radixserve.services.gateway.openai_api.fields import (
     CacheSalt,
     Priority,
     PromptCacheKey,
+    RequestTimeout,
     Text,
 )
 from radixserve.services.gateway.openai_api.limits import PrepareLimits
@@ -50,8 +51,7 @@ from radixserve.services.gateway.openai_api.schemas import (
     ToolCall,
 )
 from radixserve.services.gateway.responses_api.output import new_id
-from radixserve.services.gateway.server.errors import OpenAIError
-from radixserve.services.gateway.server.field_errors import describe
+from radixserve.services.gateway.server.errors import OpenAIError, validated
 from radixserve.services.gateway.tools.reasoning import ReasoningFormat
 from radixserve.services.gateway.tools.tool_request import (
     RESPONSES_TOOLS,
@@ -196,11 +196,7 @@ def input_item(raw: Any, where: str) -> InputItem:
         raise OpenAIError(400, f"{where}.type {kind!r} {why} (accepted: message, "
                           "function_call, function_call_output, reasoning)",
                           f"{where}.type")  # fmt: skip
-    try:
-        return _ITEMS[kind].model_validate(raw)
-    except ValidationError as exc:
-        message, param = describe(exc.errors(), where)
-        raise OpenAIError(400, message, param) from None
+    return validated(_ITEMS[kind], raw, where)
 
 
 def _text(content: str | list[ContentPart]) -> str:
@@ -317,13 +313,7 @@ class ResponsesRequest(Body):
     cache_salt: CacheSalt = None
     priority: Priority = None
     service_tier: Literal["auto", "default"] | None = Field(None, description="Ignored.")
-    timeout: float | None = Field(
-        None,
-        gt=0,
-        description="Seconds the request may take from its arrival (at most the "
-        "gateway's max_request_timeout_s); past them it is aborted with a 408. The "
-        "X-Request-Timeout header says the same.",
-    )
+    timeout: RequestTimeout = None
 
     @classmethod
     def checked(cls, body: dict[str, Any]) -> ResponsesRequest:

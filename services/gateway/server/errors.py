@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixserve.errors import RequestError, UnavailableError, UnknownAdapterError
@@ -22,6 +22,8 @@ from radixserve.services.gateway.server.field_errors import describe
 from radixserve.services.gateway.server.openapi import DocModel
 
 logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -82,6 +84,16 @@ def retry_after() -> dict[str, str]:
 def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending field of a pydantic validation failure."""
     return describe(exc.errors())
+
+
+def validated(model: type[_M], raw: Any, where: str = "") -> _M:
+    """``raw`` as ``model``, or a 400 naming the field it fails on (``where``: the path
+    ``raw`` sits at in the body)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        message, param = describe(exc.errors(), where)
+        raise OpenAIError(400, message, param) from None
 
 
 async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
