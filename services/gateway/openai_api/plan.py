@@ -37,12 +37,11 @@ from radixserve.services.gateway.openai_api.schemas import (
 from radixserve.services.gateway.server.errors import OpenAIError
 from radixserve.services.gateway.tools.reasoning import ReasoningFormat, ReasoningPlan
 from radixserve.services.gateway.tools.tool_request import (
-    CHAT_TOOLS,
     ToolFormat,
     ToolPlan,
     ToolRequest,
-    check_tools,
     template_inputs,
+    tool_request,
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -314,8 +313,7 @@ async def chat_plan(
 ) -> Plan:
     n, _ = _choices(req.n, None, bool(req.stream))
     _check_choices(n, max_choices)
-    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                        bool(req.guided()[1]), CHAT_TOOLS, limits)  # fmt: skip
+    tools = tool_request(req, limits)
     guide = await job_guide(req, tools, limits, prep)
     messages, template_kwargs = await prep.run("messages", template_inputs, req, tools,
                                                tool_format)  # fmt: skip
