@@ -35,8 +35,10 @@ def _sleeper(ready_file: Path | None = None, ignore_sigterm: bool = False) -> li
     lines = ["import os, signal, time"]
     if ignore_sigterm:
         lines.append("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
-    if ready_file is not None:
-        lines.append(f"open({str(ready_file)!r}, 'w').write(str(os.getpid()))")
+    if ready_file is not None:  # whole or not at all: the test reads it once it exists
+        tmp = f"{ready_file}.tmp"
+        lines.append(f"open({tmp!r}, 'w').write(str(os.getpid())); "
+                     f"os.replace({tmp!r}, {str(ready_file)!r})")  # fmt: skip
     lines.append("while True: time.sleep(1)")
     return _python("\n".join(lines))
 
