@@ -45,7 +45,7 @@ from radixserve.protocol.wire import (
     WireSpec,
     WireStruct,
     is_int,
-    wire_spec,
+    wire_fields,
 )
 
 logger = logging.getLogger(__name__)
@@ -186,13 +186,12 @@ def _check_struct(
     """The ``cls`` instance described by the wire map ``body``, validated."""
     values: dict[str, Any] = {}
     names: set[str] = set()
-    for f in dataclasses.fields(cls):
+    for f, spec in wire_fields(cls):
         names.add(f.name)
-        path = f"{where}.{f.name}"
         if f.name in body:
-            values[f.name] = _check_value(wire_spec(f), body[f.name], path)
+            values[f.name] = _check_value(spec, body[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{path}: missing required field")
+            raise ProtocolError(f"{where}.{f.name}: missing required field")
     for key, value in body.items():
         if key not in names and key not in skip:
             _reject_ext_values(value, f"{where}.{str(key)[:64]}")
@@ -321,9 +320,9 @@ def _check_stats(spec: StatsSpec, value: object, path: str) -> dict[str, int | f
 def _struct_to_wire(struct: WireStruct) -> dict[str, Any]:
     """The field map of ``struct`` in msgpack-ready containers (lists, dicts)."""
     body: dict[str, Any] = {}
-    for f in dataclasses.fields(struct):
+    for f, spec in wire_fields(type(struct)):
         value = getattr(struct, f.name)
-        if isinstance(wire_spec(f), HashesSpec):
+        if isinstance(spec, HashesSpec):
             value = _hashes_to_wire(value, f"{type(struct).__name__}.{f.name}")
         elif isinstance(value, WireStruct):
             value = _struct_to_wire(value)

@@ -8,6 +8,7 @@ encode and decode. `radixserve.protocol.messages` declares the messages with the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -134,6 +135,13 @@ def wire_spec(f: dataclasses.Field[Any]) -> WireSpec:
     return spec
 
 
+@functools.cache
+def wire_fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], WireSpec], ...]:
+    """Each field of the wire struct ``cls`` with its spec, in order (read once a class:
+    the codec and every construction walk them)."""
+    return tuple((f, wire_spec(f)) for f in dataclasses.fields(cls))
+
+
 # --- base classes ---------------------------------------------------------------------
 
 
@@ -142,8 +150,8 @@ class WireStruct:
     """Base of every wire struct: normalises containers after construction."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            spec, value = wire_spec(f), getattr(self, f.name)
+        for f, spec in wire_fields(type(self)):
+            value = getattr(self, f.name)
             if isinstance(spec, ListSpec) and isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
             elif isinstance(spec, StatsSpec) and isinstance(value, dict):
