@@ -370,6 +370,7 @@ class DecodeStep:
         scratch = torch.empty(count, head.vocab, dtype=torch.bfloat16)
         self._head_keep = (head, rows, scratch)  # alive until the next call
         st.final_norm, st.head_w = head.norm.data_ptr(), head.packed.data_ptr()
-        st.vocab, st.head_eps, st.head_rows, st.head_count = head.vocab, head.eps, rows.data_ptr(), count
+        st.vocab, st.head_eps = head.vocab, head.eps
+        st.head_rows, st.head_count = rows.data_ptr(), count
         st.head_y, st.logits = scratch.data_ptr(), logits.data_ptr()
         return logits

@@ -8,7 +8,6 @@ encode and decode. `radixserve.protocol.messages` declares the messages with the
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -135,11 +134,16 @@ def wire_spec(f: dataclasses.Field[Any]) -> WireSpec:
     return spec
 
 
-@functools.cache
+_FIELDS: dict[type, tuple[tuple[dataclasses.Field[Any], WireSpec], ...]] = {}
+
+
 def wire_fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], WireSpec], ...]:
     """Each field of the wire struct ``cls`` with its spec, in order (read once a class:
     the codec and every construction walk them)."""
-    return tuple((f, wire_spec(f)) for f in dataclasses.fields(cls))
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = tuple((f, wire_spec(f)) for f in dataclasses.fields(cls))
+    return fields
 
 
 # --- base classes ---------------------------------------------------------------------
