@@ -6,7 +6,7 @@ conversation a request runs as, and its plan, are `plan`'s.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -148,6 +148,9 @@ class Metadata(Body):
     )
 
 
+_Prompt = TypeVar("_Prompt", bound="MessagesPrompt")  # typing.Self is Python 3.11+
+
+
 class MessagesPrompt(Body):
     """What makes the prompt: the fields of ``count_tokens``."""
 
@@ -160,7 +163,7 @@ class MessagesPrompt(Body):
     cache_control: CacheControl | None = _CACHE
 
     @classmethod
-    def checked(cls, body: dict[str, Any]) -> Self:
+    def checked(cls: type[_Prompt], body: dict[str, Any]) -> _Prompt:
         """The request in `body`: unserved fields refused by name, each message's blocks
         checked under their own names, then the rest."""
         for name, why in REFUSED.items():
