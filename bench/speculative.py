@@ -156,7 +156,7 @@ def run_cell(engines: Mapping[str, Engine], workload: str, batch: int, options: 
 
 def environment() -> dict[str, Any]:
     return {
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
