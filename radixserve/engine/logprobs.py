@@ -37,9 +37,11 @@ def token_logprobs(
     top_vals: list[list[float]] = [[] for _ in token_ids]
     top_ids: list[list[int]] = [[] for _ in token_ids]
     if k > 0:  # top-k, not a sort: a full sort of (R, V) costs ten times more per step
-        values, order = lp.topk(k, dim=-1)  # (R, k) each, descending
-        top_vals, top_ids = values.tolist(), order.tolist()
-        for r in _tied_rows(lp, values):
+        # one more than asked: an equal (k+1)-th shows a tie at the cut
+        values, order = lp.topk(min(k + 1, lp.shape[1]), dim=-1)  # (R, k + 1), descending
+        top_vals, top_ids = values[:, :k].tolist(), order[:, :k].tolist()
+        tied = (values[:, 1:] == values[:, :-1]).any(-1)  # torch.topk orders equals freely
+        for r in tied.nonzero().flatten().tolist():
             top_vals[r], top_ids[r] = _lowest_ids_first(lp[r], k)
     return [
         TokenLogprob(
@@ -50,14 +52,6 @@ def token_logprobs(
         )
         for r, (t, c) in enumerate(zip(token_ids, chosen))
     ]
-
-
-def _tied_rows(lp: torch.Tensor, values: torch.Tensor) -> list[int]:
-    """The rows of ``lp`` (R, V) whose top ``values`` (R, k) hold equal log-probabilities,
-    or more ids than k reach the k-th: `torch.topk` leaves the order of equals open."""
-    inside = values[:, 1:] == values[:, :-1]  # (R, k - 1)
-    at_cut = (lp >= values[:, -1:]).sum(-1) > values.shape[1]  # (R,)
-    return (inside.any(-1) | at_cut).nonzero().flatten().tolist()
 
 
 def _lowest_ids_first(row: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
