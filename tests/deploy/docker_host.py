@@ -29,6 +29,8 @@ HUB_BASES = {"python": "python:3.11-slim-bookworm", "build": "python:3.11-bookwo
 DEBIAN_BASES = {"python": "radixserve-base:bookworm", "build": "radixserve-base:bookworm-build"}
 PROMETHEUS_STANDIN = "radixserve-prometheus:debian"
 LOCAL = COMPOSE / "local"
+# every stage of compose/Dockerfile and Dockerfile.cuda carries it
+IMAGE_LABEL = "org.opencontainers.image.title=radixserve"
 
 
 def sh(cmd: list[str], timeout_s: float = 600, check: bool = True,
@@ -146,13 +148,29 @@ def build_images() -> Images:
 
 
 def docker_build(dockerfile: str, tag: str, args: dict[str, str], timeout_s: float = 1800) -> float:
-    """``docker build`` from the repository root; seconds taken."""
-    cmd = ["docker", "build", "--network", "host", "-f", dockerfile, "-t", tag]
+    """``docker build`` from the repository root; seconds taken.
+
+    The build stage is tagged too (``<tag>-build``): it is the layer cache of the next
+    build, and tagged it is not dangling. What a build supersedes (the last build's
+    stage and image, untagged now) is removed, so that repeated runs keep one of each
+    rather than a few GB more per run on the CI host's disk.
+    """
+    cmd = ["docker", "build", "--network", "host", "-f", dockerfile]
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
     start = time.monotonic()
-    sh([*cmd, str(ROOT)], timeout_s=timeout_s, env={"DOCKER_BUILDKIT": "0"})
+    env = {"DOCKER_BUILDKIT": "0"}
+    sh([*cmd, "--target", "build", "-t", f"{tag}-build", str(ROOT)], timeout_s=timeout_s, env=env)
+    sh([*cmd, "-t", tag, str(ROOT)], timeout_s=timeout_s, env=env)
+    sh(["docker", "image", "prune", "--force", "--filter", f"label={IMAGE_LABEL}"])
     return round(time.monotonic() - start, 1)
+
+
+def superseded_images() -> list[str]:
+    """Untagged images of this project's Dockerfiles (each carries `IMAGE_LABEL`)."""
+    done = sh(["docker", "images", "--quiet", "--filter", "dangling=true",
+               "--filter", f"label={IMAGE_LABEL}"])  # fmt: skip
+    return done.stdout.split()
 
 
 def venv_breakdown(tag: str, top: int = 8) -> list[tuple[str, float]]:

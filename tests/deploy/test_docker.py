@@ -60,6 +60,7 @@ from tests.deploy.docker_host import (
     image_exists,
     image_size_mb,
     sh,
+    superseded_images,
     venv_breakdown,
 )
 
@@ -112,6 +113,8 @@ def images() -> Iterator[Images]:
     for key, value in built.figures.items():
         report(key, value)
     report("build radixserve:cpu s", docker_build("compose/Dockerfile", IMAGE, built.build_args))
+    # a rebuild leaves nothing untagged behind (each used to leave ~4 GB on the disk)
+    assert superseded_images() == []
     report("radixserve:cpu MB", round(image_size_mb(IMAGE)))
     report("radixserve:cpu largest site-packages MB",
            ", ".join(f"{n} {mb:.0f}" for n, mb in venv_breakdown(IMAGE)))  # fmt: skip
