@@ -149,22 +149,27 @@ def test_models_it_cannot_take_run_the_torch_layers() -> None:
 def test_the_thread_choice_takes_the_faster_and_sees_the_load_change():
     choice = ThreadChoice(explore=4, window=5)
     kind = (1, False, False)
-    seconds = {1: 0.010, 2: 0.006}  # quiet: two threads win
-    picks = []
-    for i in range(40):
-        threads = choice.pick(kind)
-        picks.append(threads)
-        stalled = threads == 2 and i in (10, 11)  # two steps whose partner was preempted
-        choice.record(kind, threads, 0.050 if stalled else seconds[threads])
+
+    def run(seconds: dict[int, float], steps: int, stalls: tuple[int, ...] = ()) -> list[int]:
+        picks = []
+        for i in range(steps):
+            threads = choice.pick(kind)
+            picks.append(threads)
+            stalled = threads == 2 and i in stalls  # a step whose partner was preempted
+            choice.record(kind, threads, 0.050 if stalled else seconds[threads])
+        return picks
+
+    picks = run({1: 0.007, 2: 0.006}, 40, stalls=(10, 11))  # quiet, the two close
     assert picks[:2] == [1, 2]  # each tried once first
-    # the other every 4th step, and the two stalled steps do not turn the choice
+    # the other every 4th step, and the stalled step does not turn the choice
     assert picks[8:].count(2) == 24 and picks[8:].count(1) == 8
-    seconds = {1: 0.010, 2: 0.030}  # another process takes a core: two threads stall
-    for _ in range(40):
-        threads = choice.pick(kind)
-        picks.append(threads)
-        choice.record(kind, threads, seconds[threads])
-    assert picks[-20:].count(1) == 15  # back to one, exploring two every 4th step
+    # another process takes a core: two threads stall (3x one's time): back to one, and
+    # two (far behind) tried every 16th step only
+    picks = run({1: 0.010, 2: 0.030}, 40)
+    assert picks[-20:].count(2) == 2 and picks[-32:].count(2) == 2
+    # it leaves: two threads are faster again, seen through those tries
+    picks = run({1: 0.010, 2: 0.006}, 80)
+    assert picks[-16:].count(2) == 15 and picks[-16:].count(1) == 1
     # kinds are apart: a step with extends, of 16 rows, or with adapter rows, has been
     # tried on neither
     assert choice.pick((1, True, False)) == 1 and choice.pick((16, False, False)) == 1
