@@ -15,7 +15,8 @@ without exchanging tokens:
 
 Hashes are unsigned 128-bit ints (`HASH_BYTES`): too wide for a msgpack int, they travel
 as 16 big-endian bytes each (the protocol's `HashesSpec`). Only whole pages are hashed: a
-trailing partial page has no hash. Never uses Python's ``hash()`` (salted per process). Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
+trailing partial page has no hash. Never uses Python's ``hash()`` (salted per process).
+Token ids must lie in ``[0, 2**32)``; others raise ``OverflowError``.
 """
 
 from __future__ import annotations

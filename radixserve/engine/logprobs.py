@@ -42,7 +42,7 @@ def token_logprobs(
         top_vals, top_ids = values[:, :k].tolist(), order[:, :k].tolist()
         tied = (values[:, 1:] == values[:, :-1]).any(-1)  # torch.topk orders equals freely
         for r in tied.nonzero().flatten().tolist():
-            top_vals[r], top_ids[r] = _lowest_ids_first(lp[r], k)
+            top_vals[r], top_ids[r] = _lowest_ids_first(lp[r], values[r, k - 1], k)
     return [
         TokenLogprob(
             token_id=int(t),
@@ -54,9 +54,12 @@ def token_logprobs(
     ]
 
 
-def _lowest_ids_first(row: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
-    """The ``k`` most likely ids of ``row`` (V,), equal values lowest id first: greedy
-    sampling's argmax takes the lowest, so the chosen token leads its top list."""
-    ids = (row >= row.topk(k).values[-1]).nonzero().flatten()  # ascending
+def _lowest_ids_first(
+    row: torch.Tensor, cut: torch.Tensor, k: int
+) -> tuple[list[float], list[int]]:
+    """The ``k`` most likely ids of ``row`` (V,), whose ``k``-th value is ``cut``, equal
+    values lowest id first: greedy sampling's argmax takes the lowest, so the chosen
+    token leads its top list."""
+    ids = (row >= cut).nonzero().flatten()  # ascending
     order = torch.sort(row[ids], descending=True, stable=True).indices[:k]
     return row[ids[order]].tolist(), ids[order].tolist()
