@@ -42,12 +42,8 @@ from radixserve.services.gateway.messages.plan import count_prompt, messages_pla
 from radixserve.services.gateway.messages.request import CountTokensRequest, MessagesRequest
 from radixserve.services.gateway.openai_api.choices import ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.responses_api.output import new_id
-from radixserve.services.gateway.server.errors import (
-    OpenAIError,
-    request_status,
-    retry_after,
-    validation_message,
-)
+from radixserve.services.gateway.server.errors import OpenAIError, request_status, retry_after
+from radixserve.services.gateway.server.field_errors import describe
 from radixserve.services.gateway.server.openapi import DocModel
 from radixserve.services.gateway.server.streaming import (
     CLIENT_CLOSED,
@@ -86,17 +82,13 @@ def _failure(exc: Exception) -> tuple[int, str, dict[str, str] | None]:
                              and exc.reason not in _RATE_REASONS):  # fmt: skip
             status, headers = OVERLOADED, headers or retry_after()
     elif isinstance(exc, RequestError):
-        status, message, param, headers = (
-            request_status(exc),
-            str(exc),
-            getattr(exc, "param", None),
-            None,
-        )
+        status, message, headers = request_status(exc), str(exc), None
+        param = getattr(exc, "param", None)
     elif isinstance(exc, UnavailableError):
         status, message, param, headers = OVERLOADED, str(exc), None, retry_after()
     elif isinstance(exc, ValidationError):
         status, headers = 400, None
-        message, param = validation_message(exc)
+        message, param = describe(exc.errors())
     else:
         logger.exception("unhandled error on /v1/messages", exc_info=exc)
         return 500, "internal server error", None

@@ -54,16 +54,8 @@ class OpenAIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """The OpenAI error object for `status`."""
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(
-                status, "server_error" if status >= 500 else "invalid_request_error"
-            ),
-            "param": param,
-            "code": status,
-        }
-    }
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(
@@ -79,11 +71,6 @@ RETRY_AFTER_S = 1
 
 def retry_after() -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S)}
-
-
-def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    """A one-line message and the offending field of a pydantic validation failure."""
-    return describe(exc.errors())
 
 
 def validated(model: type[_M], raw: Any, where: str = "") -> _M:
@@ -117,7 +104,7 @@ async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ValidationError | RequestValidationError)
-    message, param = validation_message(exc)
+    message, param = describe(exc.errors())
     return error_response(400, message, param)
 
 
