@@ -15,7 +15,6 @@ from radixserve.model.tokenizer import Tokenizer
 
 class LogprobFormatter:
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
         self.token_bytes = functools.lru_cache(maxsize=65536)(tokenizer.token_bytes)
 
     def text(self, token_id: int) -> str:

@@ -230,10 +230,6 @@ class Keyring:
     def __bool__(self) -> bool:
         return bool(self._keys)
 
-    def tenants(self) -> list[str]:
-        """The tenants the keys act for (keys off: none; the caller is `ANONYMOUS`)."""
-        return list(self.limits)
-
     def principal(self, token: str) -> Principal | None:
         """The caller ``token`` stands for; None if it is no key."""
         found = None
