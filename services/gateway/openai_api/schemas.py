@@ -119,11 +119,6 @@ class GenerationRequest(Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def guide(self) -> tuple[str, str]:
-        """(guide_kind, guide) for `SamplingParams` from response_format / guided_*."""
-        _, kind, guide = self.guided()
-        return kind, guide
-
     def guided(self) -> tuple[str, str, str]:
         """(field, guide_kind, guide): `guide` and the request field it comes from
         (("", "", "") without one)."""

@@ -265,7 +265,8 @@ def parser_for_template(source: str | None) -> str:
     return "deepseek_r1" if prompt.rstrip().endswith(THINK_START) else "qwen3"
 
 
-def _template_variables(source: str | None) -> set[str]:
+def template_variables(source: str | None) -> set[str]:
+    """The Jinja variables a chat template reads (none if it does not parse)."""
     if not source:
         return set()
     env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
@@ -310,7 +311,7 @@ class ReasoningFormat:
     @classmethod
     def for_template(cls, source: str | None, setting: str = "auto") -> ReasoningFormat:
         parser = parser_for_template(source) if setting == "auto" else setting
-        variables = _template_variables(source)
+        variables = template_variables(source)
         switch = next((name for name in ("enable_thinking", "thinking", "reasoning_effort")
                        if name in variables), None)  # fmt: skip
         return cls(parser, switch)

@@ -26,16 +26,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
-
 from radixserve.engine.grammar import grammar_for
 from radixserve.errors import InvalidRequestError
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.services.gateway.openai_api.limits import PrepareLimits
 from radixserve.services.gateway.openai_api.schemas import ChatCompletionRequest, TokenizeRequest
 from radixserve.services.gateway.server.errors import OpenAIError
+from radixserve.services.gateway.tools.reasoning import template_variables
 from radixserve.services.gateway.tools.tool_calls import PARSERS, parser_for_template
 from radixserve.services.gateway.tools.tool_stream import ToolCallStream
 
@@ -67,13 +64,7 @@ class ToolFormat:
 
     @classmethod
     def for_template(cls, source: str | None, setting: str = "auto") -> ToolFormat:
-        native = False
-        if source:
-            env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
-            try:
-                native = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
-            except jinja2.TemplateError:
-                native = False
+        native = "tools" in template_variables(source)
         parser = parser_for_template(source if native else None) if setting == "auto" else setting
         return cls(native, parser)
 
@@ -292,7 +283,7 @@ def check_tools(
 def tool_request(req: ChatCompletionRequest, limits: PrepareLimits) -> ToolRequest | None:
     """`check_tools` of a chat request."""
     return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                       bool(req.guide()[0]), CHAT_TOOLS, limits)  # fmt: skip
+                       bool(req.guided()[0]), CHAT_TOOLS, limits)  # fmt: skip
 
 
 def _call_text(call: dict[str, Any]) -> str:
