@@ -53,7 +53,6 @@ from radixserve.services.gateway.openai_api.plan import (
     Plan,
     conversation_job,
     job_guide,
-    reasoning_of,
     with_thinking_budget,
 )
 from radixserve.services.gateway.openai_api.preparer import Preparation
@@ -236,12 +235,8 @@ async def messages_plan(
     except OpenAIError as exc:
         raise _renamed(exc) from None
     conv = Conversation(messages, kwargs, tools, req.max_tokens, "max_tokens", "messages")
-    tool_plan = tools.plan(tool_format) if tools else None
-    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
-    if reasoning is not None:
-        kept += reasoning.kept_token_ids(client.tokenizer)
-    job = await conversation_job(sampling, conv, client, req.max_tokens, guide, prep, n=1,
-                                 kept_special_ids=kept)  # fmt: skip
-    split = reasoning_of(reasoning, client, job)
+    job, tool_plan, split = await conversation_job(
+        sampling, conv, client, req.max_tokens, guide, prep, tool_format, reasoning, n=1
+    )
     job = with_thinking_budget(job, split, budget, client, "thinking.budget_tokens")
     return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan, reasoning=split)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypedDict
+from typing import Any
 
 from radixserve.engine.grammar import grammar_for
 from radixserve.engine.sampling_params import SamplingParams
@@ -72,16 +72,6 @@ class Plan:
     prompt_cache_key: str = ""  # a routing hint (`DecodeRouter` affinity)
     priority: int | None = None  # asked for (`Principal.share`); None: the key's class
     reasoning: ReasoningPlan | None = None  # chat: how replies split off their reasoning
-
-
-class _CacheFields(TypedDict):
-    cache_salt: str
-    prompt_cache_key: str
-
-
-def _cache_fields(req: GenerationRequest) -> _CacheFields:
-    """The plan's ``cache_salt`` and ``prompt_cache_key`` ("" when not given)."""
-    return {"cache_salt": req.cache_salt or "", "prompt_cache_key": req.prompt_cache_key or ""}
 
 
 def _room(client: EngineClient, prompt_ids: list[int], param: str = "prompt") -> int:
@@ -230,7 +220,8 @@ async def completion_plan(
     return Plan("completion", jobs, n, best_of, echo=echo, top_logprobs=k,
                 drop_generated=req.max_tokens == 0, stream=bool(req.stream),
                 include_usage=req.include_usage, priority=req.priority,
-                **_cache_fields(req))  # fmt: skip
+                cache_salt=req.cache_salt or "",
+                prompt_cache_key=req.prompt_cache_key or "")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -248,10 +239,17 @@ class Conversation:
 
 async def conversation_job(
     req: GenerationRequest, conv: Conversation, client: EngineClient, default_max_tokens: int,
-    guide: tuple[str, str], prep: Preparation, **extra: object,
-) -> Job:  # fmt: skip
+    guide: tuple[str, str], prep: Preparation, tool_format: ToolFormat,
+    reasoning: ReasoningFormat | None, **extra: object,
+) -> tuple[Job, ToolPlan | None, ReasoningPlan | None]:  # fmt: skip
     """The engine job of a chat prompt: its ids (the template rendered and tokenized in
-    the pool), and sampling from `req`'s fields held to `guide` (from `job_guide`)."""
+    the pool), and sampling from `req`'s fields held to `guide` (from `job_guide`),
+    the tool and reasoning markers kept in its text; and how its replies split off
+    their tool calls and their reasoning (`reasoning_of`)."""
+    tool_plan = conv.tools.plan(tool_format) if conv.tools else None
+    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
+    if reasoning is not None:
+        kept += reasoning.kept_token_ids(client.tokenizer)
     encode = partial(client.tokenizer.encode_chat, conv.messages, **conv.template_kwargs)
     ids = await prep.run(conv.prompt_param, encode)  # InvalidRequestError if malformed
     room = _room(client, ids, conv.prompt_param)
@@ -259,7 +257,8 @@ async def conversation_job(
     if max_tokens < 1:
         raise InvalidRequestError(f"{conv.max_tokens_param} must be >= 1",
                                   param=conv.max_tokens_param)  # fmt: skip
-    return Job(ids, _params(req, max_tokens, guide, **extra))
+    job = Job(ids, _params(req, max_tokens, guide, kept_special_ids=kept, **extra))
+    return job, tool_plan, reasoning_of(reasoning, client, job)
 
 
 def reasoning_of(fmt: ReasoningFormat | None, client: EngineClient, job: Job
@@ -323,15 +322,12 @@ async def chat_plan(
     conv = Conversation(messages, template_kwargs, tools, req.requested_max_tokens, param,
                         "messages")  # fmt: skip
     k = req.num_top_logprobs()
-    tool_plan = tools.plan(tool_format) if tools else None
-    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
-    if reasoning is not None:
-        kept += reasoning.kept_token_ids(client.tokenizer)
-    job = await conversation_job(req, conv, client, default_max_tokens, guide, prep, n=n,
-                                 logprobs=k, kept_special_ids=kept)  # fmt: skip
-    split = reasoning_of(reasoning, client, job)
+    job, tool_plan, split = await conversation_job(
+        req, conv, client, default_max_tokens, guide, prep, tool_format, reasoning, n=n, logprobs=k
+    )
     job = with_thinking_budget(job, split, req.thinking_token_budget, client,
                                "thinking_token_budget")  # fmt: skip
     return Plan("chat", [job], n, n, top_logprobs=k, stream=bool(req.stream),
                 include_usage=req.include_usage, tools=tool_plan, priority=req.priority,
-                reasoning=split, **_cache_fields(req))  # fmt: skip
+                reasoning=split, cache_salt=req.cache_salt or "",
+                prompt_cache_key=req.prompt_cache_key or "")  # fmt: skip

@@ -40,7 +40,6 @@ from radixserve.services.gateway.openai_api.plan import (
     conversation_job,
     effort_variables,
     job_guide,
-    reasoning_of,
 )
 from radixserve.services.gateway.openai_api.preparer import Preparation
 from radixserve.services.gateway.openai_api.schemas import TOOLS_SCHEMA as CHAT_TOOLS_SCHEMA
@@ -429,12 +428,9 @@ async def response_plan(
                                                tool_format)  # fmt: skip
     conv = Conversation(messages, template_kwargs, tools, req.max_output_tokens,
                         "max_output_tokens", "input")  # fmt: skip
-    tool_plan = tools.plan(tool_format) if tools else None
-    kept = tool_plan.kept_token_ids(client.tokenizer) if tool_plan else ()
-    if reasoning is not None:
-        kept += reasoning.kept_token_ids(client.tokenizer)
-    job = await conversation_job(sampling, conv, client, default_max_tokens, guide, prep, n=1,
-                                 kept_special_ids=kept)  # fmt: skip
+    job, tool_plan, split = await conversation_job(
+        sampling, conv, client, default_max_tokens, guide, prep, tool_format, reasoning, n=1
+    )
     return Plan("chat", [job], 1, 1, stream=bool(req.stream), tools=tool_plan,
-                reasoning=reasoning_of(reasoning, client, job), cache_salt=req.cache_salt or "",
+                reasoning=split, cache_salt=req.cache_salt or "",
                 prompt_cache_key=req.prompt_cache_key or "", priority=req.priority)  # fmt: skip
