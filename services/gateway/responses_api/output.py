@@ -52,22 +52,28 @@ def response_usage(last: RequestOutput) -> dict[str, Any]:
     }
 
 
-def _message(item_id: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress",
-            "content": []}  # fmt: skip
+#: the output items that hold text -> their content part's type, which names their events
+_TEXT_TYPES = {"message": "output_text", "reasoning": "reasoning_text"}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _reasoning(item_id: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [],
+def _text_item(kind: str) -> dict[str, Any]:
+    """A new output item of `kind` that holds text: ``message`` or ``reasoning``."""
+    if kind == "message":
+        return {"id": new_id("msg"), "type": "message", "role": "assistant",
+                "status": "in_progress", "content": []}  # fmt: skip
+    return {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
             "status": "in_progress"}  # fmt: skip
 
 
-def _reasoning_part(text: str) -> dict[str, Any]:
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"type": "reasoning_text", "text": text}
+
+
+def _logprobs(kind: str) -> dict[str, Any]:
+    """The extra field of a message's text events (a reasoning item's have none)."""
+    return {"logprobs": []} if kind == "message" else {}
 
 
 class ResponseBuilder:
@@ -99,9 +105,9 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         for delta in deltas:
             if delta.get("reasoning_content"):
-                events += self._add_reasoning(delta["reasoning_content"])
+                events += self._add("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                events += self._add_text(delta["content"])
+                events += self._add("message", delta["content"])
             for call in delta.get("tool_calls") or ():
                 if "id" in call:  # a call's opening delta: its id and name
                     events += self._close("completed")
@@ -128,7 +134,7 @@ class ResponseBuilder:
         status = "completed" if reason in ("stop", "tool_calls") else "incomplete"
         if rejected is not None and status == "completed":
             status = "failed"
-        events = [] if self.body["output"] else self._add_text("")
+        events = [] if self.body["output"] else self._add("message", "")
         events += self._close(status, call_done=rejected is None)
         self.body.update(status=status, usage=usage)
         if status == "incomplete":
@@ -154,29 +160,19 @@ class ResponseBuilder:
         return [self._event("response.output_item.added", output_index=len(self.body["output"])
                             - 1, item=copy.deepcopy(item))]  # fmt: skip
 
-    def _add_text(self, text: str) -> list[dict[str, Any]]:
+    def _add(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """The events adding `text` to the open `kind` item (``message`` or
+        ``reasoning``), opened first if another is open."""
         events = []
-        if self._item is None or self._item["type"] != "message":
+        if self._item is None or self._item["type"] != kind:
             events += self._close("completed")
-            events += self._open(_message(new_id("msg")))
+            events += self._open(_text_item(kind))
             events.append(self._event("response.content_part.added", **self._where(),
-                                      content_index=0, part=_text_part("")))  # fmt: skip
+                                      content_index=0, part=_part(kind, "")))  # fmt: skip
         if text:
             self._text.append(text)
-            events.append(self._event("response.output_text.delta", **self._where(),
-                                      content_index=0, delta=text, logprobs=[]))  # fmt: skip
-        return events
-
-    def _add_reasoning(self, text: str) -> list[dict[str, Any]]:
-        events = []
-        if self._item is None or self._item["type"] != "reasoning":
-            events += self._close("completed")
-            events += self._open(_reasoning(new_id("rs")))
-            events.append(self._event("response.content_part.added", **self._where(),
-                                      content_index=0, part=_reasoning_part("")))  # fmt: skip
-        self._text.append(text)
-        events.append(self._event("response.reasoning_text.delta", **self._where(),
-                                  content_index=0, delta=text))  # fmt: skip
+            events.append(self._event(f"response.{_TEXT_TYPES[kind]}.delta", **self._where(),
+                                      content_index=0, delta=text, **_logprobs(kind)))  # fmt: skip
         return events
 
     def _close(self, status: str, call_done: bool = True) -> list[dict[str, Any]]:
@@ -188,21 +184,14 @@ class ResponseBuilder:
             return []
         self._item = None
         events = []
-        if item["type"] == "message":
-            text, self._text = "".join(self._text), []
-            part = _text_part(text)
+        if item["type"] in _TEXT_TYPES:
+            kind, text, self._text = item["type"], "".join(self._text), []
+            part = _part(kind, text)
             item["content"] = [part]
-            events.append(self._event("response.output_text.done", **where, content_index=0,
-                                      text=text, logprobs=[]))  # fmt: skip
+            events.append(self._event(f"response.{_TEXT_TYPES[kind]}.done", **where,
+                                      content_index=0, text=text, **_logprobs(kind)))  # fmt: skip
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=copy.deepcopy(part)))  # fmt: skip
-        elif item["type"] == "reasoning":
-            text, self._text = "".join(self._text), []
-            item["content"] = [_reasoning_part(text)]
-            events.append(self._event("response.reasoning_text.done", **where, content_index=0,
-                                      text=text))  # fmt: skip
-            events.append(self._event("response.content_part.done", **where, content_index=0,
-                                      part=_reasoning_part(text)))  # fmt: skip
         else:
             done = call_done and is_json_object(item["arguments"])
             status = "completed" if done else "incomplete"
