@@ -34,12 +34,6 @@ DEFAULT_LIMIT = 50
 MAX_LIMIT = 1 << 16  # the largest trace buffer
 
 
-def gateway_tracer(settings: GatewaySettings) -> Tracer:
-    """The gateway's tracer: on when it keeps traces or the OTLP env has an endpoint."""
-    return Tracer("gateway", otlp_exporter("gateway"), keep=settings.trace_buffer > 0,
-                  max_spans=MAX_GATEWAY_SPANS)  # fmt: skip
-
-
 def request_span(request: Request) -> Span:
     """The ``gateway.request`` span of ``request`` (`NO_SPAN` when it is not traced)."""
     span: Span = getattr(request.state, "trace_span", NO_SPAN)
@@ -102,15 +96,10 @@ def _store(request: Request) -> tuple[TraceStore, Principal]:
     return store, principal
 
 
-def _limit(request: Request) -> int:
-    """The ``limit`` query parameter (default `DEFAULT_LIMIT`); any other is refused."""
-    only_params(request, ("limit",), "/debug/traces")
-    return int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-
-
 async def debug_traces(request: Request) -> dict[str, Any]:
     store, principal = _store(request)
-    limit = _limit(request)
+    only_params(request, ("limit",), "/debug/traces")
+    limit = int_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     return {"traces": store.summaries(limit, principal)}
 
 
@@ -127,7 +116,9 @@ async def debug_trace(request: Request) -> dict[str, Any]:
 def install_tracing(app: FastAPI, settings: GatewaySettings, paths: frozenset[str]) -> Tracer:
     """The trace store and, when tracing is on, the middleware tracing POSTs to ``paths``
     on ``app``; the gateway's tracer, for the caller to close at shutdown."""
-    tracer = gateway_tracer(settings)
+    # on when it keeps traces or the OTLP environment names an endpoint
+    tracer = Tracer("gateway", otlp_exporter("gateway"), keep=settings.trace_buffer > 0,
+                    max_spans=MAX_GATEWAY_SPANS)  # fmt: skip
     store = TraceStore(settings.trace_buffer)
     app.state.traces = store
     if tracer.enabled:
