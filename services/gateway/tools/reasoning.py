@@ -56,7 +56,7 @@ _HARMONY_BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _PROBE = [{"role": "user", "content": "Hi"}]  # renders a template's generation prompt
 
 
-def _partial(buf: str, markers: tuple[str, ...]) -> int:
+def partial_marker(buf: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of `buf` could begin one of `markers`."""
     return max((n for m in markers for n in range(len(m) - 1, 0, -1) if buf.endswith(m[:n])),
                default=0)  # fmt: skip
@@ -137,7 +137,7 @@ class ThinkStream(ReasoningStream):
             self._emit(out, buf[:end].rstrip("\n"))
             self._state, self._buf = "after", buf[end + len(THINK_END) :]
             return True
-        keep = _partial(buf, (THINK_END,))
+        keep = partial_marker(buf, (THINK_END,))
         head = buf[: len(buf) - keep]
         cut = len(head.rstrip("\n"))  # newlines before </think> are dropped: hold them
         self._emit(out, buf[:cut])
@@ -192,7 +192,7 @@ class HarmonyStream(ReasoningStream):
             self._header, self._buf = True, buf[j + len(marker) :]
             self._seen_header = True
             return True
-        cut = len(buf) - _partial(buf, _HARMONY_BODY_ENDS)
+        cut = len(buf) - partial_marker(buf, _HARMONY_BODY_ENDS)
         if cut:
             out.append((self._channel, buf[:cut]))
         self._buf = buf[cut:]

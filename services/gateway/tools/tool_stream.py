@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.services.gateway.tools.call_scanner import CallScanner
+from radixserve.services.gateway.tools.reasoning import partial_marker
 from radixserve.services.gateway.tools.tool_calls import ToolParser, new_call_id
 
 _MAX_HEAD_CHARS = 256  # held text past a call's end without the next opener: no more streaming
@@ -107,10 +108,8 @@ class ToolCallStream:
         if start is not None:
             self._pending, self._held = buf[:start], buf[start:]
             return self._release(self._advance())
-        keep = 0  # the start of a marker may end the text, and whitespace precede it
-        for marker in self.parser.markers:
-            keep = max(keep, next((n for n in range(len(marker) - 1, 0, -1)
-                                   if buf.endswith(marker[:n])), 0))  # fmt: skip
+        # the start of a marker may end the text, and whitespace precede it
+        keep = partial_marker(buf, self.parser.markers)
         head = buf[: len(buf) - keep]
         keep += len(head) - len(head.rstrip())
         cut = len(buf) - keep
