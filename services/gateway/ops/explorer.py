@@ -181,16 +181,14 @@ async def workers(request: Request) -> dict[str, Any]:
     names = [n for n, w in found.items() if w.up and w.role != "kvstore"]
     replies = await asyncio.gather(*(gw.client.cache_tree(n, 0, 0) for n in names))
     live = dict(zip(names, replies))
-    listed = []
-    for name, view in sorted(found.items(), key=lambda kv: (kv[1].role, kv[0])):
-        listed.append({
-            "name": name, "role": view.role, "state": _state(view), "address": view.address,
-            "tp_size": 1 if view.tp_size is None else view.tp_size,
-            "tiers": _tiers(view.stats), "load": _load(view),
-            "hit_rate": rates.get(name), "live": _live(live.get(name)),
-            "audit": _audit(view.stats), "speculation": _speculation(view.stats),
-            **_loras(view.stats),
-        })  # fmt: skip
+    listed = [{
+        "name": name, "role": view.role, "state": _state(view), "address": view.address,
+        "tp_size": 1 if view.tp_size is None else view.tp_size,
+        "tiers": _tiers(view.stats), "load": _load(view),
+        "hit_rate": rates.get(name), "live": _live(live.get(name)),
+        "audit": _audit(view.stats), "speculation": _speculation(view.stats),
+        **_loras(view.stats),
+    } for name, view in sorted(found.items(), key=lambda kv: (kv[1].role, kv[0]))]  # fmt: skip
     return {"workers": listed, "hit_rate": rates.get(""), "gateway_in_flight": gw.in_flight,
             "prompt_text": _text_tokens(gw) > 0}  # fmt: skip
 
