@@ -35,9 +35,7 @@ def envelope(kind: Kind, rid: str, created: int, model: str, stream: bool) -> di
 
 
 def chunk(
-    meta: tuple[Kind, str, int, str],
-    choice: dict[str, Any],
-    with_usage_field: bool,
+    meta: tuple[Kind, str, int, str], choice: dict[str, Any], with_usage_field: bool
 ) -> dict[str, Any]:
     """One SSE chunk carrying one choice's delta."""
     body = envelope(*meta, stream=True)

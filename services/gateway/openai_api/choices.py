@@ -31,10 +31,7 @@ from radixserve.services.gateway.openai_api.logprobs import LogprobFormatter
 from radixserve.services.gateway.openai_api.plan import Plan
 from radixserve.services.gateway.server.deadline import Deadline
 from radixserve.services.gateway.server.errors import OpenAIError
-from radixserve.services.gateway.tools.reasoning import (
-    ReasoningStream,
-    split_reasoning,
-)
+from radixserve.services.gateway.tools.reasoning import ReasoningStream, split_reasoning
 from radixserve.services.gateway.tools.tool_stream import ToolCallStream, split_message
 
 _DISCONNECT_POLL_S = 0.25  # how often a request waiting for its first token checks the client

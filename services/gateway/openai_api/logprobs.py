@@ -21,10 +21,7 @@ class LogprobFormatter:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def completion(
-        self,
-        token_ids: Sequence[int],
-        entries: Sequence[TokenLogprob | None],
-        offset: int = 0,
+        self, token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int = 0
     ) -> tuple[dict[str, Any], int]:
         """The completions `logprobs` object for ``token_ids`` (an entry None: the first
         prompt token, which has no log-probability), offsets from ``offset``; and the
