@@ -92,11 +92,6 @@ class Gateway:
 
     # -- admission, auth, body -------------------------------------------------------
 
-    @property
-    def in_flight(self) -> int:
-        """Sequences (prompts x choices) in flight, as `admission` counts them."""
-        return self.admission.requests
-
     def acquire(self, tenant: str, plan: Plan) -> Ticket:
         """Admit ``plan`` for ``tenant`` (`admission.Admission.admit`): its ticket, or a
         400/429 counted by reason."""

@@ -189,7 +189,8 @@ async def workers(request: Request) -> dict[str, Any]:
         "audit": _audit(view.stats), "speculation": _speculation(view.stats),
         **_loras(view.stats),
     } for name, view in sorted(found.items(), key=lambda kv: (kv[1].role, kv[0]))]  # fmt: skip
-    return {"workers": listed, "hit_rate": rates.get(""), "gateway_in_flight": gw.in_flight,
+    return {"workers": listed, "hit_rate": rates.get(""),
+            "gateway_in_flight": gw.admission.requests,  # sequences (prompts x choices)
             "prompt_text": _text_tokens(gw) > 0}  # fmt: skip
 
 

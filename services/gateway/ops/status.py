@@ -35,7 +35,7 @@ async def debug_cache(request: Request) -> dict[str, Any]:
     gw = gateway_of(request, "admin")
     body: dict[str, Any] = {
         **gw.client.stats(),
-        "gateway_in_flight": gw.in_flight,
+        "gateway_in_flight": gw.admission.requests,  # sequences (prompts x choices)
         "gateway_admission": gw.admission.snapshot(),  # names tenants: admins only
         "cache_namespace": gw.client.model_name,  # the checkpoint's own name
         "model_identity": identity_card(gw.client.identity),
