@@ -143,8 +143,7 @@ class MessageBuilder:
             events += self._start(block)
         if kind == "thinking" and self.omit_thinking:
             return events
-        name = "text_delta" if kind == "text" else "thinking_delta"
-        return events + self._delta(name, kind if kind == "text" else "thinking", text)
+        return events + self._delta(f"{kind}_delta", kind, text)
 
     def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self._open, self._parts = block, []

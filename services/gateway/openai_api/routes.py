@@ -151,15 +151,11 @@ def _stream_choices(plan: Plan, book: ChoiceBook, job: int, out: Any) -> list[di
     if plan.kind == "chat":
         choices.extend(_chat_deltas(index, c, text, reason, book.chat_logprobs(lps)))
     elif text or reason or (plan.top_logprobs is not None and ids):
+        logprobs = book.completion_logprobs(job, key, ids, lps, False)
         choices.append(
-            {
-                "index": index,
-                "text": text,
-                "finish_reason": reason,
-                "logprobs": book.completion_logprobs(job, key, ids, lps, False),
-            }
+            {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
         )
-    return choices  # fmt: skip
+    return choices
 
 
 def _chat_deltas(

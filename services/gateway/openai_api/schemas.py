@@ -357,9 +357,7 @@ class ChatCompletionRequest(GenerationRequest, TemplateKwargs):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def num_top_logprobs(self) -> int | None:
         """How many alternatives per token (None: no logprobs)."""
