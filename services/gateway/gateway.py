@@ -90,8 +90,6 @@ class Gateway:
         on_demand = settings.lora_dir if settings.lora_load_on_demand else None
         self.lora_resolver = LoraResolver(client, on_demand) if on_demand is not None else None
 
-    # -- admission, auth, body -------------------------------------------------------
-
     def acquire(self, tenant: str, plan: Plan) -> Ticket:
         """Admit ``plan`` for ``tenant`` (`admission.Admission.admit`): its ticket, or a
         400/429 counted by reason."""

@@ -13,7 +13,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from radixserve.engine.sampling_params import MAX_GUIDE_CHARS
-from radixserve.protocol.security import dial_host, is_loopback, require_secret
+from radixserve.protocol.security import InsecureBindError, dial_host, is_loopback, require_secret
 from radixserve.runtime.settings import PeerSettings
 from radixserve.services.gateway.openai_api.limits import PrepareLimits
 from radixserve.services.gateway.tenancy.admission import Admission
@@ -417,8 +417,6 @@ class GatewaySettings(PeerSettings):
         API keys (or ``allow_unauthenticated``), and non-loopback cluster links the cluster
         secret (`radixserve.protocol.security.InsecureBindError`)."""
         if not is_loopback(self.host) and not self.allow_unauthenticated and not self.keyring():
-            from radixserve.protocol.security import InsecureBindError
-
             raise InsecureBindError(
                 f"the gateway would serve {self.host}:{self.port} with no API keys: set "
                 "RADIXSERVE_GATEWAY_API_KEYS (or --api-key-file / "
