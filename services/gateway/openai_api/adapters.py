@@ -19,28 +19,27 @@ import logging
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from radixserve.errors import ModelLoadError
 from radixserve.services.gateway.gateway import Gateway, gateway_of
+from radixserve.services.gateway.openai_api.fields import Body
 from radixserve.services.gateway.openai_api.lora_resolver import confined
 from radixserve.services.gateway.server.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
 
-class LoadLoraAdapterRequest(BaseModel):
+class LoadLoraAdapterRequest(Body):
     """`POST /v1/load_lora_adapter` (vLLM's shape)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256, pattern=r"^[^=\s]+$")
     lora_path: str = Field(min_length=1, max_length=4096)
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(Body):
     """`POST /v1/unload_lora_adapter` (vLLM's shape; ``lora_int_id`` is not taken)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str = Field(min_length=1, max_length=256)
 
 
