@@ -33,17 +33,12 @@ from typing import Any, TypeVar
 
 from radixserve.engine.outputs import RequestOutput
 from radixserve.services.gateway.openai_api.choices import Choice
+from radixserve.services.gateway.server.streaming import typed_sse
 
 T = TypeVar("T")
 
 
-def sse(event: dict[str, Any]) -> str:
-    """An event as Anthropic sends it: named by its type."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n"
-
-
-PING = sse({"type": "ping"})
+PING = typed_sse({"type": "ping"})
 
 
 def message_usage(last: RequestOutput, page_size: int) -> dict[str, int]:

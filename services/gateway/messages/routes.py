@@ -34,7 +34,6 @@ from radixserve.services.gateway.messages.output import (
     PING,
     MessageBuilder,
     message_usage,
-    sse,
     stop_of,
     with_pings,
 )
@@ -49,6 +48,7 @@ from radixserve.services.gateway.server.streaming import (
     CLIENT_CLOSED,
     ClosingStreamingResponse,
     collect,
+    typed_sse,
 )
 from radixserve.services.gateway.tenancy.admission import Refused
 
@@ -193,22 +193,22 @@ async def _events(reply: _Reply, ping_interval_s: float) -> AsyncIterator[str]:
             c = reply.book.add(job, out)
             if not builder.started:
                 for event in builder.opening(reply.usage()):
-                    yield sse(event)
+                    yield typed_sse(event)
             for event in builder.feed(reply_deltas(c, out.new_text, out.finish_reason is not None)):
-                yield sse(event)
+                yield typed_sse(event)
         rejected = reply.rejected()
         if rejected is not None:  # a tool_use block went out that the parser then rejected:
             # no stop reason presents it as a finished call
-            yield sse(error_object(500, rejected))
+            yield typed_sse(error_object(500, rejected))
             return
         for event in reply.finish():
-            yield sse(event)
+            yield typed_sse(event)
     except Exception as exc:  # an engine failure mid-stream, or the gateway's end of it
         # (its deadline, a slow client): tell the client, then end
         status, message, _ = _failure(exc)
         if status == 500:
             message = f"generation failed: {exc}"
-        yield sse(error_object(status, message))
+        yield typed_sse(error_object(status, message))
     finally:
         await outputs.aclose()
 

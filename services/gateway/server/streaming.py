@@ -26,7 +26,8 @@ def sse(obj: Any) -> str:
 
 
 def typed_sse(event: dict[str, Any]) -> str:
-    """A Responses API event, named by its type as OpenAI sends it."""
+    """An event named by its type, as the Responses API and Anthropic's Messages API
+    send them."""
     return f"event: {event['type']}\n{sse(event)}"
 
 
