@@ -212,7 +212,7 @@ class Keyring:
     def __init__(self, entries: list[ApiKey]) -> None:
         weights = _weights(entries)
         self._keys = [
-            (e.key.get_secret_value().encode(), replace(p, weight=weights[p.tenant]))
+            (e.key.get_secret_value().encode(), replace(p, weight=weights.get(p.tenant, 1.0)))
             for e in entries
             for p in [e.principal()]
         ]
@@ -255,7 +255,7 @@ def _merged(tenant: str, known: TenantLimits | None, entry: TenantLimits) -> Ten
 
 
 def _weights(entries: list[ApiKey]) -> dict[str, float]:
-    """Each tenant's weight: the one its entries set (ValueError if they differ), else 1."""
+    """The weight each tenant's entries set, if they set one (ValueError if they differ)."""
     weights: dict[str, float] = {}
     for entry in entries:
         tenant = entry.principal().tenant
@@ -266,5 +266,4 @@ def _weights(entries: list[ApiKey]) -> dict[str, float]:
                              "once")  # fmt: skip
         if entry.weight is not None:
             weights[tenant] = entry.weight
-    return {entry.principal().tenant: weights.get(entry.principal().tenant, 1.0)
-            for entry in entries}  # fmt: skip
+    return weights
