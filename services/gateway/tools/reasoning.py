@@ -118,12 +118,10 @@ class ThinkStream(ReasoningStream):
             self._buf = ""
             return False
         if self._state == "after":
-            rest = buf.lstrip("\n")
-            if rest:
-                self._state, self._buf = "content", rest
-            else:
-                self._buf = ""
-            return bool(rest)
+            self._buf = buf.lstrip("\n")
+            if self._buf:
+                self._state = "content"
+            return bool(self._buf)
         if not self._started:  # reasoning: its leading newlines (and a repeated <think>) go
             rest = buf.lstrip("\n")
             if rest.startswith(THINK_START):
