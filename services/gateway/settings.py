@@ -6,6 +6,7 @@ radixserve.services.gateway``) and passed to `create_app`; never mutated.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
@@ -401,16 +402,9 @@ class GatewaySettings(PeerSettings):
                          self.tenant_work_share, keys.limits)  # fmt: skip
 
     def prepare_limits(self) -> PrepareLimits:
-        """The size caps checked before a request is prepared (`limits`)."""
-        return PrepareLimits(
-            max_schema_bytes=self.max_schema_bytes,
-            max_tools=self.max_tools,
-            max_tool_parameters_bytes=self.max_tool_parameters_bytes,
-            max_guided_choices=self.max_guided_choices,
-            max_guided_choice_chars=self.max_guided_choice_chars,
-            max_guided_regex_chars=self.max_guided_regex_chars,
-            max_guided_grammar_chars=self.max_guided_grammar_chars,
-        )
+        """The size caps checked before a request is prepared (`limits`): the settings of
+        the same names."""
+        return PrepareLimits(**{f.name: getattr(self, f.name) for f in fields(PrepareLimits)})
 
     def require_secure(self) -> None:
         """Refuse to serve beyond this machine unauthenticated: a non-loopback host needs
