@@ -50,9 +50,8 @@ class PrepareLimits:
         elif kind == "choice":
             self._check_choices(param, json.loads(guide))
         elif kind in ("regex", "lark"):
-            limit, setting = ((self.max_guided_regex_chars, "max_guided_regex_chars")
-                              if kind == "regex" else
-                              (self.max_guided_grammar_chars, "max_guided_grammar_chars"))  # fmt: skip
+            setting = "max_guided_regex_chars" if kind == "regex" else "max_guided_grammar_chars"
+            limit = getattr(self, setting)
             if len(guide) > limit:
                 raise _too_big(param, "its length in characters", len(guide), limit, setting)
         if len(guide) > MAX_GUIDE_CHARS:  # the engine's own bound on any guide
