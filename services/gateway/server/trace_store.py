@@ -36,9 +36,6 @@ class TraceStore:
         self.size = size
         self._traces: collections.OrderedDict[str, list[Span]] = collections.OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._traces)
-
     def put(self, root: Span) -> None:
         """Keep the trace of the ended request span ``root`` (newest)."""
         if not self.size or not root.recording:
