@@ -19,16 +19,13 @@ are retried by Anthropic's clients with backoff.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from radixserve.errors import RequestError, UnavailableError
 from radixserve.services.gateway.gateway import Gateway, gateway_of
 from radixserve.services.gateway.messages.output import (
     PING,
@@ -41,8 +38,7 @@ from radixserve.services.gateway.messages.plan import count_prompt, messages_pla
 from radixserve.services.gateway.messages.request import CountTokensRequest, MessagesRequest
 from radixserve.services.gateway.openai_api.choices import ChoiceBook, Generation, reply_deltas
 from radixserve.services.gateway.responses_api.output import new_id
-from radixserve.services.gateway.server.errors import OpenAIError, request_status, retry_after
-from radixserve.services.gateway.server.field_errors import describe
+from radixserve.services.gateway.server.errors import failure, retry_after
 from radixserve.services.gateway.server.openapi import DocModel
 from radixserve.services.gateway.server.streaming import (
     CLIENT_CLOSED,
@@ -51,8 +47,6 @@ from radixserve.services.gateway.server.streaming import (
     typed_sse,
 )
 from radixserve.services.gateway.tenancy.admission import Refused
-
-logger = logging.getLogger(__name__)
 
 OVERLOADED = 529  # Anthropic's status for an overloaded API: its clients back off and retry
 ERROR_TYPES = {
@@ -75,23 +69,12 @@ def error_object(status: int, message: str) -> dict[str, Any]:
 
 
 def _failure(exc: Exception) -> tuple[int, str, dict[str, str] | None]:
-    """(status, message naming the field at fault, headers) of a failed request."""
-    if isinstance(exc, OpenAIError):
-        status, message, param, headers = exc.status, exc.message, exc.param, exc.headers
-        if status == 503 or (isinstance(exc, Refused) and status == 429
-                             and exc.reason not in _RATE_REASONS):  # fmt: skip
-            status, headers = OVERLOADED, headers or retry_after()
-    elif isinstance(exc, RequestError):
-        status, message, headers = request_status(exc), str(exc), None
-        param = getattr(exc, "param", None)
-    elif isinstance(exc, UnavailableError):
-        status, message, param, headers = OVERLOADED, str(exc), None, retry_after()
-    elif isinstance(exc, ValidationError):
-        status, headers = 400, None
-        message, param = describe(exc.errors())
-    else:
-        logger.exception("unhandled error on /v1/messages", exc_info=exc)
-        return 500, "internal server error", None
+    """(status, message naming the field at fault, headers) of a failed request: the
+    gateway's (`errors.failure`), with Anthropic's status for an overloaded API."""
+    status, message, param, headers = failure(exc, "on /v1/messages")
+    if status == 503 or (isinstance(exc, Refused) and status == 429
+                         and exc.reason not in _RATE_REASONS):  # fmt: skip
+        status, headers = OVERLOADED, headers or retry_after()
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return status, message, headers

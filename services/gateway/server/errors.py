@@ -83,29 +83,28 @@ def validated(model: type[_M], raw: Any, where: str = "") -> _M:
         raise OpenAIError(400, message, param) from None
 
 
-async def _openai_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, OpenAIError)
-    return error_response(exc.status, exc.message, exc.param, exc.headers)
+def failure(
+    exc: Exception, where: str = "in the gateway"
+) -> tuple[int, str, str | None, dict[str, str] | None]:
+    """(status, message, param, headers) of a failed request: a request's own fault is a
+    400 (404 for a LoRA adapter no engine serves), no worker to serve it a 503; an
+    unexpected exception is logged (``where``: where it escaped) and is a 500."""
+    if isinstance(exc, OpenAIError):
+        return exc.status, exc.message, exc.param, exc.headers
+    if isinstance(exc, RequestError):
+        status = 404 if isinstance(exc, UnknownAdapterError) else 400
+        return status, str(exc), getattr(exc, "param", None), None
+    if isinstance(exc, UnavailableError):
+        return 503, str(exc), None, retry_after()
+    if isinstance(exc, ValidationError | RequestValidationError):
+        message, param = describe(exc.errors())
+        return 400, message, param, None
+    logger.exception("unhandled error %s", where, exc_info=exc)
+    return 500, "internal server error", None, None
 
 
-def request_status(exc: RequestError) -> int:
-    """A request's own fault: 404 for a LoRA adapter no engine serves, else 400."""
-    return 404 if isinstance(exc, UnknownAdapterError) else 400
-
-
-async def _request_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestError)
-    return error_response(request_status(exc), str(exc), getattr(exc, "param", None))
-
-
-async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc), headers=retry_after())
-
-
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ValidationError | RequestValidationError)
-    message, param = describe(exc.errors())
-    return error_response(400, message, param)
+async def _failed(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(*failure(exc))
 
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -114,20 +113,12 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, message)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in the gateway", exc_info=exc)
-    return error_response(500, "internal server error")
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the gateway can meet to an OpenAI error object."""
-    app.add_exception_handler(OpenAIError, _openai_error)
-    app.add_exception_handler(RequestError, _request_error)
-    app.add_exception_handler(UnavailableError, _unavailable)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ValidationError, _validation_error)
+    for kind in (OpenAIError, RequestError, UnavailableError, RequestValidationError,
+                 ValidationError, Exception):  # fmt: skip
+        app.add_exception_handler(kind, _failed)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
 
 
 # -- the documented error responses (/openapi.json) ------------------------------
