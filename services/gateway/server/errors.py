@@ -115,8 +115,14 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception type the gateway can meet to an OpenAI error object."""
-    for kind in (OpenAIError, RequestError, UnavailableError, RequestValidationError,
-                 ValidationError, Exception):  # fmt: skip
+    for kind in (
+        OpenAIError,
+        RequestError,
+        UnavailableError,
+        RequestValidationError,
+        ValidationError,
+        Exception,
+    ):
         app.add_exception_handler(kind, _failed)
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
