@@ -32,11 +32,6 @@ MAX_THINKING_MARKER_IDS = 16
 GUIDE_KINDS = ("", "json_object", "json_schema", "regex", "choice", "lark")
 
 
-def _is_real(value: object) -> bool:
-    """True for real numbers that are not bools."""
-    return isinstance(value, Real) and not isinstance(value, bool)
-
-
 _FLOAT_FIELDS = (
     "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_p",
@@ -51,11 +46,16 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
 
 
 def _check_real(name: str, value: object, lo: float, hi: float) -> None:
-    ok = _is_real(value) and math.isfinite(value) and lo <= value <= hi  # type: ignore[arg-type,operator]
-    if not ok:
+    real = isinstance(value, Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and lo <= value <= hi):  # type: ignore[arg-type,operator]
         raise InvalidRequestError(
             f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}", param=name
         )
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a boolean, got {value!r}", param=name)
 
 
 def _check_ids(name: str, ids: object, limit: int) -> None:
@@ -168,10 +168,7 @@ class SamplingParams:
     def _validate_lengths(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, MAX_TOKEN_ID)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)  # within max_tokens
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(
-                f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos"
-            )
+        _check_bool("ignore_eos", self.ignore_eos)
 
     def _validate_sampling(self) -> None:
         _check_real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -247,9 +244,7 @@ class SamplingParams:
         """The thinking-token budget and the markers it needs."""
         _check_ids("thinking_start_ids", self.thinking_start_ids, MAX_THINKING_MARKER_IDS)
         _check_ids("thinking_end_ids", self.thinking_end_ids, MAX_THINKING_MARKER_IDS)
-        if not isinstance(self.thinking_open, bool):
-            raise InvalidRequestError(f"thinking_open must be a boolean, got "
-                                      f"{self.thinking_open!r}", param="thinking_open")  # fmt: skip
+        _check_bool("thinking_open", self.thinking_open)
         budget = self.thinking_token_budget
         if budget is None:
             return
