@@ -146,10 +146,7 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             attn_out = ops.rmsnorm(attn_out, self.attn_out_norm, self.eps)[0]
         h, residual = ops.rmsnorm(attn_out, self.post_norm, self.eps, residual)
-        if self.moe is not None:
-            out = self.moe(h, ops)
-        else:
-            out = self._mlp(h, ops, lora)
+        out = self.moe(h, ops) if self.moe is not None else self._mlp(h, ops, lora)
         if self.comm is not None:
             self.comm.all_reduce(out)
         if self.mlp_out_norm is not None:

@@ -77,9 +77,6 @@ class Linear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.parameters(), *self.buffers()))
 
-    def _float(self, weight: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        return dequantize(weight) if isinstance(weight, QuantizedRows) else weight
-
     def _rows_of(self, weight: QuantizedRows | torch.Tensor) -> QuantizedRows:
         if not isinstance(weight, QuantizedRows) or weight.scheme != self.scheme:
             raise TypeError(f"a {self.scheme} layer loads {self.scheme} rows, not {weight!r}")
@@ -98,7 +95,7 @@ class DenseLinear(Linear):
         self._native: tuple[QGemm, torch.Tensor] | None = None  # (kernel, packed W): pack_native
 
     def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:
-        w = self._float(weight)
+        w = dequantize(weight) if isinstance(weight, QuantizedRows) else weight
         self.weight[start : start + w.shape[0]].copy_(w)
         self._native = None  # a copy of the old rows
 
@@ -236,11 +233,8 @@ class Int4Linear(_KernelLinear):
         super().__init__(out_features, in_features, dtype)
         n, k = out_features, in_features
         self.group = group
-        if self._qgemm is not None:
-            packed = torch.empty(n // BLOCK, k // 8, 64, dtype=torch.uint8)
-        else:
-            packed = torch.empty(n, k // 2, dtype=torch.uint8)
-        self.register_buffer("packed", packed)
+        shape = (n // BLOCK, k // 8, 64) if self._qgemm is not None else (n, k // 2)
+        self.register_buffer("packed", torch.empty(shape, dtype=torch.uint8))
         self.register_buffer("scales_zeros", torch.empty(k // group, n, 2, dtype=_KERNEL_DTYPE))
 
     def load(self, start: int, weight: torch.Tensor | QuantizedRows) -> None:

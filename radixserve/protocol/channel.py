@@ -150,13 +150,8 @@ class _ChannelBase:
                 raise ProtocolError(f"expected 1 message frame, got {len(frames)}")
             return identity, decode(frames[0], max_frame_bytes=self._max_frame_bytes)
         except ProtocolError as exc:
-            logger.warning(
-                "bad frame on %s %s from %r: %s",
-                self._name,
-                self._endpoint_or_none(),
-                identity,
-                exc,
-            )
+            where = self._endpoint_or_none()
+            logger.warning("bad frame on %s %s from %r: %s", self._name, where, identity, exc)
             raise ProtocolError(str(exc), identity=identity) from exc
 
     @property
