@@ -213,7 +213,8 @@ class PageAllocator:
         self._num_open -= length
         if length > n:
             assert owner is not None
-            self._reserve(owner, start + n, start + length)
+            self._reservations[owner] = [start + n, start + length]  # the spare: reserved
+            self._num_reserved += length - n
         elif owner is not None:
             self._reservations[owner] = [start + n, start + n]
         return list(range(start, start + n))
@@ -269,11 +270,6 @@ class PageAllocator:
         self._num_reserved -= len(pages)
         logger.debug("took %d reserved pages: the pool has no other free ones", len(pages))
         return pages
-
-    def _reserve(self, owner: Hashable, start: int, end: int) -> None:
-        """Reserve the (taken-from-open) pages [start, end) for ``owner``."""
-        self._reservations[owner] = [start, end]
-        self._num_reserved += end - start
 
     def _undo_decref(self, pages: Sequence[int]) -> None:
         """Revert a partial ``decref`` of ``pages``."""

@@ -105,8 +105,7 @@ class ShadowPrefill:
 
     def chunk(self, budget: int) -> ScheduledBatch:
         """The next ``budget`` tokens at most, as a one-request batch."""
-        n = min(budget, self.req.num_pending)
-        return ScheduledBatch([self.req], [n])
+        return ScheduledBatch([self.req], [min(budget, self.req.num_pending)])
 
     def advance(self, n: int) -> None:
         self.req.num_computed += n
@@ -148,11 +147,7 @@ class CacheAudit:
         return bool(self._pending) or self.shadow is not None
 
     def observe(
-        self,
-        sampling: Sequence[Request],
-        logits: torch.Tensor,
-        page_size: int,
-        namespace: bytes,
+        self, sampling: Sequence[Request], logits: torch.Tensor, page_size: int, namespace: bytes
     ) -> None:
         """A step's rows (``logits`` (N, vocab), row i for ``sampling[i]``): keep the rows
         of sampled cache hits at their first token, with the ids and hashes of the pages
@@ -173,8 +168,7 @@ class CacheAudit:
             pages = req.page_ids[:num_pages]
             hashes = page_hashes(tokens, page_size, req.namespace or namespace)
             row = logits[i].detach().float().cpu()  # (vocab,)
-            job = AuditJob(req.group_id, list(req.prompt_ids), row, pages, hashes)
-            self._pending.append(job)
+            self._pending.append(AuditJob(req.group_id, list(req.prompt_ids), row, pages, hashes))
 
     def next_shadow(self) -> ShadowPrefill | None:
         """The shadow in progress, else one for the oldest pending job (None: no work)."""

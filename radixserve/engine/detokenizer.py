@@ -119,15 +119,11 @@ def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     "First" is by end position (ties: the longer one), which is what a character-by-
     character stream would see, so the result does not depend on how text was tokenised.
     """
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
-    for stop in stops:
-        start = text.find(stop)
-        if start < 0:
-            continue
-        key = (start + len(stop), start, stop)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    return None if best is None else (best[1], best[2])
+    hits = [(start + len(stop), start, stop) for stop in stops if (start := text.find(stop)) >= 0]
+    if not hits:
+        return None
+    _, start, stop = min(hits, key=lambda hit: hit[:2])  # (end, start): the first of equals
+    return start, stop
 
 
 def _partial_stop_len(text: str, stops: Sequence[str]) -> int:

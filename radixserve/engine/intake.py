@@ -65,8 +65,7 @@ class RequestIntake:
         params = params or SamplingParams()
         namespace = self.namespace(cache_scope, adapter)  # an unknown adapter: refused first
         prompt_ids = self._validate(prompt, params, share)
-        guides = self._guides
-        guide = guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
+        guide = self._guides.matcher(params.guide_kind, params.guide) if params.guide_kind else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.groups or request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

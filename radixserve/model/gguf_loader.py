@@ -65,9 +65,7 @@ def hf_name(gguf_name: str, family: Family) -> str | None:
     if m := _BLOCK_RE.match(gguf_name):
         layer, part, kind = m.groups()
         names = {**_BLOCK_NAMES, **family.names.gguf_blocks}
-        if part in names:
-            return f"model.layers.{layer}.{names[part]}.{kind}"
-        return None
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     if (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
@@ -107,8 +105,7 @@ class GGUFWeights:
         self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name, family)) is not None}
         self._expert: dict[str, int] = {}  # an expert's name → its index in its stack
         for t in reader.tensors:
-            names = _moe_names(t.name, config)
-            for e, name in enumerate(names):
+            for e, name in enumerate(_moe_names(t.name, config)):
                 self._tensors[name] = t
                 if len(t.shape) == 3:
                     self._expert[name] = e
@@ -152,8 +149,7 @@ class GGUFWeights:
             return errors.requantize(kind, self.read(name), scheme)
         rows = read_direct(raw, kind, k, errors)
         if (heads := self._heads(name)) is not None:
-            n = rows.shape[0]
-            index = torch.from_numpy(_unpermute_rows(np.arange(n), heads).copy())
+            index = torch.from_numpy(_unpermute_rows(np.arange(rows.shape[0]), heads).copy())
             rows = rows.take_rows(index)
         return rows
 
