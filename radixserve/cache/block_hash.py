@@ -85,10 +85,7 @@ def scoped_namespace(root: bytes, scope: str) -> bytes:
 
 
 def page_hashes(
-    token_ids: Sequence[int],
-    page_size: int,
-    namespace: bytes,
-    parent: int | None = None,
+    token_ids: Sequence[int], page_size: int, namespace: bytes, parent: int | None = None
 ) -> list[int]:
     """Chained hashes of the full pages of ``token_ids``, one u128 per page.
 

@@ -121,8 +121,7 @@ class DraftIndex:
 
     def _drop_oldest(self) -> None:
         oldest = min(
-            (s for s in self._spaces.values() if s.sequences),
-            key=lambda s: next(iter(s.sequences)),
+            (s for s in self._spaces.values() if s.sequences), key=lambda s: next(iter(s.sequences))
         )
         _, seq = oldest.sequences.popitem(last=False)
         self._tokens -= len(seq)

@@ -193,9 +193,7 @@ def _force(x: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]) -> No
 
 
 def sample_rows(
-    x: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    x: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
     """Draw one token per row of float32 logits `x` (S, V); returns (S,) int64.
 

@@ -222,8 +222,7 @@ class SamplingParams:
         for pair in bias:
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise InvalidRequestError(
-                    f"logit_bias entries must be (token id, bias), got {pair!r}",
-                    param="logit_bias",
+                    f"logit_bias entries must be (token id, bias), got {pair!r}", param="logit_bias"
                 )
             token_id, value = pair
             _check_int("logit_bias", token_id, 0, MAX_TOKEN_ID)
@@ -235,8 +234,7 @@ class SamplingParams:
             )
         if not isinstance(self.guide, str) or len(self.guide) > MAX_GUIDE_CHARS:
             raise InvalidRequestError(
-                f"guide must be a string of at most {MAX_GUIDE_CHARS} characters",
-                param="guide",
+                f"guide must be a string of at most {MAX_GUIDE_CHARS} characters", param="guide"
             )
         _check_ids("kept_special_ids", self.kept_special_ids, MAX_KEPT_SPECIAL_IDS)
 

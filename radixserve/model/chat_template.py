@@ -145,11 +145,7 @@ class ChatTemplate:
         the template raises itself through `raise_exception`.
         """
         checked = validate_messages(messages)
-        variables = {
-            "bos_token": bos_token or "",
-            "eos_token": eos_token or "",
-            **kwargs,
-        }
+        variables = {"bos_token": bos_token or "", "eos_token": eos_token or "", **kwargs}
         try:
             return self._template.render(
                 messages=checked, add_generation_prompt=add_generation_prompt, **variables

@@ -43,14 +43,7 @@ from radixserve.kernels.cpu.qgemm import (
     unpack_int8,
     unpack_int8_rows,
 )
-from radixserve.model.quant import (
-    FP8_MAX,
-    GROUP,
-    ROW_BLOCK,
-    QuantizedRows,
-    Scheme,
-    dequantize,
-)
+from radixserve.model.quant import FP8_MAX, GROUP, ROW_BLOCK, QuantizedRows, Scheme, dequantize
 
 _KERNEL_DTYPE = torch.bfloat16
 
@@ -89,8 +82,7 @@ class DenseLinear(Linear):
     ) -> None:
         super().__init__(out_features, in_features, dtype)
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device),
-            requires_grad=False,
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
         )  # uninitialised: load_weights checks that every row is written
         self._native: tuple[QGemm, torch.Tensor] | None = None  # (kernel, packed W): pack_native
 

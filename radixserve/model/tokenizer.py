@@ -16,15 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import (
-    AddedToken,
-    Regex,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from radixserve.errors import InvalidRequestError, ModelLoadError
 from radixserve.model.chat_template import ChatTemplate

@@ -18,13 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from radixserve.protocol.fields import (
-    COUNT,
-    ERROR_TEXT,
-    MAX_ERROR_CHARS,
-    MAX_ID_CHARS,
-    NAMESPACE,
-)
+from radixserve.protocol.fields import COUNT, ERROR_TEXT, MAX_ERROR_CHARS, MAX_ID_CHARS, NAMESPACE
 from radixserve.protocol.wire import (
     ListSpec,
     Message,

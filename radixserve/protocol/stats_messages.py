@@ -21,13 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from radixserve.protocol.fields import COUNT
 from radixserve.protocol.lora_messages import LORA_INFOS, LoraAdapterInfo
-from radixserve.protocol.wire import (
-    FloatSpec,
-    ListSpec,
-    NestedSpec,
-    OptionalSpec,
-    WireStruct,
-)
+from radixserve.protocol.wire import FloatSpec, ListSpec, NestedSpec, OptionalSpec, WireStruct
 
 MetricKind = Literal["gauge", "counter", "histogram"]
 MAX_BUCKETS = 64

@@ -8,10 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from radixserve.protocol.cached_tokens import CACHED, CachedTokens
-from radixserve.protocol.fields import (
-    COUNT,
-    REQUEST_ID,
-)
+from radixserve.protocol.fields import COUNT, REQUEST_ID
 from radixserve.protocol.wire import (
     BoolSpec,
     FloatSpec,
