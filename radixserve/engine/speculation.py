@@ -186,14 +186,11 @@ class Speculator:
     #: weighs `EVIDENCE_DECAY` times the next (the record follows the workload)
     PRIOR_EVIDENCE, EVIDENCE_DECAY = (1.6, 2.0), 0.99
 
-    def __init__(
-        self, method: SpeculativeMethod, max_draft_tokens: int, max_batch: int,
-        index_tokens: int = 1 << 20,
-    ) -> None:  # fmt: skip
+    def __init__(self, method: SpeculativeMethod, max_draft_tokens: int, max_batch: int) -> None:
         self.method = method
         self.max_draft_tokens = max_draft_tokens
         self.max_batch = max_batch
-        self.index = DraftIndex(index_tokens)
+        self.index = DraftIndex()
         self.cost = StepCost()
         self.stats = {m: MethodStats() for m in ("prompt", "radix")}
         self._kept: dict[str, tuple[float, float]] = {}  # request id -> (kept, tried)
