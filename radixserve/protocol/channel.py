@@ -77,7 +77,20 @@ class _ChannelBase:
                 keys.secure(socket, bind)
             if use_fd is not None:
                 socket.setsockopt(zmq.USE_FD, use_fd)
-            _configure(socket, address, bind, identity, max_frame_bytes, connect)
+            kind = int(socket.type)
+            if kind not in SUPPORTED_SOCKET_TYPES:
+                raise ValueError(f"unsupported socket type {kind}")
+            if not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"address must be tcp://, ipc:// or inproc://, got {address!r}")
+            socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # (linger 0: set by `__init__`)
+            if identity is not None:
+                socket.setsockopt(zmq.IDENTITY, identity)
+            if kind == zmq.ROUTER:
+                socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if bind:
+                socket.bind(address)
+            elif connect:
+                socket.connect(address)
             return cls(socket, max_frame_bytes=max_frame_bytes)
         except BaseException:
             socket.close(linger=0)
@@ -276,29 +289,3 @@ class AsyncChannel(_ChannelBase):
         if timeout_ms is not None and not await self._poll(timeout_ms, zmq.POLLIN):
             return None
         return list(await self._asocket.recv_multipart())
-
-
-def _configure(
-    socket: zmq.Socket[Any],
-    address: str,
-    bind: bool,
-    identity: bytes | None,
-    max_frame_bytes: int,
-    connect: bool = True,
-) -> None:
-    """Apply the channel's socket options, then bind or connect to ``address``."""
-    kind = int(socket.type)
-    if kind not in SUPPORTED_SOCKET_TYPES:
-        raise ValueError(f"unsupported socket type {kind}")
-    if not address.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"address must be tcp://, ipc:// or inproc://, got {address!r}")
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-    if identity is not None:
-        socket.setsockopt(zmq.IDENTITY, identity)
-    if kind == zmq.ROUTER:
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    if bind:
-        socket.bind(address)
-    elif connect:
-        socket.connect(address)
