@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from radixserve.cache.global_index import GlobalIndex
@@ -55,7 +54,7 @@ from radixserve.protocol.stats_messages import (
 )
 from radixserve.protocol.wire import WireStruct
 from radixserve.runtime.kv_events import KVEventPublisher
-from radixserve.runtime.service import Peer, Service
+from radixserve.runtime.service import Handlers, Peer, Service
 from radixserve.services.kvstore.host_pool import HostPool
 from radixserve.services.kvstore.promotion import Promotion
 from radixserve.services.kvstore.registry import MemberRegistry
@@ -82,11 +81,6 @@ class KVStoreService(Service):
         self.host: HostPool | None = None  # tiers[0]: the one workers speak to
         self.promotion: Promotion | None = None  # from the tiers below into the host tier
         self.kv_events: KVEventPublisher | None = None  # vLLM's format, when configured
-        # what each message type is handled by (an async one runs as a task of its own)
-        self._handlers: dict[type[Message], Callable[[Peer, Any], Coroutine | None]] = {
-            KVEvent: self._apply_event, IndexQuery: self._answer_query,
-            Register: self._register, Deregister: self._deregister, WatchMembers: self._watch,
-        }  # fmt: skip
 
     async def start(self) -> None:
         s, events = self.settings, None
@@ -98,8 +92,6 @@ class KVStoreService(Service):
         below = build_tiers(self.name, s, s.tiers, events)  # each adopts its pages from now
         self.host = HostPool(self.name, s, below, events)
         self.tiers, self.promotion = [self.host, *below], Promotion(self.host, below)
-        self._handlers.update({HostAttach: self._attach, SpillOffer: self._spill,
-                               HostLookup: self._lease, HostRelease: self._release})  # fmt: skip
         self.run_in_background(self._refresh_members())
 
     async def stop(self) -> None:
@@ -132,12 +124,11 @@ class KVStoreService(Service):
                         for t in self.tiers[1:])  # fmt: skip
         return f", host tier {s.host_capacity_gib:g} GiB over {s.transfer_backend}{below}"
 
-    def handle(self, peer: Peer, msg: Message) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            super().handle(peer, msg)
-        elif (task := handler(peer, msg)) is not None:
-            self.spawn_notice(task)
+    def handlers(self) -> Handlers:
+        return {KVEvent: self._apply_event, IndexQuery: self._answer_query,
+                Register: self._register, Deregister: self._deregister, WatchMembers: self._watch,
+                HostAttach: self._attach, SpillOffer: self._spill, HostLookup: self._lease,
+                HostRelease: self._release}  # fmt: skip
 
     # -- the index and the membership -------------------------------------------------
 
