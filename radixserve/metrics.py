@@ -43,6 +43,7 @@ latency histograms here, the per-engine gauges and counters from each worker's o
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -107,11 +108,8 @@ class StatsHistogram:
         self.sum += value
 
     def stats(self) -> HistogramStats:
-        cumulative, below = [], 0
-        for count in self.counts:
-            below += count
-            cumulative.append(below)
-        return HistogramStats(self.bounds, tuple(cumulative), round(self.sum, 6))
+        cumulative = tuple(itertools.accumulate(self.counts))
+        return HistogramStats(self.bounds, cumulative, round(self.sum, 6))
 
 
 class ServingMetrics:
@@ -281,22 +279,14 @@ def _front_families(snapshot: dict[str, int]) -> Iterator[Any]:
         yield CounterMetricFamily(name, doc, value=value)
 
 
-def _audit_results(stats: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """(result, count) of the cache audit in the in-process engine's ``stats``; none if
-    it is off."""
-    if "audit_checked" not in stats:
-        return []
-    return audit_results(float(stats["audit_checked"]), float(stats.get("audit_mismatches", 0)),
-                         float(stats.get("audit_skipped", 0)))  # fmt: skip
-
-
 def _audit_families(stats: dict[str, Any]) -> Iterator[Any]:
     """The in-process engine's cache audit (nothing while it is off)."""
-    results = _audit_results(stats)
-    if not results:
+    if "audit_checked" not in stats:
         return
     family = CounterMetricFamily("radixserve_cache_audit", AUDIT_DOC, labels=["result"])
-    for result, count in results:
+    for result, count in audit_results(float(stats["audit_checked"]),
+                                       float(stats.get("audit_mismatches", 0)),
+                                       float(stats.get("audit_skipped", 0))):  # fmt: skip
         family.add_metric([result], count)
     yield family
     yield GaugeMetricFamily(

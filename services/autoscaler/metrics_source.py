@@ -301,10 +301,7 @@ class PrometheusMetrics:
             raise MetricsError(f"Prometheus query {promql!r} failed: {exc}") from exc
         if body.get("status") != "success" or body["data"]["resultType"] != "vector":
             raise MetricsError(f"Prometheus query {promql!r}: {body.get('error', body)}")
-        out = []
-        for series in body["data"]["result"]:
-            out.append((series["metric"], float(series["value"][1])))
-        return out
+        return [(s["metric"], float(s["value"][1])) for s in body["data"]["result"]]
 
     def _scalar(self, promql: str) -> float | None:
         rows = self.query(promql)

@@ -9,6 +9,7 @@ for after every change. The registry is plain data; the kvstore service sends.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from radixserve.protocol import MemberInfo, MemberList
@@ -76,8 +77,5 @@ class MemberRegistry:
         return MemberList(self.epoch, self.version, members)
 
     def stats(self) -> dict[str, int]:
-        roles: dict[str, int] = {}
-        for entry in self._members.values():
-            key = f"members_{entry.member.role}"
-            roles[key] = roles.get(key, 0) + 1
+        roles = Counter(f"members_{e.member.role}" for e in self._members.values())
         return {"members": len(self._members), "member_watchers": len(self._watchers), **roles}
