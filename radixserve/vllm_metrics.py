@@ -50,6 +50,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.worker_metrics import Snapshot
+
 if TYPE_CHECKING:
     from radixserve.protocol.link_messages import WorkerLoad
     from radixserve.protocol.stats_messages import EngineSection
@@ -111,21 +113,8 @@ def engine_families(
 def engine_metrics(model_name: str, engine: str, load: WorkerLoad, stats: EngineSection) -> bytes:
     """`engine_families` as the Prometheus text exposition (a worker's /metrics)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_EngineSnapshot(model_name, engine, load, stats))
+    registry.register(Snapshot(lambda _: engine_families(model_name, engine, load, stats)))
     return generate_latest(registry)
-
-
-class _EngineSnapshot(Collector):
-    def __init__(
-        self, model_name: str, engine: str, load: WorkerLoad, stats: EngineSection
-    ) -> None:
-        self._args = (model_name, engine, load, stats)
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        return engine_families(*self._args)
 
 
 class LoraRequests(Collector):
