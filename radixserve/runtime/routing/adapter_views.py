@@ -119,7 +119,9 @@ class AdapterViews:
         """`LoraLoad` to each of ``links``: what the first serves. A worker that fails is
         named, with why, in the error: `ModelLoadError` (a 400) when every one refused
         the adapter, else `UnavailableError` (a 503) saying where it was loaded."""
-        replies = await self.broadcast(links, functools.partial(_load, name=name, path=path), name)
+        replies = await self.broadcast(
+            links, functools.partial(LoraLoad, name=name, path=path), name
+        )
         loaded = [r.adapter for r in replies.values()
                   if r is not None and r.adapter is not None and not r.error_type]  # fmt: skip
         if loaded:  # served somewhere: loaded again on a worker that comes up
@@ -158,7 +160,7 @@ class AdapterViews:
         """Load on ``link``'s worker, just up, each adapter this gateway loaded at run
         time (one it already serves answers "already loaded": nothing is lost)."""
         for name, path in list(self.loaded.items()):
-            load = functools.partial(_load, name=name, path=path)
+            load = functools.partial(LoraLoad, name=name, path=path)
             answers = await self.broadcast([link], load, name)
             reply = answers[link.label]
             if reply is None or (reply.error_type and reply.adapter is None):
@@ -175,10 +177,6 @@ class AdapterViews:
     def forget(self, link: Link) -> None:
         """``link``'s worker is down: what it served is stated again when it is back."""
         self._patches.pop(link.name, None)
-
-
-def _load(query_id: str, *, name: str, path: str) -> LoraLoad:
-    return LoraLoad(query_id, name, path)
 
 
 def _failures(replies: Mapping[str, LoraReply | None]) -> str:
