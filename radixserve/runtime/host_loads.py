@@ -164,17 +164,14 @@ class HostLoads:
         start = time.perf_counter()
         deadline = time.monotonic() + self.settings.host_load_timeout_s
         src = lease.host_page_ids[: len(dst)]
-        done, ok = 0, True
-        while ok and done < len(dst):
+        done = 0
+        while done < len(dst):
             ready = await self._ready_pages(lease, done, deadline)
-            if ready <= done:  # failed, or not in time: nothing more comes
-                ok = False
-                break
-            ok = await self._read_pages(src[done:ready], dst[done:ready])
+            # ready <= done: failed, or not in time: nothing more comes
+            if ready <= done or not await self._read_pages(src[done:ready], dst[done:ready]):
+                self._count("host_load_failures_total")
+                return False
             done = ready
-        if not ok:
-            self._count("host_load_failures_total")
-            return False
         with self._lock:
             self.counters["host_loads_total"] += 1
             self.counters["host_load_pages_total"] += len(dst)

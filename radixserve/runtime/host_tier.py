@@ -96,10 +96,6 @@ def spill_offer(
     return SpillOffer(spill_id, tuple(hashes), tuple(slots), tuple(tokens), tuple(runs))
 
 
-#: what the kvstore sends a worker's host tier (`handlers`, in `Worker.kvstore_handlers`)
-HostTierFromKVStore = HostAttachAck | SpillDone | HostLease | HostPagesReady
-
-
 class HostTierClient(HostLoads):
     """Spill buffer, its agent and the load path of one worker."""
 
@@ -123,9 +119,8 @@ class HostTierClient(HostLoads):
         geometry = engine.info.geometry
         kv = engine.info.kv  # (L, 2, P, page_size, H, D): H of rank 0 only, with TP
         self.page_bytes = geometry.page_bytes
-        num_pages = max(1, settings.host_spill_buffer_mib * (1 << 20) // self.page_bytes)
-        if not spills:
-            num_pages = 1
+        buffer_mib = settings.host_spill_buffer_mib if spills else 0  # 0: one page
+        num_pages = max(1, buffer_mib * (1 << 20) // self.page_bytes)
         # whole pages, (L, 2, buffer pages, S, every KV head, D); with tensor parallelism
         # in a file every rank maps, each copying its heads of a spilled page
         shape = (kv.shape[0], 2, num_pages, kv.shape[3], geometry.num_kv_heads, kv.shape[5])

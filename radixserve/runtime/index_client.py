@@ -46,7 +46,7 @@ class IndexClient:
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shards: list[Link] = []  # the kvstores' links, in shard order
-        self._home = 0  # the shard of this node's kvstore (its host tier)
+        self.home = 0  # the shard of this node's kvstore (its host tier)
         self._seq: list[int] = []  # per shard, the last event number sent
         self._replies: list[Replies[IndexReply]] = []
         # hashes of the pages in the engine's radix cache, as of the last event published
@@ -56,7 +56,7 @@ class IndexClient:
         """This worker's member name (known once its port is bound), the kvstores' links
         in shard order, and which is this node's."""
         self.name = name
-        self._shards, self._home = list(shards), home
+        self._shards, self.home = list(shards), home
         self._seq = [0] * len(shards)
         self._replies = [Replies() for _ in shards]
 
@@ -127,7 +127,7 @@ class IndexClient:
         of the index that answers in time, and the leading pages this node's host tier
         holds (({}, 0) if no kvstore answers)."""
         held, hosts = await self.lookup_tiers(hashes)
-        return held, hosts.get(self._home, 0)
+        return held, hosts.get(self.home, 0)
 
     async def lookup_tiers(self, hashes: Sequence[int]) -> tuple[dict[str, int], dict[int, int]]:
         """`lookup`, with the leading pages of ``hashes`` each kvstore's host tier holds,
@@ -154,11 +154,6 @@ class IndexClient:
                 if name != self.name:
                     held[name] = max(held.get(name, 0), int(pages))
         return held, {i: answer.host_pages for i, answer in got.items()}
-
-    @property
-    def home(self) -> int:
-        """The shard of this node's kvstore."""
-        return self._home
 
     def answer(self, link: Link, msg: IndexReply) -> None:
         shard = self.shard_of(link)
