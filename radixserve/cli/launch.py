@@ -201,14 +201,12 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 def _service_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """A service command's flags as settings fields (over the environment's)."""
-    overrides: dict[str, Any] = {}
-    for flag, key in (("join", "kvstore"), ("name", "name"), ("port", "port"),
-                      ("host", "host"), ("advertise_host", "advertise_host"),
-                      ("transport", "transfer_backend"), ("tp", "tp"),
-                      ("disk_tier_dir", "disk_tier_dir"), ("disk_tier_gib", "disk_tier_gib")):  # fmt: skip
-        if getattr(args, flag, None) is not None:
-            overrides[key] = getattr(args, flag)
-    return overrides
+    fields = (("join", "kvstore"), ("name", "name"), ("port", "port"), ("host", "host"),
+              ("advertise_host", "advertise_host"), ("transport", "transfer_backend"), ("tp", "tp"),
+              ("disk_tier_dir", "disk_tier_dir"), ("disk_tier_gib", "disk_tier_gib"))  # fmt: skip
+    return {
+        key: getattr(args, flag) for flag, key in fields if getattr(args, flag, None) is not None
+    }
 
 
 def _check_config(args: argparse.Namespace) -> int:
