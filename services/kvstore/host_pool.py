@@ -279,7 +279,6 @@ class HostPool:
         )
         if lease_id:
             self._grant(lease_id, worker, pages)
-            self._leased.set()
         tokens = self.tokens_of(list(msg.page_hashes[: len(pages)]), lambda h: None)
         return HostLease(msg.query_id, lease_id, tuple(pages), token_ids=tokens)
 
@@ -303,7 +302,6 @@ class HostPool:
             worker, run, time.monotonic() + self.settings.host_lease_s
         )
         self._grant(lease_id, worker, pages)
-        self._leased.set()
         disk_pages = len(run) - sum(self.index.stored(h) for h in run)
         tokens = self.tokens_of(run, lower_proof)
         return HostLease(msg.query_id, lease_id, tuple(pages), disk_pages, True, ready, tokens)
@@ -333,9 +331,11 @@ class HostPool:
             yield page_hash, self.kv[:, :, page], self.index.proof(page_hash)
 
     def _grant(self, lease_id: int, worker: str, pages: list[int]) -> None:
+        """Let ``worker`` read the leased ``pages``, and drive the agent while it may."""
         assert self.agent is not None
         self.agent.grant(worker, pages)
         self._granted[lease_id] = (worker, pages)
+        self._leased.set()
 
     def _lease_ended(self, lease_id: int) -> None:
         """A lease was released or expired: its pages are no longer its worker's to read."""
