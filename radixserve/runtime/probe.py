@@ -137,5 +137,4 @@ def probe(url: str, timeout_s: float) -> tuple[bool, str]:
     except urllib.error.HTTPError as exc:
         return False, f"{url}: {exc.code} {exc.read(512).decode(errors='replace').strip()}"
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return False, f"{url}: {reason}"
+        return False, f"{url}: {getattr(exc, 'reason', exc)}"

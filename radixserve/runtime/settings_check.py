@@ -77,14 +77,6 @@ def variable_names(cls: type[BaseSettings]) -> set[str]:
     return set().union(*field_variables(cls).values())
 
 
-def _require_secure(settings: BaseSettings, service: str) -> None:
-    """What the service refuses at start: no authentication beyond loopback."""
-    if isinstance(settings, ServiceSettings):
-        settings.require_secure(service)
-    elif hasattr(settings, "require_secure"):  # the gateway's
-        settings.require_secure()
-
-
 def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """Every settings object of ``service`` as JSON-able dicts, keyed by class name.
 
@@ -112,7 +104,11 @@ def check_config(service: str, overrides: dict[str, Any]) -> dict[str, Any]:
         if values.get("tp") == "auto" and not issubclass(cls, WorkerSettings):
             values["tp"] = resolved_tp("auto")  # the engine's size: what the worker resolves
         settings = cls(**values)
-        _require_secure(settings, service)
+        # what the service refuses at start: no authentication beyond loopback
+        if isinstance(settings, ServiceSettings):
+            settings.require_secure(service)
+        elif hasattr(settings, "require_secure"):  # the gateway's
+            settings.require_secure()
         # secrets never print: the cluster secret is left out, API keys show masked
         out[cls.__name__] = settings.model_dump(mode="json", exclude={"cluster_secret"})
     return out
