@@ -93,10 +93,6 @@ class DecodeCapacity:
         intercept = max(mean_t - slope * mean_b, 0.0)
         return intercept, slope
 
-    def step_s(self, batch: float) -> float | None:
-        model = self.fit()
-        return None if model is None else model[0] + model[1] * batch
-
     def tokens_per_s(self, itl_target_s: float) -> float | None:
         """Tokens per second one replica generates with its step time at the target."""
         model = self.fit()

@@ -74,12 +74,10 @@ class Histogram:
         bucket once ``x`` is past its lower edge: nothing more is known of it)."""
         above = 0.0
         for lower, upper, count in self.buckets():
-            if x <= lower:
+            if x <= lower or math.isinf(upper):
                 above += count
-            elif x < upper and not math.isinf(upper):
+            elif x < upper:
                 above += count * (upper - x) / (upper - lower)
-            elif math.isinf(upper):
-                above += count
         return above
 
     def share_above(self, x: float) -> float:
