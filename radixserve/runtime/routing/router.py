@@ -126,11 +126,8 @@ class DecodeRouter:
             return min(workers, key=cost)
         kept = self._affinity.get(affinity)
         least = min(self.in_flight.get(name, 0) for name in workers)
-        if (
-            kept is not None
-            and kept in workers
-            and (self.in_flight.get(kept, 0) <= least + self.affinity_slack)
-        ):
+        slack = self.affinity_slack
+        if kept is not None and kept in workers and self.in_flight.get(kept, 0) <= least + slack:
             chosen = kept
         else:
             chosen = min(workers, key=cost)
