@@ -192,10 +192,7 @@ class OtlpExporter:
                 return
 
     def _batch(self) -> list[Span]:
-        batch: list[Span] = []
-        while self._queue and len(batch) < self.max_batch:
-            batch.append(self._queue.popleft())
-        return batch
+        return [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
 
     def _export(self, batch: list[Span]) -> None:
         from opentelemetry.sdk.trace.export import SpanExportResult
