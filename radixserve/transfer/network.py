@@ -91,10 +91,7 @@ def interface_of(host: str) -> str:
             raise ValueError(f"cannot resolve transfer host {host!r}: {exc}") from None
     addresses = interface_addresses()
     if address.is_loopback:
-        for name, held in addresses.items():
-            if held.is_loopback:
-                return name
-        return "lo"
+        return next((name for name, held in addresses.items() if held.is_loopback), "lo")
     for name, held in addresses.items():
         if held == address:
             return name
