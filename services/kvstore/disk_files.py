@@ -95,11 +95,10 @@ class RecordBuffer:
         self._map = mmap.mmap(-1, count * self.record_bytes)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self.records = raw.view(count, self.record_bytes)  # (records, record bytes)
-        dtype = getattr(torch, compat.dtype)
         # (L, 2, S, H, D): one page of the pool (L, 2, P, S, H, D) without its page axis
         self.page_shape = (compat.num_layers, 2, compat.page_size, compat.num_kv_heads,
                            compat.head_dim)  # fmt: skip
-        self._dtype = dtype
+        self._dtype = getattr(torch, compat.dtype)
 
     def page(self, i: int) -> torch.Tensor:
         """Record ``i``'s page bytes as a (L, 2, S, H, D) tensor of the pool's dtype."""
@@ -223,7 +222,9 @@ class SlabFiles:
         """Open an existing slab of this layout; ValueError if its header says otherwise."""
         fd = self._open(path, os.O_RDWR)
         try:
-            header = self._read_header(fd)
+            header = RecordBuffer(1, self.compat).view(0)[:HEADER_BYTES]
+            if os.preadv(fd, [header], 0) != HEADER_BYTES:
+                raise ValueError("no slab header")
             magic, version, slot_bytes, num_slots, page_bytes, json_len = _SLAB.unpack_from(header)
             found = header[_SLAB.size : _SLAB.size + json_len]
             if (magic, version) != (SLAB_MAGIC, FORMAT_VERSION):
@@ -274,12 +275,6 @@ class SlabFiles:
                                "through the page cache", self.root)  # fmt: skip
                 self.direct = False
         return os.open(path, flags, 0o600)
-
-    def _read_header(self, fd: int) -> memoryview:
-        header = RecordBuffer(1, self.compat).view(0)[:HEADER_BYTES]
-        if os.preadv(fd, [header], 0) != HEADER_BYTES:
-            raise ValueError("no slab header")
-        return header
 
     def scan(self, slab: Slab, buffer: RecordBuffer) -> ScanResult:
         """Read every slot of ``slab`` (through ``buffer``, a chunk at a time) and check it."""
