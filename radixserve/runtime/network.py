@@ -1,23 +1,11 @@
-"""A service's addresses: the host others dial, its default name, and where its KV
-transfer agents listen."""
+"""A service's addresses: its default name, and where its KV transfer agents listen (the
+host others dial: `radixserve.transfer.network.advertise_host`)."""
 
 from __future__ import annotations
 
-import socket
-
 from radixserve.protocol.security import keys_from
 from radixserve.runtime.settings import ServiceSettings
-from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork
-
-
-def advertise_host(listen_host: str, advertise: str | None) -> str:
-    """The host others dial: ``advertise`` if set, else the listen host, or this machine's
-    host name when listening on every interface."""
-    if advertise:
-        return advertise
-    if listen_host in WILDCARD_HOSTS:
-        return socket.gethostname()
-    return listen_host
+from radixserve.transfer.network import WILDCARD_HOSTS, TransferNetwork, advertise_host
 
 
 def default_name(role: str, advertised_host: str, port: int) -> str:

@@ -51,10 +51,10 @@ from radixserve.protocol.security import HANDSHAKE_FAILURES, keys_from
 from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.calls import Tasks
 from radixserve.runtime.links import LinkIdentity, monitor_socket
-from radixserve.runtime.network import advertise_host, default_name
+from radixserve.runtime.network import default_name
 from radixserve.runtime.probe import ProbeServer
 from radixserve.runtime.settings import ServiceSettings
-from radixserve.transfer.network import url_host
+from radixserve.transfer.network import advertise_host, url_host
 from radixserve.worker_metrics import service_metrics
 
 logger = logging.getLogger(__name__)

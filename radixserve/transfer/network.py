@@ -52,11 +52,7 @@ class TransferNetwork:
 
     @property
     def advertised(self) -> str:
-        if self.advertise_host:
-            return self.advertise_host
-        if self.bind_host in WILDCARD_HOSTS:
-            return socket.gethostname()
-        return self.bind_host
+        return advertise_host(self.bind_host, self.advertise_host)
 
     @property
     def port_range(self) -> str | None:
@@ -72,6 +68,16 @@ class TransferNetwork:
         if self.port_range is not None:
             env["UCX_TCP_PORT_RANGE"] = self.port_range
         return env
+
+
+def advertise_host(listen_host: str, advertise: str | None) -> str:
+    """The host others dial: ``advertise`` if set, else the listen host, or this machine's
+    host name when listening on every interface."""
+    if advertise:
+        return advertise
+    if listen_host in WILDCARD_HOSTS:
+        return socket.gethostname()
+    return listen_host
 
 
 def url_host(host: str) -> str:
