@@ -42,12 +42,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     gateway_env = {}
     if args.served_model_name:
         gateway_env["RADIXSERVE_GATEWAY_SERVED_MODEL_NAME"] = ",".join(args.served_model_name)
-    if args.tool_parser:
-        gateway_env["RADIXSERVE_GATEWAY_TOOL_PARSER"] = args.tool_parser
-    if args.reasoning_parser:
-        gateway_env["RADIXSERVE_GATEWAY_REASONING_PARSER"] = args.reasoning_parser
-    if args.explorer_prompt_text:
-        gateway_env["RADIXSERVE_GATEWAY_EXPLORER_PROMPT_TEXT"] = "true"
+    flags = ("tool_parser", "reasoning_parser", "explorer_prompt_text")
+    given = {key: getattr(args, key) for key in flags if getattr(args, key)}
     store = {key: getattr(args, key)
              for key in ("response_store_size", "response_store_ttl_s", "trace_buffer",
                          "allow_runtime_lora", "lora_dir", "lora_load_on_demand")
@@ -55,7 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.lora_dir is not None:  # the gateway starts elsewhere: its absolute path
         store["lora_dir"] = args.lora_dir.resolve()
     gateway_env.update({f"RADIXSERVE_GATEWAY_{k.upper()}": str(v).lower() if isinstance(v, bool)
-                        else str(v) for k, v in store.items()})  # fmt: skip
+                        else str(v) for k, v in {**given, **store}.items()})  # fmt: skip
     auth = _gateway_auth(args)
     # a bad bound, a bad key or an unauthenticated non-loopback host is refused by name
     # before any process starts (the gateway reads RADIXSERVE_GATEWAY_API_KEYS itself)
