@@ -200,7 +200,6 @@ class Supervisor:
         return [c.spec.name for c in self._children]
 
     def spec(self, name: str) -> ProcessSpec:
-        """How ``name`` is run."""
         return self._child(name).spec
 
     def retiring(self, name: str) -> bool:
@@ -334,7 +333,6 @@ class Supervisor:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def alive(self, name: str) -> bool:
-        """Whether `name` is running right now."""
         return self.pid(name) is not None
 
     @property
