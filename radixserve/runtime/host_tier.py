@@ -263,8 +263,7 @@ class HostTierClient(HostLoads):
                 proofs = proofs + more_proofs
             link = self.link
             if not self.attached or link is None or not link.up:
-                with self._lock:
-                    self._free.extend(slots)
+                self._release_buffer(slots)
                 continue
             self._spill_ids += 1
             self._outstanding[self._spill_ids] = slots
@@ -275,8 +274,7 @@ class HostTierClient(HostLoads):
                 await link.send(offer, 0)
             except TimeoutError:
                 self.buffer_agent.revoke(link.name, slots)
-                with self._lock:
-                    self._free.extend(self._outstanding.pop(self._spill_ids, []))
+                self._release_buffer(self._outstanding.pop(self._spill_ids, []))
 
     def stats(self) -> HostTierSection:
         with self._lock:
