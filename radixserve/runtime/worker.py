@@ -433,13 +433,12 @@ def run_worker(worker_cls: type[Worker], settings: WorkerSettings) -> int:
     from radixserve.settings import EngineSettings
 
     from_env: dict[str, Any] = {}  # every field from RADIXSERVE_* / defaults
-    engine_settings = EngineSettings(**from_env)
+    # the worker's own audit (RADIXSERVE_DECODE_AUDIT_SAMPLE_RATE, ...), validated above
+    own = {key: getattr(settings, key) for key in ("audit_sample_rate", "audit_fail_closed")
+           if getattr(settings, key) is not None}  # fmt: skip
     if settings.tp is not None:  # the worker's own size (RADIXSERVE_PREFILL_TP, ..._DECODE_TP)
-        engine_settings = engine_settings.model_copy(update={"tp": resolved_tp(settings.tp)})
-    audit = {key: getattr(settings, key) for key in ("audit_sample_rate", "audit_fail_closed")
-             if getattr(settings, key) is not None}  # fmt: skip
-    if audit:  # the worker's own (RADIXSERVE_DECODE_AUDIT_SAMPLE_RATE, ...), validated above
-        engine_settings = engine_settings.model_copy(update=audit)
+        own["tp"] = resolved_tp(settings.tp)
+    engine_settings = EngineSettings(**from_env).model_copy(update=own)
     # built on the engine thread, where it steps
     worker = worker_cls(settings, AsyncEngine(engine_settings))
     return serve_until_signalled(worker.run, worker.begin_drain)
