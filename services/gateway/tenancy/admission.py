@@ -189,7 +189,9 @@ class Admission:
         ):
             if per_minute is None:
                 continue
-            bucket = self._buckets.setdefault((tenant, name), TokenBucket(per_minute, now))
+            bucket = self._buckets.get((tenant, name))
+            if bucket is None:  # made once a tenant and limit, not on every request
+                bucket = self._buckets[(tenant, name)] = TokenBucket(per_minute, now)
             wait_s = bucket.wait_s(cost, now)
             if wait_s > 0:
                 raise Refused(429, name, f"tenant {tenant} is over its {name} ({per_minute}); "
