@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from radixserve.cache.block_hash import hash_namespace
 from radixserve.engine.admission import Admission, HostPlan, choose_route
-from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.async_engine import AsyncEngine, Sink
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.info import EngineInfo, EngineStats
 from radixserve.engine.outputs import RequestOutput, TokenLogprob
@@ -47,6 +47,7 @@ from radixserve.protocol import (
     WorkerLoad,
 )
 from radixserve.protocol.cached_tokens import CachedTokens
+from radixserve.protocol.security import ClusterKeys
 from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.service import Service
 from radixserve.transfer import KVShard, PoolCompat
@@ -74,6 +75,16 @@ class _Request:
     out: asyncio.Queue  # RequestOutput | BaseException
     pages: list[int] = field(default_factory=list)  # reserved (remote) or computed
     task: asyncio.Task | None = None
+    sink: Sink | None = None  # sends its outputs but the last while it takes them
+
+    def put(self, output: RequestOutput) -> None:
+        """As `AsyncEngine` hands an output on: to the sink (on this loop here) while it
+        takes them, never the last; else, and from then on, to the queue."""
+        if self.sink is not None and not output.finished:
+            if self.sink(output):
+                return
+            self.sink = None
+        self.out.put_nowait(output)
 
 
 class FakeEngine:
@@ -87,7 +98,8 @@ class FakeEngine:
     * A local request generates ``max_tokens`` tokens, token ``base_token + i`` at
       position ``i`` (a resumed one from position ``len(resume)``: the continuation the
       first worker would have made), one output per loop turn; with ``hold_after``, it
-      stops after that many outputs until aborted (a stream in flight).
+      stops after that many outputs until aborted (a stream in flight) or ``release`` is
+      set. A ``sink`` given to ``admit`` takes the outputs as `AsyncEngine`'s does.
     * A prefill (unless ``answer_prefills`` is False: then it computes until aborted)
       fills page ``j`` of its prompt with ``j + 1`` everywhere, samples ``first_token``
       and keeps the pages under a lease (no expiry) until `release_lease`.
@@ -107,6 +119,7 @@ class FakeEngine:
         hold_after: int | None = None,
         answer_prefills: bool = True,
     ) -> None:
+        self.release = asyncio.Event()  # lets held streams go on
         kv = torch.zeros(1, 2, num_pages, PAGE_SIZE, 1, 2)  # (L, 2, P, page_size, H, D)
         self.loras = SimpleNamespace(adapters={})  # `Engine.loras`: no LoRA adapter
         self.info = EngineInfo(
@@ -165,6 +178,7 @@ class FakeEngine:
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
         adapter: str = "",
+        sink: Sink | None = None,
     ) -> tuple[Admission, asyncio.Queue]:
         ids, resumed = list(prompt_ids), list(resume)
         local = lease_s is not None or bool(resumed)
@@ -181,7 +195,7 @@ class FakeEngine:
             share=share,
             adapter=adapter,
         )
-        req = _Request(len(ids), params.max_tokens, asyncio.Queue())
+        req = _Request(len(ids), params.max_tokens, asyncio.Queue(), sink=sink)
         self._requests[request_id] = req
         if route == "remote":
             req.pages = self._take(-(-len(ids) // PAGE_SIZE))
@@ -213,7 +227,7 @@ class FakeEngine:
         pages = self.reserved.pop(request_id)
         self.activated_kv[request_id] = self.info.kv[:, :, pages].clone()
         last = req.max_tokens == 1
-        req.out.put_nowait(self._output(request_id, req, first_tokens[0], 0, last))
+        req.put(self._output(request_id, req, first_tokens[0], 0, last))
         if not last:
             req.task = asyncio.create_task(self._generate(request_id, req, 1))
 
@@ -296,11 +310,11 @@ class FakeEngine:
     async def _generate(self, request_id: str, req: _Request, start: int) -> None:
         for emitted, position in enumerate(range(start, req.max_tokens)):
             if emitted == self.hold_after:
-                await _until_cancelled()
+                await self.release.wait()
             await asyncio.sleep(0)  # one output per loop turn, as one per engine step
             last = position == req.max_tokens - 1
             token = self.base_token + position
-            req.out.put_nowait(self._output(request_id, req, token, position, last))
+            req.put(self._output(request_id, req, token, position, last))
         self._end(request_id)
 
     async def _prefill(self, request_id: str, ids: list[int], req: _Request) -> None:
@@ -378,8 +392,10 @@ class PeerSocket:
     decode worker to a prefill worker. Heartbeats it receives are skipped; it sends
     none (the service drops it after ``peer_timeout_s`` of silence)."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
-        self.channel = AsyncChannel.open(context, zmq.DEALER, address, bind=False)
+    def __init__(
+        self, context: zmq.asyncio.Context, address: str, keys: ClusterKeys | None = None
+    ) -> None:
+        self.channel = AsyncChannel.open(context, zmq.DEALER, address, bind=False, keys=keys)
         self.ack: HelloAck | None = None  # the service's answer to `hello`
 
     async def hello(self, name: str, role: str) -> HelloAck:

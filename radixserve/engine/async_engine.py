@@ -47,10 +47,29 @@ T = TypeVar("T")
 OutputQueue = asyncio.Queue  # [RequestOutput | BaseException]
 
 
+#: Sends a request's output itself, on the engine thread (a token endpoint); False hands it
+#: to the request's queue instead, and every later output of the request with it.
+Sink = Callable[[RequestOutput], bool]
+
+
 @dataclass
 class _Watch:
     loop: asyncio.AbstractEventLoop
     out: OutputQueue
+    sink: Sink | None = None
+
+    def put(self, item: object, last: bool) -> None:
+        """Hand ``item`` on: to the sink while it takes them (never the last), else to the
+        queue (``call_soon_threadsafe``: in order after the sink's sends)."""
+        if self.sink is not None and not last and isinstance(item, RequestOutput):
+            try:
+                if self.sink(item):
+                    return
+            except Exception:  # noqa: BLE001 - the queue's way still works
+                logger.exception("sending %s's output failed; it goes by the queue",
+                                 item.request_id)  # fmt: skip
+            self.sink = None
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
 @dataclass
@@ -60,6 +79,7 @@ class _Call:
     result: asyncio.Future | None
     watch: str | None  # request id whose outputs go to `out`
     out: OutputQueue | None
+    sink: Sink | None = None  # sends the watched request's outputs but its last
 
 
 class AsyncEngine:
@@ -122,14 +142,16 @@ class AsyncEngine:
         cache_scope: str = "",
         share: TenantShare = DEFAULT_SHARE,
         adapter: str = "",
+        sink: Sink | None = None,
     ) -> tuple[Admission, OutputQueue]:
         """`Engine.admit` between two steps; the admission and the queue of the request's
-        outputs from now on."""
+        outputs from now on (with ``sink``, only those it does not send: its last one, and
+        all from the first it refuses)."""
         admission, out = await self.call(
             lambda e: e.admit(prompt_ids, params, request_id, remote_over=remote_over,
                               host=host, lease_s=lease_s, resume=resume,
                               cache_scope=cache_scope, share=share, adapter=adapter),
-            watch=request_id,
+            watch=request_id, sink=sink,
         )  # fmt: skip
         assert out is not None
         return admission, out
@@ -207,17 +229,18 @@ class AsyncEngine:
         self.engine.spill.copy_out(page_ids, slots)
 
     async def call(
-        self, fn: Callable[[Engine], T], watch: str | None = None
+        self, fn: Callable[[Engine], T], watch: str | None = None, sink: Sink | None = None
     ) -> tuple[T, OutputQueue | None]:
         """Run ``fn(engine)`` on the engine thread; return its result and, with ``watch``,
         the queue that receives request ``watch``'s outputs from now on (the last one has
         ``finished`` set, or an exception if a step failed); if ``fn`` itself returns an
         output of that request, the queue gets it first. If ``fn`` raises, the exception
-        is raised here and nothing is watched."""
+        is raised here and nothing is watched. ``sink``: sends the watched outputs on the
+        engine thread while it takes them (`Sink`); the queue gets the rest."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
         out: OutputQueue | None = asyncio.Queue() if watch is not None else None
-        self._inbox.put(_Call(fn, loop, result, watch, out))
+        self._inbox.put(_Call(fn, loop, result, watch, out, sink))
         try:
             return await result, out
         except asyncio.CancelledError:  # the caller left: do not leave the request running
@@ -338,11 +361,11 @@ class AsyncEngine:
                 self._deliver(output.request_id, output, output.finished)
             return
         if call.watch is not None and call.out is not None:
-            watch = _Watch(call.loop, call.out)
+            watch = _Watch(call.loop, call.out, call.sink)
             mine = [output for output in outputs if output.request_id == call.watch]
             # fn produced the request's first outputs itself (e.g. activate_remote)
             for output in mine:
-                call.loop.call_soon_threadsafe(call.out.put_nowait, output)
+                watch.put(output, output.finished)
             if not any(output.finished for output in mine):
                 self._watches[call.watch] = watch
         call.loop.call_soon_threadsafe(_settle, call.result, value, None)
@@ -356,7 +379,7 @@ class AsyncEngine:
         if watch is None:
             return
         try:
-            watch.loop.call_soon_threadsafe(watch.out.put_nowait, item)
+            watch.put(item, last)
         except RuntimeError:  # its loop has closed: nobody reads it any more
             self._watches.pop(request_id, None)
             self.engine.abort(request_id)

@@ -18,7 +18,15 @@ from radixserve.protocol.fields import (
     Role,
 )
 from radixserve.protocol.stats_messages import MetricSpec, ServiceStats, gauge
-from radixserve.protocol.wire import BoolSpec, BytesSpec, Message, NestedSpec, StrSpec, WireStruct
+from radixserve.protocol.wire import (
+    BoolSpec,
+    BytesSpec,
+    IntSpec,
+    Message,
+    NestedSpec,
+    StrSpec,
+    WireStruct,
+)
 from radixserve.protocol.wire import field_spec as _spec
 
 # --- handshake and liveness -----------------------------------------------------------
@@ -46,7 +54,9 @@ class HelloAck(Message):
     computed by (`radixserve.model.identity.ModelIdentity.key`; "" from an older worker)
     and, if it owns KV pages peers may read, the agent's opaque
     ``transfer_metadata`` (`KVTransferAgent.metadata`), which the reader checks for a
-    compatible pool before its first transfer.
+    compatible pool before its first transfer. A decode worker's ``token_port`` (0:
+    none) is its token endpoint's (`radixserve.runtime.token_endpoint`), on the host its
+    control socket is reached at: a gateway receives its requests' tokens there.
     """
 
     TYPE_TAG: ClassVar[str] = "hello_ack"
@@ -63,6 +73,7 @@ class HelloAck(Message):
     tp_size: int = field(default=0, metadata=_spec(COUNT))
     transfer_metadata: bytes = field(default=b"", metadata=_spec(BytesSpec(MAX_BLOB_BYTES)))
     model_identity: str = field(default="", metadata=_spec(StrSpec(MAX_ERROR_CHARS)))
+    token_port: int = field(default=0, metadata=_spec(IntSpec(0, 65535)))
 
 
 @dataclass(frozen=True)

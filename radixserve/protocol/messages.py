@@ -47,7 +47,9 @@ refuses a `PeerRead`, which its reader computes. 6.3: the cache index sharded ov
 kvstores (`IndexQuery`: ``shard``, ``shards``); a 6.2 kvstore ignores them and answers each
 worker's leading run, never more than it holds. 6.4: a worker's peer-read counters say
 how it connected to its peers (`PeerReadSection`: ``peer_connects_total``,
-``peer_read_connects_total``); a 6.3 reader of heartbeats ignores them. Every message's
+``peer_read_connects_total``); a 6.3 reader of heartbeats ignores them. 6.5: a decode
+worker's token endpoint (`HelloAck.token_port`, `DecodeSection`'s ``token_*`` counters);
+a 6.4 gateway ignores the port and gets its tokens on the control socket, as before. Every message's
 frame is checked against golden bytes (`tests/protocol/golden/frames.json`): a wire change fails there until it is written
 again with the version.
 
@@ -121,7 +123,7 @@ from radixserve.protocol.wire import (
 )
 from radixserve.protocol.wire import field_spec as _spec
 
-PROTOCOL_VERSION: tuple[int, int] = (6, 4)
+PROTOCOL_VERSION: tuple[int, int] = (6, 5)
 
 # --- tracing: spans carried back to the gateway ---------------------------------------
 

@@ -239,6 +239,13 @@ class DecodeSection(WireStruct):
     remote_prefills_total: int = counter("Prompts computed by a prefill worker.")
     remote_prefill_failures_total: int = counter("Remote prefills that failed.")
     resumed_requests_total: int = counter("Streams moved here from another worker.")
+    token_endpoint_messages_total: int = counter(
+        "Messages to gateways sent on the token endpoint (the rest go on the control socket)."
+    )
+    token_fallbacks_total: int = counter(
+        "Requests whose messages went on the control socket: the gateway's token link was not "
+        "connected."
+    )
     index_queries_total: int = counter("Questions to the kvstore's index.")
     index_misses_total: int = counter("Index questions not answered in time.")
     index_partial_answers_total: int = counter(

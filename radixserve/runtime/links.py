@@ -36,6 +36,11 @@ Contracts:
   and dropped. Callbacks run on the event loop and must not block.
 - ZMQ reconnects by itself; a message sent while a worker is down waits in the socket
   until it is back, so callers only send requests on links that are up.
+- A set made with ``tokens`` (the gateway's, to decode workers) also connects, while a
+  link is up, a receiving DEALER to the worker's token endpoint when its `HelloAck`
+  names one (``token_port``, on the host the link reached; its routing id
+  `token_routing_id`, `radixserve.runtime.token_endpoint`): what arrives there goes to
+  ``on_message`` as if it came on the link. It closes when the link goes down.
 - An address by host name (``tcp://kvstore-a:7000``) is resolved here, off the event loop
   (`_resolve`), and the socket connected to the address it resolves to; while the link is
   down the name is resolved again every ``_RESOLVE_EVERY_S`` and the socket moved if the
@@ -75,6 +80,7 @@ from radixserve.protocol.fields import Role
 from radixserve.protocol.security import ClusterKeys
 from radixserve.protocol.stats_messages import ServiceStats
 from radixserve.runtime.page_geometry import LearnedGeometry, PageGeometry
+from radixserve.runtime.token_endpoint import token_routing_id
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +136,7 @@ class Link:
     ack: HelloAck | None = None
     discovered: bool = False  # added from the membership (not a static address)
     refused: str = ""  # why the last HelloAck was refused (logged once per reason)
+    tokens: AsyncChannel | None = None  # to its token endpoint, while up (`LinkSet` tokens)
 
     @property
     def label(self) -> str:
@@ -181,8 +188,10 @@ class LinkSet:
         on_up: Callable[[Link], None] | None = None,
         on_down: Callable[[Link, str], None] | None = None,
         pages: PageGeometry | LearnedGeometry | None = None,
+        tokens: bool = False,
     ) -> None:
         self._context = context
+        self._tokens = tokens  # connect to the workers' token endpoints
         self._keys = me.keys
         self._pages = pages  # None: the peers' pages are not checked
         self.links: list[Link] = []
@@ -194,6 +203,7 @@ class LinkSet:
             HelloAck: self._acked, Heartbeat: self._beat}  # fmt: skip
         # id(link) -> its receive task, its socket monitor task and, by name, its resolver
         self._tasks: dict[int, tuple[asyncio.Task, ...]] = {}
+        self._token_tasks: dict[int, asyncio.Task] = {}  # id(link) -> its token receiver
         self._tick_task: asyncio.Task | None = None
         self._started = False
         for address in addresses:
@@ -208,13 +218,16 @@ class LinkSet:
 
     async def close(self) -> None:
         tasks = [task for pair in self._tasks.values() for task in pair]
+        tasks += [*self._token_tasks.values()]
         tasks += [self._tick_task] if self._tick_task else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._token_tasks.clear()
         for link in self.links:
             link.channel.close()
+            self._close_tokens(link)
 
     def add(self, address: str, discovered: bool = False) -> Link:
         """Link to ``address`` (hello is sent on the next tick); the existing link if any."""
@@ -253,6 +266,7 @@ class LinkSet:
             else:  # called from its own loop: end it after this message
                 asyncio.get_running_loop().call_soon(task.cancel)
         link.channel.close()
+        self._close_tokens(link)
 
     def up(self) -> list[Link]:
         return [link for link in self.links if link.up]
@@ -268,6 +282,7 @@ class LinkSet:
         if not link.up:
             return
         link.up = False
+        self._close_tokens(link)
         logger.warning("worker %s (%s) is down: %s", link.label, link.address, why)
         if self._on_down is not None:
             self._on_down(link, why)
@@ -302,17 +317,21 @@ class LinkSet:
         sock.connect(endpoint)
         link.endpoint = endpoint
 
-    async def _receive(self, link: Link) -> None:
-        while link in self.links:
+    async def _receive(self, link: Link, tokens: AsyncChannel | None = None) -> None:
+        """Hand on what arrives on ``link``'s socket (on its ``tokens`` channel: no link
+        control comes there) until the link is removed or the channel closed."""
+        channel = tokens or link.channel
+        while link in self.links and not channel.closed:
             try:
-                msg = await link.channel.recv()
+                msg = await channel.recv()
             except ProtocolError:
                 continue  # logged by the channel
             if msg is None:
                 continue
             link.last_seen = time.monotonic()
+            handler = self._on_message if tokens else self.control.get(type(msg), self._on_message)
             try:
-                self.control.get(type(msg), self._on_message)(link, msg)
+                handler(link, msg)
             except Exception:
                 logger.exception("handling %s from %s failed", type(msg).__name__, link.label)
 
@@ -364,9 +383,30 @@ class LinkSet:
             self.mark_down(link, f"restarted (generation {ack.generation})")
         link.name, link.role, link.generation, link.ack = ack.name, ack.role, ack.generation, ack
         link.up = True
+        if self._tokens and ack.token_port:
+            self._open_tokens(link, ack.token_port)
         logger.info("worker %s (%s) at %s is up", ack.name, ack.role, link.address)
         if self._on_up is not None:
             self._on_up(link)
+
+    def _open_tokens(self, link: Link, port: int) -> None:
+        """Connect to ``link``'s token endpoint, on the host its control socket was reached
+        at, and hand what arrives to ``on_message``."""
+        host = link.endpoint[len("tcp://") :].rpartition(":")[0]
+        if not link.endpoint.startswith("tcp://") or not host:
+            return  # not over TCP: its tokens come on the link
+        identity = token_routing_id(self._name, self._generation)
+        link.tokens = AsyncChannel.open(self._context, zmq.DEALER, f"tcp://{host}:{port}",
+                                        bind=False, identity=identity, keys=self._keys)  # fmt: skip
+        self._token_tasks[id(link)] = asyncio.create_task(self._receive(link, link.tokens))
+
+    def _close_tokens(self, link: Link) -> None:
+        task = self._token_tasks.pop(id(link), None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if link.tokens is not None:
+            link.tokens.close()
+            link.tokens = None
 
     @staticmethod
     def _refuse(link: Link, why: str) -> None:

@@ -68,6 +68,7 @@ class Peer:
     name: str
     role: str
     last_seen: float
+    generation: int = -1  # its `Hello`'s (-1: none heard)
 
 
 #: a channel's handler table: message type -> its handler (sender: a `Peer` or a `Link`;
@@ -312,7 +313,12 @@ class Service:
         if kind == "internal":
             logger.error("%s: request %s failed: %r", self.name, request_id, exc)
         message = str(exc) or type(exc).__name__
-        await self.send_to(peer, RequestFailed(request_id, kind, message[:4096]))
+        await self.reply(peer, request_id, RequestFailed(request_id, kind, message[:4096]))
+
+    async def reply(self, peer: Peer, request_id: str, msg: Message) -> None:
+        """Hook: send ``peer`` a message about its request ``request_id`` (`send_to`; a
+        decode worker's may go on its token endpoint, in order with the request's tokens)."""
+        await self.send_to(peer, msg)
 
     def spawn(self, request_id: str, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` as the task of ``request_id`` (cancelled by `cancel`)."""
@@ -372,7 +378,7 @@ class Service:
                     logger.info("%s: peer %s (%s) named", self.name, name, role or "?")
                 peer.last_seen = now
                 if isinstance(msg, Hello):
-                    peer.role = msg.role
+                    peer.role, peer.generation = msg.role, msg.generation
                     await self.send_to(peer, self.hello_ack())
                 continue
             if peer is None:  # a request before any hello (e.g. across our restart)

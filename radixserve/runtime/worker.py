@@ -28,7 +28,7 @@ from typing import Any
 
 from radixserve.cache.block_hash import page_hashes, scoped_namespace
 from radixserve.engine.admission import Admission
-from radixserve.engine.async_engine import AsyncEngine, OutputQueue
+from radixserve.engine.async_engine import AsyncEngine, OutputQueue, Sink
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.tp_calls import StartAgent
@@ -335,6 +335,7 @@ class Worker(KVStoreMember):
         share: TenantShare = DEFAULT_SHARE,
         adapter: str = "",
         under: Span = NO_SPAN,
+        sink: Sink | None = None,
     ) -> tuple[Admission, OutputQueue]:
         """A request's one admission: a prefix past the device hit leased from a peer's
         cache or the host tier (kvstore round trips, only when a long part is missing on
@@ -347,7 +348,8 @@ class Worker(KVStoreMember):
         ``hashes`` are in its namespace); ``share``: its tenant, priority and weight
         (`Engine.admit`); ``adapter``: its LoRA adapter (``hashes`` are in its namespace).
         ``under``: the span a load's span (``<role>.host_load`` or ``<role>.peer_read``:
-        lookup and read) goes under."""
+        lookup and read) goes under. ``sink``: sends the request's outputs but its last on
+        the engine thread (`AsyncEngine.admit`)."""
         resume = resume or []
         looked_up_ns = time.time_ns()
         load = None
@@ -366,7 +368,7 @@ class Worker(KVStoreMember):
             admission, out = await self.engine.admit(
                 request_id, prompt_ids, params, remote_over=remote_over,
                 host=load.plan if load is not None else None, lease_s=lease_s, resume=resume,
-                cache_scope=cache_scope, share=share, adapter=adapter,
+                cache_scope=cache_scope, share=share, adapter=adapter, sink=sink,
             )  # fmt: skip
             self.counters[QUERIED_TOKENS] += len(prompt_ids) + len(resume)
             self.counters[HIT_TOKENS] += admission.cached_tokens

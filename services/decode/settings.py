@@ -32,6 +32,18 @@ class DecodeSettings(WorkerSettings):
         description="When remote prefill or its KV transfer fails: prefill locally, or fail "
         "the request.",
     )
+    token_endpoint: bool = Field(
+        True,
+        description="Stream tokens to gateways on a token endpoint the engine thread sends on "
+        "itself (false: on the control socket, through the event loop).",
+    )
+    token_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="The token endpoint's port, on the control socket's host (0: any free "
+        "port; gateways learn it in the handshake).",
+    )
     prefill_timeout_s: float = Field(
         300.0, gt=0, le=86400, description="Longest wait for a prefill worker's KVReady."
     )

@@ -8,8 +8,10 @@ up; **host tier** when the kvstore's host tier supplies enough of the prefix fir
 picks the prefill worker (the kvstore's index is asked only when more than one is
 ready), which answers `KVReady`; this worker pulls those pages, sends `TransferDone` and
 continues from the first token(s) (`Engine.activate_remote`). Outputs stream to the
-gateway as `TokenChunk`s. The gateway only chose this worker: every other decision of
-the request is made here, once.
+gateway as `TokenChunk`s: on the token endpoint, sent by the engine thread itself, when
+the gateway is connected to it (`radixserve.runtime.token_endpoint`), else on the control
+socket. The gateway only chose this worker: every other decision of the request is made
+here, once.
 
 A remote prefill that fails, dies, times out (``prefill_timeout_s``) or whose transfer
 fails returns the reserved pages uncached and, with ``on_transfer_failure="recompute"``,
@@ -28,16 +30,17 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from radixserve.engine.admission import Admission
-from radixserve.engine.async_engine import AsyncEngine
+from radixserve.engine.async_engine import AsyncEngine, OutputQueue, Sink
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
 from radixserve.engine.sampling_params import SamplingParams
 from radixserve.engine.wire import share_fields, to_chunk, to_logprob, to_params, to_share, to_spec
 from radixserve.protocol import (
     Abort,
     GenerateRequest,
+    HelloAck,
     IndexReply,
     KVReady,
     Message,
@@ -51,6 +54,7 @@ from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.links import Link, LinkSet
 from radixserve.runtime.service import Handlers, Peer, dispatch
+from radixserve.runtime.token_endpoint import TokenEndpoint, TokenRoute, token_routing_id
 from radixserve.runtime.worker import Worker, WorkerInbound
 from radixserve.runtime.worker_kvstore import WorkerFromKVStore
 from radixserve.services.decode.prefill_router import PrefillRouter
@@ -107,9 +111,14 @@ class DecodeWorker(Worker):
         self._owner: dict[str, bytes] = {}  # request id -> identity of the gateway
         # request id -> how its prompt got its KV: (route, prefill worker), sent on its last chunk
         self._routes: dict[str, tuple[str, str]] = {}
+        self.tokens: TokenEndpoint | None = None  # with ``token_port``
+        self._token_routes: dict[str, TokenRoute] = {}  # request id -> its way to its gateway
 
     async def start(self) -> None:
         assert self.context is not None
+        if self.settings.token_endpoint:
+            self.tokens = TokenEndpoint(self.context, self.settings.host, self.settings.token_port,
+                                        self.keys)  # fmt: skip
         self.prefills = LinkSet(
             self.context,
             list(self.settings.prefill_workers),
@@ -126,6 +135,40 @@ class DecodeWorker(Worker):
         if self.prefills is not None:
             await self.prefills.close()
         await super().stop()
+        if self.tokens is not None:
+            self.tokens.close()
+
+    def hello_ack(self) -> HelloAck:
+        ack = super().hello_ack()
+        return dataclasses.replace(ack, token_port=self.tokens.port) if self.tokens else ack
+
+    def describe(self) -> str:
+        tokens = f", tokens on port {self.tokens.port}" if self.tokens else ""
+        return super().describe() + tokens
+
+    # -- the way back to the gateway ---------------------------------------------------
+
+    def _token_route(self, peer: Peer) -> TokenRoute | None:
+        """The token endpoint's way to ``peer``, if it is a gateway that said hello."""
+        if self.tokens is None or peer.role != "gateway" or peer.generation < 0:
+            return None
+        return TokenRoute(self.tokens, token_routing_id(peer.name, peer.generation), to_chunk)
+
+    async def admit(
+        self, request_id: str, *args: Any, **kwargs: Any
+    ) -> tuple[Admission, OutputQueue]:
+        """`Worker.admit`, the request's outputs but its last sent by the engine thread on
+        its token route, if it has one."""
+        route = self._token_routes.get(request_id)
+        sink: Sink | None = route.deliver if route is not None else None
+        return await super().admit(request_id, *args, sink=sink, **kwargs)
+
+    async def reply(self, peer: Peer, request_id: str, msg: Message) -> None:
+        """On the request's token route while it works (in order after the engine thread's
+        sends), else on the control socket."""
+        route = self._token_routes.get(request_id)
+        if route is None or not route.send(msg):
+            await self.send_to(peer, msg)
 
     # -- from the gateway ------------------------------------------------------------
 
@@ -153,6 +196,7 @@ class DecodeWorker(Worker):
             prefills_up=len(self.prefills.ready()) if self.prefills else 0,
             awaiting_kv=len(self._pending),
             kv_transfer_seconds_total=self.transfer_seconds,
+            token_endpoint_messages_total=self.tokens.sent if self.tokens else 0,
         )  # fmt: skip
         return dataclasses.replace(super().stats(), decode=decode)
 
@@ -160,6 +204,9 @@ class DecodeWorker(Worker):
         rid = msg.request_id
         request = self.tracer.join(msg.traceparent)  # the gateway's span of the request
         streaming = NO_SPAN
+        route = self._token_route(peer)
+        if route is not None:
+            self._token_routes[rid] = route
         try:
             params = to_params(msg.sampling)
             ids, resume = list(msg.prompt_token_ids), list(msg.resume_token_ids)
@@ -184,17 +231,18 @@ class DecodeWorker(Worker):
             async for output in self.engine.outputs(rid, out):
                 chunk = to_chunk(output)
                 if output.finished:
-                    route, prefill = self._routes.get(rid, ("local", ""))
+                    how, prefill = self._routes.get(rid, ("local", ""))
                     streaming.end(completion_tokens=output.completion_tokens)
-                    chunk = dataclasses.replace(chunk, route=route, prefill_worker=prefill,
+                    chunk = dataclasses.replace(chunk, route=how, prefill_worker=prefill,
                                                 spans=request.records())  # fmt: skip
-                await self.send_to(peer, chunk)
+                await self.reply(peer, rid, chunk)
         except PrefillFailed as exc:
-            await self.send_to(peer, RequestFailed(rid, exc.kind, str(exc)[:4096]))
+            await self.reply(peer, rid, RequestFailed(rid, exc.kind, str(exc)[:4096]))
         except asyncio.CancelledError:
             if self.draining:  # the drain grace is over: the gateway continues it elsewhere
                 with contextlib.suppress(Exception):
-                    await self.send_to(peer, RequestFailed(rid, "draining", "drain grace is over"))
+                    failed = RequestFailed(rid, "draining", "drain grace is over")
+                    await self.reply(peer, rid, failed)
             raise
         except Exception as exc:
             await self.fail(peer, rid, exc)
@@ -202,6 +250,9 @@ class DecodeWorker(Worker):
             streaming.end("ended before its last token")  # exported, not carried back
             self._owner.pop(rid, None)
             self._routes.pop(rid, None)
+            if route is not None:
+                self.counters["token_fallbacks_total"] += int(route.fell_back)
+                self._token_routes.pop(rid, None)
 
     async def _begin(
         self, rid: str, ids: list[int], params: SamplingParams, hashes: list[int], request: Span,

@@ -319,6 +319,8 @@ def test_workers_join_leave_and_drain_in_a_running_cluster(tiny_model: str):
         wait(lambda: workers()[names["decode"]].get("draining"), 5, "the gateway to see it drain")
         draining = workers()[names["decode"]]
         assert draining["draining"] and draining["live_requests"] > 0, draining  # mid-stream
+        # its engine thread sends the tokens on its token endpoint, through the drain too
+        assert draining["token_endpoint_messages_total"] > 0, draining
         ask(http, QUESTIONS[3], system="[during drain] " + SYSTEM)  # goes to decode-0
         for t in streams:
             t.join(120)

@@ -167,6 +167,8 @@ def check_cluster_settings(
                     (("prefill", PrefillSettings), ("decode", DecodeSettings)))]:  # fmt: skip
         assert s.host in WILDCARD_HOSTS, f"{name} must listen on every interface"
         assert s.port and s.http_port, f"{name} needs fixed control and HTTP ports"
+        if isinstance(s, DecodeSettings):
+            assert s.token_port and s.token_port not in (s.port, s.http_port), "token port"
         assert s.transfer_port_min and s.transfer_port_max, f"{name}: fixed transfer ports"
         assert s.transfer_backend == kv.transfer_backend, f"{name}: another transfer backend"
         if name != "kvstore":
@@ -364,6 +366,7 @@ def test_kubernetes_ports_probes_and_names_agree(
         "prefill": {"control": settings["prefill"][PrefillSettings].port,
                     "metrics": settings["prefill"][PrefillSettings].http_port},
         "decode": {"control": settings["decode"][DecodeSettings].port,
+                   "tokens": settings["decode"][DecodeSettings].token_port,
                    "metrics": settings["decode"][DecodeSettings].http_port},
         "gateway": {"http": settings["gateway"][GatewaySettings].port},
         "autoscaler": {"metrics": settings["autoscaler"][AutoscalerSettings].port},
@@ -440,7 +443,8 @@ def test_rbac_names_only_the_autoscalers_pools(overlay: str) -> None:
 # must allow exactly these between radixserve pods.
 FLOWS = {
     ("gateway", "kvstore", "control"), ("gateway", "prefill", "control"),
-    ("gateway", "decode", "control"), ("decode", "prefill", "control"),
+    ("gateway", "decode", "control"), ("gateway", "decode", "tokens"),
+    ("decode", "prefill", "control"),
     ("decode", "prefill", "transfer"), ("prefill", "kvstore", "control"),
     ("prefill", "kvstore", "transfer"), ("decode", "kvstore", "control"),
     ("decode", "kvstore", "transfer"), ("kvstore", "prefill", "transfer"),
@@ -471,6 +475,9 @@ def test_network_policies_allow_exactly_the_connections_made(
         s = settings[name][cls]
         ports[name] = {"control": (s.port, s.port), "metrics": (s.http_port, s.http_port),
                        "transfer": (s.transfer_port_min, s.transfer_port_max)}  # fmt: skip
+        if isinstance(s, DecodeSettings):  # its token endpoint, fixed to be allowed
+            assert s.token_endpoint and s.token_port, "decode: a fixed token port"
+            ports[name]["tokens"] = (s.token_port, s.token_port)
     gateway, scaler = (
         settings["gateway"][GatewaySettings],
         settings["autoscaler"][AutoscalerSettings],

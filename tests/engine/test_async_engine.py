@@ -98,3 +98,35 @@ def test_stats_include_what_a_call_changed_once_it_returns():
         first.set()
         second.set()
         front.close()
+
+
+@pytest.mark.parametrize("refuse_at", [None, 5], ids=["sink takes all", "sink refuses the 6th"])
+def test_a_sink_gets_the_outputs_but_the_last_on_the_engine_thread_the_queue_the_rest(
+    engines, refuse_at
+):
+    """`admit(..., sink=)`: the sink gets each output but the last, on the engine thread,
+    until it refuses one; that one and every later one come on the queue. Together they
+    are the stream, in order, with the tokens of a run without a sink."""
+    front, reference = engines
+    prompt_ids = front.engine.tokenizer.encode("The three primary colours are")
+    taken: list[tuple[list[int], str]] = []
+
+    def sink(output) -> bool:
+        if len(taken) == refuse_at:
+            return False
+        taken.append((list(output.new_token_ids), threading.current_thread().name))
+        return True
+
+    async def main():
+        rid = f"sink-{refuse_at}"
+        _, out = await front.admit(rid, prompt_ids, GREEDY, sink=sink)
+        return [o async for o in front.outputs(rid, out)]
+
+    queued = asyncio.run(main())
+    expected = reference.generate([prompt_ids], GREEDY)[0].token_ids
+    assert {thread for _, thread in taken} == {"radixserve-engine"}
+    assert [t for ids, _ in taken for t in ids] + [t for o in queued for t in o.new_token_ids] == (
+        expected
+    )
+    assert len(queued) == 1 if refuse_at is None else len(taken) == refuse_at
+    assert queued[-1].finished and not any(o.finished for o in queued[:-1])

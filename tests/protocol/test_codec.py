@@ -266,7 +266,7 @@ def test_contradictory_fields_are_rejected() -> None:
         ({"type": None}, "frame has no string 'type' tag (got nil)"),
         (
             {"v": [7, 0]},
-            "peer speaks protocol version 7.0, this side 6.4: major versions must match",
+            "peer speaks protocol version 7.0, this side 6.5: major versions must match",
         ),
         ({"v": [0, 9]}, "peer speaks protocol version 0.9"),
         ({"v": "1.0"}, "protocol version must be [major, minor], got '1.0'"),

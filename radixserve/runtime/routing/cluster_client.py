@@ -139,7 +139,7 @@ class ClusterClient(ClusterOperations, ClusterLinks, EngineClient):
                           s.peer_timeout_s, keys_from(s.cluster_secret))  # fmt: skip
         self.decodes = LinkSet(context, list(s.decode_workers), me, on_message=self._from_decode,
                                on_up=self._decode_up, on_down=self._decode_down,
-                               pages=self.pages)  # fmt: skip
+                               pages=self.pages, tokens=True)  # fmt: skip
         self.prefills = LinkSet(context, list(s.prefill_workers), me, on_message=self._from_prefill,
                                 on_up=self._worker_up, on_down=self._prefill_down,
                                 pages=self.pages)  # fmt: skip
