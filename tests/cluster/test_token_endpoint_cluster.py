@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -47,8 +48,9 @@ def stream_text(url: str, messages: list[dict[str, str]], max_tokens: int, **ext
     return "".join(parts)
 
 
-def second_gateway(cluster: TestCluster, model: str) -> tuple[subprocess.Popen, str]:
-    """A gateway process on the cluster's kvstore, on a socket this test bound for it."""
+def second_gateway(cluster: TestCluster, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """A gateway process on the cluster's kvstore, on a socket this test bound for it; its
+    output goes to ``log``."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     listener.set_inheritable(True)
@@ -58,9 +60,10 @@ def second_gateway(cluster: TestCluster, model: str) -> tuple[subprocess.Popen, 
            "RADIXSERVE_GATEWAY_LISTEN_FD": str(listener.fileno()),
            **{f"RADIXSERVE_GATEWAY_{k}": v for k, v in FAST_LIVENESS.items()}}  # fmt: skip
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "gateway"], env=env,
-                                pass_fds=(listener.fileno(),), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "radixserve.cli", "gateway"],
+                                    env=env, pass_fds=(listener.fileno(),), stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
     finally:
         listener.close()  # the gateway holds it now
     return proc, f"http://127.0.0.1:{port}"
@@ -75,14 +78,19 @@ def decode_up_at(url: str) -> bool:
 
 
 def test_two_gateways_get_tokens_on_the_endpoint_and_a_killed_one_leaves_nothing_held(
-    tiny_model: str, tiny_reference_chat
+    tiny_model: str, tiny_reference_chat, tmp_path: Path
 ):
     cluster = TestCluster(model=tiny_model)
     proc = None
+    log = tmp_path / "gateway-2.log"
     try:
-        proc, url2 = second_gateway(cluster, tiny_model)
-        cluster.wait(lambda: proc.poll() is None and decode_up_at(url2), 120,
-                     "the second gateway with the decode worker up")  # fmt: skip
+        proc, url2 = second_gateway(cluster, tiny_model, log)
+
+        def serving() -> bool:
+            assert proc.poll() is None, f"the second gateway exited:\n{log.read_text()}"
+            return decode_up_at(url2)
+
+        cluster.wait(serving, 120, "the second gateway with the decode worker up")
         stream_text(url2, chat(QUESTIONS[0], "[warm] " + SYSTEM), 2)  # its links are in use
         [name] = [n for n, w in cluster.workers().items() if w["role"] == "decode"]
         before = cluster.settled((name,))[name]
