@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import zmq
 import zmq.asyncio
 
-from radixserve.errors import CapacityError, RequestError
+from radixserve.errors import CapacityError, ConfigurationError, RequestError
 from radixserve.launch.listeners import adopt_fd
 from radixserve.protocol import (
     AsyncChannel,
@@ -135,15 +135,20 @@ class Service:
         self.context = zmq.asyncio.Context()
         self._stop = stop
         s = self.settings
-        self._router = AsyncChannel.open(
-            self.context,
-            zmq.ROUTER,
-            f"tcp://{url_host(s.host)}:{s.port}",
-            bind=True,
-            keys=self.keys,
-            # the socket radixserve up's supervisor bound for this service, if any
-            use_fd=None if s.listen_fd is None else adopt_fd(s.listen_fd),
-        )
+        address = f"tcp://{url_host(s.host)}:{s.port}"
+        try:
+            self._router = AsyncChannel.open(
+                self.context,
+                zmq.ROUTER,
+                address,
+                bind=True,
+                keys=self.keys,
+                # the socket radixserve up's supervisor bound for this service, if any
+                use_fd=None if s.listen_fd is None else adopt_fd(s.listen_fd),
+            )
+        except zmq.ZMQError as exc:
+            self.context.term()
+            raise cannot_listen(self.role, "control socket", address, exc, "PORT") from exc
         self.address = self._router.endpoint
         port = int(self.address.rsplit(":", 1)[1])
         host = advertise_host(s.host, s.advertise_host)
@@ -436,6 +441,18 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
+def cannot_listen(
+    role: str, what: str, address: str, exc: zmq.ZMQError, setting: str
+) -> ConfigurationError:
+    """The error of a socket that cannot bind: what, where, why and which setting moves it."""
+    who = role if role == "kvstore" else f"{role} worker"
+    flag = " or --port" if setting == "PORT" else ""
+    return ConfigurationError(
+        f"the {who}'s {what} cannot listen on {address}: {zmq.strerror(exc.errno or 0)} "
+        f"(RADIXSERVE_{role.upper()}_{setting}{flag} sets its port; 0 takes any free one)"
+    )
+
+
 def serve_until_signalled(
     run: Callable[[asyncio.Event], Awaitable[None]], on_sigterm: Callable[[], None] | None = None
 ) -> int:
@@ -450,6 +467,10 @@ def serve_until_signalled(
         loop.add_signal_handler(signal.SIGTERM, on_sigterm or stop.set)
         await run(stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ConfigurationError as exc:  # e.g. a port taken: said, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     sys.stdout.flush()
     return 0

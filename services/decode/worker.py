@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import zmq
+
 from radixserve.engine.admission import Admission
 from radixserve.engine.async_engine import AsyncEngine, OutputQueue, Sink
 from radixserve.engine.fair_share import DEFAULT_SHARE, TenantShare
@@ -53,7 +55,7 @@ from radixserve.protocol.peer_messages import PeerPages
 from radixserve.protocol.stats_messages import DecodeSection, ServiceStats, fill
 from radixserve.runtime.calls import send_quietly
 from radixserve.runtime.links import Link, LinkSet
-from radixserve.runtime.service import Handlers, Peer, dispatch
+from radixserve.runtime.service import Handlers, Peer, cannot_listen, dispatch
 from radixserve.runtime.token_endpoint import TokenEndpoint, TokenRoute, token_routing_id
 from radixserve.runtime.worker import Worker, WorkerInbound
 from radixserve.runtime.worker_kvstore import WorkerFromKVStore
@@ -61,6 +63,7 @@ from radixserve.services.decode.prefill_router import PrefillRouter
 from radixserve.services.decode.settings import DecodeSettings
 from radixserve.tracing import NO_SPAN, Span
 from radixserve.transfer import TransferError
+from radixserve.transfer.network import url_host
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +119,15 @@ class DecodeWorker(Worker):
 
     async def start(self) -> None:
         assert self.context is not None
-        if self.settings.token_endpoint:
-            self.tokens = TokenEndpoint(self.context, self.settings.host, self.settings.token_port,
-                                        self.keys)  # fmt: skip
+        s = self.settings
+        if s.token_endpoint:
+            try:
+                self.tokens = TokenEndpoint(self.context, s.host, s.token_port, self.keys)
+            except zmq.ZMQError as exc:
+                address = f"tcp://{url_host(s.host)}:{s.token_port}"
+                raise cannot_listen(
+                    self.role, "token endpoint", address, exc, "TOKEN_PORT"
+                ) from exc
         self.prefills = LinkSet(
             self.context,
             list(self.settings.prefill_workers),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from radixserve.errors import ConfigurationError
 from radixserve.protocol import AsyncChannel, Heartbeat, Message, TokenChunk
 from radixserve.protocol.security import ClusterKeys, keys_from
 from radixserve.runtime.token_endpoint import token_routing_id
@@ -244,3 +246,25 @@ def test_with_the_endpoint_off_the_handshake_names_none_and_tokens_use_the_contr
     run_scenario(scenario)
     assert seen["ack"].token_port == 0 and seen["tokens"] is None
     assert seen["stream"] == (LOCAL_TOKENS, None)
+
+
+def test_a_token_port_in_use_stops_the_worker_with_an_error_naming_it() -> None:
+    seen: dict[str, Any] = {}
+
+    async def scenario(_context: zmq.asyncio.Context) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            worker = DecodeWorker(DecodeSettings(transfer_backend="zmq", token_port=port),
+                                  FakeEngine())  # fmt: skip
+            with pytest.raises(ConfigurationError) as raised:
+                await worker.run(asyncio.Event())
+            seen["error"], seen["port"] = str(raised.value), port
+
+    run_scenario(scenario)
+    assert seen["error"] == (
+        f"the decode worker's token endpoint cannot listen on tcp://127.0.0.1:{seen['port']}: "
+        "Address already in use (RADIXSERVE_DECODE_TOKEN_PORT sets its port; 0 takes any "
+        "free one)"
+    )

@@ -166,6 +166,23 @@ def test_a_given_port_in_use_is_refused_by_address_before_anything_starts(capsys
         assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_a_services_own_port_in_use_is_refused_by_address_and_setting(capsys, monkeypatch):
+    """``radixserve kvstore`` on a port another socket holds: a one-line error naming the
+    address, the reason and the setting that moves it, exit 2 (no traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("RADIXSERVE_KVSTORE_PORT", str(port))
+        assert main(["kvstore"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: the kvstore's control socket cannot listen on tcp://127.0.0.1:{port}: "
+        "Address already in use (RADIXSERVE_KVSTORE_PORT or --port sets its port" in err
+    ), err
+    assert "Traceback" not in err
+
+
 def test_every_service_of_a_cluster_has_its_socket_and_is_told_the_others_ports():
     """Port 0 everywhere: the autoscaler's URL the gateway gets is its bound port, and
     each service's port setting is its socket's."""
