@@ -108,19 +108,12 @@ class TokenRoute:
     def deliver(self, output: RequestOutput) -> bool:
         """The engine thread's sink: send a non-final output; False hands it (and every
         later one) to the loop instead."""
-        if self.fell_back:
-            return False
-        if not self.endpoint.send(self.identity, self._to_message(output)):
-            self.fell_back = True
-            return False
-        return True
+        return not self.fell_back and self.send(self._to_message(output))
 
     def send(self, msg: Message) -> bool:
-        """The loop's send of a request's last message; False: send it on the control
-        socket (so were the ones before it, if any)."""
-        if self.fell_back:
-            return False
-        if not self.endpoint.send(self.identity, msg):
+        """Send one of the request's messages (the loop sends its last one); False: send
+        it on the control socket, as every later one goes."""
+        if self.fell_back or not self.endpoint.send(self.identity, msg):
             self.fell_back = True
             return False
         return True
