@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from radixserve.protocol import Message
+from radixserve.protocol import Channel, Message
 from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
 from radixserve.protocol.security import ClusterKeys
-from radixserve.transfer.network import url_host
 
 if TYPE_CHECKING:  # the engine's; a gateway imports this module too
     from radixserve.engine.outputs import RequestOutput
@@ -50,25 +49,17 @@ def token_routing_id(name: str, generation: int) -> bytes:
 class TokenEndpoint:
     """The worker's ROUTER for outgoing tokens, shared by the engine thread and the loop."""
 
-    def __init__(
-        self, context: zmq.Context[Any], host: str, port: int, keys: ClusterKeys | None
-    ) -> None:
-        """Bind on ``host``:``port`` (0: a free port, chosen by the bind itself)."""
-        socket: zmq.Socket[Any] = zmq.Context.shadow(context.underlying).socket(zmq.ROUTER)
-        try:
-            if keys is not None:
-                keys.secure(socket, bind=True)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            socket.bind(f"tcp://{url_host(host)}:{port or '*'}")
-        except BaseException:
-            socket.close(linger=0)
-            raise
-        self._socket = socket
+    def __init__(self, context: zmq.Context[Any], address: str, keys: ClusterKeys | None) -> None:
+        """Bind ``address`` (``tcp://host:0``: a free port, chosen by the bind itself) with
+        the control socket's keys, on ``context``'s I/O thread."""
+        # a blocking socket on the same I/O thread: the engine thread sends without a loop
+        sync: zmq.Context[Any] = zmq.Context.shadow(context.underlying)
+        self._channel = Channel.open(sync, zmq.ROUTER, address, bind=True, keys=keys)
+        socket = self._channel.socket
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._lock = threading.Lock()
-        self.port = int(socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.port = int(self._channel.endpoint.rsplit(":", 1)[1])
         self.sent = 0  # messages sent here (read by the worker's stats)
 
     def send(self, identity: bytes, msg: Message) -> bool:
@@ -76,10 +67,10 @@ class TokenEndpoint:
         endpoint is closed (from any thread; never blocks)."""
         frame = encode(msg, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES)
         with self._lock:
-            if self._socket.closed:
+            if self._channel.closed:
                 return False
             try:
-                self._socket.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+                self._channel.socket.send_multipart([identity, frame], flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # EHOSTUNREACH: not connected
                 return False
             self.sent += 1
@@ -87,8 +78,7 @@ class TokenEndpoint:
 
     def close(self) -> None:
         with self._lock:
-            if not self._socket.closed:
-                self._socket.close(linger=0)
+            self._channel.close()
 
 
 class TokenRoute:

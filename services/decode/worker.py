@@ -121,10 +121,10 @@ class DecodeWorker(Worker):
         assert self.context is not None
         s = self.settings
         if s.token_endpoint:
+            address = f"tcp://{url_host(s.host)}:{s.token_port}"
             try:
-                self.tokens = TokenEndpoint(self.context, s.host, s.token_port, self.keys)
+                self.tokens = TokenEndpoint(self.context, address, self.keys)
             except zmq.ZMQError as exc:
-                address = f"tcp://{url_host(s.host)}:{s.token_port}"
                 raise cannot_listen(
                     self.role, "token endpoint", address, exc, "TOKEN_PORT"
                 ) from exc
