@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgpack
@@ -146,13 +146,18 @@ class _ContainerBudget:
 def _unpack(frame: bytes | bytearray | memoryview, limits: FrameLimits) -> object:
     """msgpack-decode ``frame`` within `limits` (each header checked before its value is
     built, then the container budget); every parse failure becomes `ProtocolError`."""
-    budget = _ContainerBudget(limits)
+    # every map or array takes at least a byte: a frame no longer than the budget cannot
+    # exceed it, and is decoded without the per-container hooks
+    hooks: dict[str, Any] = {}
+    if memoryview(frame).nbytes > min(limits.max_maps, limits.max_arrays):
+        budget = _ContainerBudget(limits)
+        hooks = {"object_hook": budget.map, "list_hook": budget.array}
     try:
         return msgpack.unpackb(
             frame, raw=False, ext_hook=_reject_ext_hook, strict_map_key=True,
             max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
             max_array_len=limits.max_array_len, max_map_len=limits.max_map_len,
-            max_ext_len=_MAX_EXT_LEN, object_hook=budget.map, list_hook=budget.array,
+            max_ext_len=_MAX_EXT_LEN, **hooks,
         )  # fmt: skip
     except ProtocolError:
         raise
@@ -184,22 +189,134 @@ def _check_struct(
     cls: type[_S], body: Mapping[Any, Any], where: str, skip: tuple[str, ...] = ()
 ) -> _S:
     """The ``cls`` instance described by the wire map ``body``, validated."""
+    plan, names = _plan(cls)
     values: dict[str, Any] = {}
-    names: set[str] = set()
-    for f, spec in wire_fields(cls):
-        names.add(f.name)
-        if f.name in body:
-            values[f.name] = _check_value(spec, body[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}.{f.name}: missing required field")
-    for key, value in body.items():
-        if key not in names and key not in skip:
-            _reject_ext_values(value, f"{where}.{str(key)[:64]}")
+    for name, quick, spec, required in plan:
+        if name in body:
+            value = body[name]
+            held = quick(value)
+            values[name] = (
+                held if held is not _DECLINED else _check_value(spec, value, f"{where}.{name}")
+            )
+        elif required:
+            raise ProtocolError(f"{where}.{name}: missing required field")
+    if len(body) > len(values) + sum(key in body for key in skip):  # a key not a field's
+        for key, value in body.items():
+            if key not in names and key not in skip:
+                _reject_ext_values(value, f"{where}.{str(key)[:64]}")
     struct = cls(**values)
     problem = struct.invariant_error()
     if problem is not None:
         raise ProtocolError(f"{where}: {problem}")
     return struct
+
+
+# --- compiled checks: the common values accepted in a few operations ------------------
+#
+# A field's quick check returns the value as the field holds it, or _DECLINED where it
+# cannot tell at a glance (a value of another type, out of bounds, a non-empty list of
+# structs...): `_check_value` then decides, and raises what it raises. A quick check
+# accepts only what `_check_value` accepts, as it would hold it, so the two give the
+# same struct and the same errors.
+
+_DECLINED: Any = object()
+_Quick = Callable[[object], Any]
+_PLANS: dict[type, tuple[tuple[tuple[str, _Quick, WireSpec, bool], ...], frozenset[str]]] = {}
+
+
+def _plan(
+    cls: type[WireStruct],
+) -> tuple[tuple[tuple[str, _Quick, WireSpec, bool], ...], frozenset[str]]:
+    """Per field of ``cls``: its name, quick check, spec and whether it is required; and
+    the field names (made once a class)."""
+    made = _PLANS.get(cls)
+    if made is None:
+        fields = wire_fields(cls)
+        plan = tuple(
+            (f.name, _quick(spec), spec,
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f, spec in fields
+        )  # fmt: skip
+        made = _PLANS[cls] = (plan, frozenset(f.name for f, _ in fields))
+    return made
+
+
+def _declined(value: object) -> Any:
+    return _DECLINED
+
+
+def _quick(spec: WireSpec) -> _Quick:
+    """The quick check of ``spec`` (module notes above `_DECLINED`)."""
+    if isinstance(spec, IntSpec):
+        lo, hi = spec.lo, spec.hi
+        return lambda v: v if type(v) is int and lo <= v <= hi else _DECLINED
+    if isinstance(spec, FloatSpec):
+        flo, fhi = spec.lo, spec.hi
+        # v - v == 0 only for a finite v (inf - inf and NaN - NaN are NaN)
+        return lambda v: v if type(v) is float and flo <= v <= fhi and v - v == 0 else _DECLINED
+    if isinstance(spec, BoolSpec):
+        return lambda v: v if v is True or v is False else _DECLINED
+    if isinstance(spec, StrSpec):
+        least, most, choices = spec.min_chars, spec.max_chars, spec.choices
+        return lambda v: (
+            v
+            if type(v) is str and least <= len(v) <= most and (choices is None or v in choices)
+            else _DECLINED
+        )
+    if isinstance(spec, OptionalSpec):
+        inner = _quick(spec.inner)
+        return lambda v: None if v is None else inner(v)
+    if isinstance(spec, ListSpec):
+        return _quick_list(spec)
+    if isinstance(spec, NestedSpec):
+        nested = spec.cls
+        return lambda v: _quick_struct(nested, v) if type(v) is dict else _DECLINED
+    return _declined  # bytes, hashes, stats: always `_check_value`
+
+
+def _quick_list(spec: ListSpec) -> _Quick:
+    least, most, item = spec.min_len, spec.max_len, spec.item
+    if isinstance(item, IntSpec):
+        lo, hi = item.lo, item.hi
+
+        def ints(v: object) -> Any:
+            if (
+                type(v) is list
+                and least <= len(v) <= most
+                and all(type(x) is int and lo <= x <= hi for x in v)
+            ):
+                return tuple(v)
+            return _DECLINED
+
+        return ints
+    each = _quick(item)
+
+    def items(v: object) -> Any:
+        if type(v) is not list or not least <= len(v) <= most:
+            return _DECLINED
+        held = tuple(each(x) for x in v)
+        return _DECLINED if _DECLINED in held else held
+
+    return items
+
+
+def _quick_struct(cls: type[WireStruct], body: dict[Any, Any]) -> Any:
+    """A nested struct from ``body`` when every field passes its quick check and it has
+    no other key and breaks no invariant; else _DECLINED (`_check_struct` then says why)."""
+    plan, _ = _plan(cls)
+    values: dict[str, Any] = {}
+    for name, quick, _spec, required in plan:
+        if name in body:
+            held = quick(body[name])
+            if held is _DECLINED:
+                return _DECLINED
+            values[name] = held
+        elif required:
+            return _DECLINED
+    if len(body) != len(values):
+        return _DECLINED
+    struct = cls(**values)
+    return _DECLINED if struct.invariant_error() is not None else struct
 
 
 def _check_value(spec: WireSpec, value: object, path: str) -> Any:
@@ -322,8 +439,11 @@ def _struct_to_wire(struct: WireStruct) -> dict[str, Any]:
     body: dict[str, Any] = {}
     for f, spec in wire_fields(type(struct)):
         value = getattr(struct, f.name)
+        kind = type(value)
         if isinstance(spec, HashesSpec):
             value = _hashes_to_wire(value, f"{type(struct).__name__}.{f.name}")
+        elif kind is int or kind is str or kind is float or kind is bool or value is None:
+            pass  # as it is
         elif isinstance(value, WireStruct):
             value = _struct_to_wire(value)
         elif isinstance(value, tuple):

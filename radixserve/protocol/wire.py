@@ -146,6 +146,21 @@ def wire_fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], WireSpec], ...
     return fields
 
 
+_NORMALISED: dict[type, tuple[tuple[str, type], ...]] = {}
+
+
+def _normalised(cls: type) -> tuple[tuple[str, type], ...]:
+    """The fields of ``cls`` that construction normalises (lists, stats, floats), each
+    with its spec's type (read once a class)."""
+    fields = _NORMALISED.get(cls)
+    if fields is None:
+        kinds = (ListSpec, StatsSpec, FloatSpec)
+        fields = _NORMALISED[cls] = tuple(
+            (f.name, type(spec)) for f, spec in wire_fields(cls) if isinstance(spec, kinds)
+        )
+    return fields
+
+
 # --- base classes ---------------------------------------------------------------------
 
 
@@ -154,14 +169,14 @@ class WireStruct:
     """Base of every wire struct: normalises containers after construction."""
 
     def __post_init__(self) -> None:
-        for f, spec in wire_fields(type(self)):
-            value = getattr(self, f.name)
-            if isinstance(spec, ListSpec) and isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-            elif isinstance(spec, StatsSpec) and isinstance(value, dict):
-                object.__setattr__(self, f.name, MappingProxyType(dict(value)))
-            elif isinstance(spec, FloatSpec) and type(value) is int:
-                object.__setattr__(self, f.name, float(value))
+        for name, kind in _normalised(type(self)):
+            value = getattr(self, name)
+            if kind is ListSpec and isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif kind is StatsSpec and isinstance(value, dict):
+                object.__setattr__(self, name, MappingProxyType(dict(value)))
+            elif kind is FloatSpec and type(value) is int:
+                object.__setattr__(self, name, float(value))
 
     def invariant_error(self) -> str | None:
         """Why the fields contradict each other, or None; the codec rejects such values."""

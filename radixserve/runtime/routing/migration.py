@@ -80,6 +80,8 @@ def as_first(output: RequestOutput, request_id: str, first: RequestOutput) -> Re
     """An output of a moved (or refused and resent) request as the caller knows it: its
     id and the first attempt's TTFT (when its first token came); its cached tokens
     stay those of the attempt that served it."""
+    if output.request_id == request_id and output.ttft_ms == first.ttft_ms:
+        return output  # the first attempt's own (outputs are frozen): every token but few
     return dataclasses.replace(output, request_id=request_id, ttft_ms=first.ttft_ms)
 
 
