@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from radixserve.protocol import Channel, Message
-from radixserve.protocol.codec import DEFAULT_MAX_FRAME_BYTES, encode
+from radixserve.protocol.codec import encode
 from radixserve.protocol.security import ClusterKeys
 
 if TYPE_CHECKING:  # the engine's; a gateway imports this module too
@@ -65,7 +65,7 @@ class TokenEndpoint:
     def send(self, identity: bytes, msg: Message) -> bool:
         """Send ``msg`` to the gateway ``identity``; False if it is not connected or the
         endpoint is closed (from any thread; never blocks)."""
-        frame = encode(msg, max_frame_bytes=DEFAULT_MAX_FRAME_BYTES)
+        frame = encode(msg)
         with self._lock:
             if self._channel.closed:
                 return False

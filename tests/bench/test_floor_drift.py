@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+import bench.floor_drift as drift
 from bench.floor_drift import rounds, summary
 from radixserve.bench.memory_floor import floor_ms
 
@@ -28,7 +29,6 @@ def test_summary_ranges_the_count_within_2x_and_the_correlation():
 
 def test_two_rounds_on_the_default_model(monkeypatch: pytest.MonkeyPatch):
     seen: list[float] = []
-    import bench.floor_drift as drift
 
     def measured() -> float:
         seen.append(30.0 + 10 * len(seen))  # 30, then 40 GB/s: each round its own
